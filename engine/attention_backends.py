@@ -1,0 +1,91 @@
+"""The three ways to run paged attention, behind one small interface the Attention layer calls."""
+import importlib.util
+import os
+
+import torch.nn.functional as F
+
+from engine.layers import paged_attention_torch as torch_ref
+
+BACKENDS = ("torch", "triton", "flash_attn")
+
+
+class TorchBackend:
+    name = "torch"
+    store_kv = staticmethod(torch_ref.store_kv)
+
+    @staticmethod
+    def prefill(q, k_cache, v_cache, meta, scale):
+        return torch_ref.paged_prefill_attention(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale)
+
+    decode = staticmethod(torch_ref.paged_decode_attention)
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self):
+        from kernels.decode_attention import paged_decode_attention
+        from kernels.kv_store import store_kv
+        from kernels.prefill_attention import paged_prefill_attention
+        self.store_kv = store_kv
+        self.decode = paged_decode_attention
+        self._prefill = paged_prefill_attention
+
+    def prefill(self, q, k_cache, v_cache, meta, scale):
+        return self._prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                             scale, max_seqlen_q=meta.max_seqlen_q)
+
+
+class FlashAttnBackend:
+    """flash-attn's paged KV API; its block size must be a multiple of 256. K/V are written with our
+    Triton store kernel, since flash-attn reads but does not write the paged cache here."""
+
+    name = "flash_attn"
+
+    def __init__(self):
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        from kernels.kv_store import store_kv
+        self.store_kv = store_kv
+        self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def prefill(self, q, k_cache, v_cache, meta, scale):
+        cu_k = F.pad(meta.context_lens.cumsum(0, dtype=meta.context_lens.dtype), (1, 0))
+        return self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_k,
+                            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=int(meta.context_lens.max()),
+                            softmax_scale=scale, causal=True, block_table=meta.block_tables)
+
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
+                                 block_table=block_tables, softmax_scale=scale, causal=True)
+        return out.squeeze(1)
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def default_backend(device_type: str) -> str:
+    if device_type == "cuda":
+        return "triton"
+    return "torch"
+
+
+def make_backend(name: str, device_type: str, block_size: int):
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "torch":
+        return TorchBackend()
+    if name == "triton":
+        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' on CPU needs TRITON_INTERPRET=1 (set it before starting)")
+        if block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"attention_backend='triton' needs a power-of-two kvcache_block_size >= 16, got {block_size}")
+        return TritonBackend()
+    if not flash_attn_available():
+        raise ValueError("attention_backend='flash_attn' needs the flash-attn package (pip install 'nvchat[flash-attn]')")
+    if device_type != "cuda":
+        raise ValueError("attention_backend='flash_attn' runs on CUDA only")
+    if block_size % 256:
+        raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, got {block_size}")
+    return FlashAttnBackend()

@@ -1,0 +1,143 @@
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from engine.sequence import Sequence
+
+
+def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+    """xxhash64 of a full block's token ids, chained on the hash of the block before it, so a hit
+    on block i implies the whole prefix up to i matches (up to a collision, checked separately)."""
+    h = xxhash.xxh64()
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    """Owns the KV cache's blocks: who holds each one, and which full blocks can be reused by hash.
+
+    A freed block keeps its hash and token ids until it is handed out again, so a later request with
+    the same prefix can take it back from the free list (a "cached" block). Free blocks are handed
+    out least recently freed first, which keeps recently used prefixes around longest.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one KV block of at least one token, got {num_blocks} x {block_size}")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        # Insertion-ordered set: O(1) pop of the oldest and O(1) removal of a cached hit.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(1 for b in self.free if self.blocks[b].hash is not None)
+
+    # --- hashing -----------------------------------------------------------------------------
+
+    def _hashes_up_to(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        """Extends seq.block_hashes lazily; token ids only ever grow, so earlier hashes stay valid."""
+        hashes = seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.block_tokens(i)))
+        return hashes
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached run of seq's leading full blocks."""
+        num_full = seq.num_tokens // self.block_size
+        hits = []
+        for i, h in enumerate(self._hashes_up_to(seq, num_full)):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.hash != h or block.token_ids != tuple(seq.block_tokens(i)):
+                break
+            hits.append(block_id)
+        return hits
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Registers the hashes of blocks that filled since the last call (prefill chunks and decode)."""
+        num_full = seq.num_computed_tokens // self.block_size
+        hashes = self._hashes_up_to(seq, num_full)
+        for i in range(seq.num_committed_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash != hashes[i]:
+                block.hash = hashes[i]
+                block.token_ids = tuple(seq.block_tokens(i))
+                self.hash_to_block[hashes[i]] = block.block_id
+        seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
+
+    # --- allocation ----------------------------------------------------------------------------
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> int:
+        """Free-list entries that giving seq room for num_tokens would consume (hits included when
+        they sit in the free list as cached blocks)."""
+        have = len(seq.block_table) if not hits else len(hits)
+        new = max(0, seq.num_blocks_for(num_tokens) - have)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return new + revived
+
+    def allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
+        """Gives a sequence with no blocks the cached hits plus fresh blocks up to num_tokens."""
+        assert not seq.block_table
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.num_committed_blocks = len(hits)
+        self.grow(seq, num_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        need = seq.num_blocks_for(num_tokens) - len(seq.block_table)
+        if need > len(self.free):
+            raise RuntimeError(f"KV cache out of blocks: need {need}, {len(self.free)} free")
+        for _ in range(need):
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+            block.token_ids = None
+        block.ref_count = 1
+        return block_id
+
+    def free_blocks_of(self, seq: Sequence) -> None:
+        # Tail blocks go back first, so they are evicted before the shared prefix blocks.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_committed_blocks = 0

@@ -1,0 +1,65 @@
+"""Finding and checking a model directory before anything heavy is loaded, so each problem is
+one clear error that names it."""
+import json
+import os
+from pathlib import Path
+
+from engine.models.qwen3 import ARCHITECTURES
+
+
+class ModelError(ValueError):
+    """The model path or checkpoint can't be used; the message says why."""
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """A local directory, or a Hugging Face repo id already in the local HF cache (never fetched)."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(f"model path {path} is a file; give the checkpoint's directory")
+        return path
+    if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+            return Path(snapshot_download(model, local_files_only=True))
+        except Exception:
+            raise ModelError(f"model {model!r} is neither a directory nor a repo in the local Hugging Face cache "
+                             "(nvchat never downloads; fetch it first with `hf download`)") from None
+    raise ModelError(f"model path {path} does not exist")
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise ModelError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = f" ({', '.join(pickled)} found: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
+        raise ModelError(f"no *.safetensors weights in {path}{hint}")
+    return files
+
+
+def check_checkpoint(path: Path) -> dict:
+    """Returns config.json's contents once the directory looks like a supported checkpoint."""
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelError(f"no config.json in {path}: not a Hugging Face checkpoint directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{config_file} is not valid JSON: {e}") from None
+    archs = raw.get("architectures") or []
+    if not any(a in ARCHITECTURES for a in archs):
+        name = ", ".join(archs) or f"model_type={raw.get('model_type')!r}"
+        raise ModelError(f"unsupported model architecture {name}; nvchat runs {', '.join(ARCHITECTURES)}")
+    weight_files(path)
+    return raw
+
+
+def architecture_of(raw_config: dict):
+    return next(ARCHITECTURES[a] for a in raw_config["architectures"] if a in ARCHITECTURES)

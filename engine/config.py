@@ -1,0 +1,100 @@
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention_backends import default_backend
+from engine.checkpoint import ModelError, architecture_of, check_checkpoint, resolve_model_path
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
+           "float": torch.float32}
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    """Every engine setting, resolved and checked once: the path, device, dtype and sizes."""
+
+    model_path: Path
+    hf_config: object
+    architecture: type
+    device: torch.device
+    dtype: torch.dtype
+    tensor_parallel_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_kvcache_blocks: int | None
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    attention_backend: str
+    # Prompt tokens one step may prefill while other sequences decode; keeps their tokens flowing.
+    max_prefill_chunk: int | None = None
+
+    @classmethod
+    def create(cls, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
+               max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
+               gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None):
+        from transformers import AutoConfig
+
+        path = resolve_model_path(model)
+        raw = check_checkpoint(path)
+        try:
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        except Exception as e:
+            raise ModelError(f"can't read {path / 'config.json'}: {e}") from None
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' asked for, but no CUDA device is available")
+        if dtype is None:
+            ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+            dtype = parse_dtype(ckpt_dtype) if device.type == "cuda" else torch.float32
+        dtype = parse_dtype(dtype)
+
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+        if hf_config.num_attention_heads % tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide the model's "
+                             f"{hf_config.num_attention_heads} attention heads")
+        for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        max_model_len = min(max_model_len, getattr(hf_config, "max_position_embeddings", max_model_len))
+
+        backend = attention_backend or default_backend(device.type)
+        if kvcache_block_size is None:
+            kvcache_block_size = 256 if backend == "flash_attn" else 16
+        if not isinstance(kvcache_block_size, int) or kvcache_block_size < 1:
+            raise ValueError(f"kvcache_block_size must be a positive integer, got {kvcache_block_size!r}")
+        if num_kvcache_blocks is not None and (not isinstance(num_kvcache_blocks, int) or num_kvcache_blocks < 1):
+            raise ValueError(f"num_kvcache_blocks must be a positive integer, got {num_kvcache_blocks!r}")
+        if max_prefill_chunk is not None and max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be a positive integer, got {max_prefill_chunk!r}")
+
+        return cls(model_path=path, hf_config=hf_config, architecture=architecture_of(raw), device=device,
+                   dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                   block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
+                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                   attention_backend=backend, max_prefill_chunk=max_prefill_chunk)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Per rank: K and V for every layer."""
+        c = self.hf_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = max(1, c.num_key_value_heads // self.tensor_parallel_size)
+        return 2 * c.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize

@@ -1,0 +1,41 @@
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs to find each token's sequence in the paged cache, built by the runner
+    once per step and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [tokens]: cache slot each new token's K/V goes to
+    context_lens: torch.Tensor  # [seqs]: tokens in cache for each sequence after this step
+    block_tables: torch.Tensor  # [seqs, max_blocks]
+    cu_seqlens_q: torch.Tensor  # [seqs + 1]: query token offsets
+    max_seqlen_q: int
+    is_decode: bool  # exactly one query token per sequence
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the layer's cache, then attends over the cached context with
+    whichever backend the engine picked (torch, triton or flash_attn)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = None  # set by the runner
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        b = self.backend
+        b.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            o = b.decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
+        else:
+            o = b.prefill(q, self.k_cache, self.v_cache, meta, self.scale)
+        return o.reshape(-1, self.num_heads * self.head_dim)

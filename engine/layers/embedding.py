@@ -1,0 +1,47 @@
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import parallel
+from engine.layers.weights import copy_into, narrow, shape_of
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; each rank looks up the ids in its range and the
+    all-reduce assembles the full vectors."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = parallel.tp_rank(), parallel.tp_size()
+        self.vocab_size = vocab_size
+        self.shard_size = (vocab_size + self.tp_size - 1) // self.tp_size
+        self.start = self.tp_rank * self.shard_size
+        self.end = min(self.start + self.shard_size, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        rows = shape_of(loaded)[0]
+        if rows < self.vocab_size:
+            raise ValueError(f"embedding has {rows} rows, config says vocab_size={self.vocab_size}")
+        n = self.end - self.start
+        copy_into(param.data[:n], narrow(loaded, 0, self.start, n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        in_range = (ids >= self.start) & (ids < self.end)
+        y = F.embedding(torch.where(in_range, ids - self.start, 0), self.weight)
+        y = y * in_range.unsqueeze(-1).to(y.dtype)
+        return parallel.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits on rank 0 (None elsewhere)."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = parallel.gather_to_rank0(logits, dim=-1)
+            if logits is None:
+                return None
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,107 @@
+"""Linear layers split across tensor-parallel ranks.
+
+Column-parallel layers split the output features (each rank computes its own heads or MLP
+columns); row-parallel layers split the input features and all-reduce the partial sums. Each
+parameter carries a weight_loader that copies only this rank's slice of the checkpoint tensor.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import parallel
+from engine.layers.weights import copy_into, narrow, shape_of
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d
+
+
+class _Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_rank, self.tp_size = parallel.tp_rank(), parallel.tp_size()
+        self.tp_dim = tp_dim
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if self.tp_dim is not None and not (param.dim() == 1 and self.tp_dim == 1):
+            size = param.shape[self.tp_dim]
+            loaded = narrow(loaded, self.tp_dim, self.tp_rank * size, size)
+        copy_into(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(_Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(_Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        tp = parallel.tp_size()
+        super().__init__(in_features, _divide(out_features, tp, "output features"), bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stored as one (gate and up of the MLP)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        shard = narrow(loaded, 0, self.tp_rank * size, size)
+        copy_into(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections as one matmul. With fewer KV heads than ranks, KV heads are
+    replicated: each rank holds the one KV head its query heads attend to."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = parallel.tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "number of attention heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "number of KV heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp, num_kv_heads, "tensor_parallel_size over KV heads")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, out * tp, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            offset, size, start = 0, q_size, self.tp_rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, (self.tp_rank // self.kv_replicas) * kv_size
+        if shape_of(loaded)[0] < start + size:
+            raise ValueError(f"checkpoint {shard_id}_proj has {shape_of(loaded)[0]} rows, need {start + size}")
+        copy_into(param.data.narrow(0, offset, size), narrow(loaded, 0, start, size))
+
+
+class RowParallelLinear(_Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        tp = parallel.tp_size()
+        super().__init__(_divide(in_features, tp, "input features"), out_features, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, on rank 0, so the all-reduce does not count it tp_size times.
+        bias = self.bias if self.tp_rank == 0 else None
+        return parallel.all_reduce(F.linear(x, self.weight, bias))

@@ -1,0 +1,49 @@
+"""Attention over the paged KV cache in plain PyTorch.
+
+This is the reference the Triton kernels are tested against, and the CPU backend. Caches are
+[num_blocks, block_size, kv_heads, head_dim] per layer; sequence i's tokens live in the blocks
+listed in block_tables[i], in order.
+"""
+import torch
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Scatters key/value [tokens, kv_heads, head_dim] to their slots; slot -1 means skip."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep])
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep])
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+
+
+def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
+    """Causal attention for varlen queries. Sequence i's queries are the last
+    (cu_seqlens_q[i+1] - cu_seqlens_q[i]) positions of its context_lens[i] tokens, whose K/V are
+    all in the cache already (prefix-cached, chunked and plain prefills alike)."""
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    cu, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for i, length in enumerate(lens):
+        qs, qe = cu[i], cu[i + 1]
+        if qe == qs:
+            continue
+        k = gather_context(k_cache, block_tables[i], length).float().repeat_interleave(group, dim=1)
+        v = gather_context(v_cache, block_tables[i], length).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k) * scale
+        query_pos = torch.arange(length - (qe - qs), length, device=q.device)
+        key_pos = torch.arange(length, device=q.device)
+        scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """One query per sequence ([batch, heads, head_dim]) at the last position of its context."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_prefill_attention(q, k_cache, v_cache, cu, context_lens, block_tables, scale)

@@ -1,0 +1,47 @@
+"""Loads safetensors checkpoints into the model through each parameter's weight_loader, so every
+tensor-parallel rank reads only its own slices. Pickled formats are never opened."""
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import nn
+
+from engine.checkpoint import ModelError, weight_files
+from engine.layers.weights import default_weight_loader
+
+# Buffers some exporters write that the engine recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters())
+    tied = getattr(model, "tie_word_embeddings", False)
+    packed = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    for file in weight_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                target, shard_id = name, None
+                for ckpt_part, (our_part, shard) in packed.items():
+                    if f".{ckpt_part}." in name:
+                        target, shard_id = name.replace(ckpt_part, our_part), shard
+                        break
+                param = params.get(target)
+                if param is None:
+                    raise ModelError(f"{file.name} has weight {name!r}, which this model has no place for")
+                loader = getattr(param, "weight_loader", None)
+                try:
+                    if loader is None:
+                        default_weight_loader(param, f.get_slice(name))
+                    elif shard_id is None:
+                        loader(param, f.get_slice(name))
+                    else:
+                        loader(param, f.get_slice(name), shard_id)
+                except ValueError as e:
+                    raise ModelError(f"{file.name}: {name}: {e}") from None
+                loaded.add(target)
+    missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        raise ModelError(f"checkpoint in {path} lacks weights: {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))

@@ -1,0 +1,140 @@
+"""Holds the model and its KV cache on one device (one tensor-parallel rank) and runs step plans."""
+import torch
+
+from engine import parallel
+from engine.attention_backends import make_backend
+from engine.config import EngineConfig
+from engine.layers.attention import AttentionMetadata
+from engine.loader import load_weights
+from engine.sampler import Sampler
+from engine.step_plan import StepPlan
+
+# On CPU the cache has no free-memory figure to size against: cover this many full-length
+# sequences, within a fraction of RAM.
+_CPU_KV_SEQS = 32
+_CPU_KV_MAX_BYTES = 4 << 30
+
+
+def _cpu_ram_bytes() -> int:
+    try:
+        import os
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.block_size = config.block_size
+        self.device = torch.device("cuda", rank) if config.device.type == "cuda" else config.device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        parallel.set_tp_group(rank, config.tensor_parallel_size)
+        old_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = config.architecture(config.hf_config, max_position=config.max_model_len)
+        finally:
+            torch.set_default_dtype(old_dtype)
+        load_weights(self.model, config.model_path)
+        self.model.eval()
+        self.backend = make_backend(config.attention_backend, self.device.type, config.block_size)
+        self.attention_layers = self.model.attention_layers()
+        for attn in self.attention_layers:
+            attn.backend = self.backend
+        self.sampler = Sampler(self.device) if rank == 0 else None
+        self.num_blocks = config.num_kvcache_blocks or self._blocks_that_fit()
+        self._allocate_kv_cache(self.num_blocks)
+
+    # --- KV cache --------------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        return self.config.kv_bytes_per_token * self.block_size
+
+    def _blocks_that_fit(self) -> int:
+        c = self.config
+        if self.device.type == "cpu":
+            budget = min(_CPU_KV_MAX_BYTES, _cpu_ram_bytes() // 4,
+                         _CPU_KV_SEQS * c.max_model_len * c.kv_bytes_per_token)
+            return max(1, budget // self.block_bytes)
+        return self._blocks_that_fit_on_gpu()
+
+    def _blocks_that_fit_on_gpu(self) -> int:
+        """Runs the largest prefill once to find the activation peak, then gives the KV cache what
+        is left of gpu_memory_utilization."""
+        c = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        peak = torch.cuda.memory_stats(self.device)["allocated_bytes.all.peak"]
+        current = torch.cuda.memory_stats(self.device)["allocated_bytes.all.current"]
+        num_blocks = int(total * c.gpu_memory_utilization - used - peak + current) // self.block_bytes
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: model and activations use {used / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB at gpu_memory_utilization={c.gpu_memory_utilization}; lower "
+                "max_num_batched_tokens or raise gpu_memory_utilization")
+        return num_blocks
+
+    def _warmup(self) -> None:
+        c = self.config
+        tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
+        seq_len = min(c.max_model_len, tokens)
+        num_seqs = max(1, tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self._allocate_kv_cache(num_seqs * blocks_per_seq)
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+        plan = StepPlan(
+            input_ids=[0] * (num_seqs * seq_len), positions=list(range(seq_len)) * num_seqs,
+            slot_mapping=[-1] * (num_seqs * seq_len), cu_seqlens_q=[i * seq_len for i in range(num_seqs + 1)],
+            context_lens=[seq_len] * num_seqs, block_tables=tables, sample_rows=[], sample_params=[],
+            is_decode=False)
+        self.execute(plan)
+        torch.cuda.synchronize(self.device)
+        self.kv_cache = None
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.empty(0)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        attn0 = self.attention_layers[0]
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, attn0.num_kv_heads, attn0.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+        for i, attn in enumerate(self.attention_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    # --- running a step --------------------------------------------------------------------------
+
+    def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
+
+    def metadata(self, plan: StepPlan) -> AttentionMetadata:
+        width = max(len(t) for t in plan.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in plan.block_tables]
+        return AttentionMetadata(
+            slot_mapping=self._tensor(plan.slot_mapping, torch.int64),
+            context_lens=self._tensor(plan.context_lens),
+            block_tables=self._tensor(tables),
+            cu_seqlens_q=self._tensor(plan.cu_seqlens_q),
+            max_seqlen_q=plan.max_seqlen_q,
+            is_decode=plan.is_decode,
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[int] | None:
+        """Runs one step; rank 0 returns the sampled token of each sampled row, others None."""
+        input_ids = self._tensor(plan.input_ids, torch.int64)
+        positions = self._tensor(plan.positions, torch.int64)
+        hidden = self.model(input_ids, positions, self.metadata(plan))
+        if not plan.sample_rows:
+            return [] if self.rank == 0 else None
+        logits = self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.int64)])
+        if self.rank != 0:
+            return None
+        return self.sampler(logits, plan.sample_params, plan.sample_positions)

@@ -1,0 +1,143 @@
+"""Qwen3 dense decoder (q/k RMSNorm, GQA, RoPE, SwiGLU), which with two switches is also Qwen2
+(attention bias, no q/k norm) and Llama (neither)."""
+import torch
+from torch import nn
+
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+
+def rope_settings(config) -> tuple[float, dict | None]:
+    """rope theta and scaling from either transformers 4 (rope_theta, rope_scaling) or 5
+    (rope_parameters) style configs."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = getattr(config, "rope_scaling", None) or params
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return theta, scaling
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool):
+        super().__init__()
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=False)
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, positions, x, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, max_position, qk_norm, bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, max_position, qk_norm, bias) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class CausalLM(nn.Module):
+    # checkpoint name -> (our parameter name, shard id passed to its weight_loader)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm = True
+    attention_bias = False
+
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        bias = getattr(config, "attention_bias", self.attention_bias)
+        self.model = DecoderModel(config, max_position, self.qk_norm, bias)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+class Qwen3ForCausalLM(CausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(CausalLM):
+    qk_norm = False
+    attention_bias = True
+
+
+class LlamaForCausalLM(CausalLM):
+    qk_norm = False
+
+
+ARCHITECTURES = {cls.__name__: cls for cls in (Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)}

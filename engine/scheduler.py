@@ -1,0 +1,113 @@
+"""Chooses what each step runs: which sequences, and how many of their tokens.
+
+Every step first serves the running sequences (one token each while decoding, or the next chunk
+of a prompt still being prefilled), then admits waiting prompts with the token budget left. So a
+long prompt is prefilled in chunks mixed into decode steps instead of stalling every stream.
+When blocks run out, the most recently admitted sequence is preempted: its blocks are freed and
+it goes back to the front of the queue, to be recomputed from its tokens (no token is lost).
+"""
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk: int | None = None):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+        """Returns (batch of (sequence, tokens to run)), sequences that can never fit and were
+        finished with reason "length")."""
+        budget = self.max_num_batched_tokens
+        prefill_budget = self.max_prefill_chunk
+        batch: list[tuple[Sequence, int]] = []
+        cut_short: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n > 1:
+                n = min(n, prefill_budget)
+                if n <= 0:  # prefill allowance spent: this prompt's next chunk waits a step
+                    i += 1
+                    continue
+            need = self.blocks.blocks_needed(seq, seq.num_computed_tokens + n)
+            while need > self.blocks.num_free_blocks and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+            if need > self.blocks.num_free_blocks:
+                if len(self.running) == 1:
+                    # Alone and still out of room: the cache cannot hold this sequence any longer.
+                    cut_short.append(seq)
+                else:
+                    self._preempt(self.running.pop())
+                break
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            batch.append((seq, n))
+            budget -= n
+            if n > 1:
+                prefill_budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.blocks.lookup_prefix(seq)
+            # A fully cached prompt still runs its last token, whose logits give the next one.
+            computed = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1)
+            n = min(seq.num_tokens - computed, budget)
+            if n > 1:
+                n = min(n, prefill_budget)
+                if n <= 0:
+                    break
+            if self.blocks.blocks_needed(seq, computed + n, hits) > self.blocks.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, hits, computed + n)
+            seq.num_computed_tokens = computed
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = computed
+                self.prompt_tokens += seq.num_prompt_tokens
+                self.prefix_hit_tokens += computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+            if n > 1:
+                prefill_budget -= n
+        return batch, cut_short
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_blocks_of(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence wherever it is (running, waiting or mid-prefill) and frees its blocks."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_blocks_of(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,74 @@
+import itertools
+from enum import Enum, auto
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request: its tokens, how many of them have KV in the cache, and the blocks holding it.
+
+    A preempted sequence keeps its token ids (prompt and completion so far) and recomputes their
+    KV when it is scheduled again, so nothing it generated is lost or repeated.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, token_ids: list[int], params: SamplingParams, block_size: int):
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.block_size = block_size
+        # Tokens whose KV is in the cache; the scheduler moves it forward chunk by chunk.
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache at the last admission (for stats).
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        # Chained hashes of this sequence's full blocks, in order; valid for the token ids.
+        self.block_hashes: list[int] = []
+        # Leading entries of block_table whose hashes are registered with the BlockManager.
+        self.num_committed_blocks = 0
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        # Set when the caller wants text as it is generated (streaming or stop strings).
+        self.detokenizer = None
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def block_tokens(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size

@@ -1,0 +1,1 @@
+"""nvchat: chat with local LLMs on NVIDIA GPUs from a terminal."""

@@ -1,0 +1,68 @@
+import os
+
+import pytest
+import torch
+
+# The suite runs on CPU; keep it from fighting the 2-core CI box with oversubscribed threads.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def save_tiny_hf_model(path, *, tie: bool, arch: str = "qwen3", seed: int = 0, **overrides):
+    """A tiny random checkpoint written by transformers' own save_pretrained: the oracle's model."""
+    import transformers
+
+    shape = dict(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                 tie_word_embeddings=tie, initializer_range=0.2)
+    if arch == "qwen3":
+        shape["head_dim"] = 16
+    shape.update(overrides)
+    config_cls, model_cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**shape)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3-untied")
+    save_tiny_hf_model(path, tie=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_tied(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3-tied")
+    save_tiny_hf_model(path, tie=True, seed=1)
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_model_path(tmp_path_factory):
+    from engine.demo_model import ensure_demo_model
+    return ensure_demo_model(tmp_path_factory.mktemp("cache"))
+
+
+def random_prompts(lengths, vocab=211, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(path, prompts, max_new_tokens):
+    """HF transformers' own greedy completions, one prompt at a time (no padding in play)."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 pad_token_id=0, eos_token_id=None)
+            outs.append(gen[0, len(p):].tolist())
+    return outs

@@ -1,0 +1,91 @@
+"""BlockManager invariants under random allocate / grow / commit / free sequences."""
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+BLOCK = 4
+NUM_BLOCKS = 12
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BLOCK)
+        self.live: list[Sequence] = []
+
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+          tail=st.lists(st.integers(0, 3), min_size=1, max_size=10))
+    def admit(self, prefix, tail):
+        seq = Sequence(prefix + tail, SamplingParams(), BLOCK)
+        hits = self.bm.lookup_prefix(seq)
+        computed = min(len(hits) * BLOCK, seq.num_tokens - 1)
+        if self.bm.blocks_needed(seq, seq.num_tokens, hits) > self.bm.num_free_blocks:
+            return
+        self.bm.allocate(seq, hits, seq.num_tokens)
+        # Cached blocks hold exactly the tokens this sequence has at those positions.
+        for i, b in enumerate(hits):
+            assert self.bm.blocks[b].token_ids == tuple(seq.block_tokens(i))
+        seq.num_computed_tokens = seq.num_tokens
+        assert computed <= seq.num_computed_tokens
+        self.bm.commit_full_blocks(seq)
+        self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def decode_one(self, data, token):
+        seq = data.draw(st.sampled_from(self.live))
+        if self.bm.blocks_needed(seq, seq.num_tokens + 1) > self.bm.num_free_blocks:
+            return
+        seq.token_ids.append(token)
+        self.bm.grow(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        self.bm.commit_full_blocks(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(self.live))
+        self.live.remove(seq)
+        self.bm.free_blocks_of(seq)
+
+    @invariant()
+    def ref_counts_match_holders(self):
+        held = {}
+        for seq in self.live:
+            for b in seq.block_table:
+                held[b] = held.get(b, 0) + 1
+        for block in self.bm.blocks:
+            assert block.ref_count == held.get(block.block_id, 0)
+            assert (block.ref_count == 0) == (block.block_id in self.bm.free)
+
+    @invariant()
+    def every_sequence_has_room_for_its_tokens(self):
+        for seq in self.live:
+            assert len(seq.block_table) == seq.num_blocks_for(seq.num_tokens)
+
+    @invariant()
+    def hash_table_points_at_matching_blocks(self):
+        for h, b in self.bm.hash_to_block.items():
+            assert self.bm.blocks[b].hash == h
+        assert 0 <= self.bm.num_cached_blocks <= self.bm.num_free_blocks
+
+    @invariant()
+    def shared_blocks_hold_identical_tokens(self):
+        for seq in self.live:
+            for i in range(seq.num_computed_tokens // BLOCK):
+                block = self.bm.blocks[seq.block_table[i]]
+                if block.token_ids is not None:
+                    assert block.token_ids == tuple(seq.block_tokens(i))
+
+    def teardown(self):
+        for seq in self.live:
+            self.bm.free_blocks_of(seq)
+        assert self.bm.num_free_blocks == NUM_BLOCKS
+
+
+TestBlockManager = BlockManagerMachine.TestCase
+TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,56 @@
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import Sampler, filter_top_k_top_p
+
+
+def test_top_k_keeps_exactly_k_most_likely():
+    logits = torch.randn(3, 50)
+    out = filter_top_k_top_p(logits, torch.tensor([5, 1, 0]), torch.ones(3))
+    kept = torch.isfinite(out)
+    assert kept.sum(-1).tolist() == [5, 1, 50]
+    for row, k in ((0, 5), (1, 1)):
+        assert set(kept[row].nonzero().flatten().tolist()) == set(logits[row].topk(k).indices.tolist())
+        assert torch.equal(out[row][kept[row]], logits[row][kept[row]])
+
+
+def test_top_p_keeps_the_smallest_nucleus_reaching_p():
+    logits = torch.randn(4, 40) * 3
+    top_p = torch.tensor([0.1, 0.5, 0.9, 1.0])
+    out = filter_top_k_top_p(logits, torch.zeros(4, dtype=torch.long), top_p)
+    for row in range(4):
+        probs = logits[row].softmax(-1)
+        order = probs.argsort(descending=True)
+        need = int((probs[order].cumsum(0) < top_p[row]).sum()) + 1
+        kept = set(torch.isfinite(out[row]).nonzero().flatten().tolist())
+        assert kept == set(order[:min(need, 40)].tolist())
+
+
+def test_sampler_draws_from_the_distribution():
+    sampler = Sampler(torch.device("cpu"))
+    probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
+    logits = probs.log().expand(4000, 4).clone()
+    params = [SamplingParams(temperature=1.0)] * 4000
+    tokens = torch.tensor(sampler(logits, params, list(range(4000))))
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.04)
+    assert freq[3] == 0
+
+
+def test_seeded_draws_depend_only_on_seed_and_position():
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.randn(3, 100)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = sampler(logits[1:2], [seeded], [10])
+    batched = sampler(logits, [SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0)], [3, 10, 5])
+    assert batched[1] == alone[0]
+    assert batched[2] == int(logits[2].argmax())
+
+
+def test_seeded_generation_is_reproducible_and_varies_with_the_seed(tiny_qwen3):
+    prompt = list(range(10, 30))
+    with LLM(tiny_qwen3, device="cpu") as llm:
+        runs = [llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=s))[0]
+                for s in (1, 1, 2)]
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert runs[0]["token_ids"] != runs[2]["token_ids"]
