@@ -44,7 +44,7 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def check_checkpoint(path: Path) -> dict:
+def check_checkpoint(path: Path, need_weights: bool = True) -> dict:
     """Returns config.json's contents once the directory looks like a supported checkpoint."""
     config_file = path / "config.json"
     if not config_file.exists():
@@ -57,7 +57,8 @@ def check_checkpoint(path: Path) -> dict:
     if not any(a in ARCHITECTURES for a in archs):
         name = ", ".join(archs) or f"model_type={raw.get('model_type')!r}"
         raise ModelError(f"unsupported model architecture {name}; nvchat runs {', '.join(ARCHITECTURES)}")
-    weight_files(path)
+    if need_weights:
+        weight_files(path)
     return raw
 
 

@@ -39,15 +39,20 @@ class EngineConfig:
     attention_backend: str
     # Prompt tokens one step may prefill while other sequences decode; keeps their tokens flowing.
     max_prefill_chunk: int | None = None
+    # "safetensors", or "random" for benchmarks in real model shapes without weights on disk.
+    load_format: str = "safetensors"
 
     @classmethod
     def create(cls, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
-               gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None):
+               gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
+               load_format="safetensors"):
         from transformers import AutoConfig
 
+        if load_format not in ("safetensors", "random"):
+            raise ValueError(f"load_format must be 'safetensors' or 'random', got {load_format!r}")
         path = resolve_model_path(model)
-        raw = check_checkpoint(path)
+        raw = check_checkpoint(path, need_weights=load_format == "safetensors")
         try:
             hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         except Exception as e:
@@ -89,7 +94,8 @@ class EngineConfig:
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                    block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
                    gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                   attention_backend=backend, max_prefill_chunk=max_prefill_chunk)
+                   attention_backend=backend, max_prefill_chunk=max_prefill_chunk,
+                   load_format=load_format)
 
     @property
     def kv_bytes_per_token(self) -> int:

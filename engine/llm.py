@@ -43,13 +43,14 @@ class StepOutput:
 class LLM:
     def __init__(self, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                  max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
-                 gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None):
+                 gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
+                 load_format="safetensors"):
         self.config = EngineConfig.create(
             model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            attention_backend=attention_backend, max_prefill_chunk=max_prefill_chunk)
+            attention_backend=attention_backend, max_prefill_chunk=max_prefill_chunk, load_format=load_format)
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
         self.runner = self._make_runner()

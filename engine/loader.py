@@ -45,3 +45,14 @@ def load_weights(model: nn.Module, path: Path) -> None:
     if missing:
         raise ModelError(f"checkpoint in {path} lacks weights: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def init_random_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fills every parameter with small random values in place: real shapes, no file read."""
+    import torch
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=g)

@@ -5,7 +5,7 @@ from engine import parallel
 from engine.attention_backends import make_backend
 from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata
-from engine.loader import load_weights
+from engine.loader import init_random_weights, load_weights
 from engine.sampler import Sampler
 from engine.step_plan import StepPlan
 
@@ -39,7 +39,10 @@ class ModelRunner:
                 self.model = config.architecture(config.hf_config, max_position=config.max_model_len)
         finally:
             torch.set_default_dtype(old_dtype)
-        load_weights(self.model, config.model_path)
+        if config.load_format == "random":
+            init_random_weights(self.model)
+        else:
+            load_weights(self.model, config.model_path)
         self.model.eval()
         self.backend = make_backend(config.attention_backend, self.device.type, config.block_size)
         self.attention_layers = self.model.attention_layers()
