@@ -16,6 +16,10 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
+# Per-block states for the UI's block map, kept current in a bytearray so a snapshot is one copy.
+FREE, CACHED, USED, SHARED = 0, 1, 2, 3
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids")
 
@@ -42,6 +46,13 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         # Insertion-ordered set: O(1) pop of the oldest and O(1) removal of a cached hit.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.states = bytearray(num_blocks)
+
+    def _update_state(self, block: Block) -> None:
+        if block.ref_count == 0:
+            self.states[block.block_id] = CACHED if block.hash is not None else FREE
+        else:
+            self.states[block.block_id] = USED if block.ref_count == 1 else SHARED
 
     @property
     def num_blocks(self) -> int:
@@ -109,6 +120,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
+            self._update_state(block)
         seq.block_table = list(hits)
         seq.num_committed_blocks = len(hits)
         self.grow(seq, num_tokens)
@@ -129,6 +141,7 @@ class BlockManager:
             block.hash = None
             block.token_ids = None
         block.ref_count = 1
+        self._update_state(block)
         return block_id
 
     def free_blocks_of(self, seq: Sequence) -> None:
@@ -139,5 +152,6 @@ class BlockManager:
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free[block_id] = None
+            self._update_state(block)
         seq.block_table = []
         seq.num_committed_blocks = 0

@@ -5,12 +5,17 @@ treat a leading token specially still join up, and a piece is held back while it
 partial UTF-8 character. Stop strings are searched as text arrives; text that could be the start
 of a stop string is held back until it is known not to be one, so a stop string is never shown.
 """
+import contextlib
+
 REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, lock=None):
         self.tokenizer = tokenizer
+        # HF fast tokenizers are not safe to use from two threads at once; callers that encode
+        # elsewhere share this lock with us.
+        self.lock = lock or contextlib.nullcontext()
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -21,7 +26,8 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _advance(self, final: bool) -> None:
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])

@@ -1,6 +1,7 @@
 """The engine's front door: LLM holds the model runner, the scheduler and the tokenizer, and runs
 requests step by step. generate() is the batch API; add_request()/step()/abort() are what the
 streaming EngineThread drives."""
+import threading
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -44,14 +45,19 @@ class LLM:
     def __init__(self, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                  max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                  gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-                 load_format="safetensors"):
+                 load_format="safetensors", progress=None):
+        """progress: optional callable taking one string, told each start-up stage (for a UI)."""
+        self._progress = progress or (lambda message: None)
+        self._progress("reading the model config")
         self.config = EngineConfig.create(
             model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             attention_backend=attention_backend, max_prefill_chunk=max_prefill_chunk, load_format=load_format)
+        self._progress("loading the tokenizer")
         self.tokenizer = load_tokenizer(self.config.model_path)
+        self._tokenizer_lock = threading.Lock()
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
         self.runner = self._make_runner()
         self.block_size = self.config.block_size
@@ -59,13 +65,14 @@ class LLM:
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.max_prefill_chunk)
         self._closed = False
+        self.last_step_tokens = (0, 0)  # (prefill, decode) tokens run by the last step
 
     def _make_runner(self):
         if self.config.tensor_parallel_size > 1:
             from engine.tp_group import TensorParallelRunner
-            return TensorParallelRunner(self.config)
+            return TensorParallelRunner(self.config, progress=self._progress)
         from engine.model_runner import ModelRunner
-        return ModelRunner(self.config)
+        return ModelRunner(self.config, progress=self._progress)
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -76,7 +83,8 @@ class LLM:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError(f"model at {self.config.model_path} has no tokenizer: pass token ids, not text")
-            ids = self.tokenizer.encode(prompt)
+            with self._tokenizer_lock:
+                ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
             if not all(isinstance(t, int) for t in ids):
@@ -97,16 +105,35 @@ class LLM:
                              f"{self.blocks.num_blocks}; raise num_kvcache_blocks or gpu_memory_utilization")
         return ids
 
-    def add_request(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
-        """Queues one request. With stream=True the sequence is detokenized step by step and
-        step() reports its new text."""
+    def render_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> str:
+        """Chat messages as prompt text through the tokenizer's chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model at {self.config.model_path} has no chat template")
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        with self._tokenizer_lock:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+
+    def make_sequence(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
+        """A checked, tokenized request, not yet queued; safe to call from any thread. With
+        stream=True the sequence is detokenized step by step and step() reports its new text."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         seq = Sequence(self.encode(prompt), params, self.block_size)
         if (stream or params.stop) and self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._tokenizer_lock)
+        return seq
+
+    def enqueue(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
+
+    def add_request(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
+        seq = self.make_sequence(prompt, params, stream=stream)
+        self.enqueue(seq)
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -122,9 +149,12 @@ class LLM:
         outputs = []
         for seq in cut_short:
             self.scheduler.finish(seq, "length")
-            outputs.append(StepOutput(seq, [], self._flush(seq), True))
+            outputs.append(StepOutput(seq, [], self.flush_text(seq), True))
+        self.last_step_tokens = (0, 0)
         if not batch:
             return outputs
+        decode = sum(1 for seq, n in batch if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
+        self.last_step_tokens = (sum(n for _, n in batch) - decode, decode)
         tokens = iter(self.runner.execute(plan_step(batch, self.block_size)))
         for seq, n in batch:
             seq.num_computed_tokens += n
@@ -137,7 +167,7 @@ class LLM:
             reason = self._finish_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
-                text += self._flush(seq)
+                text += self.flush_text(seq)
             outputs.append(StepOutput(seq, [token], text, reason is not None))
         return outputs
 
@@ -151,7 +181,8 @@ class LLM:
         return None
 
     @staticmethod
-    def _flush(seq: Sequence) -> str:
+    def flush_text(seq: Sequence) -> str:
+        """Text the detokenizer still holds back (partial characters, a possible stop string)."""
         return seq.detokenizer.flush() if seq.detokenizer else ""
 
     def completion_text(self, seq: Sequence) -> str:

@@ -24,7 +24,8 @@ def _cpu_ram_bytes() -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, rank: int = 0, progress=None):
+        progress = progress or (lambda message: None)
         self.config = config
         self.rank = rank
         self.block_size = config.block_size
@@ -32,6 +33,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         parallel.set_tp_group(rank, config.tensor_parallel_size)
+        progress("building the model")
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
@@ -39,6 +41,7 @@ class ModelRunner:
                 self.model = config.architecture(config.hf_config, max_position=config.max_model_len)
         finally:
             torch.set_default_dtype(old_dtype)
+        progress("loading weights")
         if config.load_format == "random":
             init_random_weights(self.model)
         else:
@@ -49,7 +52,10 @@ class ModelRunner:
         for attn in self.attention_layers:
             attn.backend = self.backend
         self.sampler = Sampler(self.device) if rank == 0 else None
+        if self.device.type == "cuda" and not config.num_kvcache_blocks:
+            progress("warming up to size the KV cache")
         self.num_blocks = config.num_kvcache_blocks or self._blocks_that_fit()
+        progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
 
     # --- KV cache --------------------------------------------------------------------------------

@@ -1,0 +1,230 @@
+"""EngineThread: the engine on a background thread, fed by any number of caller threads.
+
+Callers submit() requests and get RequestStreams back at once; the thread owns the LLM, applies
+submissions and aborts between steps, and steps whenever work is pending. It also publishes a
+snapshot of the engine's state for the UI's KV panel, so reading it never waits on a step.
+"""
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import CACHED, FREE, SHARED, USED
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.stream import RequestStream
+
+BLOCK_STATE_NAMES = {FREE: "free", CACHED: "cached", USED: "used", SHARED: "shared"}
+_RATE_WINDOW_S = 2.0
+_SNAPSHOT_EVERY_S = 0.05
+
+
+@dataclass
+class BlockInfo:
+    state: str  # free, cached (free but reusable by hash), used, or shared (ref_count > 1)
+    holders: list[int]  # request ids
+
+
+@dataclass
+class EngineSnapshot:
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    kv_bytes_total: int
+    kv_bytes_used: int
+    block_states: bytes  # one byte per block, codes as in engine.block_manager
+    block_holders: dict[int, list[int]]  # request id -> block ids it holds
+    taken_at: float
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def block_map(self) -> list[BlockInfo]:
+        holders: dict[int, list[int]] = {}
+        for request_id, blocks in self.block_holders.items():
+            for b in blocks:
+                holders.setdefault(b, []).append(request_id)
+        return [BlockInfo(BLOCK_STATE_NAMES[s], holders.get(i, [])) for i, s in enumerate(self.block_states)]
+
+
+class EngineThread:
+    def __init__(self, llm_or_model, **llm_kwargs):
+        if isinstance(llm_or_model, LLM):
+            if llm_kwargs:
+                raise ValueError("pass either an LLM or the arguments to build one, not both")
+            self.llm, self._owns_llm = llm_or_model, False
+        else:
+            self.llm, self._owns_llm = LLM(llm_or_model, **llm_kwargs), True
+        self._cv = threading.Condition()
+        self._inbox: deque = deque()
+        self._live: dict[int, tuple] = {}  # request id -> (sequence, stream); engine thread only
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._steps: deque[tuple[float, int, int]] = deque()  # (time, prefill tokens, decode tokens)
+        self.fatal_error: str | None = None
+        self._snapshot_at = 0.0
+        self._snapshot = self._take_snapshot()
+
+    # --- lifetime ------------------------------------------------------------------------------------
+
+    def start(self) -> "EngineThread":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="nvchat-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        """Stops the thread; open requests end with "abort". Shuts the LLM down if this built it."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        for _, stream in list(self._live.values()):
+            stream._finish("abort")
+        for cmd in self._inbox:
+            if cmd[0] == "submit":
+                cmd[2]._finish("abort")
+        if self._owns_llm:
+            self.llm.shutdown()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    # --- caller side ---------------------------------------------------------------------------------
+
+    def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
+               tag=None) -> RequestStream:
+        """Queues a request and returns its stream at once. prompt: text, token ids, or chat messages
+        ({"role", "content"} dicts, rendered with the chat template). Bad input raises ValueError."""
+        if self.fatal_error:
+            raise RuntimeError(f"the engine has stopped: {self.fatal_error}")
+        if self._stopping:
+            raise RuntimeError("the engine thread has been shut down")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = self.llm.render_chat(prompt, enable_thinking)
+        seq = self.llm.make_sequence(prompt, sampling_params, stream=True)
+        stream = RequestStream(seq.seq_id, seq.num_prompt_tokens, self._request_abort, tag)
+        self._post(("submit", seq, stream))
+        return stream
+
+    def _request_abort(self, stream: RequestStream) -> None:
+        self._post(("abort", stream))
+
+    def _post(self, command) -> None:
+        with self._cv:
+            self._inbox.append(command)
+            self._cv.notify()
+
+    def stats(self) -> EngineSnapshot:
+        """The latest published snapshot, with throughput over the last couple of seconds. Never waits
+        on the engine."""
+        snap = self._snapshot
+        now = time.perf_counter()
+        recent = [s for s in list(self._steps) if now - s[0] <= _RATE_WINDOW_S]
+        snap.prefill_tokens_per_s = sum(s[1] for s in recent) / _RATE_WINDOW_S
+        snap.decode_tokens_per_s = sum(s[2] for s in recent) / _RATE_WINDOW_S
+        return snap
+
+    # --- engine thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        llm = self.llm
+        while True:
+            with self._cv:
+                while not self._inbox and not llm.has_unfinished() and not self._stopping:
+                    self._publish(force=True)
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                commands = list(self._inbox)
+                self._inbox.clear()
+            for command in commands:
+                self._apply(command)
+            if not llm.has_unfinished():
+                continue
+            try:
+                outputs = llm.step()
+            except Exception as e:  # the engine must outlive one bad step: end the streams, keep serving
+                self._fail_all(e)
+                continue
+            now = time.perf_counter()
+            self._steps.append((now, *llm.last_step_tokens))
+            while self._steps and now - self._steps[0][0] > _RATE_WINDOW_S:
+                self._steps.popleft()
+            for out in outputs:
+                entry = self._live.get(out.seq.seq_id)
+                if entry is None:
+                    continue
+                stream = entry[1]
+                if not stream.token_ids:
+                    stream.num_cached_tokens = out.seq.num_cached_tokens
+                stream._push(out.new_text, out.new_token_ids)
+                if out.finished:
+                    del self._live[out.seq.seq_id]
+                    stream._finish(out.seq.finish_reason)
+            self._publish()
+
+    def _apply(self, command) -> None:
+        if command[0] == "submit":
+            _, seq, stream = command
+            self.llm.enqueue(seq)
+            self._live[seq.seq_id] = (seq, stream)
+        else:
+            stream = command[1]
+            entry = self._live.pop(stream.request_id, None)
+            if entry is not None:
+                self.llm.abort(entry[0])
+                entry[1]._push(self.llm.flush_text(entry[0]), [])
+            stream._finish("abort")
+
+    def _fail_all(self, error: Exception) -> None:
+        message = f"{type(error).__name__}: {error}"
+        for seq, stream in self._live.values():
+            self.llm.scheduler.finish(seq, "error")
+            stream._finish("error", message)
+        self._live.clear()
+        if getattr(self.llm.runner, "broken", False):
+            self.fatal_error = message
+        self._publish(force=True)
+
+    def _publish(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self._snapshot_at >= _SNAPSHOT_EVERY_S:
+            self._snapshot = self._take_snapshot()
+            self._snapshot_at = now
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        llm = self.llm
+        s = llm.stats()
+        block_bytes = llm.config.kv_bytes_per_token * s.block_size * llm.config.tensor_parallel_size
+        return EngineSnapshot(
+            num_blocks=s.num_blocks, block_size=s.block_size, num_free_blocks=s.num_free_blocks,
+            num_cached_blocks=s.num_cached_blocks, prefix_hit_tokens=s.prefix_hit_tokens,
+            prompt_tokens=s.prompt_tokens, num_running=s.num_running, num_waiting=s.num_waiting,
+            num_preemptions=s.num_preemptions, prefill_tokens_per_s=0.0, decode_tokens_per_s=0.0,
+            kv_bytes_total=s.num_blocks * block_bytes, kv_bytes_used=s.num_used_blocks * block_bytes,
+            block_states=bytes(llm.blocks.states),
+            block_holders={seq.seq_id: list(seq.block_table) for seq in llm.scheduler.running},
+            taken_at=time.perf_counter())

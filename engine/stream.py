@@ -1,0 +1,136 @@
+"""RequestStream: one request's tokens as they are produced, for any thread or event loop.
+
+The engine thread appends deltas; readers iterate (blocking or async), or drain whatever has
+arrived without waiting, which is how a UI batches many tokens into one repaint.
+"""
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+
+
+class RequestStream:
+    def __init__(self, request_id: int, num_prompt_tokens: int, abort_fn, tag=None):
+        self.request_id = request_id
+        self.tag = tag
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._abort_fn = abort_fn
+        self._pending: deque[Delta] = deque()
+        self._cond = threading.Condition()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # --- producer side (engine thread) -------------------------------------------------------------
+
+    def _wake(self) -> None:
+        self._cond.notify_all()
+        for loop, event in self._async_waiters:
+            loop.call_soon_threadsafe(event.set)
+        self._async_waiters.clear()
+
+    def _push(self, text: str, token_ids: list[int]) -> None:
+        with self._cond:
+            if self.first_token_at is None and token_ids:
+                self.first_token_at = time.perf_counter()
+            self.text += text
+            self.token_ids += token_ids
+            if self._pending and not self._pending[-1].text and not text:
+                self._pending[-1].token_ids += token_ids
+            else:
+                self._pending.append(Delta(text, list(token_ids)))
+            self._wake()
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        with self._cond:
+            if self.finish_reason is not None:
+                return
+            self.finish_reason, self.error = reason, error
+            self.finished_at = time.perf_counter()
+            self._wake()
+
+    # --- consumer side ---------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def abort(self) -> None:
+        """Stops generation; the engine frees the request's blocks at its next step."""
+        if not self.finished:
+            self._abort_fn(self)
+
+    def drain(self) -> Delta | None:
+        """Everything that arrived since the last drain, merged into one delta, or None."""
+        with self._cond:
+            if not self._pending:
+                return None
+            parts = list(self._pending)
+            self._pending.clear()
+        return Delta("".join(p.text for p in parts), [t for p in parts for t in p.token_ids])
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the request ends; True if it did."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.finished, timeout)
+
+    def __iter__(self):
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self.finished)
+                if not self._pending:
+                    return
+                delta = self._pending.popleft()
+            yield delta
+
+    async def __aiter__(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._pending:
+                    delta = self._pending.popleft()
+                elif self.finished:
+                    return
+                else:
+                    delta = None
+                    event = asyncio.Event()
+                    self._async_waiters.append((loop, event))
+            if delta is None:
+                await event.wait()
+            else:
+                yield delta
+
+    # --- numbers for the reply's footer ------------------------------------------------------------
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Decode rate after the first token."""
+        if self.first_token_at is None or len(self.token_ids) < 2:
+            return None
+        end = self.finished_at or time.perf_counter()
+        return (len(self.token_ids) - 1) / max(end - self.first_token_at, 1e-9)
+
+    def __repr__(self):
+        return (f"RequestStream(id={self.request_id}, tokens={len(self.token_ids)}, "
+                f"finish_reason={self.finish_reason!r})")
