@@ -1,0 +1,166 @@
+"""One conversation: its messages and system prompt, how a turn is sent to the engine, and how
+each finished message is stored. Shared by the Textual app and the plain REPL.
+
+Every turn re-sends the whole history through the chat template; the engine's prefix cache turns
+the repeated part (system prompt, earlier turns) into cache hits, so only new tokens are computed.
+"""
+import re
+from dataclasses import dataclass
+
+from engine import EngineThread, RequestStream
+from nvchat.settings import Settings
+from nvchat.store import ChatStore
+
+_THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
+
+
+def split_thinking(text: str) -> tuple[str | None, str]:
+    """Separates a Qwen3 reply's <think>...</think> section (possibly still open) from the answer."""
+    match = _THINK.search(text)
+    if match is None:
+        return None, text
+    answer = (text[:match.start()] + text[match.end():]).strip()
+    return match.group(1).strip(), answer
+
+
+@dataclass
+class Message:
+    role: str
+    content: str
+    stats: dict | None = None
+    id: int | None = None
+
+
+def reply_stats(stream: RequestStream) -> dict:
+    return {"tokens": stream.num_completion_tokens, "tokens_per_s": stream.tokens_per_second,
+            "ttft_s": stream.time_to_first_token, "finish_reason": stream.finish_reason,
+            "prompt_tokens": stream.num_prompt_tokens, "cached_tokens": stream.num_cached_tokens}
+
+
+class Conversation:
+    def __init__(self, engine: EngineThread, store: ChatStore | None, *, system_prompt: str, model_name: str,
+                 settings: Settings, title: str = "New chat", conversation_id: int | None = None,
+                 messages: list[Message] | None = None):
+        self.engine = engine
+        self.store = store
+        self.system_prompt = system_prompt
+        self.model_name = model_name
+        self.settings = settings
+        self.title = title
+        self.id = conversation_id
+        self.messages: list[Message] = messages or []
+
+    @classmethod
+    def load(cls, engine: EngineThread, store: ChatStore, conversation_id: int, settings: Settings) -> "Conversation":
+        row = store.get_conversation(conversation_id)
+        messages = [Message(m.role, m.content, m.stats, m.id) for m in store.load_messages(conversation_id)]
+        return cls(engine, store, system_prompt=row.system_prompt, model_name=row.model, settings=settings,
+                   title=row.title, conversation_id=row.id, messages=messages)
+
+    # --- persistence ---------------------------------------------------------------------------------
+
+    def _ensure_stored(self) -> None:
+        if self.store is not None and self.id is None:
+            self.id = self.store.create_conversation(self.title, self.system_prompt, self.model_name)
+
+    def _append(self, message: Message) -> Message:
+        self._ensure_stored()
+        if self.store is not None:
+            message.id = self.store.add_message(self.id, message.role, message.content, message.stats)
+        self.messages.append(message)
+        return message
+
+    def _drop_from(self, index: int) -> None:
+        for message in self.messages[index:]:
+            if self.store is not None and message.id is not None:
+                self.store.delete_message(message.id)
+        del self.messages[index:]
+
+    def rename(self, title: str) -> None:
+        self.title = title
+        if self.store is not None and self.id is not None:
+            self.store.rename(self.id, title)
+
+    def set_system_prompt(self, text: str) -> None:
+        self.system_prompt = text
+        if self.store is not None and self.id is not None:
+            self.store.set_system_prompt(self.id, text)
+
+    # --- turns ---------------------------------------------------------------------------------------
+
+    def engine_messages(self) -> list[dict]:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + [{"role": m.role, "content": m.content} for m in self.messages]
+
+    def _submit(self) -> RequestStream:
+        return self.engine.submit(self.engine_messages(), self.settings.sampling_params(),
+                                  enable_thinking=self.settings.enable_thinking, tag=self)
+
+    def send(self, text: str) -> RequestStream:
+        """Stores the user's message and starts the reply. A rejected prompt (ValueError, e.g. too
+        long) leaves the conversation as it was."""
+        self.messages.append(Message("user", text))
+        try:
+            stream = self._submit()
+        except Exception:
+            self.messages.pop()
+            raise
+        self.messages.pop()
+        self._append(Message("user", text))
+        return stream
+
+    def regenerate(self) -> RequestStream:
+        """Drops the last reply and asks again."""
+        last_user = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
+        if last_user is None:
+            raise ValueError("nothing to regenerate: the conversation has no message yet")
+        dropped = self.messages[last_user + 1:]
+        self.messages = self.messages[:last_user + 1]
+        try:
+            stream = self._submit()
+        except Exception:
+            self.messages += dropped
+            raise
+        self.messages += dropped
+        self._drop_from(last_user + 1)
+        return stream
+
+    def edit_last_user(self, text: str) -> RequestStream:
+        """Replaces the last user message (dropping the reply to it) and asks again."""
+        last_user = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
+        if last_user is None:
+            raise ValueError("no message to edit")
+        kept = self.messages[:last_user]
+        saved = self.messages
+        self.messages = kept + [Message("user", text)]
+        try:
+            stream = self._submit()
+        except Exception:
+            self.messages = saved
+            raise
+        self.messages = saved
+        self._drop_from(last_user)
+        self._append(Message("user", text))
+        return stream
+
+    def finish_reply(self, stream: RequestStream) -> Message | None:
+        """Stores a finished reply with its numbers. Aborted replies keep what was generated;
+        a reply that failed with nothing generated is not stored."""
+        if not stream.text and stream.finish_reason == "error":
+            return None
+        return self._append(Message("assistant", stream.text, reply_stats(stream)))
+
+    @property
+    def last_user_text(self) -> str | None:
+        return next((m.content for m in reversed(self.messages) if m.role == "user"), None)
+
+    def to_markdown(self) -> str:
+        lines = [f"# {self.title}", "", f"*Model: {self.model_name}*", ""]
+        if self.system_prompt:
+            lines += ["## System", "", self.system_prompt, ""]
+        for m in self.messages:
+            lines += [f"## {m.role.capitalize()}", "", m.content, ""]
+            if m.stats and m.stats.get("tokens"):
+                tps = m.stats.get("tokens_per_s")
+                lines += [f"*{m.stats['tokens']} tokens" + (f", {tps:.1f} tok/s*" if tps else "*"), ""]
+        return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""User settings: defaults, overridden by config.toml in the XDG config dir, overridden by flags."""
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from engine import SamplingParams
+from nvchat import paths
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer concisely."
+
+# Settings a user may put in config.toml, with the type each must have.
+_ENGINE_KEYS = ("model", "device", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs",
+                "gpu_memory_utilization", "enforce_eager")
+
+
+class SettingsError(ValueError):
+    """config.toml can't be used; the message names the file and the problem."""
+
+
+@dataclass
+class Settings:
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    tensor_parallel_size: int = 1
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 20
+    max_tokens: int = 1024
+    enable_thinking: bool | None = None
+    theme: str = "nvchat-dark"
+    keys: dict[str, str] = field(default_factory=dict)  # binding id -> key, e.g. {"new_tab": "ctrl+n"}
+
+    @property
+    def uses_demo_model(self) -> bool:
+        return self.model is None
+
+    def engine_kwargs(self) -> dict:
+        """Arguments for LLM / EngineThread; no model means the built-in demo model."""
+        from engine.demo_model import ensure_demo_model
+        kwargs = {k: getattr(self, k) for k in _ENGINE_KEYS}
+        kwargs["model"] = self.model or str(ensure_demo_model())
+        return kwargs
+
+    def sampling_params(self, **overrides) -> SamplingParams:
+        values = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens)
+        values.update(overrides)
+        return SamplingParams(**values)
+
+    def updated(self, **changes) -> "Settings":
+        """A copy with the given non-None values applied (command-line flags over the file)."""
+        values = asdict(self)
+        values.update({k: v for k, v in changes.items() if v is not None})
+        return Settings(**values)
+
+
+def _check_types(data: dict, path: Path) -> None:
+    known = {f.name: f for f in fields(Settings)}
+    for key, value in data.items():
+        if key not in known:
+            raise SettingsError(f"{path}: unknown setting {key!r} (known: {', '.join(sorted(known))})")
+        default = getattr(Settings(), key)
+        if key == "keys":
+            if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                raise SettingsError(f"{path}: [keys] must map binding ids to key strings")
+        elif default is not None and not isinstance(value, type(default)) and not (
+                isinstance(default, float) and isinstance(value, int)):
+            raise SettingsError(f"{path}: {key} must be a {type(default).__name__}, got {value!r}")
+
+
+def load_settings(path: Path | None = None) -> Settings:
+    path = path or paths.config_file()
+    if not path.exists():
+        return Settings()
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"{path}: not valid TOML: {e}") from None
+    _check_types(data, path)
+    return Settings(**data)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def save_setting(name: str, value, path: Path | None = None) -> None:
+    """Sets one top-level key in config.toml, keeping the user's other settings."""
+    path = path or paths.config_file()
+    data = tomllib.loads(path.read_text()) if path.exists() else {}
+    data[name] = value
+    _check_types(data, path)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if k != "keys" and v is not None]
+    if data.get("keys"):
+        lines += ["", "[keys]"] + [f"{k} = {_toml_value(v)}" for k, v in data["keys"].items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
