@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 GIBBERISH_NOTE = "demo model: tiny random weights, its replies are gibberish"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -30,7 +30,7 @@ CHAT_TEMPLATE = (
 )
 
 DEMO_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=8192)
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=32768)
 
 
 def default_cache_dir() -> Path:
