@@ -3,7 +3,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
+from engine.block_manager import CACHED, FREE, SHARED, USED, BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -61,6 +61,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for block in self.bm.blocks:
             assert block.ref_count == held.get(block.block_id, 0)
             assert (block.ref_count == 0) == (block.block_id in self.bm.free)
+            expected = (CACHED if block.hash is not None else FREE) if block.ref_count == 0 else \
+                (USED if block.ref_count == 1 else SHARED)
+            assert self.bm.states[block.block_id] == expected
 
     @invariant()
     def every_sequence_has_room_for_its_tokens(self):
