@@ -57,6 +57,9 @@ class ModelRunner:
         self.num_blocks = config.num_kvcache_blocks or self._blocks_that_fit()
         progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
+        self.decode_graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_decode_graphs(progress)
 
     # --- KV cache --------------------------------------------------------------------------------
 
@@ -117,6 +120,14 @@ class ModelRunner:
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
+    def _capture_decode_graphs(self, progress) -> None:
+        from engine.cuda_graphs import DecodeGraphs
+        c = self.config
+        self.decode_graphs = DecodeGraphs(
+            self.model, max_batch=min(c.max_num_seqs, 512), max_blocks_per_seq=-(-c.max_model_len // self.block_size),
+            hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)
+        self.decode_graphs.capture(progress)
+
     # --- running a step --------------------------------------------------------------------------
 
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
@@ -140,7 +151,12 @@ class ModelRunner:
         """Runs one step; rank 0 returns the sampled token of each sampled row, others None."""
         input_ids = self._tensor(plan.input_ids, torch.int64)
         positions = self._tensor(plan.positions, torch.int64)
-        hidden = self.model(input_ids, positions, self.metadata(plan))
+        meta = self.metadata(plan)
+        if plan.is_decode and self.decode_graphs is not None and self.decode_graphs.fits(plan.num_seqs):
+            hidden = self.decode_graphs.run(input_ids, positions, meta.slot_mapping, meta.context_lens,
+                                            meta.block_tables)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         if not plan.sample_rows:
             return [] if self.rank == 0 else None
         logits = self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.int64)])

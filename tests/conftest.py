@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in its interpreter; it must be chosen before any kernel is
+# defined, so before the first `import kernels.*`.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The suite runs on CPU; keep it from fighting the 2-core CI box with oversubscribed threads.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -1,0 +1,82 @@
+"""Single-stream latency: ms per output token at batch 1 (512- and 4096-token contexts), and time
+to first token for a 50-token message after a 2048-token system prompt, cached vs uncached."""
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import CONFIGS, decode_floor_ms, model_bytes_and_kv, print_table, write_json
+from engine import LLM, SamplingParams
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_ms_per_token(llm: LLM, context: int, new_tokens: int = 128) -> float:
+    """Mean context equals `context`: the prompt stops half the generated tokens short of it."""
+    prompt = [random.randint(0, 10000) for _ in range(context - new_tokens // 2)]
+    seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    llm.step()  # prefill and first token
+    sync()
+    start = time.perf_counter()
+    while not seq.is_finished:
+        llm.step()
+    sync()
+    return (time.perf_counter() - start) * 1e3 / (new_tokens - 1)
+
+
+def time_to_first_token_ms(llm: LLM, prompt: list[int]) -> float:
+    sync()
+    start = time.perf_counter()
+    seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while not seq.is_finished:
+        llm.step()
+    return (time.perf_counter() - start) * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--config", default=str(CONFIGS / "qwen3-0.6b"))
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--skip-ttft", action="store_true")
+    p.add_argument("--out", default="benchmarks/out/latency.json")
+    args = p.parse_args()
+    random.seed(0)
+
+    params, weight_bytes, kv_per_token = model_bytes_and_kv(Path(args.config))
+    llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=args.tp, max_model_len=8192,
+              max_num_seqs=64, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    rows, result = [], {"decode": {}, "ttft": {}}
+    for ctx in args.contexts:
+        runs = [decode_ms_per_token(llm, ctx) for _ in range(args.repeats)]
+        ms = statistics.median(runs)
+        floor = decode_floor_ms(weight_bytes, kv_per_token // args.tp * args.tp, ctx)
+        result["decode"][ctx] = {"ms_per_token": ms, "runs": runs, "floor_ms": floor}
+        rows.append((f"batch-1 decode, {ctx} ctx", f"{ms:.3f} ms/token", f"floor {floor:.3f} ms", f"{floor / ms:.0%}"))
+    if not args.skip_ttft:
+        uncached, cached = [], []
+        for _ in range(args.repeats):
+            system = [random.randint(0, 10000) for _ in range(2048)]
+            uncached.append(time_to_first_token_ms(llm, system + [random.randint(0, 10000) for _ in range(50)]))
+            cached.append(time_to_first_token_ms(llm, system + [random.randint(0, 10000) for _ in range(50)]))
+        result["ttft"] = {"uncached_ms": statistics.median(uncached), "cached_ms": statistics.median(cached),
+                          "uncached_runs": uncached, "cached_runs": cached}
+        rows.append(("TTFT 2048 sys + 50, uncached", f"{result['ttft']['uncached_ms']:.2f} ms", "", ""))
+        rows.append(("TTFT 2048 sys + 50, cached", f"{result['ttft']['cached_ms']:.2f} ms", "", ""))
+    llm.shutdown()
+    print_table(rows, ("measure", "median", "roofline", "fraction"))
+    write_json(args.out, {**result, "tp": args.tp, "config": args.config})
+
+
+if __name__ == "__main__":
+    main()

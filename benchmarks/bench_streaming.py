@@ -1,0 +1,89 @@
+"""Chat scheduling under load: 8 streams decode, then an 8192-token prompt arrives. Reports the
+8 streams' inter-token latency (p50, p99) before and during that prompt's prefill."""
+import argparse
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.common import CONFIGS, print_table, write_json
+from engine import EngineThread, SamplingParams
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--config", default=str(CONFIGS / "qwen3-0.6b"), help="config dir (random weights), or 'demo'")
+    p.add_argument("--device", default=None)
+    p.add_argument("--long-prompt", type=int, default=8192)
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--warm-tokens", type=int, default=64, help="tokens per stream before the long prompt")
+    p.add_argument("--out", default="benchmarks/out/streaming.json")
+    args = p.parse_args()
+
+    if args.config == "demo":
+        from engine.demo_model import ensure_demo_model
+        model, extra = str(ensure_demo_model()), {}
+    else:
+        model, extra = args.config, {"load_format": "random", "dtype": "bfloat16"}
+    engine = EngineThread(model, device=args.device, max_model_len=args.long_prompt + 1024, max_num_seqs=64,
+                          max_prefill_chunk=args.prefill_chunk, **extra).start()
+    vocab = engine.llm.config.hf_config.vocab_size
+    rng = random.Random(0)
+    engine.submit([rng.randrange(vocab) for _ in range(32)], SamplingParams(max_tokens=4)).wait()
+
+    arrivals: list[list[float]] = [[] for _ in range(args.streams)]
+    streams = [engine.submit([rng.randrange(vocab) for _ in range(64)],
+                             SamplingParams(temperature=0.8, max_tokens=100_000 // args.streams, ignore_eos=True))
+               for _ in range(args.streams)]
+
+    def reader(i):
+        for _ in streams[i]:
+            arrivals[i].append(time.perf_counter())
+
+    readers = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(args.streams)]
+    for t in readers:
+        t.start()
+    while min(len(a) for a in arrivals) < args.warm_tokens:
+        time.sleep(0.01)
+    submitted = time.perf_counter()
+    long = engine.submit([rng.randrange(vocab) for _ in range(args.long_prompt)], SamplingParams(max_tokens=1))
+    long.wait()
+    prefill_done = long.first_token_at
+    time.sleep(0.2)
+    for s in streams:
+        s.abort()
+    for t in readers:
+        t.join()
+    engine.shutdown()
+
+    def gaps(lo, hi):
+        out = []
+        for a in arrivals:
+            out += [(b - x) * 1e3 for x, b in zip(a, a[1:]) if lo <= x and b <= hi]
+        return out
+
+    before = gaps(0, submitted)
+    during = gaps(submitted, prefill_done)
+    rows = [("before", len(before), f"{percentile(before, .5):.2f}", f"{percentile(before, .99):.2f}"),
+            ("during prefill", len(during), f"{percentile(during, .5):.2f}", f"{percentile(during, .99):.2f}")]
+    print(f"{args.long_prompt}-token prompt prefilled in {(prefill_done - submitted) * 1e3:.0f} ms "
+          f"(chunks of {args.prefill_chunk}); {args.streams} streams")
+    print_table(rows, ("window", "gaps", "p50 ms", "p99 ms"))
+    ratio = percentile(during, .99) / percentile(before, .5)
+    print(f"p99 during / p50 before = {ratio:.2f} (target <= 2)")
+    write_json(args.out, {"before_ms": before, "during_ms": during, "prefill_ms": (prefill_done - submitted) * 1e3,
+                          "p50_before": percentile(before, .5), "p99_before": percentile(before, .99),
+                          "p50_during": percentile(during, .5), "p99_during": percentile(during, .99),
+                          "ratio": ratio, "prefill_chunk": args.prefill_chunk, "config": args.config,
+                          "median_before": statistics.median(before) if before else None})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Engine-level checks on a CUDA device: skipped without one."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.conftest import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_triton_backend_with_cuda_graphs_matches_hf_in_float32(tiny_qwen3, block_size):
+    prompts = random_prompts([1, 15, 16, 17, 100, 300], seed=block_size)
+    expected = hf_greedy(tiny_qwen3, prompts, 24)
+    with LLM(tiny_qwen3, device="cuda", dtype="float32", kvcache_block_size=block_size, max_model_len=512,
+             max_num_seqs=8, gpu_memory_utilization=0.3) as llm:
+        assert llm.runner.decode_graphs is not None
+        outs = llm.generate(prompts, GREEDY)
+    assert [o["token_ids"] for o in outs] == expected
+
+
+def test_cuda_graphs_match_eager(tiny_qwen3):
+    prompts = random_prompts([5, 33, 70, 129], seed=3)
+    runs = []
+    for eager in (True, False):
+        with LLM(tiny_qwen3, device="cuda", dtype="float32", enforce_eager=eager, max_model_len=512,
+                 max_num_seqs=8, gpu_memory_utilization=0.3) as llm:
+            runs.append([o["token_ids"] for o in llm.generate(prompts, GREEDY)])
+    assert runs[0] == runs[1]
+
+
+def test_torch_backend_on_cuda_matches_triton(tiny_qwen3):
+    prompts = random_prompts([9, 40, 77], seed=4)
+    runs = []
+    for backend in ("torch", "triton"):
+        with LLM(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend, enforce_eager=True,
+                 max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3) as llm:
+            runs.append([o["token_ids"] for o in llm.generate(prompts, GREEDY)])
+    assert runs[0] == runs[1]
+
+
+def test_preemption_on_gpu(tiny_qwen3):
+    prompts = random_prompts([60, 50, 70, 40], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    with LLM(tiny_qwen3, device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8,
+             gpu_memory_utilization=0.3) as roomy:
+        expected = [o["token_ids"] for o in roomy.generate(prompts, params)]
+    with LLM(tiny_qwen3, device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8,
+             num_kvcache_blocks=20) as tight:
+        outs = tight.generate(prompts, params)
+        assert tight.stats().num_preemptions > 0
+    assert [o["token_ids"] for o in outs] == expected
