@@ -1,49 +1,64 @@
-"""The `nvchat` command."""
+"""The `nvchat` command: with no mode flag it opens the Textual app."""
 import argparse
 import sys
 
+from nvchat.settings import Settings, SettingsError, load_settings
+
 
 def build_parser() -> argparse.ArgumentParser:
+    # Flags default to None so that only the ones given override config.toml.
     p = argparse.ArgumentParser(prog="nvchat", description="Chat with a local LLM from the terminal.")
     p.add_argument("--model", help="checkpoint directory, or a Hugging Face repo id already in the local cache "
                                    "(default: the built-in demo model, which answers gibberish)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: the checkpoint's on GPU, float32 on CPU)")
-    p.add_argument("--tp", type=int, default=1, dest="tensor_parallel_size", help="tensor-parallel GPUs")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--tp", type=int, dest="tensor_parallel_size", help="tensor-parallel GPUs (default 1)")
+    p.add_argument("--max-model-len", type=int, help="longest conversation in tokens (default 4096)")
+    p.add_argument("--max-num-seqs", type=int, help="most requests batched together (default 64)")
+    p.add_argument("--gpu-memory-utilization", type=float, help="share of GPU memory to use (default 0.9)")
+    p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    p.add_argument("--max-tokens", type=int, help="longest reply in tokens (default 1024)")
+    p.add_argument("--temperature", type=float, help="sampling temperature, 0 for greedy (default 0.7)")
+    p.add_argument("--theme", help="colour theme for the app (default nvchat-dark)")
+    p.add_argument("--system", dest="system_prompt", metavar="TEXT", help="system prompt for new conversations (\"\" for none)")
+    p.add_argument("--plain", action="store_true", help="a plain line-based REPL instead of the full-screen app")
+    p.add_argument("-p", "--prompt", metavar="TEXT", help="pipe mode: answer TEXT (- reads stdin), print the reply, exit")
+    p.add_argument("--json", action="store_true", help="with -p: print one JSON object with the reply and its stats")
     return p
 
 
-def engine_kwargs(args) -> dict:
-    from engine.demo_model import ensure_demo_model
-    return dict(model=args.model or str(ensure_demo_model()), device=args.device, dtype=args.dtype,
-                tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=args.enforce_eager)
+_SETTING_FLAGS = ("model", "device", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs",
+                  "gpu_memory_utilization", "enforce_eager", "max_tokens", "temperature", "theme", "system_prompt")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """config.toml's settings with the command line's flags on top (raises SettingsError)."""
+    return load_settings().updated(**{name: getattr(args, name, None) for name in _SETTING_FLAGS})
+
+
+def run_tui(settings: Settings) -> int:
+    from nvchat.app import NvchatApp
+    NvchatApp(settings).run()
+    return 0
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from engine import LLM, SamplingParams
-    from engine.demo_model import GIBBERISH_NOTE
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.json and args.prompt is None:
+        parser.error("--json goes with -p/--prompt")
     try:
-        llm = LLM(**engine_kwargs(args))
-    except (ValueError, RuntimeError, OSError) as e:
+        settings = settings_from_args(args)
+    except SettingsError as e:
         print(f"nvchat: {e}", file=sys.stderr)
-        return 1
-    with llm:
-        if args.model is None:
-            print(f"[{GIBBERISH_NOTE}]", file=sys.stderr)
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], tokenize=False,
-                                                   add_generation_prompt=True)
-        out = llm.generate([prompt], SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
-        print(out[0]["text"])
-    return 0
+        return 2
+    if args.prompt is not None:
+        from nvchat.pipe import run_pipe
+        return run_pipe(args.prompt, settings, json_output=args.json)
+    if args.plain:
+        from nvchat.repl import run_repl
+        return run_repl(settings)
+    return run_tui(settings)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,88 @@
+"""Pipe mode: `nvchat -p "question"` or `... | nvchat -p -`.
+
+stdout carries the reply and nothing else (streamed as it arrives, or one JSON object with
+--json); every problem is one `nvchat: ...` line on stderr and a non-zero exit.
+"""
+import json
+import os
+import sys
+
+from nvchat.settings import Settings
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a process killed by SIGPIPE
+
+
+class PipeError(Exception):
+    """A problem to report as one line and exit on."""
+
+
+def _fail(message: str) -> int:
+    print(f"nvchat: {message}", file=sys.stderr, flush=True)
+    return EXIT_ERROR
+
+
+def read_prompt(prompt: str) -> str:
+    text = sys.stdin.read() if prompt == "-" else prompt
+    text = text.strip()
+    if not text:
+        raise PipeError("the prompt is empty" + (" (nothing on stdin)" if prompt == "-" else ""))
+    return text
+
+
+def _silence_stdout() -> None:
+    """After the reader went away: point stdout at /dev/null so the interpreter's final flush
+    doesn't raise a second BrokenPipeError on exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False) -> int:
+    stream = None
+    try:
+        text = read_prompt(prompt)
+        settings.sampling_params()  # a bad value fails here, before seconds of model loading
+        from engine import EngineThread
+        from engine.demo_model import GIBBERISH_NOTE
+        from nvchat.conversation import Conversation, reply_stats
+
+        kwargs = settings.engine_kwargs()
+        with EngineThread(kwargs.pop("model"), **kwargs) as engine:
+            model_name = settings.model or "demo"
+            conversation = Conversation(engine, None, system_prompt=settings.system_prompt, model_name=model_name,
+                                        settings=settings)
+            stream = conversation.send(text)
+            if settings.uses_demo_model:
+                print(f"nvchat: {GIBBERISH_NOTE}", file=sys.stderr, flush=True)
+            for delta in stream:
+                if delta.text and not json_output:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+            if stream.finish_reason == "error":
+                if stream.text and not json_output:
+                    sys.stdout.write("\n")
+                return _fail(f"generation failed: {stream.error}")
+            if json_output:
+                sys.stdout.write(json.dumps({"text": stream.text, **reply_stats(stream), "model": model_name}) + "\n")
+            elif not stream.text.endswith("\n"):
+                sys.stdout.write("\n")
+            sys.stdout.flush()
+        return 0
+    except BrokenPipeError:  # before OSError, which it is
+        if stream is not None:
+            stream.abort()
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except PipeError as e:
+        return _fail(str(e))
+    except (ValueError, RuntimeError, OSError) as e:  # bad model path, prompt too long, bad setting...
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        if stream is not None:
+            stream.abort()
+            if stream.text and not json_output:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+        return EXIT_INTERRUPTED

@@ -1,0 +1,225 @@
+"""`nvchat --plain`: a prompt-toolkit REPL that streams replies as plain text.
+
+While a reply streams, the REPL keeps reading the terminal through prompt-toolkit's Input (raw
+mode, so Ctrl-C arrives as a key, not a signal): Ctrl-C aborts the reply, and anything else typed
+is kept as typeahead for the next prompt. That also makes Ctrl-C deliverable from a pipe input.
+"""
+import asyncio
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import TextIO
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.history import FileHistory, History
+from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
+from prompt_toolkit.key_binding import KeyBindings, KeyPress
+from prompt_toolkit.keys import Keys
+
+from engine import EngineThread, RequestStream
+from nvchat import paths, slash_commands
+from nvchat.conversation import Conversation
+from nvchat.settings import Settings
+from nvchat.store import ChatStore
+
+PROMPT = "> "
+CONTINUATION = ". "
+_INTERRUPT_KEYS = (Keys.ControlC, Keys.SIGINT)
+
+
+def _key_bindings() -> KeyBindings:
+    kb = KeyBindings()
+
+    @kb.add("enter")
+    def _send(event):
+        event.current_buffer.validate_and_handle()
+
+    @kb.add("escape", "enter")
+    @kb.add("c-j")
+    def _newline(event):
+        event.current_buffer.insert_text("\n")
+
+    @kb.add("c-c")
+    @kb.add("<sigint>")
+    def _interrupt(event):
+        buffer = event.current_buffer
+        if buffer.text:
+            buffer.reset()
+        else:
+            event.app.exit(exception=KeyboardInterrupt())
+
+    return kb
+
+
+def _title(text: str) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else "New chat"
+    return first if len(first) <= 60 else first[:57] + "..."
+
+
+class Repl:
+    def __init__(self, engine: EngineThread, settings: Settings, *, store: ChatStore | None,
+                 out: TextIO | None = None, history: History | None = None, input=None, output=None,
+                 model_name: str | None = None, note: str | None = None):
+        """out: where replies and messages go (default stdout); input/output: prompt-toolkit's
+        (default: the current app session's); note: a line for the banner."""
+        self.engine = engine
+        self.settings = settings
+        self.store = store
+        self.out = out or sys.stdout
+        self.model_name = model_name or settings.model or "demo"
+        self.note = note
+        self.last_stream: RequestStream | None = None
+        self.streaming: RequestStream | None = None
+        self.conversation = self.new_conversation()
+        self.session = PromptSession(PROMPT, multiline=True, prompt_continuation=CONTINUATION,
+                                     key_bindings=_key_bindings(), history=history, input=input, output=output)
+
+    def new_conversation(self) -> Conversation:
+        self.conversation = Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
+                                         model_name=self.model_name, settings=self.settings)
+        return self.conversation
+
+    def _print(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Runs until /quit, Ctrl-D, or a second Ctrl-C at an empty prompt; returns the exit code."""
+        try:
+            return asyncio.run(self.run_async())
+        except KeyboardInterrupt:
+            if self.streaming is not None:
+                self.streaming.abort()
+            return 130
+
+    async def run_async(self) -> int:
+        self._print(f"nvchat plain mode · model: {self.model_name}")
+        if self.note:
+            self._print(f"[{self.note}]")
+        self._print("Enter sends · Meta+Enter or Ctrl-J: new line · Ctrl-C stops a reply · /help lists commands")
+        quit_armed = False
+        with self._sigint_as_key():
+            while True:
+                try:
+                    line = await self.session.prompt_async(handle_sigint=False)
+                except KeyboardInterrupt:
+                    if quit_armed:
+                        break
+                    quit_armed = True
+                    self._print("(press Ctrl-C again to quit, or type /quit)")
+                    continue
+                except EOFError:
+                    break
+                quit_armed = False
+                text = line.strip()
+                if not text:
+                    continue
+                if slash_commands.is_command(text):
+                    try:
+                        message = slash_commands.dispatch(self, text)
+                    except slash_commands.QuitRepl:
+                        break
+                    if message:
+                        self._print(message)
+                else:
+                    await self.ask(text[1:] if text.startswith("//") else text)
+        return 0
+
+    @contextmanager
+    def _sigint_as_key(self):
+        """A SIGINT from outside (kill -INT, or Ctrl-C while the terminal is briefly in cooked mode
+        between prompts) acts like the Ctrl-C key instead of killing the REPL mid-write."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, self._on_sigint)
+        try:
+            yield
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+
+    def _on_sigint(self) -> None:
+        if self.streaming is not None:
+            self.streaming.abort()
+        elif self.session.app.is_running:
+            self.session.app.key_processor.send_sigint()
+        else:  # between prompts: the next prompt takes it as its first key
+            store_typeahead(self.session.input, [KeyPress(Keys.ControlC, "\x03")])
+
+    # --- one turn --------------------------------------------------------------------------------------
+
+    async def ask(self, text: str) -> RequestStream | None:
+        """Sends a message and streams the reply to `out`; the finished reply is stored."""
+        conversation = self.conversation
+        if not conversation.messages:
+            conversation.title = _title(text)
+        try:
+            stream = conversation.send(text)
+        except (ValueError, RuntimeError) as e:
+            self._print(f"error: {e}")
+            return None
+        self.last_stream = stream
+        await self._stream_reply(stream)
+        conversation.finish_reply(stream)
+        if stream.text and not stream.text.endswith("\n"):
+            self.out.write("\n")
+        footer = {"abort": f"[stopped after {stream.num_completion_tokens} tokens]",
+                  "length": f"[cut off at the {stream.num_completion_tokens}-token limit]",
+                  "error": f"[error: {stream.error}]"}.get(stream.finish_reason)
+        if footer:
+            self._print(footer)
+        self.out.flush()
+        return stream
+
+    async def _stream_reply(self, stream: RequestStream) -> None:
+        keyboard = self.session.input
+
+        def take_keys(keys) -> None:
+            if any(k.key in _INTERRUPT_KEYS for k in keys):
+                stream.abort()
+            store_typeahead(keyboard, [k for k in keys if k.key not in _INTERRUPT_KEYS])
+
+        self.streaming = stream
+        try:
+            with keyboard.raw_mode(), keyboard.attach(lambda: take_keys(keyboard.read_keys())):
+                # Keys that arrived with the message (sent in the same read) are already parsed.
+                take_keys(get_typeahead(keyboard))
+                async for delta in stream:
+                    if delta.text:
+                        self.out.write(delta.text)
+                        self.out.flush()
+        finally:
+            self.streaming = None
+
+
+def run_repl(settings: Settings) -> int:
+    """The `--plain` entry point: loads the engine and runs the REPL on the terminal."""
+    from engine.demo_model import GIBBERISH_NOTE
+
+    if not sys.stdin.isatty():
+        print("nvchat: --plain reads a terminal; for piped input use -p - (pipe mode)", file=sys.stderr)
+        return 2
+    try:
+        settings.sampling_params()
+        kwargs = settings.engine_kwargs()
+        print(f"nvchat: loading {settings.model or 'the demo model'}...", file=sys.stderr, flush=True)
+        engine = EngineThread(kwargs.pop("model"), **kwargs)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"nvchat: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    history_file = paths.repl_history_file()
+    history_file.parent.mkdir(parents=True, exist_ok=True)
+    store = ChatStore()
+    try:
+        with engine:
+            repl = Repl(engine, settings, store=store, history=FileHistory(str(history_file)),
+                        note=GIBBERISH_NOTE if settings.uses_demo_model else None)
+            return repl.run()
+    finally:
+        store.close()

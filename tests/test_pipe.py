@@ -1,0 +1,134 @@
+"""Pipe mode end to end: `nvchat -p ...` in subprocesses on the demo model."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from engine.demo_model import GIBBERISH_NOTE
+
+REPO = Path(__file__).resolve().parent.parent
+FAST = ["--device", "cpu", "--max-model-len", "256", "--max-tokens", "16", "--temperature", "0"]
+# Greedy on the demo model, "x" runs to max_tokens: seconds of streaming to interrupt.
+LONG = ["-p", "x", "--device", "cpu", "--temperature", "0", "--max-tokens", "3000"]
+QUESTION = "What is a paged KV cache?"
+NVCHAT = [sys.executable, "-m", "nvchat.cli"]
+
+
+def _run(env, args, stdin=None) -> subprocess.CompletedProcess:
+    return subprocess.run(NVCHAT + args, cwd=REPO, env=env, input=stdin, capture_output=True, text=True,
+                          timeout=180)
+
+
+def _cut_short(env, how: str) -> subprocess.CompletedProcess:
+    """A long reply, ended once it has started streaming: by Ctrl-C, or by the reader going away."""
+    # A child of a non-interactive shell may start with SIGINT ignored; give it the default back.
+    proc = subprocess.Popen(NVCHAT + LONG, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    first = proc.stdout.read(1)
+    if how == "sigint":
+        proc.send_signal(signal.SIGINT)
+    else:
+        proc.stdout.close()  # like `nvchat -p x | head -c 1`
+    err = proc.stderr.read().decode()
+    returncode = proc.wait(timeout=180)
+    return subprocess.CompletedProcess(proc.args, returncode, first.decode(), err)
+
+
+@pytest.fixture(scope="module")
+def runs(demo_model_path, tmp_path_factory):
+    """Every nvchat run of this module, two at a time: each spends most of its seconds importing
+    torch on one core, so pairs roughly halve the module's time on a 2-core box."""
+    root = tmp_path_factory.mktemp("xdg")
+    # nvchat finds the demo model under $XDG_CACHE_HOME/nvchat: point that at the session's copy
+    # so no subprocess writes its own.
+    (root / "cache").mkdir()
+    (root / "cache" / "nvchat").symlink_to(demo_model_path.parent, target_is_directory=True)
+    env = {**os.environ, "XDG_CACHE_HOME": str(root / "cache"), "XDG_DATA_HOME": str(root / "data"),
+           "XDG_CONFIG_HOME": str(root / "config"), "OMP_NUM_THREADS": "1"}
+    missing = root / "no-such-checkpoint"
+    jobs = {
+        "json": (_run, ["-p", QUESTION, "--json", *FAST]),
+        "argument": (_run, ["-p", QUESTION, *FAST]),
+        "stdin": (_run, ["-p", "-", *FAST], QUESTION + "\n"),
+        "bad_model": (_run, ["-p", "hi", "--model", str(missing), *FAST]),
+        "too_long": (_run, ["-p", "word " * 100, *FAST, "--max-model-len", "64"]),
+        "bad_temperature": (_run, ["-p", "hi", "--temperature", "-1"]),
+        "sigint": (_cut_short, "sigint"),
+        "sigpipe": (_cut_short, "sigpipe"),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(fn, env, *args) for name, (fn, *args) in jobs.items()}
+        results = {name: f.result() for name, f in futures.items()}
+    results["missing_path"] = missing
+    return results
+
+
+def one_error_line(result) -> str:
+    assert result.returncode != 0 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nvchat: "), f"expected one stderr line, got:\n{result.stderr}"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def json_reply(runs):
+    result = runs["json"]
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)  # the whole of stdout is one JSON object
+
+
+def _as_printed(reply: str) -> str:
+    return reply if reply.endswith("\n") else reply + "\n"
+
+
+def test_json_has_the_reply_and_its_stats(json_reply):
+    assert set(json_reply) == {"text", "finish_reason", "tokens", "tokens_per_s", "ttft_s", "prompt_tokens",
+                               "cached_tokens", "model"}
+    assert json_reply["text"] and json_reply["model"] == "demo"
+    assert json_reply["finish_reason"] in ("stop", "length") and 1 <= json_reply["tokens"] <= 16
+    assert json_reply["prompt_tokens"] > len(QUESTION) and json_reply["cached_tokens"] == 0
+    assert json_reply["ttft_s"] > 0
+
+
+def test_question_as_argument_prints_only_the_reply(runs, json_reply):
+    result = runs["argument"]
+    assert result.returncode == 0, result.stderr
+    # Greedy decoding: the same reply as the --json run, and nothing else on stdout.
+    assert result.stdout == _as_printed(json_reply["text"])
+    assert result.stderr == f"nvchat: {GIBBERISH_NOTE}\n"
+
+
+def test_question_from_stdin(runs, json_reply):
+    result = runs["stdin"]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == _as_printed(json_reply["text"])
+
+
+def test_bad_model_path(runs):
+    assert str(runs["missing_path"]) in one_error_line(runs["bad_model"])
+
+
+def test_prompt_too_long(runs):
+    line = one_error_line(runs["too_long"])
+    assert "too long" in line and "max_model_len=64" in line
+
+
+def test_bad_sampling_value(runs):
+    assert "temperature" in one_error_line(runs["bad_temperature"])
+
+
+def test_ctrl_c_mid_reply_exits_quietly(runs):
+    result = runs["sigint"]
+    assert result.stdout, "the reply had started"
+    assert result.returncode == 130 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_closed_stdout_exits_quietly(runs):
+    result = runs["sigpipe"]
+    assert result.stdout, "the reply had started"
+    assert result.returncode == 141 and "Traceback" not in result.stderr, result.stderr

@@ -1,0 +1,234 @@
+"""The plain REPL, driven key by key through prompt-toolkit's pipe input against a real engine
+running the demo model. The REPL runs on its own thread; the test types into the pipe and waits
+(bounded) for what the REPL writes to its output stream or stores."""
+import re
+import threading
+import time
+
+import pytest
+from prompt_toolkit.application import create_app_session
+from prompt_toolkit.history import FileHistory
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+
+from engine import EngineThread
+from nvchat import paths
+from nvchat.repl import Repl
+from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
+from nvchat.store import ChatStore
+
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_path):
+    with EngineThread(str(demo_model_path), device="cpu", max_model_len=4096) as engine:
+        yield engine
+
+
+@pytest.fixture(autouse=True)
+def xdg_dirs(tmp_path, monkeypatch):
+    for name in ("XDG_DATA_HOME", "XDG_CONFIG_HOME"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+
+
+class Capture:
+    """The REPL's output stream; writes wake whoever waits on it."""
+
+    def __init__(self):
+        self._parts: list[str] = []
+        self.cond = threading.Condition()
+
+    def write(self, text: str) -> int:
+        with self.cond:
+            self._parts.append(text)
+            self.cond.notify_all()
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    @property
+    def text(self) -> str:
+        with self.cond:
+            return "".join(self._parts)
+
+
+class Driver:
+    """A Repl on its own thread, reading keys from a pipe."""
+
+    def __init__(self, engine, settings: Settings):
+        self.out = Capture()
+        self.store = ChatStore()
+        self._pipe_cm = create_pipe_input()
+        self.pipe = self._pipe_cm.__enter__()
+        self.repl: Repl | None = None
+        self.exit_code: int | None = None
+        ready = threading.Event()
+
+        def run():
+            with create_app_session(input=self.pipe, output=DummyOutput()):
+                self.repl = Repl(engine, settings, store=self.store, out=self.out,
+                                 history=FileHistory(str(paths.repl_history_file())))
+                ready.set()
+                self.exit_code = self.repl.run()
+
+        paths.repl_history_file().parent.mkdir(parents=True, exist_ok=True)
+        self.thread = threading.Thread(target=run, name="repl-under-test", daemon=True)
+        self.thread.start()
+        assert ready.wait(TIMEOUT_S), "the REPL did not start"
+        self.wait_for(lambda: "/help lists commands" in self.out.text, "the banner")
+
+    def type(self, keys: str) -> None:
+        self.pipe.send_text(keys)
+
+    def wait_for(self, predicate, what: str, timeout: float = TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        with self.out.cond:
+            while not predicate():
+                left = deadline - time.monotonic()
+                assert left > 0, f"timed out waiting for {what}; REPL output so far:\n{self.out.text}"
+                # Output-based conditions wake at once; state-based ones are re-checked often.
+                self.out.cond.wait(min(left, 0.05))
+
+    def wait_for_messages(self, n: int) -> None:
+        self.wait_for(lambda: len(self.repl.conversation.messages) >= n, f"{n} stored messages")
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            if self.repl.streaming is not None:
+                self.repl.streaming.abort()
+            self.pipe.close()  # end of input: the prompt raises EOFError and the REPL returns
+            self.thread.join(TIMEOUT_S)
+        self._pipe_cm.__exit__(None, None, None)
+        self.store.close()
+
+
+@pytest.fixture
+def drive(engine):
+    drivers = []
+
+    def start(**settings) -> Driver:
+        driver = Driver(engine, Settings(**{"temperature": 0.0, "max_tokens": 12, **settings}))
+        drivers.append(driver)
+        return driver
+
+    yield start
+    for driver in drivers:
+        driver.close()
+
+
+def test_message_streams_reply_stores_it_and_writes_history(drive):
+    d = drive()
+    mark = len(d.out.text)
+    d.type("hello\r")
+    d.wait_for_messages(2)
+    stream = d.repl.last_stream
+    assert stream.finish_reason in ("stop", "length") and stream.text
+    assert d.out.text[mark:].startswith(stream.text), "the reply streams to the REPL's output as plain text"
+
+    # Meta+Enter and Ctrl-J add new lines; only Enter sends.
+    d.type("one\x1b\rtwo\nthree\r")
+    d.wait_for_messages(4)
+    conversation = d.repl.conversation
+    assert conversation.messages[2].content == "one\ntwo\nthree"
+
+    stored = d.store.load_messages(conversation.id)
+    assert [(m.role, m.content) for m in stored] == [(m.role, m.content) for m in conversation.messages]
+    assert stored[1].content == stream.text and stored[1].stats["tokens"] == stream.num_completion_tokens
+    assert d.store.get_conversation(conversation.id).title == "hello"
+
+    history = paths.repl_history_file().read_text()
+    assert "+hello" in history and "+one\n+two\n+three" in history
+
+
+def test_ctrl_c_stops_the_reply(drive):
+    # Greedy on the demo model this prompt runs to max_tokens, far longer than the test needs.
+    d = drive(max_tokens=2000, system_prompt=DEFAULT_SYSTEM_PROMPT)
+    mark = len(d.out.text)
+    d.type("x\r")
+    d.wait_for(lambda: len(d.out.text) > mark + 8, "the reply to start streaming")
+    d.type("\x03")
+    d.wait_for_messages(2)
+    stream = d.repl.last_stream
+    assert stream.finish_reason == "abort", f"the reply ended by itself ({stream.finish_reason}) before Ctrl-C"
+    assert stream.num_completion_tokens < 2000
+    assert f"[stopped after {stream.num_completion_tokens} tokens]" in d.out.text
+    assert d.out.text[mark:].startswith(stream.text)
+    stored = d.store.load_messages(d.repl.conversation.id)
+    assert stored[-1].stats["finish_reason"] == "abort" and stored[-1].content == stream.text
+    assert d.thread.is_alive(), "stopping a reply does not quit"
+
+
+def test_system_command_changes_the_next_turn(drive, engine):
+    d = drive(max_tokens=4)
+    d.type("hello\r")
+    d.wait_for_messages(2)
+    first, reply = d.repl.last_stream, d.repl.conversation.messages[1].content
+    d.type("/system Talk like a pirate.\r")
+    d.wait_for(lambda: "system prompt set" in d.out.text, "/system's confirmation")
+    d.type("hi\r")
+    d.wait_for_messages(4)
+    second = d.repl.last_stream
+
+    def prompt_tokens(system: str, *turns: str) -> int:
+        roles = ["user", "assistant"] * len(turns)
+        messages = [{"role": "system", "content": system}] + [{"role": r, "content": t} for r, t in zip(roles, turns)]
+        return len(engine.llm.encode(engine.llm.render_chat(messages)))
+
+    assert first.num_prompt_tokens == prompt_tokens(DEFAULT_SYSTEM_PROMPT, "hello")
+    assert second.num_prompt_tokens == prompt_tokens("Talk like a pirate.", "hello", reply, "hi")
+    assert d.store.get_conversation(d.repl.conversation.id).system_prompt == "Talk like a pirate."
+    d.type("/system\r")
+    d.wait_for(lambda: "system prompt: Talk like a pirate." in d.out.text, "/system showing the prompt")
+
+
+def test_stats_save_new_and_unknown_commands(drive, engine):
+    d = drive()
+    d.type("hello\r")
+    d.wait_for_messages(2)
+    d.type("again\r")
+    d.wait_for_messages(4)
+    last = d.repl.last_stream
+    assert last.num_cached_tokens > 0, "the second turn reuses the first one's KV blocks"
+
+    d.type("/stats\r")
+    d.wait_for(lambda: "prefix cache:" in d.out.text and "last reply:" in d.out.text, "/stats output")
+    stats = d.out.text[d.out.text.index("KV cache:"):]
+    blocks = re.search(r"KV cache: (\d+)/(\d+) blocks in use \((\d+) tokens each\), (\d+) free but cached", stats)
+    assert blocks and int(blocks[2]) == engine.stats().num_blocks and int(blocks[3]) == engine.stats().block_size
+    assert int(blocks[4]) > 0, "finished turns leave their blocks cached for reuse"
+    hits = re.search(r"prefix cache: (\d+)/(\d+) prompt tokens reused \((\d+\.\d)% hit rate\)", stats)
+    assert hits and int(hits[1]) >= last.num_cached_tokens and int(hits[2]) > 0
+    assert re.search(r"MiB of \d+\.\d MiB", stats)
+    assert (f"last reply: {last.num_completion_tokens} tokens" in stats
+            and f"prompt {last.num_prompt_tokens} tokens, {last.num_cached_tokens} from the prefix cache" in stats)
+
+    d.type("/save\r")
+    d.wait_for(lambda: "saved to " in d.out.text, "/save's path")
+    saved = re.search(r"saved to (.+\.md)\n", d.out.text)[1]
+    markdown = open(saved).read()
+    assert "## User\n\nhello" in markdown and last.text in markdown
+    assert saved.startswith(str(paths.data_dir()))
+
+    d.type("/frobnicate\r")
+    d.wait_for(lambda: "unknown command /frobnicate" in d.out.text, "the unknown-command message")
+
+    old_id = d.repl.conversation.id
+    d.type("/new\rfresh\r")
+    d.wait_for(lambda: d.repl.conversation.id not in (None, old_id) and len(d.repl.conversation.messages) == 2,
+               "a reply in a new conversation")
+    assert [m.content for m in d.repl.conversation.messages][0] == "fresh"
+    assert len(d.store.list_conversations()) == 2
+
+
+def test_second_ctrl_c_at_an_empty_prompt_quits(drive):
+    d = drive()
+    d.type("some text\x03")  # Ctrl-C with text on the line clears it
+    d.type("\x03")
+    d.wait_for(lambda: "press Ctrl-C again to quit" in d.out.text, "the quit hint")
+    assert d.thread.is_alive()
+    d.type("\x03")
+    d.thread.join(TIMEOUT_S)
+    assert not d.thread.is_alive() and d.exit_code == 0
+    assert d.repl.conversation.messages == [] and d.out.text.count("press Ctrl-C again") == 1
