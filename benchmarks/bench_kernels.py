@@ -1,0 +1,383 @@
+"""Times each Triton kernel against its torch-eager equivalent at Qwen3-0.6B shapes (16 query heads,
+8 KV heads, head_dim 128, hidden 1024, intermediate 3072, bf16) and prints a table; JSON goes to
+--out.
+
+Times are medians from triton.testing.do_bench, per call. 'eager' launches every call from Python,
+as an uncaptured engine step does; 'graph' replays a CUDA graph of the calls, as the engine's
+captured decode step does, so launch overhead drops out. Decode calls rotate over distinct
+per-layer caches, as one decode step does, so that K/V come from HBM rather than L2; bandwidth is
+bytes of K/V read / graph time, against the H200's 4.25 TB/s.
+
+    python benchmarks/bench_kernels.py [--out benchmarks/out/kernels.json] [--sweep]
+
+--sweep also times the decode and prefill kernels over launch configs (tile size, warps, stages,
+split count), which is how their defaults were chosen. Without CUDA (TRITON_INTERPRET=1) it runs
+tiny shapes once, as a smoke test of this script, and times nothing meaningful.
+"""
+import argparse
+import datetime
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.layers.activation import SiluAndMul  # noqa: E402
+from engine.layers.norm import RMSNorm  # noqa: E402
+from engine.layers.rotary import RotaryEmbedding  # noqa: E402
+from kernels.decode_attention import paged_decode_attention  # noqa: E402
+from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from kernels.rmsnorm import rms_norm  # noqa: E402
+from kernels.rotary import apply_rotary  # noqa: E402
+from kernels.silu_mul import silu_and_mul  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 16, 8, 128, 1024, 3072
+DTYPE = torch.bfloat16
+PEAK_BYTES_PER_S = 4.25e12
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+SMOKE = not CUDA
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+def time_eager(fn, calls=1):
+    """Median ms per call of fn (which makes `calls` calls)."""
+    if SMOKE:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3 / calls
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") / calls
+
+
+def time_graph(fn, calls=1):
+    """Median ms per call of a CUDA graph replaying fn's `calls` calls."""
+    if SMOKE:
+        return None
+    import triton.testing
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median") / calls
+    del graph
+    return ms
+
+
+def us(ms):
+    return None if ms is None else round(ms * 1e3, 2)
+
+
+# -- torch-eager equivalents --------------------------------------------------------------------
+
+def torch_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Batched, graph-capturable eager decode: gather each sequence's blocks, mask, SDPA."""
+    k = k_cache[block_tables.long()].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, len, dim]
+    v = v_cache[block_tables.long()].flatten(1, 2).transpose(1, 2)
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                         enable_gqa=True)
+    return out[:, :, 0]
+
+
+def torch_prefill_one(q, k_cache, v_cache, block_table, context_len, scale):
+    """One sequence's prefill in eager torch: gather its K/V, SDPA with a bottom-right causal mask."""
+    blocks = (context_len + k_cache.shape[1] - 1) // k_cache.shape[1]
+    k = k_cache[block_table[:blocks].long()].flatten(0, 1)[:context_len].transpose(0, 1)[None]
+    v = v_cache[block_table[:blocks].long()].flatten(0, 1)[:context_len].transpose(0, 1)[None]
+    qt = q.transpose(0, 1)[None]
+    if q.shape[0] == context_len:
+        out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(context_len - q.shape[0], context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+# -- setups -------------------------------------------------------------------------------------
+
+def paged_cache(lens, block_size, layers):
+    """[2, layers, blocks, block_size, kv_heads, dim] with each sequence on shuffled blocks."""
+    need = [(n + block_size - 1) // block_size for n in lens]
+    total = sum(need)
+    cache = torch.randn(2, layers, total, block_size, KV_HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+    physical = torch.randperm(total)
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    at = 0
+    for i, blocks in enumerate(need):
+        tables[i, :blocks] = physical[at:at + blocks].int()
+        at += blocks
+    return cache, tables.to(DEVICE)
+
+
+def decode_setup(lens, block_size):
+    kv_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+    layers = 1 if SMOKE else max(2, min(28, math.ceil(256e6 / kv_bytes)))
+    cache, tables = paged_cache(lens, block_size, layers)
+    q = torch.randn(len(lens), HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return dict(q=q, cache=cache, tables=tables, context_lens=context_lens, layers=layers, kv_bytes=kv_bytes)
+
+
+def decode_fns(s, **cfg):
+    q, cache, tables, lens, layers = s["q"], s["cache"], s["tables"], s["context_lens"], s["layers"]
+    scale = HEAD_DIM ** -0.5
+
+    def triton_step():
+        return [paged_decode_attention(q, cache[0, i], cache[1, i], tables, lens, scale, **cfg) for i in range(layers)]
+
+    def torch_step():
+        return [torch_decode(q, cache[0, i], cache[1, i], tables, lens, scale) for i in range(layers)]
+
+    return triton_step, torch_step
+
+
+def decode_cases():
+    if SMOKE:
+        return [("b1_ctx64", [64]), ("b4_ctx~40", [random.randint(30, 50) for _ in range(4)])]
+    return [("b1_ctx512", [512]), ("b1_ctx4096", [4096]),
+            ("b256_ctx~600", [random.randint(550, 650) for _ in range(256)])]
+
+
+def prefill_setup(context, queries, block_size):
+    cache, tables = paged_cache([context], block_size, 1)
+    q = torch.randn(queries, HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+    cu = torch.tensor([0, queries], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([context], dtype=torch.int32, device=DEVICE)
+    visible = sum(range(context - queries + 1, context + 1))
+    flops = 4 * HEAD_DIM * HEADS * visible
+    return dict(q=q, k=cache[0, 0], v=cache[1, 0], cu=cu, lens=lens, tables=tables, context=context,
+                queries=queries, flops=flops)
+
+
+def prefill_fns(s, **cfg):
+    scale = HEAD_DIM ** -0.5
+
+    def triton_call():
+        return paged_prefill_attention(s["q"], s["k"], s["v"], s["cu"], s["lens"], s["tables"], scale,
+                                       s["queries"], **cfg)
+
+    def torch_call():
+        return torch_prefill_one(s["q"], s["k"], s["v"], s["tables"][0], s["context"], scale)
+
+    return triton_call, torch_call
+
+
+def prefill_cases():
+    if SMOKE:
+        return [("prompt_64", 64, 64), ("q8_after_64_cached", 72, 8)]
+    return [("prompt_2048", 2048, 2048), ("q50_after_2048_cached", 2098, 50)]
+
+
+def fused_cases():
+    tokens = [1, 4] if SMOKE else [1, 256, 2048]
+    for t in tokens:
+        x = torch.randn(t, HIDDEN, device=DEVICE).to(DTYPE)
+        res = torch.randn(t, HIDDEN, device=DEVICE).to(DTYPE)
+        norm = RMSNorm(HIDDEN).to(DEVICE)
+        norm.fused = False  # the engine's layers can route to these kernels; the baseline is torch
+        norm.weight.data = (1 + 0.1 * torch.randn(HIDDEN, device=DEVICE)).to(DTYPE)
+        yield ("rmsnorm+residual", f"tokens={t}", lambda x=x, r=res, n=norm: rms_norm(x, n.weight, n.eps, r),
+               lambda x=x, r=res, n=norm: n(x, r))
+    rope = RotaryEmbedding(HEAD_DIM, 40960, 1e6).to(DEVICE)
+    rope.fused = False
+    for t in tokens:
+        qkv = torch.randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=DEVICE).to(DTYPE)
+        q = qkv[:, :HEADS * HEAD_DIM].view(t, HEADS, HEAD_DIM)
+        k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
+        pos = torch.randint(0, 4096, (t,), device=DEVICE)
+        yield ("rotary (q+k)", f"tokens={t}", lambda q=q, k=k, p=pos: apply_rotary(q, k, p, rope.cos, rope.sin),
+               lambda q=q, k=k, p=pos: rope(p, q, k))
+    act = SiluAndMul()
+    act.fused = False
+    for t in tokens:
+        x = torch.randn(t, 2 * INTERMEDIATE, device=DEVICE).to(DTYPE)
+        yield ("silu_and_mul", f"tokens={t}", lambda x=x: silu_and_mul(x), lambda x=x: act(x))
+
+
+# -- runs ---------------------------------------------------------------------------------------
+
+def row(kernel, case, tri_eager, torch_eager, tri_graph=None, torch_graph=None, note=""):
+    def ratio(a, b):
+        return None if a is None or b is None else round(b / a, 2)
+    return dict(kernel=kernel, case=case, triton_us=us(tri_eager), torch_us=us(torch_eager),
+                speedup=ratio(tri_eager, torch_eager), triton_graph_us=us(tri_graph),
+                torch_graph_us=us(torch_graph), graph_speedup=ratio(tri_graph, torch_graph), note=note)
+
+
+def max_diff(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+def run_decode(block_size):
+    rows = []
+    for name, lens in decode_cases():
+        s = decode_setup(lens, block_size)
+        tri, ref = decode_fns(s)
+        err = max_diff(tri()[0], ref()[0])
+        t_g = time_graph(tri, s["layers"])
+        note = f"max|diff| {err:.1e}"
+        if t_g is not None:
+            bw = s["kv_bytes"] / (t_g * 1e-3)
+            note += f"; {bw / 1e9:.0f} GB/s = {100 * bw / PEAK_BYTES_PER_S:.0f}% of 4.25 TB/s" \
+                    f"; x28 layers {28 * t_g:.3f} ms"
+        rows.append(row("decode attention", f"{name} bs={block_size}", time_eager(tri, s["layers"]),
+                        time_eager(ref, s["layers"]), t_g, time_graph(ref, s["layers"]), note))
+        print_row(rows[-1])
+        del s
+    return rows
+
+
+def run_prefill(block_size):
+    rows = []
+    for name, context, queries in prefill_cases():
+        s = prefill_setup(context, queries, block_size)
+        tri, ref = prefill_fns(s)
+        err = max_diff(tri(), ref())
+        t, t_g = time_eager(tri), timed_graph(tri, 1) if CUDA else None
+        # The engine runs prefill eagerly; the graph times show the GPU time without launch overhead.
+        rate = s["flops"] / ((t_g or t) * 1e-3) / 1e12
+        rows.append(row("prefill attention", f"{name} bs={block_size}", t, time_eager(ref),
+                        t_g, timed_graph(ref, 1) if CUDA else None,
+                        note=f"max|diff| {err:.1e}; {rate:.0f} TFLOP/s"))
+        print_row(rows[-1])
+    return rows
+
+
+def run_fused():
+    rows = []
+    for kernel, case, tri, ref in fused_cases():
+        rows.append(row(kernel, case, time_eager(tri), time_eager(ref), time_graph(tri), time_graph(ref)))
+        print_row(rows[-1])
+    return rows
+
+
+def sweep_decode(block_size, budget_s):
+    out = []
+    cases = decode_cases()
+    for name, lens in cases:
+        start = time.monotonic()
+        deadline = start + 0.6 * budget_s / len(cases)  # the rest is for the split counts
+        s = decode_setup(lens, block_size)
+        results = []
+        for block_n, warps, stages in itertools.product((64, 32, 128), (4, 2, 8), (2, 1, 3)):
+            if time.monotonic() > deadline:
+                print("  sweep time budget spent")
+                break
+            cfg = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+            results.append((cfg, timed_graph(decode_fns(s, **cfg)[0], s["layers"])))
+        best = min((r for r in results if r[1] is not None), key=lambda r: r[1], default=(None, None))[0] or {}
+        for splits in (1, 2, 4, 8, 16, 32, 64):
+            for cfg in ({}, best) if time.monotonic() < start + budget_s / len(cases) else ():
+                full = dict(cfg, num_splits=splits)
+                results.append((full, timed_graph(decode_fns(s, **full)[0], s["layers"])))
+        results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
+        print(f"\nsweep decode {name} bs={block_size} (graph us/call), best 12 of {len(results)}:")
+        for cfg, ms in results[:12]:
+            print(f"  {us(ms)!s:>9}  {cfg}")
+        by_split = {(c["num_splits"], len(c) > 1): us(ms) for c, ms in results if "num_splits" in c}
+        print("  by num_splits (default cfg / best cfg):",
+              {n: (by_split.get((n, False)), by_split.get((n, True))) for n in sorted({k[0] for k in by_split})})
+        out.append(dict(case=name, block_size=block_size, results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
+        del s
+    return out
+
+
+def sweep_prefill(block_size):
+    out = []
+    configs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in
+               ((128, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2))]
+    configs += [dict(num_splits=n) for n in (1, 2, 4, 8, 16, 32)]
+    for name, context, queries in prefill_cases():
+        s = prefill_setup(context, queries, block_size)
+        results = []
+        for cfg in configs:
+            try:
+                results.append((cfg, timed_graph(prefill_fns(s, **cfg)[0], 1)))
+            except Exception as e:  # e.g. out of shared memory: report and go on
+                results.append((dict(cfg, error=type(e).__name__), None))
+        results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
+        print(f"\nsweep prefill {name} bs={block_size} (graph us/call):")
+        for cfg, ms in results:
+            print(f"  {us(ms)!s:>9}  {cfg}")
+        out.append(dict(case=name, block_size=block_size, results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
+    return out
+
+
+def timed_graph(fn, calls):
+    try:
+        return time_graph(fn, calls) if CUDA else time_eager(fn, calls)
+    except Exception as e:  # a config that does not compile (shared memory) is just skipped
+        print(f"  skipped: {type(e).__name__}: {str(e)[:120]}")
+        return None
+
+
+COLUMNS = [("kernel", 18), ("case", 32), ("triton_us", 10), ("torch_us", 10), ("speedup", 8),
+           ("triton_graph_us", 16), ("torch_graph_us", 15), ("graph_speedup", 14), ("note", 0)]
+
+
+def print_header():
+    print(" | ".join(f"{c:<{w}}" if w else c for c, w in COLUMNS))
+    print("-+-".join("-" * (w or 30) for _, w in COLUMNS))
+
+
+def print_row(r):
+    print(" | ".join(f"{'' if r[c] is None else r[c]!s:<{w}}" if w else str(r[c]) for c, w in COLUMNS), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/out/kernels.json")
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch configs")
+    parser.add_argument("--sweep-budget", type=float, default=150, help="seconds the decode sweep may take, split evenly over its cases")
+    parser.add_argument("--block-sizes", default="16,256", help="KV cache block sizes for the attention cases")
+    args = parser.parse_args()
+    block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    torch.manual_seed(0)
+    random.seed(0)
+    device = torch.cuda.get_device_name() if CUDA else "cpu (TRITON_INTERPRET smoke run)"
+    import triton
+    meta = dict(date=datetime.date.today().isoformat(), device=device, torch=torch.__version__,
+                triton=triton.__version__, command=" ".join([Path(sys.executable).name] + sys.argv))
+    print(f"{meta['date']}  {device}  torch {meta['torch']}  triton {meta['triton']}")
+    print(f"command: {meta['command']}\n")
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result = dict(meta, rows=[])
+
+    def save():
+        out_path.write_text(json.dumps(result, indent=1))
+
+    if args.sweep:
+        result["sweep_decode"] = sweep_decode(block_sizes[0], args.sweep_budget)
+        save()
+        result["sweep_prefill"] = sweep_prefill(block_sizes[0])
+        save()
+        print()
+    print_header()
+    for bs in block_sizes:
+        result["rows"] += run_decode(bs)
+        save()
+    for bs in block_sizes:
+        result["rows"] += run_prefill(bs)
+        save()
+    result["rows"] += run_fused()
+    save()
+    print(f"\nwrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""RMSNorm, optionally with the residual add fused in front (the pre-norm block's pattern)."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # Rounded to the residual stream's dtype before use, as torch's `x + residual` is.
+        h = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+             .to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + cols, h, mask=mask)
+    else:
+        h = x
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
+    # Normalized x is cast back to its dtype before the weight multiply, like the torch module.
+    normed = (hf * rstd).to(h.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """engine.layers.norm.RMSNorm's forward over the last dim of x [..., hidden]: returns the
+    normed tensor, or with a residual (normed, x + residual). Outputs are new tensors, with torch's
+    type promotion of (weight, x) and (x, residual)."""
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, h_dtype), device=x.device)
+    out2 = out.view(-1, hidden)
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden)
+        res_out = torch.empty(x.shape, dtype=h_dtype, device=x.device)
+        ro2 = res_out.view(-1, hidden)
+    else:
+        r2 = ro2 = x2  # unused
+    assert x2.stride(-1) == 1 and r2.stride(-1) == 1 and weight.is_contiguous()
+    rows = x2.shape[0]
+    if rows:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(rows,)](
+            x2, r2, weight, out2, ro2, x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8))
+    return out if residual is None else (out, res_out)

@@ -1,0 +1,290 @@
+"""The Triton kernels against the torch reference, run on CPU through Triton's interpreter.
+
+Shapes are tiny (the interpreter runs each program in numpy) but hit the edge cases: block sizes
+bigger and smaller than the kernels' tiles, contexts crossing block boundaries, shuffled block
+tables, GQA groups, cached prefixes, decode tokens inside a prefill batch, splits past the end of a
+short context. Inputs are fresh random numbers each run; the seed is printed on failure. Outputs
+(and the decode kernel's partials) are allocated NaN-filled, so an element left unwritten fails.
+"""
+import importlib
+import os
+import random
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine.layers import paged_attention_torch as ref  # noqa: E402
+from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, rotary, silu_mul  # noqa: E402
+
+
+def _interpreted() -> bool:
+    return type(decode_attention._decode_split_kernel).__name__ == "InterpretedFunction"
+
+
+if not _interpreted() and not torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "1":
+    # Imported before TRITON_INTERPRET was set, by an earlier test module: decorate them again.
+    for _module in (kv_store, decode_attention, prefill_attention, rmsnorm, rotary, silu_mul):
+        importlib.reload(_module)
+if _interpreted():
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"  # the kernels were compiled for the GPU already (tests/gpu collected first)
+else:
+    pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
+
+TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 3e-2)}
+HEAD_DIM = 32
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    value = random.SystemRandom().randrange(2**31)
+    random.seed(value)
+    torch.manual_seed(value)
+    print(f"torch seed {value}")  # pytest shows it when the test fails
+    return value
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Within `with poison():`, every float tensor torch.empty/empty_like makes is NaN-filled."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    class Poisoned:
+        def __enter__(self):
+            monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_fill(empty(*a, **k)))
+            monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_fill(empty_like(*a, **k)))
+
+        def __exit__(self, *exc):
+            monkeypatch.setattr(torch, "empty", empty)
+            monkeypatch.setattr(torch, "empty_like", empty_like)
+
+    return Poisoned
+
+
+def assert_close(out, expected, dtype):
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    assert not out.isnan().any(), "an output element was left unwritten (NaN)"
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def make_paged_kv(context_lens, block_size, kv_heads, dtype, head_dim=HEAD_DIM, spare_blocks=3):
+    """K/V caches as the engine lays them out (layer slices of one big tensor) with each sequence
+    on shuffled physical blocks. Slots no sequence owns are NaN, so reading one shows up; table
+    entries past a sequence's blocks are random block ids, which must never be followed."""
+    need = [(n + block_size - 1) // block_size for n in context_lens]
+    num_blocks = sum(need) + spare_blocks
+    width = max(need + [1]) + 2
+    big = torch.full((2, 2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    k_cache, v_cache = big[0, 1], big[1, 1]
+    physical = torch.randperm(num_blocks).tolist()
+    tables = torch.randint(0, num_blocks, (len(context_lens), width), dtype=torch.int32)
+    for i, (length, blocks) in enumerate(zip(context_lens, need)):
+        mine = [physical.pop() for _ in range(blocks)]
+        tables[i, :blocks] = torch.tensor(mine, dtype=torch.int32)
+        for j, b in enumerate(mine):
+            used = min(block_size, length - j * block_size)
+            k_cache[b, :used] = torch.randn(used, kv_heads, head_dim).to(dtype)
+            v_cache[b, :used] = torch.randn(used, kv_heads, head_dim).to(dtype)
+    big = big.to(DEVICE)
+    return big[0, 1], big[1, 1], tables.to(DEVICE)
+
+
+def random_contexts(batch, block_size, max_blocks=3):
+    """Random lengths plus the edges: one token, a full block, one past a block boundary."""
+    fixed = [1, block_size, block_size + 1]
+    rest = [random.randint(2, max_blocks * block_size) for _ in range(max(batch - len(fixed), 0))]
+    lens = (fixed + rest)[:batch]
+    random.shuffle(lens)
+    return lens
+
+
+# -- store_kv -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_size, dtype, slot_dtype", [
+    (16, F32, torch.int64), (32, BF16, torch.int32), (64, F16, torch.int64)])
+def test_store_kv(block_size, dtype, slot_dtype):
+    kv_heads, tokens, num_blocks = 2, 40, 6
+    # key/value as strided views of one fused qkv output, as the attention layer produces them.
+    qkv = torch.randn(tokens, 3 * kv_heads * HEAD_DIM, device=DEVICE).to(dtype)
+    key = qkv[:, kv_heads * HEAD_DIM:2 * kv_heads * HEAD_DIM].view(tokens, kv_heads, HEAD_DIM)
+    value = qkv[:, 2 * kv_heads * HEAD_DIM:].view(tokens, kv_heads, HEAD_DIM)
+    slots = torch.randperm(num_blocks * block_size)[:tokens].to(slot_dtype)
+    slots[torch.rand(tokens) < 0.25] = -1
+    slots = slots.to(DEVICE)
+    big = torch.full((2, 2, num_blocks, block_size, kv_heads, HEAD_DIM), float("nan"), dtype=dtype, device=DEVICE)
+    expected = big.clone()
+    kv_store.store_kv(key, value, big[0, 1], big[1, 1], slots)
+    ref.store_kv(key, value, expected[0, 1], expected[1, 1], slots)
+    torch.testing.assert_close(big, expected, rtol=0, atol=0, equal_nan=True)
+
+
+# -- decode -------------------------------------------------------------------------------------
+
+DECODE_CASES = [
+    # block_size, group, dtype, num_splits, block_n (None: the default)
+    (16, 1, F32, 1, None),
+    (16, 2, BF16, 4, 64),      # a tile spans four blocks
+    (32, 4, F16, 3, None),
+    (64, 8, F32, 5, 16),       # a tile is a quarter block; short contexts leave splits empty
+    (64, 2, BF16, None, None),  # default split count
+    (32, 8, BF16, 1, 32),
+    (16, 4, F32, 7, 16),
+    (32, 3, F16, 2, 16),       # a group that is not a power of two
+]
+
+
+@pytest.mark.parametrize("block_size, group, dtype, num_splits, block_n", DECODE_CASES)
+def test_decode_attention(block_size, group, dtype, num_splits, block_n, poison):
+    kv_heads = 2
+    lens = random_contexts(5, block_size)
+    k_cache, v_cache, tables = make_paged_kv(lens, block_size, kv_heads, dtype)
+    q = torch.randn(len(lens), kv_heads * group, HEAD_DIM, device=DEVICE).to(dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = HEAD_DIM ** -0.5
+    with poison():
+        out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale,
+                                                      num_splits, block_n=block_n)
+    assert_close(out, ref.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale), dtype)
+
+
+def test_decode_head_dim_64_and_padding_slot(poison):
+    """head_dim 64, and a zero-length context (a CUDA-graph padding slot) that must give zeros."""
+    dtype, block_size, kv_heads, group, head_dim = BF16, 16, 1, 2, 64
+    lens = [0, 40, 3]
+    k_cache, v_cache, tables = make_paged_kv(lens, block_size, kv_heads, dtype, head_dim)
+    q = torch.randn(3, kv_heads * group, head_dim, device=DEVICE).to(dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    with poison():
+        out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125, 4)
+    assert_close(out, ref.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125), dtype)
+    assert (out[0] == 0).all()
+
+
+def test_default_split_counts_are_static():
+    cpu = torch.device("cpu")
+    assert decode_attention.default_num_splits(256, 8, 4096, cpu) == 1
+    assert decode_attention.default_num_splits(1, 8, 64, cpu) == 1
+    many = decode_attention.default_num_splits(1, 8, 8192, cpu)
+    assert 1 < many <= decode_attention.MAX_SPLITS
+    # Prefill splits keys only for few programs over a long possible context.
+    assert prefill_attention.default_num_splits(8, 4096, 1 << 16, cpu) == prefill_attention.SPLITS
+    assert prefill_attention.default_num_splits(1024, 4096, 1 << 16, cpu) == 1
+    assert prefill_attention.default_num_splits(8, 256, 1 << 16, cpu) == 1
+
+
+# -- prefill ------------------------------------------------------------------------------------
+
+PREFILL_CASES = [
+    # block_size, group, dtype, block_m (rows per tile), block_n, num_splits (keys split, then merged)
+    (16, 1, F32, 16, 32, 1),      # K tiles span blocks
+    (32, 2, BF16, 32, 16, 3),
+    (64, 4, F16, None, 16, 1),    # K tiles are part of a block
+    (16, 8, BF16, 64, 64, 2),
+    (64, 2, F32, 32, 64, 5),      # splits past the end of short contexts
+    (32, 3, F32, None, None, None),  # a group that is not a power of two
+    (16, 2, F32, 16, 16, 4),
+]
+
+
+@pytest.mark.parametrize("block_size, group, dtype, block_m, block_n, num_splits", PREFILL_CASES)
+def test_prefill_attention(block_size, group, dtype, block_m, block_n, num_splits, poison):
+    kv_heads = 2
+    b = block_size
+    # (context, queries): plain prefill, cached prefix, a chunk in the middle of a long prompt,
+    # decode tokens mixed in, an empty entry, and a one-token prompt.
+    shapes = [(b + 9, b + 9), (2 * b + 3, 13), (3 * b, 21), (b + 1, 1), (2 * b, 1), (7, 0), (1, 1)]
+    random.shuffle(shapes)
+    lens = [c for c, _ in shapes]
+    q_lens = torch.tensor([n for _, n in shapes])
+    k_cache, v_cache, tables = make_paged_kv(lens, block_size, kv_heads, dtype)
+    cu = torch.zeros(len(shapes) + 1, dtype=torch.int32)
+    cu[1:] = q_lens.cumsum(0)
+    q = torch.randn(int(cu[-1]), kv_heads * group, HEAD_DIM, device=DEVICE).to(dtype)
+    cu = cu.to(DEVICE)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = HEAD_DIM ** -0.5
+    max_q = int(q_lens.max()) if random.random() < 0.5 else None
+    with poison():
+        out = prefill_attention.paged_prefill_attention(q, k_cache, v_cache, cu, context_lens, tables, scale,
+                                                        max_q, num_splits=num_splits, block_m=block_m,
+                                                        block_n=block_n)
+    expected = ref.paged_prefill_attention(q, k_cache, v_cache, cu, context_lens, tables, scale)
+    assert_close(out, expected, dtype)
+
+
+# -- fused elementwise ops ----------------------------------------------------------------------
+
+def rms_norm_ref(x, weight, eps, residual=None):
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    normed = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if residual is None else (normed, x)
+
+
+@pytest.mark.parametrize("dtype, w_dtype, hidden, with_residual", [
+    (F32, F32, 64, False), (BF16, BF16, 96, True), (F16, F16, 128, True), (BF16, F32, 64, False),
+    (BF16, BF16, 32, False)])
+def test_rms_norm(dtype, w_dtype, hidden, with_residual, poison):
+    x = torch.randn(2, 5, hidden, device=DEVICE).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(w_dtype)
+    residual = torch.randn(2, 5, hidden, device=DEVICE).to(dtype) if with_residual else None
+    with poison():
+        got = rmsnorm.rms_norm(x, weight, 1e-6, residual)
+    want = rms_norm_ref(x, weight, 1e-6, residual)
+    if with_residual:
+        assert_close(got[1], want[1], dtype)
+        got, want = got[0], want[0]
+    assert_close(got, want, dtype)
+
+
+def rotary_ref(q, k, positions, cos, sin):
+    def rot(x):
+        x1, x2 = x.float().chunk(2, -1)
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        return (x.float() * c + torch.cat([-x2, x1], -1) * s).to(x.dtype)
+    return rot(q), rot(k)
+
+
+@pytest.mark.parametrize("dtype, heads, kv_heads, head_dim", [(F32, 4, 2, 32), (BF16, 6, 2, 64), (F16, 2, 1, 32)])
+def test_apply_rotary(dtype, heads, kv_heads, head_dim):
+    tokens, max_pos = 9, 64
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
+    cos, sin = torch.cat([freqs, freqs], -1).cos().to(DEVICE), torch.cat([freqs, freqs], -1).sin().to(DEVICE)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(dtype)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
+    want_q, want_k = rotary_ref(q, k, positions, cos, sin)
+    got_q, got_k = rotary.apply_rotary(q, k, positions, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    assert_close(q, want_q, dtype)
+    assert_close(k, want_k, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)
+
+
+@pytest.mark.parametrize("dtype, d", [(F32, 48), (BF16, 64), (F16, 2100)])
+def test_silu_and_mul(dtype, d, poison):
+    x = torch.randn(3, 2, 2 * d, device=DEVICE).to(dtype)
+    with poison():
+        out = silu_mul.silu_and_mul(x)
+    gate, up = x.float().chunk(2, -1)
+    assert_close(out, (torch.nn.functional.silu(gate) * up).to(dtype), dtype)
+
+
+def test_package_is_lazy_and_not_hf_kernels():
+    import kernels
+    assert not hasattr(kernels, "__version__")
+    assert kernels.silu_and_mul is silu_mul.silu_and_mul
