@@ -30,6 +30,23 @@ def decode_ms_per_token(llm: LLM, context: int, new_tokens: int = 128) -> float:
     return (time.perf_counter() - start) * 1e3 / (new_tokens - 1)
 
 
+def decode_graph_ms(llm: LLM, batch: int = 1, replays: int = 200) -> float | None:
+    """GPU time of one captured decode forward (no host work): the step time minus this is host
+    time and launch gaps outside the graph (input copies, sampling, the sync, scheduling)."""
+    graphs = getattr(llm.runner, "decode_graphs", None)
+    if graphs is None or batch not in graphs.graphs:
+        return None
+    graph = graphs.graphs[batch]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def time_to_first_token_ms(llm: LLM, prompt: list[int]) -> float:
     sync()
     start = time.perf_counter()
@@ -63,6 +80,10 @@ def main():
         floor = decode_floor_ms(weight_bytes, kv_per_token // args.tp * args.tp, ctx)
         result["decode"][ctx] = {"ms_per_token": ms, "runs": runs, "floor_ms": floor}
         rows.append((f"batch-1 decode, {ctx} ctx", f"{ms:.3f} ms/token", f"floor {floor:.3f} ms", f"{floor / ms:.0%}"))
+    graph_ms = decode_graph_ms(llm) if torch.cuda.is_available() else None
+    if graph_ms is not None:
+        result["decode_graph_gpu_ms"] = graph_ms
+        rows.append(("  of which GPU (graph replay)", f"{graph_ms:.3f} ms", "", ""))
     if not args.skip_ttft:
         uncached, cached = [], []
         for _ in range(args.repeats):
