@@ -24,7 +24,8 @@ def _cpu_ram_bytes() -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0, progress=None):
+    def __init__(self, config: EngineConfig, rank: int = 0, progress=None, tp_group: parallel.TPGroup | None = None):
+        """tp_group: this rank's group when tensor_parallel_size > 1 (see engine.tp_group)."""
         progress = progress or (lambda message: None)
         self.config = config
         self.rank = rank
@@ -32,12 +33,15 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if config.device.type == "cuda" else config.device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        parallel.set_tp_group(rank, config.tensor_parallel_size)
+        self.tp_group = tp_group or parallel.SINGLE_RANK
+        if (self.tp_group.rank, self.tp_group.size) != (rank, config.tensor_parallel_size):
+            raise ValueError(f"rank {rank} of tensor_parallel_size={config.tensor_parallel_size} was given the "
+                             f"group of rank {self.tp_group.rank} of {self.tp_group.size}")
         progress("building the model")
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), parallel.building(self.tp_group):
                 self.model = config.architecture(config.hf_config, max_position=config.max_model_len)
         finally:
             torch.set_default_dtype(old_dtype)
@@ -51,10 +55,16 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers()
         for attn in self.attention_layers:
             attn.backend = self.backend
+        if self.backend.name == "triton":
+            # The fused Triton norm, RoPE and SiLU kernels beat torch eager on the H200 (RESULTS.md).
+            for module in self.model.modules():
+                if hasattr(type(module), "fused"):
+                    module.fused = True
         self.sampler = Sampler(self.device) if rank == 0 else None
         if self.device.type == "cuda" and not config.num_kvcache_blocks:
             progress("warming up to size the KV cache")
-        self.num_blocks = config.num_kvcache_blocks or self._blocks_that_fit()
+        # Every rank must hold the same blocks: take the smallest cache any GPU has room for.
+        self.num_blocks = config.num_kvcache_blocks or self.tp_group.min(self._blocks_that_fit(), self.device)
         progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
         self.decode_graphs = None

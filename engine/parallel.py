@@ -1,37 +1,142 @@
-"""Tensor-parallel group of this process: rank, size and the collectives the layers need.
+"""One engine's tensor-parallel group: its rank, its size and the collectives the layers need.
 
-With one rank everything here is a no-op, so single-GPU and CPU runs pay nothing for it.
+Every engine has its own TPGroup, and layers keep the group that was current while the model was
+built (see `building`), so two engines in one process never share a communicator. With one rank
+every collective is a no-op, so single-GPU and CPU runs pay nothing for it.
 """
+import contextlib
+import contextvars
+import os
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
-_rank = 0
-_size = 1
+
+class CollectiveError(RuntimeError):
+    """A collective failed, almost always because another rank has gone away."""
 
 
-def set_tp_group(rank: int, size: int) -> None:
-    global _rank, _size
-    _rank, _size = rank, size
+class TPGroup:
+    def __init__(self, rank: int = 0, size: int = 1, backend=None):
+        if size > 1 and backend is None:
+            raise ValueError("a tensor-parallel group of more than one rank needs a process-group backend")
+        self.rank, self.size = rank, size
+        self._backend = backend
+        self.is_nccl = backend is not None and backend.name().lower() == "nccl"
 
+    def _pg(self):
+        if self._backend is None:
+            raise CollectiveError("this tensor-parallel group has been shut down")
+        return self._backend
 
-def tp_rank() -> int:
-    return _rank
-
-
-def tp_size() -> int:
-    return _size
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _size > 1:
-        dist.all_reduce(x)
-    return x
-
-
-def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-    """Concatenates each rank's shard along dim on rank 0; other ranks get None."""
-    if _size == 1:
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In place, and returns x."""
+        if self.size > 1:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+            try:
+                self._pg().allreduce([x], opts).wait()
+            except CollectiveError:
+                raise
+            except RuntimeError as e:  # gloo raises here as soon as a peer's sockets close
+                raise CollectiveError(str(e)) from e
         return x
-    parts = [torch.empty_like(x) for _ in range(_size)] if _rank == 0 else None
-    dist.gather(x, parts, dst=0)
-    return torch.cat(parts, dim=dim) if _rank == 0 else None
+
+    def gather_to_rank0(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenates each rank's shard along dim on rank 0; other ranks get None."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        try:
+            self._pg().gather([parts] if parts else [], [x], opts).wait()
+        except CollectiveError:
+            raise
+        except RuntimeError as e:
+            raise CollectiveError(str(e)) from e
+        return torch.cat(parts, dim=dim) if parts else None
+
+    def min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's value (each GPU may have room for a different KV cache)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
+
+    def abort(self) -> None:
+        """Called from another thread when a peer has died: NCCL kernels waiting on it would spin
+        forever, and aborting the communicator releases them. Gloo needs nothing, since it errors as
+        soon as the peer's sockets close (and its abort does not wake a waiting collective)."""
+        backend = self._backend
+        if backend is not None and self.is_nccl:
+            backend.abort()
+
+    def destroy(self) -> None:
+        backend, self._backend = self._backend, None
+        # abort, not shutdown: it is local, so it cannot wait on ranks that have already exited.
+        if backend is not None and self.is_nccl:
+            backend.abort()
+
+
+SINGLE_RANK = TPGroup()
+
+_current: contextvars.ContextVar[TPGroup] = contextvars.ContextVar("tp_group", default=SINGLE_RANK)
+
+
+def current_group() -> TPGroup:
+    """The group the model being built belongs to; layers keep it for their forward passes."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def building(group: TPGroup):
+    """Makes `group` current while a model is built. A context variable rather than a global, so
+    two engines built at once on different threads each get their own."""
+    token = _current.set(group)
+    try:
+        yield group
+    finally:
+        _current.reset(token)
+
+
+@contextlib.contextmanager
+def _env_default(name: str, value: str):
+    """Sets an environment variable the backend reads while it is constructed, unless the user
+    set it, and restores the environment after."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
+def create_group(rank: int, size: int, store, device: torch.device, timeout: timedelta) -> TPGroup:
+    """A standalone group over `store` (not torch.distributed's global default group, so any number
+    of engines can live in one process): NCCL on CUDA, gloo over loopback on CPU."""
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        # On an NCCL error or timeout torch's default is to take the whole process down. Rank 0's
+        # process is the caller's app: only abort the communicator (2), so the next collective
+        # raises and the caller gets an exception instead.
+        with _env_default("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):
+            backend = dist.ProcessGroupNCCL(store, rank, size, opts)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        # Every rank is on this host; loopback keeps gloo off the network and off hostname lookups.
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = timeout
+        backend = dist.ProcessGroupGloo(store, rank, size, opts)
+    group = TPGroup(rank, size, backend)
+    # Connect now, while every rank is here, rather than lazily inside the first forward pass:
+    # NCCL's lazy connect blocks with no way to abort if a peer dies before reaching it.
+    group.all_reduce(torch.zeros(1, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return group

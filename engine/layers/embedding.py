@@ -12,7 +12,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
-        self.tp_rank, self.tp_size = parallel.tp_rank(), parallel.tp_size()
+        self.tp = parallel.current_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.vocab_size = vocab_size
         self.shard_size = (vocab_size + self.tp_size - 1) // self.tp_size
         self.start = self.tp_rank * self.shard_size
@@ -33,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         in_range = (ids >= self.start) & (ids < self.end)
         y = F.embedding(torch.where(in_range, ids - self.start, 0), self.weight)
         y = y * in_range.unsqueeze(-1).to(y.dtype)
-        return parallel.all_reduce(y)
+        return self.tp.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -41,7 +42,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Full-vocabulary logits on rank 0 (None elsewhere)."""
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
-            logits = parallel.gather_to_rank0(logits, dim=-1)
+            logits = self.tp.gather_to_rank0(logits, dim=-1)
             if logits is None:
                 return None
         return logits[..., : self.vocab_size]

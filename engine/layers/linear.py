@@ -21,7 +21,8 @@ def _divide(n: int, d: int, what: str) -> int:
 class _Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
         super().__init__()
-        self.tp_rank, self.tp_size = parallel.tp_rank(), parallel.tp_size()
+        self.tp = parallel.current_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -48,7 +49,7 @@ class ReplicatedLinear(_Linear):
 
 class ColumnParallelLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        tp = parallel.tp_size()
+        tp = parallel.current_group().size
         super().__init__(in_features, _divide(out_features, tp, "output features"), bias, tp_dim=0)
 
 
@@ -71,7 +72,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     replicated: each rank holds the one KV head its query heads attend to."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        tp = parallel.tp_size()
+        tp = parallel.current_group().size
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp, "number of attention heads")
         if num_kv_heads >= tp:
@@ -98,10 +99,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        tp = parallel.tp_size()
+        tp = parallel.current_group().size
         super().__init__(_divide(in_features, tp, "input features"), out_features, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, so the all-reduce does not count it tp_size times.
         bias = self.bias if self.tp_rank == 0 else None
-        return parallel.all_reduce(F.linear(x, self.weight, bias))
+        return self.tp.all_reduce(F.linear(x, self.weight, bias))

@@ -1,0 +1,122 @@
+"""Tensor-parallel scaling: batch-1 decode latency and nano-vllm's throughput workload at each
+tensor-parallel size, on random weights in a real model's shapes (no checkpoint needed).
+
+    python -m benchmarks.bench_tp --config benchmarks/configs/qwen3-8b --tp 1 2 4 --out benchmarks/out/tp-8b.json
+
+Every size runs in this process, one engine after another; rank 0 is cuda:0, rank r is cuda:r,
+and the collectives go over NCCL (gloo on CPU).
+"""
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `engine` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks.common import CONFIGS, nano_vllm_workload, print_table, write_json
+from engine import LLM, SamplingParams
+
+NANO_VLLM_OUTPUT_TOKENS = 133_966  # what the 256-sequence workload must generate
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_ms_per_token(llm: LLM, context: int, new_tokens: int, repeats: int) -> tuple[float, list[float]]:
+    """Batch 1: a fresh `context`-token prompt, then `new_tokens` greedy tokens. The prefill step
+    (which also samples the first token) is left out; every later step is one decode."""
+    runs = []
+    for _ in range(repeats):
+        prompt = [random.randint(0, 10000) for _ in range(context)]
+        seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+        llm.step()
+        sync()
+        start = time.perf_counter()
+        while not seq.is_finished:
+            llm.step()
+        sync()
+        runs.append((time.perf_counter() - start) * 1e3 / (new_tokens - 1))
+    return statistics.median(runs), runs
+
+
+def throughput(llm: LLM, num_seqs: int) -> dict:
+    prompts, max_tokens = nano_vllm_workload(num_seqs)
+    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o["token_ids"]) for o in outs)
+    if num_seqs == 256 and tokens != NANO_VLLM_OUTPUT_TOKENS:
+        print(f"warning: generated {tokens:,} tokens, nano-vllm's workload makes {NANO_VLLM_OUTPUT_TOKENS:,}",
+              file=sys.stderr)
+    return {"seconds": seconds, "output_tokens": tokens, "tok_per_s": tokens / seconds,
+            "prompt_tokens": sum(map(len, prompts)), "preemptions": llm.stats().num_preemptions}
+
+
+def run_one(args, tp: int) -> dict:
+    start = time.perf_counter()
+    llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=tp,
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+    result = {"tp": tp, "startup_s": time.perf_counter() - start, "num_blocks": llm.stats().num_blocks}
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+        random.seed(0)
+        ms, runs = decode_ms_per_token(llm, args.context, args.new_tokens, args.repeats)
+        result["decode"] = {"context": args.context, "new_tokens": args.new_tokens, "ms_per_token": ms, "runs": runs}
+        if not args.skip_throughput:
+            result["throughput"] = throughput(llm, args.num_seqs)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()  # free this size's weights and cache before the next size starts
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(CONFIGS / "qwen3-8b"), help="a config directory (weights not needed)")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to run, in order")
+    p.add_argument("--skip-throughput", action="store_true", help="only the batch-1 decode latency")
+    p.add_argument("--out", default=None, help="write the results to this JSON file")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens before the timed decode")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="decode runs per size; the median is reported")
+    p.add_argument("--num-seqs", type=int, default=256, help="sequences in the throughput workload")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--attention-backend", default=None)
+    args = p.parse_args()
+
+    results = [run_one(args, tp) for tp in args.tp]
+    base = next((r for r in results if r["tp"] == 1), None)
+    rows = []
+    for r in results:
+        ms = r["decode"]["ms_per_token"]
+        row = [r["tp"], f"{ms:.3f}", f"{base['decode']['ms_per_token'] / ms:.2f}x" if base else "-"]
+        if "throughput" in r:
+            t = r["throughput"]
+            row += [f"{t['output_tokens']:,}", f"{t['seconds']:.1f}", f"{t['tok_per_s']:,.0f}",
+                    f"{t['tok_per_s'] / base['throughput']['tok_per_s']:.2f}x" if base else "-"]
+        rows.append(tuple(row + [r["num_blocks"], f"{r['startup_s']:.1f}"]))
+    header = ["tp", f"decode ms/token ({args.context} ctx)", "vs tp1"]
+    if not args.skip_throughput:
+        header += ["out tokens", "s", "tok/s", "vs tp1"]
+    graphs = torch.cuda.is_available() and not args.enforce_eager
+    print(f"{Path(args.config).name}, bf16, random weights, {'CUDA graphs' if graphs else 'eager'}")
+    print_table(rows, tuple(header + ["KV blocks", "startup s"]))
+    write_json(args.out, {"config": args.config, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Tensor parallelism on CPU over gloo: the same greedy tokens as one rank and as HF transformers,
+several engines in one process, and no hang or leftover process whatever way a rank goes away.
+
+The tiny checkpoints have 4 query heads and 2 KV heads, so TP=4 runs with KV heads replicated."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.tp_group import WorkerError
+from tests.conftest import hf_greedy, random_prompts, save_tiny_hf_model
+
+REPO = Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+# --- process and shared-memory bookkeeping -----------------------------------------------------------
+
+
+def _children() -> set[int]:
+    """Pids whose parent is this process, zombies included: an unreaped worker is a leak too."""
+    try:
+        import psutil
+        return {p.pid for p in psutil.Process().children()}
+    except ImportError:
+        pass
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                found.add(int(entry))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for init to reap it: it has exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def leaves_nothing_behind():
+    children, shm = _children(), _shm()
+    yield
+    assert _children() - children == set(), "processes left running"
+    assert _shm() - shm == set(), "/dev/shm entries left behind"
+
+
+# --- same tokens -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_matches_one_rank_and_hf(tiny_qwen3, tp):
+    prompts = random_prompts([1, 7, 16, 17, 33, 64], seed=tp)
+    expected = hf_greedy(tiny_qwen3, prompts, GREEDY.max_tokens)
+    with LLM(tiny_qwen3, device="cpu", kvcache_block_size=4) as llm:
+        one_rank = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
+    with leaves_nothing_behind():
+        with LLM(tiny_qwen3, device="cpu", kvcache_block_size=4, tensor_parallel_size=tp) as llm:
+            assert len(llm.runner.worker_pids) == tp - 1
+            qkv = llm.runner.runner.model.model.layers[0].self_attn.qkv_proj
+            assert (qkv.num_heads, qkv.num_kv_heads, qkv.kv_replicas) == (4 // tp, 1, tp // 2)
+            outs = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
+            assert llm.stats().num_free_blocks == llm.stats().num_blocks
+    assert outs == one_rank == expected
+
+
+def test_two_engines_in_one_process(tiny_qwen3, tiny_qwen3_tied):
+    """Each has its own store, group and workers; stepping them in turn must not cross wires.
+    One also prefills in chunks beside decodes, one ends on an exception, one is shut down twice."""
+    prompts = random_prompts([5, 40, 23], seed=11)
+    expected = {p: hf_greedy(p, prompts, GREEDY.max_tokens) for p in (tiny_qwen3, tiny_qwen3_tied)}
+    with leaves_nothing_behind():
+        a = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, kvcache_block_size=8,
+                max_num_batched_tokens=24, max_prefill_chunk=13)
+        with pytest.raises(KeyError, match="on purpose"):
+            with LLM(tiny_qwen3_tied, device="cpu", tensor_parallel_size=2) as b:
+                assert not set(a.runner.worker_pids) & set(b.runner.worker_pids)
+                seqs = {llm: [llm.add_request(p, GREEDY) for p in prompts] for llm in (a, b)}
+                while a.has_unfinished() or b.has_unfinished():
+                    for llm in (a, b):
+                        if llm.has_unfinished():
+                            llm.step()
+                assert [s.completion_token_ids for s in seqs[a]] == expected[tiny_qwen3]
+                assert [s.completion_token_ids for s in seqs[b]] == expected[tiny_qwen3_tied]
+                b_workers = b.runner.worker_pids
+                raise KeyError("on purpose")
+        assert not any(_running(pid) for pid in b_workers)
+        # a is untouched by b's end
+        assert [o["token_ids"] for o in a.generate(prompts[:1], GREEDY)] == expected[tiny_qwen3][:1]
+        a.shutdown()
+        a.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            a.generate(prompts[:1], GREEDY)
+
+
+# --- failures ---------------------------------------------------------------------------------------------
+
+
+def test_worker_killed_mid_run_raises_in_caller(tiny_qwen3):
+    with leaves_nothing_behind():
+        with LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2) as llm:
+            [pid] = llm.runner.worker_pids
+            seq = llm.add_request(random_prompts([8])[0], SamplingParams(temperature=0, max_tokens=900,
+                                                                         ignore_eos=True))
+            outcome = {}
+
+            def run():
+                try:
+                    while llm.has_unfinished():
+                        llm.step()
+                except BaseException as e:
+                    outcome["error"] = e
+
+            stepper = threading.Thread(target=run, daemon=True)
+            stepper.start()
+            _wait_until(lambda: seq.num_completion_tokens >= 3 or not stepper.is_alive(), 30, "decoding to start")
+            os.kill(pid, signal.SIGKILL)
+            stepper.join(timeout=30)
+            assert not stepper.is_alive(), "the caller hung after its worker died"
+            error = outcome.get("error")
+            assert isinstance(error, WorkerError), f"expected a WorkerError, got {error!r}"
+            assert f"rank 1 (pid {pid}) was killed by SIGKILL" in str(error)
+            assert error.pids == [pid]
+            assert llm.runner.broken
+            with pytest.raises(RuntimeError, match="earlier failure"):
+                llm.generate([[1, 2, 3]], GREEDY)
+
+
+def test_worker_exception_carries_its_traceback(tmp_path):
+    """A checkpoint whose q_proj holds rank 0's rows only: rank 0 loads fine, rank 1 raises."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_hf_model(tmp_path, tie=False)
+    weights = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    weights[name] = weights[name][:32].contiguous()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with leaves_nothing_behind():
+        with pytest.raises(WorkerError) as info:
+            LLM(tmp_path, device="cpu", tensor_parallel_size=2)
+    message = str(info.value)
+    assert info.value.ranks == [1]
+    assert message.startswith("tensor-parallel worker rank 1 (pid ")
+    assert "Traceback (most recent call last)" in message
+    assert "tp_worker.py" in message and "load_weights" in message
+    assert "q_proj has 32 rows, need 64" in message
+
+
+_PARENT = """
+import sys, torch
+torch.set_num_threads(1)
+from engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2)
+print(*llm.runner.worker_pids, flush=True)
+if sys.argv[2] == "killed":
+    while True:
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+"""
+
+
+@pytest.mark.parametrize("how", ["killed", "exits without shutdown"])
+def test_workers_end_with_their_parent(tiny_qwen3, how):
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tiny_qwen3), how.split()[0]],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 1, "the parent did not start its engine"
+        if how == "killed":
+            os.kill(parent.pid, signal.SIGKILL)
+        assert parent.wait(timeout=60) == (-signal.SIGKILL if how == "killed" else 0)
+        _wait_until(lambda: not any(_running(pid) for pid in pids), 10, "the workers to exit")
+    finally:
+        parent.kill()
+        parent.wait()
