@@ -38,8 +38,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def run_tui(settings: Settings) -> int:
     from nvchat.app import NvchatApp
-    NvchatApp(settings).run()
-    return 0
+    app = NvchatApp(settings)
+    app.run()
+    return app.return_code or 0
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,4 @@
+"""nvchat's Textual app."""
+from nvchat.app.app import NvchatApp
+
+__all__ = ["NvchatApp"]

@@ -1,0 +1,455 @@
+"""The nvchat Textual app: chats as tabs over one in-process EngineThread.
+
+Threads, and what runs where:
+- the UI thread (Textual's event loop) only moves text into widgets;
+- the engine thread steps the model and appends tokens to each RequestStream;
+- one conversation thread runs everything that tokenizes or touches SQLite, in order;
+- a start-up thread worker builds the engine, reporting each stage to the loading screen.
+
+Streaming: one app-level timer (PUMP_HZ) drains every active stream with RequestStream.drain(),
+which hands over everything since the last tick as one delta, and appends it to that reply's
+MarkdownStream. The engine never posts per-token messages, and a pane gets at most PUMP_HZ
+updates a second however fast tokens arrive.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.containers import Horizontal
+from textual.content import Content
+from textual.screen import ModalScreen
+from textual.widgets import Footer, Header, TabbedContent, TabPane
+
+from engine import EngineThread, RequestStream
+from engine.demo_model import GIBBERISH_NOTE
+from nvchat import paths
+from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
+from nvchat.app.chat_pane import ChatPane
+from nvchat.app.commands import ChatCommands
+from nvchat.app.conversations_screen import ConversationsScreen
+from nvchat.app.export import export_markdown
+from nvchat.app.frame_stats import FrameStats
+from nvchat.app.help_screen import HelpScreen
+from nvchat.app.kv_panel import BlockOwner, KVPanel, PanelData
+from nvchat.app.loading_screen import LoadingScreen
+from nvchat.app.messages import ChatStateChanged, ReplyStarted
+from nvchat.app.rename_screen import RenameScreen
+from nvchat.app.system_prompt_screen import SystemPromptScreen
+from nvchat.conversation import Conversation
+from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, SettingsError, save_setting
+from nvchat.store import ChatStore
+from themes import load_themes, tab_colors
+
+PUMP_HZ = 20
+FALLBACK_THEME = "nvchat-dark"
+# Actions that need a started engine and the chat screen on top.
+_CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv_panel"} | {"default_system_prompt"}
+
+
+def model_label(settings: Settings) -> str:
+    if settings.uses_demo_model:
+        return "demo model"
+    return Path(settings.model).name or settings.model
+
+
+def _store_partial_reply(conversation: Conversation, stream: RequestStream) -> None:
+    stream.wait(5)
+    conversation.finish_reply(stream)
+
+
+class NvchatApp(App[None]):
+    TITLE = "nvchat"
+    # Absolute, so subclasses elsewhere (the UI benchmark) still find them.
+    CSS_PATH = [Path(__file__).with_name(name) for name in
+                ("app.tcss", "chat_pane.tcss", "message_view.tcss", "prompt_input.tcss", "kv_panel.tcss")]
+    BINDINGS = bindings(APP_KEYS)
+    COMMANDS = App.COMMANDS | {ChatCommands}
+
+    def __init__(self, settings: Settings, *, engine: EngineThread | None = None, store: ChatStore | None = None):
+        """engine / store: already running ones to use (and leave running), e.g. shared by tests;
+        by default the app builds its own from settings and shuts them down when it exits."""
+        super().__init__()
+        self.settings = settings
+        self.engine = engine
+        self.store = store
+        self._owns_engine = engine is None
+        self._owns_store = store is None
+        self.keymap = dict(settings.keys)
+        self.ready = False  # engine and store are up, chats can run
+        self.closing = False
+        self.note = GIBBERISH_NOTE if settings.uses_demo_model else None
+        self.frame_stats = FrameStats()
+        self._conversation_thread = ThreadPoolExecutor(1, thread_name_prefix="nvchat-conversations")
+        self._panes: list[ChatPane] = []
+        self._streaming: dict[ChatPane, None] = {}  # panes the pump drains, in start order
+        self._request_owners: dict[int, ChatPane] = {}  # request id -> chat, for the KV panel
+        self._tab_serial = 0
+        self._loading: LoadingScreen | None = None
+        self._theme_applied = False
+
+    # --- start-up ------------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header(icon="≡")
+        with Horizontal(id="main"):
+            yield TabbedContent(id="chats")
+            yield KVPanel(id="kv-panel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for theme in load_themes():
+            self.register_theme(theme)
+        if self.settings.theme in self.available_themes:
+            self.theme = self.settings.theme
+        else:
+            self.notify(f"config.toml: unknown theme {self.settings.theme!r}; using {FALLBACK_THEME}",
+                        severity="warning")
+            self.theme = FALLBACK_THEME
+        self._theme_applied = True
+        unknown = unknown_key_ids(self.keymap)
+        if unknown:
+            self.notify(f"config.toml [keys]: no binding has the id(s) {', '.join(unknown)} (F1 lists them)",
+                        severity="warning", timeout=10)
+        self.set_keymap(self.keymap)
+        self.sub_title = self.note or model_label(self.settings)
+        self._pump_timer = self.set_interval(1 / PUMP_HZ, self._pump_replies, pause=True)
+        self.query_one(KVPanel).source = self._panel_data
+        if self.engine is None:
+            self._loading = LoadingScreen(model_label(self.settings), self.note)
+            self.push_screen(self._loading)
+        self._start_backend()
+
+    def _to_ui(self, callback, *args) -> None:
+        """call_from_thread, skipped once the app is closing (its loop may never run the call)."""
+        if self.closing:
+            return
+        try:
+            self.call_from_thread(callback, *args)
+        except RuntimeError:
+            pass
+
+    @work(thread=True, exit_on_error=False, name="start engine")
+    def _start_backend(self) -> None:
+        loading = self._loading
+
+        def progress(stage: str) -> None:
+            if loading is not None:
+                self._to_ui(loading.add_stage, stage)
+
+        engine, store = self.engine, self.store
+        try:
+            if engine is None:
+                if self.settings.uses_demo_model:
+                    progress("preparing the demo model")
+                kwargs = self.settings.engine_kwargs()
+                engine = EngineThread(kwargs.pop("model"), progress=progress, **kwargs)
+                progress("starting the engine thread")
+                engine.start()
+            if store is None:
+                progress("opening the conversation store")
+                store = ChatStore()
+        except Exception as e:  # shown on the loading screen rather than as a traceback
+            detail = str(e) if isinstance(e, (ValueError, OSError, RuntimeError)) else f"{type(e).__name__}: {e}"
+            if engine is not None and self._owns_engine:
+                engine.shutdown()
+            self._to_ui(self._backend_failed, detail or type(e).__name__)
+            return
+        if self.closing:
+            self._close_backend(engine, store, [])
+            return
+        self._to_ui(self._backend_ready, engine, store)
+
+    async def _backend_ready(self, engine: EngineThread, store: ChatStore) -> None:
+        self.engine, self.store = engine, store
+        if self._loading is not None and self.screen is self._loading:
+            self.pop_screen()
+        self._loading = None
+        await self.open_chat(self.new_conversation())
+        self.ready = True
+        self.refresh_bindings()
+
+    def _backend_failed(self, detail: str) -> None:
+        if self._loading is not None:
+            self._loading.fail(detail)
+        self.notify(detail, title="The engine could not start", severity="error", timeout=30)
+
+    # --- chats -------------------------------------------------------------------------------------
+
+    def in_background(self, fn, *args) -> asyncio.Future:
+        """Runs fn on the conversation thread. Shielded: a caller that goes away (a closed tab, app
+        exit) does not cancel a write that was already queued."""
+        return asyncio.shield(asyncio.wrap_future(self._conversation_thread.submit(fn, *args)))
+
+    def new_conversation(self) -> Conversation:
+        return Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
+                            model_name=self.settings.model or "demo", settings=self.settings)
+
+    @property
+    def tabs(self) -> TabbedContent:
+        return self.query_one("#chats", TabbedContent)
+
+    @property
+    def active_pane(self) -> ChatPane | None:
+        pane = self.tabs.active_pane
+        return pane.query_one(ChatPane) if pane is not None else None
+
+    def _color_for(self, slot: int) -> str:
+        colors = tab_colors(self.current_theme)
+        return colors[slot % len(colors)]
+
+    def _tab_label(self, pane: ChatPane) -> Content:
+        marker = " …" if pane.busy else ""
+        return Content.assemble(("● ", pane.color), pane.conversation.title + marker)
+
+    async def open_chat(self, conversation: Conversation) -> ChatPane:
+        self._tab_serial += 1
+        slot = self._tab_serial - 1
+        pane = ChatPane(conversation, background=self.in_background, color=self._color_for(slot), color_slot=slot,
+                        note=self.note)
+        tab = TabPane(self._tab_label(pane), pane, id=f"chat-{self._tab_serial}")
+        self._panes.append(pane)
+        await self.tabs.add_pane(tab)
+        self.tabs.active = tab.id
+        pane.prompt.focus()
+        return pane
+
+    async def close_chat(self, pane: ChatPane) -> None:
+        stream = pane.stream
+        if stream is not None:
+            # Its tab is going: stop the reply here and keep what it said so far.
+            pane.stream = None
+            stream.abort()
+            self.in_background(_store_partial_reply, pane.conversation, stream)
+        self._streaming.pop(pane, None)
+        self._panes.remove(pane)
+        self._request_owners = {rid: p for rid, p in self._request_owners.items() if p is not pane}
+        tab_pane = pane.parent
+        await self.tabs.remove_pane(tab_pane.id)
+        if not self._panes:
+            await self.open_chat(self.new_conversation())
+        elif self.active_pane is not None:
+            self.active_pane.prompt.focus()
+
+    def on_reply_started(self, event: ReplyStarted) -> None:
+        stream = event.pane.stream
+        if stream is None:
+            return
+        self._request_owners[stream.request_id] = event.pane
+        self._streaming[event.pane] = None
+        self._pump_timer.resume()
+
+    def on_tabbed_content_tab_activated(self) -> None:
+        self.refresh_bindings()
+
+    def on_chat_state_changed(self, event: ChatStateChanged) -> None:
+        self.refresh_bindings()
+        pane = event.pane
+        if pane.parent is not None and pane.parent.id:
+            try:
+                self.tabs.get_tab(pane.parent.id).label = self._tab_label(pane)
+            except Exception:  # the tab closed in the meantime
+                pass
+
+    async def _pump_replies(self) -> None:
+        started = time.perf_counter()
+        shown = self.active_pane
+        for pane in list(self._streaming):
+            try:
+                ended = await pane.pump(pane is shown)
+            except Exception as e:  # one broken pane must not stall the others
+                self.log.error(f"pump failed for {pane}: {e!r}")
+                ended = True
+            if ended:
+                self._streaming.pop(pane, None)
+        self.frame_stats.record(started, time.perf_counter())
+        if not self._streaming:
+            self._pump_timer.pause()
+            self.frame_stats.pause()
+
+    # --- KV panel ----------------------------------------------------------------------------------
+
+    def _panel_data(self) -> PanelData:
+        snapshot = self.engine.stats()
+        # A finished request's owner is kept until the engine's snapshot no longer shows it holding
+        # blocks (the snapshot trails the streams by a step).
+        live = {p.stream.request_id for p in self._panes if p.stream is not None}
+        self._request_owners = {rid: p for rid, p in self._request_owners.items()
+                                if rid in live or rid in snapshot.block_holders}
+        owners = {rid: BlockOwner(p.conversation.title, p.color) for rid, p in self._request_owners.items()}
+        chats = [BlockOwner(p.conversation.title, p.color) for p in self._panes]
+        return PanelData(snapshot, owners, chats)
+
+    # --- actions -------------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # The app's bindings are priority bindings: stand aside while a modal (a dialog, the
+        # command palette, help) is up, so that it gets its own keys (Esc, F1, Ctrl+S...).
+        if isinstance(self.screen, ModalScreen) and action != "quit":
+            return False
+        if action in _CHAT_ACTIONS | {"toggle_kv_panel"} and not self.ready:
+            return False
+        # None: shown greyed out in the footer, and the key goes to the focused widget instead.
+        if action in ("stop_reply", "regenerate", "edit_last"):
+            pane = self.active_pane
+            if pane is None:
+                return None
+            if action == "stop_reply":
+                return True if pane.busy or pane.editing else None
+            return None if pane.busy or not pane.conversation.messages else True
+        return True
+
+    async def action_new_tab(self) -> None:
+        await self.open_chat(self.new_conversation())
+
+    async def action_close_tab(self) -> None:
+        if self.active_pane is not None:
+            await self.close_chat(self.active_pane)
+
+    def _cycle_tab(self, step: int) -> None:
+        ids = [tab.id for tab in self.tabs.query(TabPane)]
+        if len(ids) > 1 and self.tabs.active in ids:
+            self.tabs.active = ids[(ids.index(self.tabs.active) + step) % len(ids)]
+            self.active_pane.prompt.focus()
+
+    def action_next_tab(self) -> None:
+        self._cycle_tab(1)
+
+    def action_previous_tab(self) -> None:
+        self._cycle_tab(-1)
+
+    def action_rename_tab(self) -> None:
+        pane = self.active_pane
+        if pane is None:
+            return
+
+        def renamed(title: str | None) -> None:
+            if title:
+                self.run_worker(pane.rename(title))
+
+        self.push_screen(RenameScreen(pane.conversation.title), renamed)
+
+    def action_stop_reply(self) -> None:
+        if self.active_pane is not None:
+            self.active_pane.stop()
+
+    def action_regenerate(self) -> None:
+        if self.active_pane is not None:
+            self.active_pane.regenerate()
+
+    def action_edit_last(self) -> None:
+        if self.active_pane is not None:
+            self.active_pane.start_edit()
+
+    def action_system_prompt(self) -> None:
+        pane = self.active_pane
+        if pane is None:
+            return
+
+        def edited(text: str | None) -> None:
+            if text is not None:
+                self.run_worker(pane.set_system_prompt(text))
+
+        self.push_screen(SystemPromptScreen(f"System prompt for “{pane.conversation.title}”",
+                                            pane.conversation.system_prompt, self.settings.system_prompt), edited)
+
+    def action_default_system_prompt(self) -> None:
+        def edited(text: str | None) -> None:
+            if text is not None:
+                self.settings.system_prompt = text
+                self.run_worker(self._save_setting("system_prompt", text, "New chats will use this system prompt."))
+
+        self.push_screen(SystemPromptScreen("Default system prompt for new chats", self.settings.system_prompt,
+                                            DEFAULT_SYSTEM_PROMPT), edited)
+
+    def action_toggle_kv_panel(self) -> None:
+        panel = self.query_one(KVPanel)
+        panel.set_shown(not panel.display)
+
+    def action_open_conversations(self) -> None:
+        def chosen(conversation_id: int | None) -> None:
+            if conversation_id is None:
+                return
+            for pane in self._panes:
+                if pane.conversation.id == conversation_id:
+                    self.tabs.active = pane.parent.id
+                    pane.prompt.focus()
+                    return
+            self.run_worker(self._reopen(conversation_id))
+
+        self.push_screen(ConversationsScreen(lambda: self.in_background(self.store.list_conversations)), chosen)
+
+    async def _reopen(self, conversation_id: int) -> None:
+        try:
+            conversation = await self.in_background(Conversation.load, self.engine, self.store, conversation_id,
+                                                    self.settings)
+        except Exception as e:
+            self.notify(str(e), title="Could not open the conversation", severity="error")
+            return
+        await self.open_chat(conversation)
+
+    def action_export_markdown(self) -> None:
+        if self.active_pane is not None:
+            self.run_worker(self._export(self.active_pane.conversation))
+
+    async def _export(self, conversation: Conversation) -> None:
+        if not conversation.messages:
+            self.notify("Nothing to export yet.", severity="warning")
+            return
+        try:
+            path = await self.in_background(export_markdown, conversation, [Path.cwd(), paths.data_dir() / "exports"])
+        except OSError as e:
+            self.notify(str(e), title="Export failed", severity="error")
+            return
+        self.notify(str(path), title="Exported to Markdown", timeout=10)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.keymap))
+
+    # --- settings that persist -----------------------------------------------------------------------
+
+    def watch_theme(self, theme: str) -> None:
+        if not self._theme_applied:
+            return
+        for pane in self._panes:
+            pane.color = self._color_for(pane.color_slot)
+            self.post_message(ChatStateChanged(pane))
+        if theme != self.settings.theme:
+            self.settings.theme = theme
+            self.run_worker(self._save_setting("theme", theme))
+
+    async def _save_setting(self, name: str, value, done: str | None = None) -> None:
+        try:
+            await self.in_background(save_setting, name, value)
+        except (SettingsError, OSError) as e:
+            self.notify(str(e), title="Could not save the setting", severity="error")
+            return
+        if done:
+            self.notify(done)
+
+    # --- exit ----------------------------------------------------------------------------------------
+
+    async def on_unmount(self) -> None:
+        self.closing = True
+        live = [(pane.conversation, pane.stream) for pane in self._panes if pane.stream is not None]
+        for pane in self._panes:
+            pane.stream = None
+        await asyncio.to_thread(self._close_backend, self.engine, self.store, live)
+
+    def _close_backend(self, engine: EngineThread | None, store: ChatStore | None,
+                       live: list[tuple[Conversation, RequestStream]]) -> None:
+        """Stops replies still running (keeping their text), lets queued writes finish, then shuts
+        down what the app started. Runs off the UI thread."""
+        for _, stream in live:
+            stream.abort()
+        for conversation, stream in live:
+            self._conversation_thread.submit(_store_partial_reply, conversation, stream)
+        self._conversation_thread.shutdown(wait=True)
+        if engine is not None and self._owns_engine:
+            engine.shutdown()
+        if store is not None and self._owns_store:
+            store.close()

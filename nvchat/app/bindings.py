@@ -1,0 +1,77 @@
+"""Every key the app binds, with the id a user names in config.toml's [keys] table to remap it.
+
+One table feeds the bindings, the help screen and the command palette, so they can't drift apart.
+Ids must be TOML bare keys (letters, digits, _ and -).
+"""
+from dataclasses import dataclass
+
+from textual.binding import Binding
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    id: str
+    key: str  # default; comma-separated alternatives
+    action: str
+    description: str
+    show: bool = True  # in the footer
+    # Priority bindings fire before the focused widget sees the key. All of nvchat's are: the
+    # prompt box (a TextArea) binds many keys itself (ctrl+w deletes a word, f6 selects a line),
+    # and a key remapped in config.toml should work wherever the focus is. The app turns its
+    # chat actions off while a modal screen is up (App.check_action), so modals keep their keys.
+    priority: bool = True
+
+    def binding(self) -> Binding:
+        return Binding(self.key, self.action, self.description, show=self.show, priority=self.priority, id=self.id)
+
+
+
+APP_KEYS: tuple[KeySpec, ...] = (
+    KeySpec("new_tab", "ctrl+t", "new_tab", "New chat"),
+    KeySpec("close_tab", "ctrl+w", "close_tab", "Close chat"),
+    KeySpec("next_tab", "ctrl+pagedown,alt+right", "next_tab", "Next chat", show=False),
+    KeySpec("previous_tab", "ctrl+pageup,alt+left", "previous_tab", "Previous chat", show=False),
+    KeySpec("rename_tab", "f2", "rename_tab", "Rename", show=False),
+    KeySpec("stop_reply", "escape", "stop_reply", "Stop"),
+    KeySpec("regenerate", "ctrl+r", "regenerate", "Regenerate"),
+    KeySpec("edit_last", "f3", "edit_last", "Edit last", show=False),
+    KeySpec("system_prompt", "f4", "system_prompt", "System prompt", show=False),
+    KeySpec("kv_panel", "f5", "toggle_kv_panel", "KV cache"),
+    KeySpec("conversations", "ctrl+o", "open_conversations", "History", show=False),
+    KeySpec("export", "ctrl+s", "export_markdown", "Export", show=False),
+    KeySpec("help", "f1", "help", "Help"),
+    KeySpec("quit", "ctrl+q", "quit", "Quit", show=False),
+)
+
+PROMPT_KEYS: tuple[KeySpec, ...] = (
+    KeySpec("send", "enter", "send", "Send", show=False),
+    KeySpec("newline", "shift+enter,ctrl+j", "newline", "New line", show=False),
+)
+
+ALL_KEYS = APP_KEYS + PROMPT_KEYS
+KEY_IDS = frozenset(spec.id for spec in ALL_KEYS)
+
+
+def bindings(specs: tuple[KeySpec, ...]) -> list[Binding]:
+    return [spec.binding() for spec in specs]
+
+
+def effective_key(spec: KeySpec, keymap: dict[str, str]) -> str:
+    return keymap.get(spec.id, spec.key)
+
+
+def unknown_key_ids(keymap: dict[str, str]) -> list[str]:
+    return sorted(set(keymap) - KEY_IDS)
+
+
+_KEY_NAMES = {"escape": "Esc", "pagedown": "PgDn", "pageup": "PgUp", "enter": "Enter", "tab": "Tab",
+              "backspace": "Backspace", "delete": "Del", "space": "Space"}
+
+
+def describe_key(keys: str) -> str:
+    """'ctrl+pagedown,alt+right' -> 'Ctrl+PgDn / Alt+Right', for people rather than Textual."""
+    def one(key: str) -> str:
+        *modifiers, name = key.strip().split("+")
+        name = _KEY_NAMES.get(name, name.upper() if len(name) == 1 else name.capitalize())
+        return "+".join([m.capitalize() for m in modifiers] + [name])
+    return " / ".join(one(k) for k in keys.split(",") if k.strip())

@@ -1,0 +1,237 @@
+"""One conversation's tab body: the transcript, a status line and the prompt box.
+
+Conversation calls (tokenizing, SQLite writes) run on the app's conversation thread through the
+`background` callable, never on the UI thread. While a turn is in flight (from submit until its
+reply is stored) the pane is busy and refuses new turns, so the transcript always matches
+conversation.messages once it is idle.
+"""
+from __future__ import annotations
+
+import time
+from typing import Awaitable, Callable
+
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
+from textual.widgets import Static
+
+from engine import RequestStream
+from nvchat.app.message_view import ReplyView, UserMessageView
+from nvchat.app.messages import ChatStateChanged, PromptSubmitted, ReplyStarted
+from nvchat.app.prompt_input import PromptInput
+from nvchat.conversation import Conversation, Message, reply_stats
+
+Background = Callable[..., Awaitable]
+HIDDEN_RENDER_S = 1.0
+_DEFAULT_TITLE = "New chat"
+_AUTO_TITLE_CHARS = 40
+
+
+def _first_line(text: str, limit: int) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
+class ChatPane(Vertical):
+    def __init__(self, conversation: Conversation, *, background: Background, color: str, color_slot: int,
+                 note: str | None = None, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.conversation = conversation
+        self.background = background
+        self.color = color
+        self.color_slot = color_slot  # which tab colour this chat wears, kept when tabs close
+        self.note = note
+        self.stream: RequestStream | None = None  # the reply being generated
+        self.busy = False
+        self.editing = False
+        self._reply_view: ReplyView | None = None
+        self._rendered_at = 0.0
+
+    # --- layout ------------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="transcript"):
+            yield Static(self._banner_text(), id="system-banner")
+            yield Static(self._hint_text(), id="empty-hint")
+            for message in self.conversation.messages:
+                yield self._view_for(message)
+        yield Static(id="chat-status")
+        yield PromptInput(id="prompt")
+
+    def on_mount(self) -> None:
+        # Anchored: follows new output until the user scrolls up, and again once back at the bottom.
+        self.transcript.anchor()
+        self._refresh_hint()
+
+    @property
+    def transcript(self) -> VerticalScroll:
+        return self.query_one("#transcript", VerticalScroll)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    @staticmethod
+    def _view_for(message: Message):
+        return UserMessageView(message) if message.role == "user" else ReplyView(message)
+
+    def _banner_text(self) -> Content:
+        prompt = self.conversation.system_prompt
+        text = _first_line(prompt, 100) if prompt else "(none)"
+        return Content.assemble(("system ", "bold"), text, ("  F4 edits", "dim"))
+
+    def _hint_text(self) -> Content:
+        parts: list = ["Type a message below: Enter sends, Shift+Enter or Ctrl+J starts a new line, Esc stops "
+                       "a reply. F1 lists every key, Ctrl+P opens the command palette."]
+        if self.note:
+            parts.append(("\n\n" + self.note.capitalize() + ".", "italic"))
+        return Content.assemble(*parts)
+
+    def _refresh_hint(self) -> None:
+        self.query_one("#empty-hint").display = not self.conversation.messages and self._reply_view is None
+
+    def refresh_banner(self) -> None:
+        self.query_one("#system-banner", Static).update(self._banner_text())
+
+    def _set_status(self, text: str) -> None:
+        status = self.query_one("#chat-status", Static)
+        status.update(text)
+        status.display = bool(text)
+
+    def _set_busy(self, busy: bool) -> None:
+        self.busy = busy
+        self.set_class(busy, "-busy")
+        self._set_status("generating… Esc stops" if busy else "")
+        self.post_message(ChatStateChanged(self))
+
+    async def _sync_views(self) -> None:
+        """Makes the transcript show exactly conversation.messages (after a turn dropped or added some)."""
+        kept = {id(m) for m in self.conversation.messages}
+        views = [v for v in self.transcript.children if isinstance(v, (UserMessageView, ReplyView))]
+        stale = [v for v in views if v.message is None or id(v.message) not in kept]
+        if stale:
+            await self.transcript.remove_children(stale)
+        shown = {id(v.message) for v in views if v not in stale}
+        new = [self._view_for(m) for m in self.conversation.messages if id(m) not in shown]
+        if new:
+            await self.transcript.mount_all(new)
+
+    # --- turns -------------------------------------------------------------------------------------
+
+    def _refuse_if_busy(self) -> bool:
+        if self.busy:
+            self.notify("This chat is still replying: wait, or press Esc to stop it.", severity="warning")
+        return self.busy
+
+    def on_prompt_submitted(self, event: PromptSubmitted) -> None:
+        event.stop()
+        if self._refuse_if_busy():
+            self.prompt.text = event.text
+            return
+        start = self.conversation.edit_last_user if self.editing else self.conversation.send
+        self.run_worker(self._turn(start, event.text, restore=event.text, was_editing=self.editing))
+        self.editing = False
+
+    def regenerate(self) -> None:
+        if self._refuse_if_busy():
+            return
+        if not any(m.role == "user" for m in self.conversation.messages):
+            self.notify("Nothing to regenerate yet.", severity="warning")
+            return
+        self.run_worker(self._turn(self.conversation.regenerate))
+
+    def start_edit(self) -> None:
+        if self._refuse_if_busy():
+            return
+        text = self.conversation.last_user_text
+        if text is None:
+            self.notify("No message to edit yet.", severity="warning")
+            return
+        self.editing = True
+        self.prompt.text = text
+        self.prompt.move_cursor(self.prompt.document.end)
+        self.prompt.focus()
+        self._set_status("editing your last message: Enter resends, Esc cancels")
+        self.post_message(ChatStateChanged(self))
+
+    def cancel_edit(self) -> None:
+        self.editing = False
+        self.prompt.clear()
+        self._set_status("")
+        self.post_message(ChatStateChanged(self))
+
+    def stop(self) -> None:
+        """Esc: stops the reply, or leaves edit mode."""
+        if self.stream is not None:
+            self.stream.abort()
+        elif self.editing:
+            self.cancel_edit()
+
+    async def _turn(self, start: Callable[..., RequestStream], *args, restore: str | None = None,
+                    was_editing: bool = False) -> None:
+        self._set_busy(True)
+        first_turn = not self.conversation.messages
+        try:
+            stream = await self.background(start, *args)
+        except Exception as e:  # a refused prompt (too long, engine stopped) leaves the conversation as it was
+            self._set_busy(False)
+            if restore is not None and not self.prompt.text:
+                self.prompt.text = restore
+                if was_editing:
+                    self.editing = True
+                    self._set_status("editing your last message: Enter resends, Esc cancels")
+            self.notify(str(e), title="Could not send", severity="error", timeout=8)
+            return
+        await self._sync_views()
+        self._reply_view = ReplyView()
+        self._refresh_hint()
+        await self.transcript.mount(self._reply_view)
+        # Tabs started together would otherwise all render their hidden replies in the same tick.
+        self._rendered_at = time.monotonic() - HIDDEN_RENDER_S * (self.color_slot % 8) / 8
+        self.stream = stream
+        self.post_message(ReplyStarted(self))
+        if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
+            await self.rename(_first_line(args[0], _AUTO_TITLE_CHARS))
+
+    async def pump(self, shown: bool) -> bool:
+        """Moves what the stream produced since the last tick into the reply; True once it has ended.
+        Called by the app's pump timer (PUMP_HZ). A chat in a hidden tab keeps receiving but
+        renders its Markdown only every HIDDEN_RENDER_S: nobody sees it, and parsing it would
+        take time from the visible chat and from the engine."""
+        stream, view = self.stream, self._reply_view
+        if stream is None or view is None:
+            return True
+        ended = stream.finished  # read before draining, so this drain holds the last tokens
+        delta = stream.drain()
+        if delta is not None and delta.text:
+            view.receive(delta.text)
+        now = time.monotonic()
+        if shown or now - self._rendered_at >= HIDDEN_RENDER_S:
+            self._rendered_at = now
+            await view.render_received()
+        if ended:
+            self.stream = None  # from here the reply is the store worker's (and never stored twice)
+            await view.finish(reply_stats(stream))
+            if stream.finish_reason == "error":
+                self.notify(stream.error or "generation failed", title="Engine error", severity="error", timeout=10)
+            self.run_worker(self._store_reply(stream, view))
+        return ended
+
+    async def _store_reply(self, stream: RequestStream, view: ReplyView) -> None:
+        message = await self.background(self.conversation.finish_reply, stream)
+        if message is None:  # failed before producing anything: nothing to keep
+            await view.remove()
+        view.message = message
+        self._reply_view = None
+        self._refresh_hint()
+        self._set_busy(False)
+
+    # --- chat settings -------------------------------------------------------------------------------
+
+    async def rename(self, title: str) -> None:
+        await self.background(self.conversation.rename, title)
+        self.post_message(ChatStateChanged(self))
+
+    async def set_system_prompt(self, text: str) -> None:
+        await self.background(self.conversation.set_system_prompt, text)
+        self.refresh_banner()

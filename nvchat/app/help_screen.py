@@ -1,0 +1,38 @@
+"""Every key, as remapped by config.toml's [keys] table, with its binding id."""
+from pathlib import Path
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Label
+
+from nvchat.app.bindings import ALL_KEYS, describe_key, effective_key
+
+
+class HelpScreen(ModalScreen[None]):
+    CSS_PATH = Path(__file__).with_name("help_screen.tcss")
+    BINDINGS = [Binding("escape,f1,q", "close", "Close")]
+
+    def __init__(self, keymap: dict[str, str]) -> None:
+        super().__init__()
+        self.keymap = keymap
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help-box"):
+            yield Label("Keys", id="help-heading")
+            yield DataTable(id="help-table", cursor_type="none", zebra_stripes=True, show_cursor=False)
+            yield Label("Ctrl+P opens the command palette (themes are there too).\n"
+                        "Remap a key by its id in config.toml's [keys] table, e.g.\n"
+                        "  new_tab = \"ctrl+n\"\n"
+                        "(config.toml lives in ~/.config/nvchat, or $XDG_CONFIG_HOME/nvchat.)",
+                        id="help-footer", markup=False)
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("Key", "Action", "Id")
+        for spec in ALL_KEYS:
+            table.add_row(describe_key(effective_key(spec, self.keymap)), spec.description, spec.id)
+
+    def action_close(self) -> None:
+        self.dismiss(None)

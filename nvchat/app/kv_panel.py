@@ -1,0 +1,238 @@
+"""The live KV-cache panel: the engine's block map as a grid, coloured by the chat holding each
+block, with counters and a throughput sparkline.
+
+It reads EngineThread.stats(), a snapshot the engine publishes between steps, so refreshing it
+never waits on (or slows) generation. Its timer runs only while the panel is shown.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable
+
+from rich.segment import Segment
+from rich.style import Style
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.color import Color
+from textual.containers import Vertical
+from textual.strip import Strip
+from textual.widget import Widget
+from textual.widgets import Sparkline, Static
+
+from engine import EngineSnapshot
+
+REFRESH_S = 0.25
+_HISTORY = 80  # sparkline samples: 20 s at REFRESH_S
+_USED, _SHARED, _CACHED, _FREE = "█", "▓", "░", "·"
+_STATE_USED, _STATE_SHARED, _STATE_CACHED = 2, 3, 1  # engine.block_manager's codes
+_UNKNOWN_OWNER = "#808080"
+
+
+@dataclass(frozen=True)
+class BlockOwner:
+    """A chat as the panel shows it: its tab's label and colour."""
+    label: str
+    color: str
+
+
+@dataclass
+class PanelData:
+    snapshot: EngineSnapshot
+    owners: dict[int, BlockOwner]  # request id -> the chat that submitted it
+    chats: list[BlockOwner]  # every open chat, for the legend
+
+
+@dataclass(frozen=True)
+class Cell:
+    used: int
+    shared: int
+    cached: int
+    owner: int | None  # request holding most of the cell's blocks
+
+
+def blocks_per_cell(num_blocks: int, num_cells: int) -> int:
+    return max(1, math.ceil(num_blocks / max(1, num_cells)))
+
+
+def aggregate(snapshot: EngineSnapshot, num_cells: int) -> tuple[list[Cell], int]:
+    """The block map folded into at most num_cells cells, and how many blocks each cell covers."""
+    states = snapshot.block_states
+    per_cell = blocks_per_cell(len(states), num_cells)
+    holders: dict[int, Counter] = {}
+    for request_id, blocks in snapshot.block_holders.items():
+        for cell, count in Counter(b // per_cell for b in blocks).items():
+            holders.setdefault(cell, Counter())[request_id] += count
+    cells = []
+    for index, start in enumerate(range(0, len(states), per_cell)):
+        chunk = states[start:start + per_cell]
+        top = holders.get(index)
+        cells.append(Cell(chunk.count(_STATE_USED), chunk.count(_STATE_SHARED), chunk.count(_STATE_CACHED),
+                          top.most_common(1)[0][0] if top else None))
+    return cells, per_cell
+
+
+class BlockGrid(Widget):
+    """One character per cell; a cell is one block, or several when the cache has more blocks
+    than the grid has cells. Drawn with the line API from runs of like cells, so a refresh costs a
+    few segments per row rather than a styled span per block."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.data: PanelData | None = None
+        self._rows: list[Strip] | None = None
+
+    def show(self, data: PanelData) -> None:
+        self.data = data
+        self._rows = None
+        self.refresh()
+
+    def on_resize(self) -> None:
+        self._rows = None
+
+    def _cell_looks(self) -> Callable[[Cell], tuple[str, str]]:
+        theme = self.app.current_theme
+        fg = Color.parse(theme.foreground or ("#e0e0e0" if theme.dark else "#202020"))
+        bg = Color.parse(theme.background or ("#000000" if theme.dark else "#ffffff"))
+        free_color = fg.blend(bg, 0.6).hex
+        cached_color = Color.parse(theme.secondary or theme.primary).hex
+        owners = self.data.owners
+
+        def looks(cell: Cell) -> tuple[str, str]:
+            if cell.used or cell.shared:
+                owner = owners.get(cell.owner) if cell.owner is not None else None
+                return (_SHARED if cell.shared else _USED), (owner.color if owner else _UNKNOWN_OWNER)
+            if cell.cached:
+                return _CACHED, cached_color
+            return _FREE, free_color
+
+        return looks
+
+    def _build_rows(self) -> list[Strip]:
+        width, height = max(1, self.size.width), max(1, self.size.height)
+        base = self.rich_style
+        if self.data is None:
+            return [Strip([Segment("waiting for the engine…", base + Style(italic=True))])]
+        cells, _ = aggregate(self.data.snapshot, width * height)
+        looks = self._cell_looks()
+        styles: dict[str, Style] = {}
+        rows = []
+        for start in range(0, len(cells), width):
+            segments, run_glyph, run_color, run_length = [], None, None, 0
+            for cell in cells[start:start + width]:
+                glyph, color = looks(cell)
+                if (glyph, color) != (run_glyph, run_color) and run_length:
+                    style = styles.get(run_color) or styles.setdefault(run_color, base + Style(color=run_color))
+                    segments.append(Segment(run_glyph * run_length, style))
+                    run_length = 0
+                run_glyph, run_color = glyph, color
+                run_length += 1
+            if run_length:
+                style = styles.get(run_color) or styles.setdefault(run_color, base + Style(color=run_color))
+                segments.append(Segment(run_glyph * run_length, style))
+            rows.append(Strip(segments))
+        return rows
+
+    def render_line(self, y: int) -> Strip:
+        if self._rows is None:
+            self._rows = self._build_rows()
+        width = self.size.width
+        if y >= len(self._rows):
+            return Strip.blank(width, self.rich_style)
+        return self._rows[y].crop_extend(0, width, self.rich_style)
+
+
+def _gib(n: int) -> str:
+    gib = n / 2**30
+    return f"{gib:.2f}" if gib >= 1 else f"{gib:.3f}"
+
+
+def counters_text(s: EngineSnapshot) -> str:
+    prefix = (f"{s.prefix_hit_rate * 100:.1f}% hit ({s.prefix_hit_tokens}/{s.prompt_tokens} tok)"
+              if s.prompt_tokens else "no prompts yet")
+    return "\n".join([
+        f"blocks   {s.num_used_blocks}/{s.num_blocks} used · {s.num_cached_blocks} cached",
+        f"KV       {_gib(s.kv_bytes_used)}/{_gib(s.kv_bytes_total)} GiB ({s.block_size} tok/block)",
+        f"prefix   {prefix}",
+        f"running  {s.num_running} · waiting {s.num_waiting} · preempted {s.num_preemptions}",
+        f"tok/s    prefill {s.prefill_tokens_per_s:,.0f} · decode {s.decode_tokens_per_s:,.0f}",
+    ])
+
+
+def legend_text(chats: list[BlockOwner], per_cell: int) -> Text:
+    text = Text(no_wrap=False)
+    for chat in chats:
+        text.append("█ ", style=chat.color)
+        text.append(chat.label + "  ")
+    if chats:
+        text.append("\n")
+    text.append(f"{_USED} used  {_SHARED} shared  {_CACHED} cached  {_FREE} free")
+    if per_cell > 1:
+        text.append(f"\n1 cell = {per_cell} blocks")
+    return text
+
+
+class Counters(Widget):
+    """Fixed-height text that repaints without asking for a new layout (Static.update would
+    relayout the screen on every refresh)."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.text = ""
+
+    def show(self, text: str) -> None:
+        if text != self.text:
+            self.text = text
+            self.refresh()
+
+    def render(self) -> Text:
+        return Text(self.text, no_wrap=True, overflow="crop")
+
+
+class KVPanel(Vertical):
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.source: Callable[[], PanelData] | None = None
+        self._history: deque[float] = deque([0.0] * _HISTORY, maxlen=_HISTORY)
+        self._grid_key = None
+        self._legend: Text | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static("KV cache", id="kv-title")
+        yield BlockGrid(id="kv-grid")
+        yield Static(id="kv-legend")
+        yield Counters(id="kv-counters")
+        yield Static("throughput (tok/s)", id="kv-spark-label")
+        yield Sparkline(list(self._history), id="kv-spark")
+
+    def on_mount(self) -> None:
+        self._timer = self.set_interval(REFRESH_S, self.refresh_stats, pause=not self.display)
+
+    def set_shown(self, shown: bool) -> None:
+        self.display = shown
+        if shown:
+            self.refresh_stats()
+            self._timer.resume()
+        else:
+            self._timer.pause()
+
+    def refresh_stats(self) -> None:
+        if self.source is None:
+            return
+        data = self.source()
+        snap = data.snapshot
+        self._history.append(snap.prefill_tokens_per_s + snap.decode_tokens_per_s)
+        self.query_one(Sparkline).data = list(self._history)
+        self.query_one(Counters).show(counters_text(snap))
+        grid = self.query_one(BlockGrid)
+        # The engine republishes its block map only after steps: an idle engine leaves it as it was.
+        key = (snap.taken_at, data.owners, data.chats, grid.size, self.app.theme)
+        if key != self._grid_key:
+            self._grid_key = key
+            grid.show(data)
+        per_cell = blocks_per_cell(snap.num_blocks, grid.size.width * grid.size.height)
+        legend = legend_text(data.chats, per_cell)
+        if legend != self._legend:
+            self._legend = legend
+            self.query_one("#kv-legend", Static).update(legend)

@@ -1,0 +1,137 @@
+"""Transcript entries: the user's messages as plain text, the assistant's as Markdown with its
+Qwen3 <think> section folded away and a footer of numbers.
+
+A reply being generated grows through MarkdownStream.write, so each update parses only the new
+tail of the document rather than re-rendering the reply.
+"""
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.content import Content
+from textual.widgets import Collapsible, Markdown, Static
+from textual.widgets.markdown import MarkdownStream
+
+from nvchat.conversation import Message, split_thinking
+
+_FINISH_NOTES = {"abort": "stopped", "length": "hit max tokens", "error": "failed"}
+
+
+def footer_text(stats: dict) -> str:
+    """A reply's numbers in one line, from Conversation's stats dict (live or stored)."""
+    parts = [f"{stats.get('tokens') or 0} tokens"]
+    if stats.get("tokens_per_s"):
+        parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
+    if stats.get("ttft_s") is not None:
+        parts.append(f"TTFT {stats['ttft_s'] * 1000:.0f} ms")
+    if stats.get("prompt_tokens"):
+        parts.append(f"prompt {stats['prompt_tokens']} ({stats.get('cached_tokens') or 0} cached)")
+    note = _FINISH_NOTES.get(stats.get("finish_reason") or "")
+    if note:
+        parts.append(note)
+    return " · ".join(parts)
+
+
+class ThinkSplitter:
+    """Routes streamed text to the thinking or the answer side as <think> tags go by. A chunk may
+    end half-way through a tag, so a possible tag prefix is held back until the next chunk."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self) -> None:
+        self.in_think = False
+        self._held = ""
+
+    def feed(self, text: str) -> list[tuple[bool, str]]:
+        """(is_thinking, text) pieces, in order."""
+        pieces: list[tuple[bool, str]] = []
+        buf = self._held + text
+        while True:
+            tag = self.CLOSE if self.in_think else self.OPEN
+            at = buf.find(tag)
+            if at < 0:
+                break
+            if at:
+                pieces.append((self.in_think, buf[:at]))
+            self.in_think = not self.in_think
+            buf = buf[at + len(tag):]
+        keep = next((n for n in range(min(len(tag) - 1, len(buf)), 0, -1) if tag.startswith(buf[-n:])), 0)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        rest = buf[:len(buf) - keep]
+        if rest:
+            pieces.append((self.in_think, rest))
+        return pieces
+
+    def flush(self) -> list[tuple[bool, str]]:
+        held, self._held = self._held, ""
+        return [(self.in_think, held)] if held else []
+
+
+class UserMessageView(Static):
+    def __init__(self, message: Message) -> None:
+        super().__init__(Content(message.content), classes="message user")
+        self.message: Message | None = message
+        self.border_title = "you"
+
+
+class ReplyView(Vertical):
+    """An assistant reply: stored (built whole), or live: fed by receive() and drawn, in batches,
+    by render_received()."""
+
+    def __init__(self, message: Message | None = None) -> None:
+        super().__init__(classes="message assistant")
+        self.message = message
+        self.border_title = "assistant"
+        self._thinking_md: Markdown | None = None
+        self._answer_md = Markdown(id="answer")
+        self._streams: dict[bool, MarkdownStream] = {}
+        self._splitter = ThinkSplitter()
+        self._footer = Static("" if message is not None else "generating…", id="reply-footer")
+        self.text = ""
+        self._unrendered = ""
+
+    def compose(self) -> ComposeResult:
+        if self.message is not None:
+            thinking, answer = split_thinking(self.message.content)
+            if thinking:
+                yield Collapsible(Markdown(thinking), title="Thinking", collapsed=True)
+            self._answer_md = Markdown(answer, id="answer")
+            yield self._answer_md
+            yield self._footer
+            if self.message.stats:
+                self._footer.update(footer_text(self.message.stats))
+        else:
+            self.add_class("-live")
+            yield self._answer_md
+            yield self._footer
+
+    def receive(self, text: str) -> None:
+        """Takes new text without rendering it (cheap: a hidden tab's reply just accumulates)."""
+        self.text += text
+        self._unrendered += text
+
+    async def render_received(self) -> None:
+        """Appends what was received since the last call to the Markdown, as one update."""
+        text, self._unrendered = self._unrendered, ""
+        for thinking, piece in self._splitter.feed(text):
+            await self._write_piece(thinking, piece)
+
+    async def _write_piece(self, thinking: bool, piece: str) -> None:
+        if thinking and self._thinking_md is None:
+            self._thinking_md = Markdown()
+            await self.mount(Collapsible(self._thinking_md, title="Thinking", collapsed=True), before=self._answer_md)
+        stream = self._streams.get(thinking)
+        if stream is None:
+            stream = self._streams[thinking] = Markdown.get_stream(self._thinking_md if thinking else self._answer_md)
+        await stream.write(piece)
+
+    async def finish(self, stats: dict) -> None:
+        """Flushes what the Markdown streams still hold and shows the footer."""
+        await self.render_received()
+        for thinking, piece in self._splitter.flush():
+            await self._write_piece(thinking, piece)
+        for stream in self._streams.values():
+            await stream.stop()
+        self._streams.clear()
+        self.remove_class("-live")
+        self._footer.update(footer_text(stats))

@@ -1,0 +1,35 @@
+"""The app's own Textual messages, in one place so the widgets that post them and the app that
+handles them agree on one vocabulary. Tokens never travel as messages: the app's stream pump
+drains them (see app.py)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from textual.message import Message
+
+if TYPE_CHECKING:
+    from nvchat.app.chat_pane import ChatPane
+
+
+class PromptSubmitted(Message):
+    """The user pressed the send key in a prompt box."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class ReplyStarted(Message):
+    """A chat pane has a new stream for the app's pump to drain."""
+
+    def __init__(self, pane: ChatPane) -> None:
+        super().__init__()
+        self.pane = pane
+
+
+class ChatStateChanged(Message):
+    """A chat's title or busy state changed: its tab label needs redrawing."""
+
+    def __init__(self, pane: ChatPane) -> None:
+        super().__init__()
+        self.pane = pane

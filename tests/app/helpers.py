@@ -1,0 +1,44 @@
+"""Pilot helpers for the app tests."""
+import time
+
+from nvchat.app import NvchatApp
+
+
+async def wait_for(pilot, condition, timeout: float = 20.0, what: str = "condition") -> None:
+    """Lets the app run until condition() holds (bounded, so a hang fails instead of stalling CI)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def started(pilot) -> NvchatApp:
+    app = pilot.app
+    await wait_for(pilot, lambda: app.ready, 60, "the engine and store to start")
+    await pilot.pause()
+    return app
+
+
+async def idle(pilot, pane, timeout: float = 30.0) -> None:
+    await wait_for(pilot, lambda: not pane.busy, timeout, "the reply to finish and be stored")
+
+
+async def send(pilot, text: str) -> None:
+    """Types text into the active chat's prompt box and presses Enter."""
+    await pilot.press(*["space" if ch == " " else ch for ch in text])
+    await pilot.press("enter")
+
+
+async def press_now(pilot, *keys: str) -> None:
+    """Presses keys while the engine is generating. Pilot.press waits after each key for the
+    process to go idle, which it does not while the engine thread computes (so each key would
+    cost Pilot's one-second cap); the key events themselves take the same path."""
+    for key in keys:
+        pilot.app.simulate_key(key)
+        await pilot.pause(0.05)
+
+
+async def submit_now(pilot, pane, text: str) -> None:
+    pane.prompt.text = text
+    await press_now(pilot, "enter")

@@ -1,0 +1,426 @@
+"""The chat app driven by real keystrokes against the real demo model on CPU."""
+import pytest
+from textual.widgets import Collapsible, Markdown, TabPane
+
+from nvchat import paths
+from nvchat.app import NvchatApp
+from nvchat.app.chat_pane import ChatPane
+from nvchat.app.loading_screen import LoadingScreen
+from nvchat.app.message_view import ReplyView, UserMessageView
+from nvchat.conversation import Message
+from nvchat.store import ChatStore
+from tests.app.conftest import app_settings
+from tests.app.helpers import idle, press_now, send, started, submit_now, wait_for
+
+SIZE = (110, 36)
+
+
+def stored_messages(pane: ChatPane):
+    store = ChatStore(paths.database_file())
+    try:
+        return store.load_messages(pane.conversation.id)
+    finally:
+        store.close()
+
+
+async def test_startup_builds_the_engine_behind_a_loading_screen():
+    app = NvchatApp(app_settings())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen) or app.ready, 30, "the loading screen")
+        loading = app._loading or app.screen
+        await started(pilot)
+        assert "starting the engine thread" in loading.stages and any("KV cache" in s for s in loading.stages)
+        assert not isinstance(app.screen, LoadingScreen)
+        assert "gibberish" in app.sub_title
+        assert len(app.query(ChatPane)) == 1
+    with pytest.raises(RuntimeError):  # the app built the engine, so the app shut it down
+        app.engine.submit("hello")
+
+
+async def test_bad_model_path_is_reported_on_the_loading_screen(tmp_path):
+    app = NvchatApp(app_settings(model=str(tmp_path / "no-such-model")))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen) and app.screen.error, 30, "the error")
+        assert "no-such-model" in app.screen.error
+        assert not app.ready
+        await pilot.press("q")
+    assert app.return_code == 1
+
+
+async def test_send_streams_a_reply_with_footer_and_stores_it(make_app):
+    app = make_app(max_tokens=300)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await pilot.press("ctrl+t")
+        assert len(app.query(ChatPane)) == 2
+        pane = app.active_pane
+        await send(pilot, "hello there")
+        # Streaming: the reply's Markdown grows over several pump ticks before the reply ends.
+        sizes = set()
+        while pane.busy:
+            view = pane.query(ReplyView).last()
+            sizes.add(len(view.query_one("#answer", Markdown).source))
+            await pilot.pause(0.02)
+        assert len(sizes) > 3
+        user, reply = pane.conversation.messages
+        assert (user.role, user.content) == ("user", "hello there")
+        assert reply.role == "assistant" and reply.stats["tokens"] == 300 and reply.stats["finish_reason"] == "length"
+        footer = str(pane.query_one("#reply-footer").render())
+        assert "300 tokens" in footer and "tok/s" in footer and "TTFT" in footer
+        assert [m.role for m in stored_messages(pane)] == ["user", "assistant"]
+        assert stored_messages(pane)[1].content == reply.content
+        assert "hello there" in str(app.tabs.get_tab(pane.parent.id).label)  # titled after the first message
+
+
+async def test_escape_stops_the_reply(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "tell me everything")
+        await wait_for(pilot, lambda: pane.stream is not None and pane.stream.num_completion_tokens > 3)
+        await press_now(pilot, "escape")
+        await idle(pilot, pane)
+        reply = pane.conversation.messages[-1]
+        assert reply.stats["finish_reason"] == "abort"
+        assert 3 < reply.stats["tokens"] < 400 and reply.content
+        assert "stopped" in str(pane.query_one("#reply-footer").render())
+        assert stored_messages(pane)[-1].stats["finish_reason"] == "abort"
+
+
+async def test_regenerate_replaces_the_last_reply(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "roll the dice")
+        await idle(pilot, pane)
+        first = pane.conversation.messages[-1]
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: pane.conversation.messages[-1] is not first and not pane.busy,
+                       what="the new reply")
+        messages = pane.conversation.messages
+        assert [m.role for m in messages] == ["user", "assistant"]
+        assert messages[-1] is not first and messages[-1].content != first.content
+        assert len(pane.query(ReplyView)) == 1
+        assert [m.content for m in stored_messages(pane)] == [m.content for m in messages]
+
+
+async def test_edit_and_resend_the_last_message(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "frist draft")
+        await idle(pilot, pane)
+        await pilot.press("f3")
+        assert pane.editing and pane.prompt.text == "frist draft"
+        pane.prompt.clear()
+        await send(pilot, "second draft")
+        await wait_for(pilot, lambda: pane.conversation.messages[0].content == "second draft" and not pane.busy,
+                       what="the resent turn")
+        assert [(m.role, m.content) for m in pane.conversation.messages][0] == ("user", "second draft")
+        assert len(pane.conversation.messages) == 2
+        assert [str(v.message.content) for v in pane.query(UserMessageView)] == ["second draft"]
+        assert [m.content for m in stored_messages(pane)][0] == "second draft"
+
+
+async def test_newline_keys_do_not_send(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await pilot.press("a", "ctrl+j", "b", "shift+enter", "c")
+        assert pane.prompt.text == "a\nb\nc" and not pane.busy
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: pane.conversation.messages, what="the message")
+        assert pane.conversation.messages[0].content == "a\nb\nc"
+        await idle(pilot, pane)
+
+
+async def test_background_tab_keeps_receiving_tokens(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        first = app.active_pane
+        await submit_now(pilot, first, "long story")
+        await wait_for(pilot, lambda: first.stream is not None)
+        await press_now(pilot, "ctrl+t")
+        second = app.active_pane
+        assert second is not first and app.active_pane is second
+        await submit_now(pilot, second, "another one")
+        await wait_for(pilot, lambda: second.stream is not None)
+        view = first.query(ReplyView).last()
+        before = len(view.text)
+        await wait_for(pilot, lambda: len(view.text) > before + 20, what="the background tab to grow")
+        assert first.busy and second.busy  # both generating at once
+        await idle(pilot, first)
+        await idle(pilot, second)
+        assert first.conversation.messages[-1].stats["tokens"] == 400
+        assert len(view.text) == len(first.conversation.messages[-1].content)
+
+
+async def test_tab_keys_cycle_rename_and_close(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await pilot.press("ctrl+t", "ctrl+t")
+        ids = [tab.id for tab in app.tabs.query(TabPane)]
+        assert app.tabs.active == ids[2]
+        await pilot.press("alt+right")
+        assert app.tabs.active == ids[0]
+        await pilot.press("alt+left")
+        assert app.tabs.active == ids[2]
+        await pilot.press("f2")
+        await pilot.press(*"renamed", "enter")  # the old title starts selected, so typing replaces it
+        await wait_for(pilot, lambda: app.active_pane.conversation.title == "renamed")
+        assert "renamed" in str(app.tabs.get_tab(ids[2]).label)
+        await pilot.press("ctrl+w")
+        await pilot.pause()
+        assert [tab.id for tab in app.tabs.query(TabPane)] == ids[:2]
+
+
+async def test_switching_theme_in_the_palette_persists(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        assert app.theme == "nvchat-dark"
+        await pilot.press("ctrl+p")
+        await pilot.press(*"theme")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        await pilot.press(*"paper")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.theme == "paper", what="the theme to change")
+        config = paths.config_file()
+        await wait_for(pilot, lambda: config.exists() and 'theme = "paper"' in config.read_text(),
+                       what="the theme to be saved")
+
+
+async def test_kv_panel_shows_numbers_that_change(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        counters, grid = app.query_one("#kv-counters"), app.query_one("#kv-grid")
+        await pilot.press("f5")
+        assert app.query_one("#kv-panel").display
+        before = str(counters.render())
+        assert "blocks" in before and "GiB" in before and "prefix" in before
+        pane = app.active_pane
+        await submit_now(pilot, pane, "fill the cache")
+        await wait_for(pilot, lambda: pane.stream is not None and pane.stream.num_completion_tokens > 40)
+        request = pane.stream.request_id
+
+        def panel_shows_the_request() -> bool:
+            data = grid.data
+            return data is not None and request in data.snapshot.block_holders and request in data.owners
+
+        await wait_for(pilot, panel_shows_the_request, what="the panel to show the reply's blocks")
+        assert grid.data.owners[request].color == pane.color  # coloured as its tab
+        assert "running  1 ·" in str(counters.render()) or not pane.busy
+        await idle(pilot, pane)
+        await pilot.pause(0.3)
+        assert str(counters.render()) != before
+        await pilot.press("f5")
+        assert not app.query_one("#kv-panel").display
+
+
+async def test_keys_remapped_in_the_config_file(make_app):
+    paths.config_file().parent.mkdir(parents=True, exist_ok=True)
+    paths.config_file().write_text('[keys]\nnew_tab = "ctrl+n"\nkv_panel = "f8"\n')
+    from nvchat.settings import load_settings
+    keys = load_settings().keys
+    app = make_app(keys=keys)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await pilot.press("ctrl+n")
+        assert len(app.query(ChatPane)) == 2
+        await pilot.press("ctrl+t")
+        assert len(app.query(ChatPane)) == 2  # the old key no longer opens one
+        await pilot.press("f8")
+        assert app.query_one("#kv-panel").display
+
+
+async def test_prompt_longer_than_the_model_becomes_a_notification(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        pane.prompt.text = "x" * 700  # the byte-level demo tokenizer: > max_model_len=512 tokens
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app._notifications, what="a notification")
+        notice = list(app._notifications)[-1]
+        assert notice.severity == "error" and "too long" in notice.message
+        assert pane.conversation.messages == [] and not pane.busy
+        assert pane.prompt.text == "x" * 700  # given back for editing
+
+
+async def test_reopen_a_past_conversation_in_a_fresh_app(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "remember me")
+        await idle(pilot, pane)
+        written = [(m.role, m.content) for m in pane.conversation.messages]
+        conversation_id = pane.conversation.id
+
+    fresh = make_app()
+    async with fresh.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: fresh.screen.query("#conversations-table")
+                       and fresh.screen.query_one("#conversations-table").row_count == 1)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(fresh.query(ChatPane)) == 2, what="the conversation's tab")
+        reopened = fresh.active_pane
+        assert reopened.conversation.id == conversation_id
+        assert [(m.role, m.content) for m in reopened.conversation.messages] == written
+        assert str(reopened.query_one(UserMessageView).render()) == "remember me"
+        reply = reopened.query_one(ReplyView)
+        assert reply.query_one("#answer", Markdown).source == written[1][1]
+        assert "tokens" in str(reply.query_one("#reply-footer").render())
+        # ...and it carries on from there.
+        await send(pilot, "and again")
+        await idle(pilot, reopened)
+        assert len(reopened.conversation.messages) == 4
+
+
+async def test_export_to_markdown(make_app, xdg_dirs):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "export me")
+        await idle(pilot, pane)
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: any(n.title == "Exported to Markdown" for n in app._notifications))
+        files = list(xdg_dirs.glob("nvchat-*.md"))
+        assert len(files) == 1
+        text = files[0].read_text()
+        assert "## User\n\nexport me" in text and pane.conversation.messages[1].content in text
+
+
+async def test_quitting_mid_reply_keeps_completed_messages(make_app):
+    app = make_app(max_tokens=150)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "one")
+        await idle(pilot, pane)
+        await submit_now(pilot, pane, "two")
+        await wait_for(pilot, lambda: pane.stream is not None and pane.stream.num_completion_tokens > 3)
+        conversation_id = pane.conversation.id
+        await press_now(pilot, "ctrl+q")
+    store = ChatStore(paths.database_file())
+    try:
+        rows = store.load_messages(conversation_id)
+    finally:
+        store.close()
+    assert [(r.role, r.content) for r in rows][:3] == [("user", "one"), ("assistant", rows[1].content), ("user", "two")]
+    assert rows[1].stats["finish_reason"] == "length"
+    assert len(rows) == 4 and rows[3].stats["finish_reason"] == "abort"  # the reply cut short, as far as it got
+
+
+async def test_system_prompt_override_for_one_chat(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: app.screen.query("#system-text"))
+        editor = app.screen.query_one("#system-text")
+        editor.text = "You are a pirate."
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: pane.conversation.system_prompt == "You are a pirate.")
+        assert "pirate" in str(pane.query_one("#system-banner").render())
+        await pilot.press("ctrl+t")
+        assert app.active_pane.conversation.system_prompt == app.settings.system_prompt  # others keep the default
+
+
+async def test_help_screen_lists_remapped_keys(make_app):
+    app = make_app(keys={"regenerate": "ctrl+g"})
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await pilot.press("f1")
+        table = app.screen.query_one("#help-table")
+        rows = [table.get_row_at(i) for i in range(table.row_count)]
+        assert ["Ctrl+G", "Regenerate", "regenerate"] in [[str(c) for c in row] for row in rows]
+        await pilot.press("escape")
+        assert not app.screen.query("#help-table")
+
+
+async def test_thinking_is_folded_away(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        pane.conversation.messages += [Message("user", "why"),
+                                       Message("assistant", "<think>pondering</think>\n\nBecause.", {"tokens": 5})]
+        await pane._sync_views()
+        fold = pane.query_one(Collapsible)
+        assert fold.collapsed and fold.query_one(Markdown).source == "pondering"
+        assert pane.query(ReplyView).last().query_one("#answer", Markdown).source == "Because."
+
+
+async def scroll_wheel(pilot, widget, event_class, times: int) -> None:
+    for _ in range(times):
+        widget.post_message(event_class(widget, 2, 2, 0, 0, 0, False, False, False))
+        await pilot.pause(0.02)
+
+
+async def test_transcript_follows_the_reply_until_scrolled_up(make_app):
+    from textual.events import MouseScrollDown, MouseScrollUp
+    app = make_app(max_tokens=420)
+    async with app.run_test(size=(50, 18)) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        transcript = pane.transcript
+        await submit_now(pilot, pane, "go")
+        await wait_for(pilot, lambda: transcript.max_scroll_y > 4 and pane.stream is not None, what="a tall reply")
+        await pilot.pause(0.1)
+        assert transcript.scroll_y == transcript.max_scroll_y  # following
+        await scroll_wheel(pilot, transcript, MouseScrollUp, 3)
+        held = transcript.scroll_y
+        grown = transcript.max_scroll_y
+        assert held < grown
+        await wait_for(pilot, lambda: transcript.max_scroll_y > grown + 1 or not pane.busy, what="more lines")
+        assert transcript.scroll_y == held  # left where the user put it
+        await scroll_wheel(pilot, transcript, MouseScrollDown, 40)  # back to the bottom...
+        bottom = transcript.max_scroll_y
+        await wait_for(pilot, lambda: transcript.max_scroll_y > bottom + 1 or not pane.busy, what="more lines")
+        await pilot.pause(0.1)
+        assert transcript.scroll_y == transcript.max_scroll_y  # ...follows again
+        await idle(pilot, pane)
+
+
+async def test_closing_a_tab_mid_reply_keeps_what_it_said(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await submit_now(pilot, pane, "cut me off")
+        await wait_for(pilot, lambda: pane.stream is not None and pane.stream.num_completion_tokens > 3)
+        await press_now(pilot, "ctrl+w")
+        await wait_for(pilot, lambda: pane not in app.query(ChatPane), what="the tab to close")
+        assert len(app.query(ChatPane)) == 1  # a fresh chat takes the last tab's place
+        await wait_for(pilot, lambda: len(stored_messages(pane)) == 2, what="the partial reply to be stored")
+        assert stored_messages(pane)[1].stats["finish_reason"] == "abort"
+
+
+async def test_default_system_prompt_from_the_palette(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await pilot.press("ctrl+p", *"default system")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen.query("#system-text"), what="the editor")
+        app.screen.query_one("#system-text").text = "Be brief."
+        await pilot.press("ctrl+s")
+        config = paths.config_file()
+        await wait_for(pilot, lambda: config.exists() and 'system_prompt = "Be brief."' in config.read_text())
+        await pilot.press("ctrl+t")
+        assert app.active_pane.conversation.system_prompt == "Be brief."

@@ -1,0 +1,97 @@
+"""The app's pieces that need no running app: think splitting, footers, the KV grid's folding,
+themes, key names, exports."""
+import pytest
+
+from engine.engine_thread import EngineSnapshot
+from nvchat.app.bindings import ALL_KEYS, describe_key, unknown_key_ids
+from nvchat.app.export import export_markdown
+from nvchat.app.kv_panel import aggregate, counters_text
+from nvchat.app.message_view import ThinkSplitter, footer_text
+from nvchat.cli import build_parser, settings_from_args
+from nvchat.conversation import Conversation, Message
+from nvchat.settings import Settings
+from themes import ThemeFileError, load_themes, tab_colors, theme_from_toml
+
+
+def split_all(chunks):
+    splitter = ThinkSplitter()
+    pieces = [p for chunk in chunks for p in splitter.feed(chunk)] + splitter.flush()
+    thinking = "".join(text for is_thinking, text in pieces if is_thinking)
+    answer = "".join(text for is_thinking, text in pieces if not is_thinking)
+    return thinking, answer
+
+
+@pytest.mark.parametrize("chunks", [
+    ["<think>hmm, let me see</think>The answer is 4."],
+    ["<thi", "nk>hmm, let", " me see</th", "ink>The answer", " is 4."],
+    list("<think>hmm, let me see</think>The answer is 4."),
+])
+def test_think_sections_split_wherever_the_chunks_break(chunks):
+    assert split_all(chunks) == ("hmm, let me see", "The answer is 4.")
+
+
+def test_text_that_only_looks_like_a_tag_is_kept():
+    assert split_all(["a <thin", "g> and <b>"]) == ("", "a <thing> and <b>")
+    assert split_all(["ends with <th"]) == ("", "ends with <th")
+
+
+def test_footer_shows_tokens_rate_and_time_to_first_token():
+    text = footer_text({"tokens": 42, "tokens_per_s": 31.25, "ttft_s": 0.125, "finish_reason": "abort",
+                        "prompt_tokens": 100, "cached_tokens": 64})
+    assert text == "42 tokens · 31.2 tok/s · TTFT 125 ms · prompt 100 (64 cached) · stopped"
+
+
+def snapshot(states: bytes, holders: dict) -> EngineSnapshot:
+    return EngineSnapshot(num_blocks=len(states), block_size=16, num_free_blocks=states.count(0) + states.count(1),
+                          num_cached_blocks=states.count(1), prefix_hit_tokens=32, prompt_tokens=128,
+                          num_running=len(holders), num_waiting=0, num_preemptions=0, prefill_tokens_per_s=0.0,
+                          decode_tokens_per_s=0.0, kv_bytes_total=1 << 30, kv_bytes_used=1 << 29,
+                          block_states=states, block_holders=holders, taken_at=0.0)
+
+
+def test_grid_cells_fold_blocks_when_the_grid_is_small():
+    states = bytes([2, 2, 3, 0, 1, 1, 0, 0])
+    snap = snapshot(states, {7: [0, 1, 2], 9: [2]})
+    cells, per_cell = aggregate(snap, num_cells=8)
+    assert per_cell == 1 and [c.owner for c in cells[:3]] == [7, 7, 7] and cells[2].shared == 1
+    cells, per_cell = aggregate(snap, num_cells=3)
+    assert per_cell == 3 and len(cells) == 3
+    assert (cells[0].used, cells[0].shared, cells[0].owner) == (2, 1, 7)
+    assert (cells[1].used, cells[1].cached, cells[1].owner) == (0, 2, None)
+    assert "25.0% hit (32/128 tok)" in counters_text(snap)
+
+
+def test_themes_ship_light_and_dark_with_tab_colours():
+    themes = {t.name: t for t in load_themes()}
+    assert {"nvchat-dark", "nvchat-light"} <= set(themes) and len(themes) >= 4
+    assert any(t.dark for t in themes.values()) and any(not t.dark for t in themes.values())
+    assert all(len(tab_colors(t)) >= 6 for t in themes.values())
+
+
+def test_a_broken_theme_file_names_itself():
+    with pytest.raises(ThemeFileError, match="broken.toml"):
+        theme_from_toml('name = "x"\ncolour = "#fff"', "broken.toml")
+
+
+def test_every_binding_has_a_toml_safe_id():
+    assert all(spec.id.replace("_", "").isalnum() for spec in ALL_KEYS)
+    assert unknown_key_ids({"new_tab": "ctrl+n", "nope": "x"}) == ["nope"]
+    assert describe_key("ctrl+pagedown,alt+right") == "Ctrl+PgDn / Alt+Right"
+
+
+def test_exports_never_overwrite(tmp_path):
+    conversation = Conversation(None, None, system_prompt="sys", model_name="demo", settings=Settings(),
+                                title="Hello, World!", messages=[Message("user", "hi")])
+    first = export_markdown(conversation, [tmp_path])
+    second = export_markdown(conversation, [tmp_path])
+    assert first.name == "nvchat-hello-world.md" and second.name == "nvchat-hello-world-2.md"
+    assert "## User\n\nhi" in first.read_text()
+
+
+def test_flags_override_the_config_file(xdg_dirs):
+    from nvchat import paths
+    paths.config_file().parent.mkdir(parents=True)
+    paths.config_file().write_text('max_model_len = 2048\ntemperature = 0.2\ntheme = "paper"\n')
+    settings = settings_from_args(build_parser().parse_args(["--tp", "2", "--temperature", "0.9"]))
+    assert (settings.tensor_parallel_size, settings.temperature, settings.max_model_len, settings.theme) == \
+        (2, 0.9, 2048, "paper")
