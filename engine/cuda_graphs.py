@@ -1,72 +1,98 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for engine steps.
 
-A decode step launches a few hundred small kernels; replaying a captured graph removes their
-launch gaps. One graph per batch size bucket, captured over static input buffers sized for
-max_num_seqs and for block tables as wide as max_model_len needs. A batch runs in the smallest
-bucket that holds it; padding rows write no K/V (slot -1) and their outputs are ignored.
+A step launches a few hundred small kernels; on a busy host their launch cost, not the GPU,
+sets the step time. Replaying a captured graph removes it. Graphs are captured per bucket of
+step sizes over static input buffers, and a step runs in the smallest bucket that holds it:
+padding tokens write no K/V (slot -1), padding sequences have no queries, and their outputs are
+ignored.
+
+Two families: decode steps (one query per sequence, bucketed by batch size up to max_num_seqs)
+and small prefill or mixed steps (bucketed by token count), which is what a chat turn after a
+cached prefix and a prompt chunk mixed into decoding streams look like.
 """
 import torch
 
 from engine.layers.attention import AttentionMetadata
 
 
-def batch_buckets(max_batch: int) -> list[int]:
+def decode_buckets(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
     return sorted(set(sizes + [max_batch]))
 
 
-class DecodeGraphs:
-    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, hidden_size: int, device, dtype):
+def prefill_buckets(max_tokens: int) -> list[int]:
+    return [t for t in (32, 64, 128, 256, 512, 768, 1024) if t <= max_tokens]
+
+
+class StepGraphs:
+    def __init__(self, model, *, decode: bool, token_buckets: list[int], max_seqs: int, max_blocks_per_seq: int,
+                 hidden_size: int, device, dtype):
         self.model = model
-        self.buckets = batch_buckets(max_batch)
-        n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.decode = decode
+        self.buckets = token_buckets
+        self.max_seqs = max_seqs
+        tokens = token_buckets[-1]
+        seqs = self.seqs_in(tokens)
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.context_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = (torch.arange(seqs + 1, dtype=torch.int32, device=device) if decode
+                             else torch.zeros(seqs + 1, dtype=torch.int32, device=device))
+        self.hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:b], context_lens=self.context_lens[:b],
-                                 block_tables=self.block_tables[:b], cu_seqlens_q=self.cu_seqlens_q[:b + 1],
-                                 max_seqlen_q=1, is_decode=True)
+    def seqs_in(self, tokens: int) -> int:
+        """Sequences a bucket holds: one per token for decode; a capped number for prefill, since
+        every sequence slot costs attention programs that exit at once."""
+        return tokens if self.decode else min(tokens, self.max_seqs)
 
-    def _forward(self, b: int) -> None:
-        self.hidden[:b] = self.model(self.input_ids[:b], self.positions[:b], self._meta(b))
+    def bucket_for(self, tokens: int, seqs: int) -> int | None:
+        return next((t for t in self.buckets if t >= tokens and self.seqs_in(t) >= seqs), None)
+
+    def _meta(self, tokens: int) -> AttentionMetadata:
+        s = self.seqs_in(tokens)
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:tokens], context_lens=self.context_lens[:s],
+                                 block_tables=self.block_tables[:s], cu_seqlens_q=self.cu_seqlens_q[:s + 1],
+                                 max_seqlen_q=1 if self.decode else tokens, is_decode=self.decode)
+
+    def _forward(self, tokens: int) -> None:
+        self.hidden[:tokens] = self.model(self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens))
 
     @torch.inference_mode()
-    def capture(self, progress=None) -> None:
-        pool = None
-        # Largest first, so the shared memory pool is sized once and smaller graphs fit inside it.
-        for i, b in enumerate(reversed(self.buckets)):
+    def capture(self, pool=None, progress=None):
+        """Captures every bucket, largest first so the shared memory pool is sized once. Returns
+        the pool, which another StepGraphs may share (steps never run at the same time)."""
+        for i, tokens in enumerate(reversed(self.buckets)):
             if progress and i % 8 == 0:
-                progress(f"capturing CUDA graphs ({i}/{len(self.buckets)})")
-            self._forward(b)  # warm up: lazy inits and autotuning stay out of the graph
+                kind = "decode" if self.decode else "prefill"
+                progress(f"capturing {kind} CUDA graphs ({i}/{len(self.buckets)})")
+            self._forward(tokens)  # warm up: lazy inits and Triton compiles stay out of the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self._forward(b)
+                self._forward(tokens)
             pool = graph.pool()
-            self.graphs[b] = graph
+            self.graphs[tokens] = graph
         torch.cuda.synchronize()
-
-    def fits(self, batch: int) -> bool:
-        return batch <= self.buckets[-1]
+        return pool
 
     @torch.inference_mode()
-    def run(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> torch.Tensor:
-        """Inputs are device tensors for a batch of B decode tokens; returns hidden states [B, H]."""
-        b = input_ids.shape[0]
-        bucket = next(size for size in self.buckets if size >= b)
-        self.input_ids[:b] = input_ids
-        self.positions[:b] = positions
-        self.slot_mapping[:b] = slot_mapping
-        self.slot_mapping[b:bucket] = -1
-        self.context_lens[:b] = context_lens
-        self.context_lens[b:bucket] = 1
-        width = block_tables.shape[1]
-        self.block_tables[:b, :width] = block_tables
+    def run(self, bucket: int, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Copies a step's device tensors into the bucket's buffers, replays, returns [tokens, H]."""
+        t, b = input_ids.shape[0], meta.context_lens.shape[0]
+        s = self.seqs_in(bucket)
+        self.input_ids[:t] = input_ids
+        self.positions[:t] = positions
+        self.slot_mapping[:t] = meta.slot_mapping
+        self.slot_mapping[t:bucket] = -1
+        self.context_lens[:b] = meta.context_lens
+        self.block_tables[:b, :meta.block_tables.shape[1]] = meta.block_tables
+        if self.decode:
+            self.context_lens[b:s] = 1
+        else:
+            self.context_lens[b:s] = 0
+            self.cu_seqlens_q[:b + 1] = meta.cu_seqlens_q
+            self.cu_seqlens_q[b + 1:s + 1] = t  # padding sequences: no queries
         self.graphs[bucket].replay()
-        return self.hidden[:b]
+        return self.hidden[:t]

@@ -13,6 +13,9 @@ from engine.step_plan import StepPlan
 # sequences, within a fraction of RAM.
 _CPU_KV_SEQS = 32
 _CPU_KV_MAX_BYTES = 4 << 30
+# Prefill graphs hold this many sequence slots at most; bigger mixed batches run eagerly (they are
+# decode-heavy, and their GPU time hides the launch cost anyway).
+_PREFILL_GRAPH_SEQS = 64
 
 
 def _cpu_ram_bytes() -> int:
@@ -67,9 +70,9 @@ class ModelRunner:
         self.num_blocks = config.num_kvcache_blocks or self.tp_group.min(self._blocks_that_fit(), self.device)
         progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
-        self.decode_graphs = None
+        self.decode_graphs = self.prefill_graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self._capture_decode_graphs(progress)
+            self._capture_graphs(progress)
 
     # --- KV cache --------------------------------------------------------------------------------
 
@@ -130,13 +133,20 @@ class ModelRunner:
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
-    def _capture_decode_graphs(self, progress) -> None:
-        from engine.cuda_graphs import DecodeGraphs
+    def _capture_graphs(self, progress) -> None:
+        from engine.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
         c = self.config
-        self.decode_graphs = DecodeGraphs(
-            self.model, max_batch=min(c.max_num_seqs, 512), max_blocks_per_seq=-(-c.max_model_len // self.block_size),
-            hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)
-        self.decode_graphs.capture(progress)
+        shared = dict(model=self.model, max_blocks_per_seq=-(-c.max_model_len // self.block_size),
+                      hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)
+        max_batch = min(c.max_num_seqs, 512)
+        self.decode_graphs = StepGraphs(decode=True, token_buckets=decode_buckets(max_batch), max_seqs=max_batch,
+                                        **shared)
+        pool = self.decode_graphs.capture(progress=progress)
+        buckets = prefill_buckets(c.max_num_batched_tokens)
+        if buckets:
+            self.prefill_graphs = StepGraphs(decode=False, token_buckets=buckets,
+                                             max_seqs=min(c.max_num_seqs, _PREFILL_GRAPH_SEQS), **shared)
+            self.prefill_graphs.capture(pool, progress)
 
     # --- running a step --------------------------------------------------------------------------
 
@@ -162,9 +172,10 @@ class ModelRunner:
         input_ids = self._tensor(plan.input_ids, torch.int64)
         positions = self._tensor(plan.positions, torch.int64)
         meta = self.metadata(plan)
-        if plan.is_decode and self.decode_graphs is not None and self.decode_graphs.fits(plan.num_seqs):
-            hidden = self.decode_graphs.run(input_ids, positions, meta.slot_mapping, meta.context_lens,
-                                            meta.block_tables)
+        graphs = self.decode_graphs if plan.is_decode else self.prefill_graphs
+        bucket = graphs.bucket_for(len(plan.input_ids), plan.num_seqs) if graphs is not None else None
+        if bucket is not None:
+            hidden = graphs.run(bucket, input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         if not plan.sample_rows:
@@ -173,3 +184,15 @@ class ModelRunner:
         if self.rank != 0:
             return None
         return self.sampler(logits, plan.sample_params, plan.sample_positions)
+
+    def shutdown(self) -> None:
+        """Frees the model, KV cache and graphs, so the memory is there for another engine even if
+        this runner object lives on."""
+        self.decode_graphs = self.prefill_graphs = None
+        self.kv_cache = None
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        self.attention_layers = []
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

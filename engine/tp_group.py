@@ -362,5 +362,7 @@ class TensorParallelRunner:
         if self._closed:
             return
         self._closed = True
+        if self.runner is not None:
+            self.runner.shutdown()
         self.runner = None
         self._finalizer()

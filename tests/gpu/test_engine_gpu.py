@@ -22,12 +22,20 @@ def test_triton_backend_with_cuda_graphs_matches_hf_in_float32(tiny_qwen3, block
 
 
 def test_cuda_graphs_match_eager(tiny_qwen3):
-    prompts = random_prompts([5, 33, 70, 129], seed=3)
+    """Decode graphs, and prefill graphs for small and mixed steps: chunked prompts mixed into
+    decoding, and a second round that hits the prefix cache."""
+    shared = random_prompts([70], seed=2)[0]
+    prompts = random_prompts([5, 33, 70, 129], seed=3) + [shared + [1, 2, 3]]
     runs = []
     for eager in (True, False):
         with LLM(tiny_qwen3, device="cuda", dtype="float32", enforce_eager=eager, max_model_len=512,
-                 max_num_seqs=8, gpu_memory_utilization=0.3) as llm:
-            runs.append([o["token_ids"] for o in llm.generate(prompts, GREEDY)])
+                 max_num_seqs=8, max_prefill_chunk=48, gpu_memory_utilization=0.3) as llm:
+            if not eager:
+                assert llm.runner.prefill_graphs is not None
+            first = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
+            second = [o["token_ids"] for o in llm.generate([shared + [9], shared + [4, 5]], GREEDY)]
+            assert llm.stats().prefix_hit_tokens > 0
+            runs.append((first, second))
     assert runs[0] == runs[1]
 
 
