@@ -65,13 +65,15 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--skip-ttft", action="store_true")
+    p.add_argument("--prefill-cuda-graphs", action="store_true", help="graph small prefill/mixed steps too")
     p.add_argument("--out", default="benchmarks/out/latency.json")
     args = p.parse_args()
     random.seed(0)
 
     params, weight_bytes, kv_per_token = model_bytes_and_kv(Path(args.config))
     llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=args.tp, max_model_len=8192,
-              max_num_seqs=64, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+              max_num_seqs=64, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+              prefill_cuda_graphs=args.prefill_cuda_graphs)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     rows, result = [], {"decode": {}, "ttft": {}}
     for ctx in args.contexts:

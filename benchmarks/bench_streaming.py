@@ -24,6 +24,7 @@ def main():
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--warm-tokens", type=int, default=64, help="tokens per stream before the long prompt")
+    p.add_argument("--prefill-cuda-graphs", action="store_true", help="graph small prefill/mixed steps too")
     p.add_argument("--out", default="benchmarks/out/streaming.json")
     args = p.parse_args()
 
@@ -33,7 +34,8 @@ def main():
     else:
         model, extra = args.config, {"load_format": "random", "dtype": "bfloat16"}
     engine = EngineThread(model, device=args.device, max_model_len=args.long_prompt + 1024, max_num_seqs=64,
-                          max_prefill_chunk=args.prefill_chunk, **extra).start()
+                          max_prefill_chunk=args.prefill_chunk, prefill_cuda_graphs=args.prefill_cuda_graphs,
+                          **extra).start()
     vocab = engine.llm.config.hf_config.vocab_size
     rng = random.Random(0)
     engine.submit([rng.randrange(vocab) for _ in range(32)], SamplingParams(max_tokens=4)).wait()

@@ -41,12 +41,15 @@ class EngineConfig:
     max_prefill_chunk: int | None = None
     # "safetensors", or "random" for benchmarks in real model shapes without weights on disk.
     load_format: str = "safetensors"
+    # CUDA graphs for small prefill and mixed steps too, not only decode. Off by default until
+    # tests/gpu/test_engine_gpu.py has passed with it on an H200 (see benchmarks/RESULTS.md).
+    prefill_cuda_graphs: bool = False
 
     @classmethod
     def create(cls, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-               load_format="safetensors"):
+               load_format="safetensors", prefill_cuda_graphs=False):
         from transformers import AutoConfig
 
         if load_format not in ("safetensors", "random"):
@@ -95,7 +98,7 @@ class EngineConfig:
                    block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
                    gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                    attention_backend=backend, max_prefill_chunk=max_prefill_chunk,
-                   load_format=load_format)
+                   load_format=load_format, prefill_cuda_graphs=bool(prefill_cuda_graphs))
 
     @property
     def kv_bytes_per_token(self) -> int:

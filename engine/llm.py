@@ -45,7 +45,7 @@ class LLM:
     def __init__(self, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                  max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                  gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-                 load_format="safetensors", progress=None):
+                 load_format="safetensors", prefill_cuda_graphs=False, progress=None):
         """progress: optional callable taking one string, told each start-up stage (for a UI)."""
         self._progress = progress or (lambda message: None)
         self._progress("reading the model config")
@@ -54,7 +54,8 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            attention_backend=attention_backend, max_prefill_chunk=max_prefill_chunk, load_format=load_format)
+            attention_backend=attention_backend, max_prefill_chunk=max_prefill_chunk, load_format=load_format,
+            prefill_cuda_graphs=prefill_cuda_graphs)
         self._progress("loading the tokenizer")
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()

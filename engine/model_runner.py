@@ -142,7 +142,7 @@ class ModelRunner:
         self.decode_graphs = StepGraphs(decode=True, token_buckets=decode_buckets(max_batch), max_seqs=max_batch,
                                         **shared)
         pool = self.decode_graphs.capture(progress=progress)
-        buckets = prefill_buckets(c.max_num_batched_tokens)
+        buckets = prefill_buckets(c.max_num_batched_tokens) if c.prefill_cuda_graphs else []
         if buckets:
             self.prefill_graphs = StepGraphs(decode=False, token_buckets=buckets,
                                              max_seqs=min(c.max_num_seqs, _PREFILL_GRAPH_SEQS), **shared)

@@ -10,7 +10,7 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer concisely."
 
 # Settings a user may put in config.toml, with the type each must have.
 _ENGINE_KEYS = ("model", "device", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs",
-                "gpu_memory_utilization", "enforce_eager")
+                "gpu_memory_utilization", "enforce_eager", "max_prefill_chunk")
 
 
 class SettingsError(ValueError):
@@ -27,6 +27,8 @@ class Settings:
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # A long prompt is prefilled this many tokens per step, between other conversations' tokens.
+    max_prefill_chunk: int = 512
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     temperature: float = 0.7
     top_p: float = 0.95

@@ -29,7 +29,7 @@ def test_cuda_graphs_match_eager(tiny_qwen3):
     runs = []
     for eager in (True, False):
         with LLM(tiny_qwen3, device="cuda", dtype="float32", enforce_eager=eager, max_model_len=512,
-                 max_num_seqs=8, max_prefill_chunk=48, gpu_memory_utilization=0.3) as llm:
+                 max_num_seqs=8, max_prefill_chunk=48, gpu_memory_utilization=0.3, prefill_cuda_graphs=True) as llm:
             if not eager:
                 assert llm.runner.prefill_graphs is not None
             first = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
