@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from engine.layers import paged_attention_torch as ref  # noqa: E402
 from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, rotary, silu_mul  # noqa: E402
+from tests.kernel_checks import assert_close, poison, seed  # noqa: E402,F401 (fixtures)
 
 
 def _interpreted() -> bool:
@@ -36,45 +37,8 @@ elif torch.cuda.is_available():
 else:
     pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
 
-TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 3e-2)}
 HEAD_DIM = 32
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def seed():
-    value = random.SystemRandom().randrange(2**31)
-    random.seed(value)
-    torch.manual_seed(value)
-    print(f"torch seed {value}")  # pytest shows it when the test fails
-    return value
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    """Within `with poison():`, every float tensor torch.empty/empty_like makes is NaN-filled."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan_fill(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    class Poisoned:
-        def __enter__(self):
-            monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_fill(empty(*a, **k)))
-            monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_fill(empty_like(*a, **k)))
-
-        def __exit__(self, *exc):
-            monkeypatch.setattr(torch, "empty", empty)
-            monkeypatch.setattr(torch, "empty_like", empty_like)
-
-    return Poisoned
-
-
-def assert_close(out, expected, dtype):
-    assert out.dtype == expected.dtype and out.shape == expected.shape
-    assert not out.isnan().any(), "an output element was left unwritten (NaN)"
-    rtol, atol = TOL[dtype]
-    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
 
 
 def make_paged_kv(context_lens, block_size, kv_heads, dtype, head_dim=HEAD_DIM, spare_blocks=3):
