@@ -4,6 +4,7 @@ Callers submit() requests and get RequestStreams back at once; the thread owns t
 submissions and aborts between steps, and steps whenever work is pending. It also publishes a
 snapshot of the engine's state for the UI's KV panel, so reading it never waits on a step.
 """
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -140,12 +141,11 @@ class EngineThread:
     def stats(self) -> EngineSnapshot:
         """The latest published snapshot, with throughput over the last couple of seconds. Never waits
         on the engine."""
-        snap = self._snapshot
         now = time.perf_counter()
         recent = [s for s in list(self._steps) if now - s[0] <= _RATE_WINDOW_S]
-        snap.prefill_tokens_per_s = sum(s[1] for s in recent) / _RATE_WINDOW_S
-        snap.decode_tokens_per_s = sum(s[2] for s in recent) / _RATE_WINDOW_S
-        return snap
+        return dataclasses.replace(self._snapshot,
+                                   prefill_tokens_per_s=sum(s[1] for s in recent) / _RATE_WINDOW_S,
+                                   decode_tokens_per_s=sum(s[2] for s in recent) / _RATE_WINDOW_S)
 
     # --- engine thread -------------------------------------------------------------------------------
 
