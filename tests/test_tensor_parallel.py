@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineThread, SamplingParams
 from engine.tp_group import WorkerError
 from tests.conftest import hf_greedy, random_prompts, save_tiny_hf_model
 
@@ -200,3 +200,20 @@ def test_workers_end_with_their_parent(tiny_qwen3, how):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_engine_thread_reports_a_dead_worker_and_stays_responsive(tiny_qwen3):
+    """What the chat app sees: open streams end with "error" naming the worker, and later
+    submissions are refused with the reason instead of hanging."""
+    with leaves_nothing_behind():
+        with EngineThread(tiny_qwen3, device="cpu", tensor_parallel_size=2) as engine:
+            [pid] = engine.llm.runner.worker_pids
+            stream = engine.submit(random_prompts([8])[0], SamplingParams(temperature=0, max_tokens=900,
+                                                                          ignore_eos=True))
+            _wait_until(lambda: stream.num_completion_tokens >= 3 or stream.finished, 30, "decoding to start")
+            os.kill(pid, signal.SIGKILL)
+            assert stream.wait(30), "the stream hung after its worker died"
+            assert stream.finish_reason == "error" and f"pid {pid}" in stream.error
+            with pytest.raises(RuntimeError, match="the engine has stopped"):
+                engine.submit([1, 2, 3])
+            assert engine.stats().num_running == 0
