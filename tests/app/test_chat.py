@@ -424,3 +424,29 @@ async def test_default_system_prompt_from_the_palette(make_app):
         await wait_for(pilot, lambda: config.exists() and 'system_prompt = "Be brief."' in config.read_text())
         await pilot.press("ctrl+t")
         assert app.active_pane.conversation.system_prompt == "Be brief."
+
+
+async def test_engine_failure_becomes_a_notification(make_app, monkeypatch):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        runner = app.engine.llm.runner
+        real_execute = runner.execute
+
+        def failing_execute(plan):  # fault injection: the next forward pass fails, once
+            monkeypatch.setattr(runner, "execute", real_execute)
+            raise RuntimeError("injected GPU fault")
+
+        monkeypatch.setattr(runner, "execute", failing_execute)
+        await send(pilot, "this reply will break")
+        await wait_for(pilot, lambda: not pane.busy, 60, "the reply to end")
+        await wait_for(pilot, lambda: any("injected GPU fault" in n.message for n in app._notifications),
+                       what="an error notification")
+        notice = next(n for n in app._notifications if "injected GPU fault" in n.message)
+        assert notice.severity == "error"
+        # The app and the engine carry on: the next message gets a reply.
+        await send(pilot, "and now?")
+        await wait_for(pilot, lambda: not pane.busy, 60, "the next reply")
+        assert pane.conversation.messages[-1].role == "assistant"
+        assert pane.conversation.messages[-1].stats["finish_reason"] == "length"
