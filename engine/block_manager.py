@@ -121,7 +121,7 @@ class BlockManager:
                 del self.free[block_id]
             block.ref_count += 1
             self._update_state(block)
-        seq.block_table = list(hits)
+        seq.block_table = array("i", hits)
         seq.num_committed_blocks = len(hits)
         self.grow(seq, num_tokens)
 
@@ -153,5 +153,5 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
             self._update_state(block)
-        seq.block_table = []
+        seq.block_table = array("i")
         seq.num_committed_blocks = 0

@@ -1,4 +1,6 @@
 """Holds the model and its KV cache on one device (one tensor-parallel rank) and runs step plans."""
+from array import array
+
 import torch
 
 from engine import parallel
@@ -154,13 +156,21 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
 
+    def _block_tables(self, tables) -> torch.Tensor:
+        """Rows of int32 block ids (arrays), zero-padded to the widest, as one device tensor."""
+        width = max(len(t) for t in tables)
+        zeros = bytes(4 * width)
+        raw = bytearray(b"".join(array("i", t).tobytes() + zeros[: 4 * (width - len(t))] for t in tables))
+        host = torch.frombuffer(raw, dtype=torch.int32).view(len(tables), width)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
+
     def metadata(self, plan: StepPlan) -> AttentionMetadata:
-        width = max(len(t) for t in plan.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in plan.block_tables]
         return AttentionMetadata(
             slot_mapping=self._tensor(plan.slot_mapping, torch.int64),
             context_lens=self._tensor(plan.context_lens),
-            block_tables=self._tensor(tables),
+            block_tables=self._block_tables(plan.block_tables),
             cu_seqlens_q=self._tensor(plan.cu_seqlens_q),
             max_seqlen_q=plan.max_seqlen_q,
             is_decode=plan.is_decode,

@@ -1,4 +1,5 @@
 import itertools
+from array import array
 from enum import Enum, auto
 
 from engine.sampling_params import SamplingParams
@@ -30,7 +31,9 @@ class Sequence:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache at the last admission (for stats).
         self.num_cached_tokens = 0
-        self.block_table: list[int] = []
+        # array('i') rather than a list: the runner turns a batch of them into one tensor by
+        # joining their bytes, ~20x faster than from nested lists at batch 256.
+        self.block_table = array("i")
         # Chained hashes of this sequence's full blocks, in order; valid for the token ids.
         self.block_hashes: list[int] = []
         # Leading entries of block_table whose hashes are registered with the BlockManager.
