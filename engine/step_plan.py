@@ -38,10 +38,15 @@ def plan_step(batch: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
     input_ids, positions, slots, cu, lens, tables, rows, params = [], [], [], [0], [], [], [], []
     for seq, n in batch:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        input_ids += seq.token_ids[start:end]
-        positions += range(start, end)
         table = seq.block_table
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        if n == 1:  # the decode case, most of every big batch: skip the slicing and comprehensions
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         cu.append(cu[-1] + n)
         lens.append(end)
         tables.append(table)
