@@ -64,7 +64,7 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        return sum(1 for b in self.free if self.blocks[b].hash is not None)
+        return self.states.count(CACHED)
 
     # --- hashing -----------------------------------------------------------------------------
 
@@ -77,8 +77,10 @@ class BlockManager:
         return hashes
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached run of seq's leading full blocks."""
-        num_full = seq.num_tokens // self.block_size
+        """Block ids holding the longest cached run of seq's leading full blocks. The block holding
+        the last token never counts: that token must run to give the next token's logits, and
+        writing its K/V into a block other sequences share would change what they read."""
+        num_full = (seq.num_tokens - 1) // self.block_size
         hits = []
         for i, h in enumerate(self._hashes_up_to(seq, num_full)):
             block_id = self.hash_to_block.get(h)

@@ -64,6 +64,11 @@ class EngineConfig:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' asked for, but no CUDA device is available")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        if prefill_cuda_graphs and attention_backend == "flash_attn":
+            raise ValueError("prefill_cuda_graphs needs attention_backend='triton': flash-attn's varlen call "
+                             "reads the longest context on the host, which a CUDA graph can't capture")
         if dtype is None:
             ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
             dtype = parse_dtype(ckpt_dtype) if device.type == "cuda" else torch.float32

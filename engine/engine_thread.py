@@ -89,17 +89,21 @@ class EngineThread:
         return self
 
     def shutdown(self) -> None:
-        """Stops the thread; open requests end with "abort". Shuts the LLM down if this built it."""
+        """Stops the thread; open requests end with "abort" and give their blocks back. Shuts the
+        LLM down if this built it."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        for _, stream in list(self._live.values()):
+        for seq, stream in list(self._live.values()):
+            self.llm.abort(seq)
             stream._finish("abort")
+        self._live.clear()
         for cmd in self._inbox:
             if cmd[0] == "submit":
                 cmd[2]._finish("abort")
+        self._inbox.clear()
         if self._owns_llm:
             self.llm.shutdown()
 
@@ -119,10 +123,7 @@ class EngineThread:
                tag=None) -> RequestStream:
         """Queues a request and returns its stream at once. prompt: text, token ids, or chat messages
         ({"role", "content"} dicts, rendered with the chat template). Bad input raises ValueError."""
-        if self.fatal_error:
-            raise RuntimeError(f"the engine has stopped: {self.fatal_error}")
-        if self._stopping:
-            raise RuntimeError("the engine thread has been shut down")
+        self._check_open()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = self.llm.render_chat(prompt, enable_thinking)
         seq = self.llm.make_sequence(prompt, sampling_params, stream=True)
@@ -130,11 +131,23 @@ class EngineThread:
         self._post(("submit", seq, stream))
         return stream
 
+    def _check_open(self) -> None:
+        if self.fatal_error:
+            raise RuntimeError(f"the engine has stopped: {self.fatal_error}")
+        if self._stopping:
+            raise RuntimeError("the engine thread has been shut down")
+
     def _request_abort(self, stream: RequestStream) -> None:
-        self._post(("abort", stream))
+        with self._cv:
+            if self._stopping or self.fatal_error:
+                return  # shutdown or the failure has ended the stream already
+            self._inbox.append(("abort", stream))
+            self._cv.notify()
 
     def _post(self, command) -> None:
+        # Checked under the lock: a submission racing shutdown() is refused, never left unanswered.
         with self._cv:
+            self._check_open()
             self._inbox.append(command)
             self._cv.notify()
 
@@ -150,6 +163,19 @@ class EngineThread:
     # --- engine thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a bug outside llm.step(): no stream may wait forever on a dead thread
+            with self._cv:
+                self.fatal_error = f"engine thread crashed: {type(e).__name__}: {e}"
+                pending = [cmd[2] for cmd in self._inbox if cmd[0] == "submit"]
+                self._inbox.clear()
+            for stream in pending + [stream for _, stream in self._live.values()]:
+                stream._finish("error", self.fatal_error)
+            self._live.clear()
+            raise
+
+    def _serve(self) -> None:
         llm = self.llm
         while True:
             with self._cv:

@@ -200,9 +200,10 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-        for p in prompts:  # check every prompt before queueing any, so a bad one leaves nothing behind
-            self.encode(p)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        # Every prompt is checked before any is queued, so a bad one leaves nothing behind.
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for seq in seqs:
+            self.enqueue(seq)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

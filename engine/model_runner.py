@@ -35,7 +35,9 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         self.block_size = config.block_size
-        self.device = torch.device("cuda", rank) if config.device.type == "cuda" else config.device
+        # Rank r runs on the r-th GPU counted from the one asked for (cuda:2 with TP=2 is GPUs 2 and 3).
+        base = config.device.index or 0
+        self.device = torch.device("cuda", base + rank) if config.device.type == "cuda" else config.device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.tp_group = tp_group or parallel.SINGLE_RANK
@@ -66,13 +68,13 @@ class ModelRunner:
                 if hasattr(type(module), "fused"):
                     module.fused = True
         self.sampler = Sampler(self.device) if rank == 0 else None
+        self.decode_graphs = self.prefill_graphs = None  # the warmup below runs eagerly
         if self.device.type == "cuda" and not config.num_kvcache_blocks:
             progress("warming up to size the KV cache")
         # Every rank must hold the same blocks: take the smallest cache any GPU has room for.
         self.num_blocks = config.num_kvcache_blocks or self.tp_group.min(self._blocks_that_fit(), self.device)
         progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
-        self.decode_graphs = self.prefill_graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(progress)
 

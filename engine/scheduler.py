@@ -67,9 +67,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.blocks.lookup_prefix(seq)
-            # A fully cached prompt still runs its last token, whose logits give the next one.
-            computed = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1)
+            hits = self.blocks.lookup_prefix(seq)  # never covers the last token, which must run
+            computed = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - computed, budget)
             if n > 1:
                 n = min(n, prefill_budget)

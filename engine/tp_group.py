@@ -227,10 +227,10 @@ class TensorParallelRunner:
 
     def _start(self, progress) -> None:
         c, ranks = self.config, self._ranks
-        device = torch.device("cuda", 0) if c.device.type == "cuda" else c.device
-        if device.type == "cuda" and torch.cuda.device_count() < self.size:
-            raise ValueError(f"tensor_parallel_size={self.size} needs {self.size} GPUs, but "
-                             f"{torch.cuda.device_count()} are visible")
+        device = torch.device("cuda", c.device.index or 0) if c.device.type == "cuda" else c.device
+        if device.type == "cuda" and torch.cuda.device_count() < device.index + self.size:
+            raise ValueError(f"tensor_parallel_size={self.size} from {device} needs GPUs {device.index}.."
+                             f"{device.index + self.size - 1}, but {torch.cuda.device_count()} are visible")
         ranks.store = dist.TCPStore(_HOST, 0, world_size=self.size, is_master=True, wait_for_workers=False,
                                     timeout=_TIMEOUT)
         progress(f"starting {self.size - 1} tensor-parallel worker process{'es' if self.size > 2 else ''}")

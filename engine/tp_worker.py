@@ -42,7 +42,7 @@ def _serve(conn: Connection) -> None:
     start = conn.recv()
     config, rank = start["config"], start["rank"]
     if config.device.type == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", (config.device.index or 0) + rank)
         torch.cuda.set_device(device)  # before the group, so NCCL makes no context on cuda:0
     else:
         device = config.device

@@ -205,3 +205,15 @@ def test_stats_snapshot_shows_who_holds_which_block(engine):
     s.abort()
     s.wait(30)
     assert engine.stats().decode_tokens_per_s > 0
+
+
+def test_shutdown_aborts_open_requests_and_frees_their_blocks(llm):
+    engine = EngineThread(llm).start()
+    stream = engine.submit("a long one", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    next(iter(stream))
+    engine.shutdown()
+    assert stream.finish_reason == "abort"
+    stats = llm.stats()
+    assert not llm.has_unfinished() and stats.num_free_blocks == stats.num_blocks
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.submit("again")

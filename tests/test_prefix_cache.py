@@ -44,7 +44,8 @@ def test_fully_cached_prompt_still_computes_its_last_token(tiny_qwen3):
         before = llm.stats().prefix_hit_tokens
         again = llm.generate([prompt], GREEDY)[0]["token_ids"]
         assert again == first
-        assert llm.stats().prefix_hit_tokens - before == 31
+        # The last block is recomputed into a fresh block rather than rewritten while cached.
+        assert llm.stats().prefix_hit_tokens - before == 24
 
 
 def test_cached_blocks_are_counted_and_reused(tiny_qwen3):
