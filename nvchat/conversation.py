@@ -23,6 +23,12 @@ def split_thinking(text: str) -> tuple[str | None, str]:
     return match.group(1).strip(), answer
 
 
+def first_line(text: str, limit: int) -> str:
+    """The text's first line, cut to `limit` characters with an ellipsis: titles and previews."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
 @dataclass
 class Message:
     role: str
@@ -88,60 +94,54 @@ class Conversation:
 
     # --- turns ---------------------------------------------------------------------------------------
 
-    def engine_messages(self) -> list[dict]:
+    def engine_messages(self, messages: list[Message] | None = None) -> list[dict]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + [{"role": m.role, "content": m.content} for m in self.messages]
+        return system + [{"role": m.role, "content": m.content} for m in (self.messages if messages is None else messages)]
 
-    def _submit(self) -> RequestStream:
-        return self.engine.submit(self.engine_messages(), self.settings.sampling_params(),
+    def _submit(self, messages: list[Message]) -> RequestStream:
+        """Starts a reply to `messages` without changing the conversation: a rejected prompt
+        (ValueError, e.g. too long) leaves it as it was."""
+        return self.engine.submit(self.engine_messages(messages), self.settings.sampling_params(),
                                   enable_thinking=self.settings.enable_thinking, tag=self)
 
-    def send(self, text: str) -> RequestStream:
-        """Stores the user's message and starts the reply. A rejected prompt (ValueError, e.g. too
-        long) leaves the conversation as it was."""
-        self.messages.append(Message("user", text))
+    @staticmethod
+    def _then_store(stream: RequestStream, store_change) -> RequestStream:
+        """Applies the stored change that goes with a started reply; if storing fails, the reply
+        is stopped rather than left generating for nobody."""
         try:
-            stream = self._submit()
-        except Exception:
-            self.messages.pop()
+            store_change()
+        except BaseException:
+            stream.abort()
             raise
-        self.messages.pop()
-        self._append(Message("user", text))
         return stream
+
+    def _last_user_index(self, what: str) -> int:
+        index = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
+        if index is None:
+            raise ValueError(f"nothing to {what}: the conversation has no message yet")
+        return index
+
+    def send(self, text: str) -> RequestStream:
+        """Stores the user's message and starts the reply."""
+        stream = self._submit(self.messages + [Message("user", text)])
+        return self._then_store(stream, lambda: self._append(Message("user", text)))
 
     def regenerate(self) -> RequestStream:
         """Drops the last reply and asks again."""
-        last_user = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
-        if last_user is None:
-            raise ValueError("nothing to regenerate: the conversation has no message yet")
-        dropped = self.messages[last_user + 1:]
-        self.messages = self.messages[:last_user + 1]
-        try:
-            stream = self._submit()
-        except Exception:
-            self.messages += dropped
-            raise
-        self.messages += dropped
-        self._drop_from(last_user + 1)
-        return stream
+        last_user = self._last_user_index("regenerate")
+        stream = self._submit(self.messages[:last_user + 1])
+        return self._then_store(stream, lambda: self._drop_from(last_user + 1))
 
     def edit_last_user(self, text: str) -> RequestStream:
         """Replaces the last user message (dropping the reply to it) and asks again."""
-        last_user = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
-        if last_user is None:
-            raise ValueError("no message to edit")
-        kept = self.messages[:last_user]
-        saved = self.messages
-        self.messages = kept + [Message("user", text)]
-        try:
-            stream = self._submit()
-        except Exception:
-            self.messages = saved
-            raise
-        self.messages = saved
-        self._drop_from(last_user)
-        self._append(Message("user", text))
-        return stream
+        last_user = self._last_user_index("edit")
+
+        def store_change():
+            self._drop_from(last_user)
+            self._append(Message("user", text))
+
+        stream = self._submit(self.messages[:last_user] + [Message("user", text)])
+        return self._then_store(stream, store_change)
 
     def finish_reply(self, stream: RequestStream) -> Message | None:
         """Stores a finished reply with its numbers. Aborted replies keep what was generated;

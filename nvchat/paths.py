@@ -26,3 +26,7 @@ def database_file() -> Path:
 
 def repl_history_file() -> Path:
     return data_dir() / "repl_history"
+
+
+def exports_dir() -> Path:
+    return data_dir() / "exports"

@@ -5,6 +5,7 @@ mode, so Ctrl-C arrives as a key, not a signal): Ctrl-C aborts the reply, and an
 is kept as typeahead for the next prompt. That also makes Ctrl-C deliverable from a pipe input.
 """
 import asyncio
+import sqlite3
 import signal
 import sys
 import threading
@@ -19,7 +20,7 @@ from prompt_toolkit.keys import Keys
 
 from engine import EngineThread, RequestStream
 from nvchat import paths, slash_commands
-from nvchat.conversation import Conversation
+from nvchat.conversation import Conversation, first_line
 from nvchat.settings import Settings
 from nvchat.store import ChatStore
 
@@ -50,11 +51,6 @@ def _key_bindings() -> KeyBindings:
             event.app.exit(exception=KeyboardInterrupt())
 
     return kb
-
-
-def _title(text: str) -> str:
-    first = text.strip().splitlines()[0] if text.strip() else "New chat"
-    return first if len(first) <= 60 else first[:57] + "..."
 
 
 class Repl:
@@ -122,6 +118,8 @@ class Repl:
                         message = slash_commands.dispatch(self, text)
                     except slash_commands.QuitRepl:
                         break
+                    except (OSError, ValueError, sqlite3.Error) as e:  # /save to a bad path, a locked store
+                        message = f"error: {e}"
                     if message:
                         self._print(message)
                 else:
@@ -156,15 +154,18 @@ class Repl:
         """Sends a message and streams the reply to `out`; the finished reply is stored."""
         conversation = self.conversation
         if not conversation.messages:
-            conversation.title = _title(text)
+            conversation.title = first_line(text, 60) or "New chat"
         try:
             stream = conversation.send(text)
-        except (ValueError, RuntimeError) as e:
+        except (ValueError, RuntimeError, sqlite3.Error) as e:
             self._print(f"error: {e}")
             return None
         self.last_stream = stream
         await self._stream_reply(stream)
-        conversation.finish_reply(stream)
+        try:
+            conversation.finish_reply(stream)
+        except sqlite3.Error as e:
+            self._print(f"error: the reply could not be stored ({e}); /save still writes it to a file")
         if stream.text and not stream.text.endswith("\n"):
             self.out.write("\n")
         footer = {"abort": f"[stopped after {stream.num_completion_tokens} tokens]",

@@ -4,12 +4,12 @@ Handlers get the REPL (anything with `conversation`, `engine`, `last_stream` and
 `new_conversation()`) and the text after the command name, and return the text to show.
 """
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from nvchat import paths
+from nvchat.export import export_markdown, save_markdown_to
 
 
 class QuitRepl(Exception):
@@ -124,22 +124,9 @@ def format_stats(snap, last_stream=None) -> str:
     return "\n".join(lines)
 
 
-def _slug(title: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40] or "chat"
-
-
 def save_markdown(conversation, path: Path | None = None) -> Path:
-    """Writes the conversation to PATH (a directory gets a generated name), by default into
-    nvchat's data directory, never over an existing file unless PATH names it."""
-    if path is None or path.is_dir():
-        directory = path or paths.data_dir() / "exports"
-        directory.mkdir(parents=True, exist_ok=True)
-        stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(conversation.title)}"
-        path, n = directory / f"{stem}.md", 1
-        while path.exists():
-            n += 1
-            path = directory / f"{stem}-{n}.md"
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(conversation.to_markdown())
-    return path.resolve()
+    """/save: to PATH when given (a directory gets a generated name), else into nvchat's exports
+    directory, never over an existing file unless PATH names it."""
+    if path is None:
+        return export_markdown(conversation, [paths.exports_dir()])
+    return save_markdown_to(conversation, path)

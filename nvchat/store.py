@@ -77,11 +77,16 @@ class ChatStore:
         now = time.time()
         with self._lock:
             self._db.execute("BEGIN")
-            cur = self._db.execute(
-                "INSERT INTO messages (conversation_id, role, content, stats, created_at) VALUES (?, ?, ?, ?, ?)",
-                (conversation_id, role, content, json.dumps(stats) if stats else None, now))
-            self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
-            self._db.execute("COMMIT")
+            try:
+                cur = self._db.execute(
+                    "INSERT INTO messages (conversation_id, role, content, stats, created_at) VALUES (?, ?, ?, ?, ?)",
+                    (conversation_id, role, content, json.dumps(stats) if stats else None, now))
+                self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+                self._db.execute("COMMIT")
+            except BaseException:
+                # Left open, the transaction would swallow every later write of this connection.
+                self._db.execute("ROLLBACK")
+                raise
             return cur.lastrowid
 
     def delete_message(self, message_id: int) -> None:

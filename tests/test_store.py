@@ -43,3 +43,14 @@ def test_settings_file(tmp_path):
     path.write_text("colour = 1\n")
     with pytest.raises(SettingsError, match="unknown setting 'colour'"):
         load_settings(path)
+
+
+def test_a_failed_write_does_not_poison_later_ones(tmp_path):
+    store = ChatStore(tmp_path / "c.sqlite3")
+    with pytest.raises(Exception):
+        store.add_message(12345, "user", "no such conversation")  # foreign key violation
+    cid = store.create_conversation("After", "", "demo")
+    store.add_message(cid, "user", "kept")
+    store.close()
+    again = ChatStore(tmp_path / "c.sqlite3")
+    assert [m.content for m in again.load_messages(cid)] == ["kept"]

@@ -32,7 +32,7 @@ from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.commands import ChatCommands
 from nvchat.app.conversations_screen import ConversationsScreen
-from nvchat.app.export import export_markdown
+from nvchat.export import export_markdown
 from nvchat.app.frame_stats import FrameStats
 from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import BlockOwner, KVPanel, PanelData
@@ -41,7 +41,7 @@ from nvchat.app.messages import ChatStateChanged, ReplyStarted
 from nvchat.app.rename_screen import RenameScreen
 from nvchat.app.system_prompt_screen import SystemPromptScreen
 from nvchat.conversation import Conversation
-from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, SettingsError, save_setting
+from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, save_setting
 from nvchat.store import ChatStore
 from themes import load_themes, tab_colors
 
@@ -401,7 +401,7 @@ class NvchatApp(App[None]):
             self.notify("Nothing to export yet.", severity="warning")
             return
         try:
-            path = await self.in_background(export_markdown, conversation, [Path.cwd(), paths.data_dir() / "exports"])
+            path = await self.in_background(export_markdown, conversation, [Path.cwd(), paths.exports_dir()])
         except OSError as e:
             self.notify(str(e), title="Export failed", severity="error")
             return
@@ -425,7 +425,7 @@ class NvchatApp(App[None]):
     async def _save_setting(self, name: str, value, done: str | None = None) -> None:
         try:
             await self.in_background(save_setting, name, value)
-        except (SettingsError, OSError) as e:
+        except (ValueError, OSError) as e:  # SettingsError, and a config.toml edited into invalid TOML
             self.notify(str(e), title="Could not save the setting", severity="error")
             return
         if done:

@@ -19,17 +19,12 @@ from engine import RequestStream
 from nvchat.app.message_view import ReplyView, UserMessageView
 from nvchat.app.messages import ChatStateChanged, PromptSubmitted, ReplyStarted
 from nvchat.app.prompt_input import PromptInput
-from nvchat.conversation import Conversation, Message, reply_stats
+from nvchat.conversation import Conversation, Message, first_line, reply_stats
 
 Background = Callable[..., Awaitable]
 HIDDEN_RENDER_S = 1.0
 _DEFAULT_TITLE = "New chat"
 _AUTO_TITLE_CHARS = 40
-
-
-def _first_line(text: str, limit: int) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 class ChatPane(Vertical):
@@ -77,7 +72,7 @@ class ChatPane(Vertical):
 
     def _banner_text(self) -> Content:
         prompt = self.conversation.system_prompt
-        text = _first_line(prompt, 100) if prompt else "(none)"
+        text = first_line(prompt, 100) if prompt else "(none)"
         return Content.assemble(("system ", "bold"), text, ("  F4 edits", "dim"))
 
     def _hint_text(self) -> Content:
@@ -191,7 +186,7 @@ class ChatPane(Vertical):
         self.stream = stream
         self.post_message(ReplyStarted(self))
         if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
-            await self.rename(_first_line(args[0], _AUTO_TITLE_CHARS))
+            await self.rename(first_line(args[0], _AUTO_TITLE_CHARS))
 
     async def pump(self, shown: bool) -> bool:
         """Moves what the stream produced since the last tick into the reply; True once it has ended.
@@ -205,33 +200,49 @@ class ChatPane(Vertical):
         delta = stream.drain()
         if delta is not None and delta.text:
             view.receive(delta.text)
+        if ended:
+            # Claimed and queued before any await: a tab closed or an app quit meanwhile finds no
+            # stream to store, so the reply is stored exactly once, and the write already waits.
+            self.stream = None
+            stored = self.background(self.conversation.finish_reply, stream)
         now = time.monotonic()
-        if shown or now - self._rendered_at >= HIDDEN_RENDER_S:
+        if shown or ended or now - self._rendered_at >= HIDDEN_RENDER_S:
             self._rendered_at = now
             await view.render_received()
         if ended:
-            self.stream = None  # from here the reply is the store worker's (and never stored twice)
             await view.finish(reply_stats(stream))
             if stream.finish_reason == "error":
                 self.notify(stream.error or "generation failed", title="Engine error", severity="error", timeout=10)
-            self.run_worker(self._store_reply(stream, view))
+            self.run_worker(self._store_reply(stored, view), exit_on_error=False)
         return ended
 
-    async def _store_reply(self, stream: RequestStream, view: ReplyView) -> None:
-        message = await self.background(self.conversation.finish_reply, stream)
-        if message is None:  # failed before producing anything: nothing to keep
-            await view.remove()
-        view.message = message
+    async def _store_reply(self, stored, view: ReplyView) -> None:
+        try:
+            message = await stored
+        except Exception as e:  # the reply stays on screen; Ctrl+S can still export it
+            self.notify(f"The reply could not be stored: {e}", title="Storage error", severity="error", timeout=10)
+        else:
+            if message is None:  # failed before producing anything: nothing to keep
+                await view.remove()
+            view.message = message
         self._reply_view = None
         self._refresh_hint()
         self._set_busy(False)
 
     # --- chat settings -------------------------------------------------------------------------------
 
+    async def _store(self, what: str, fn, *args) -> bool:
+        try:
+            await self.background(fn, *args)
+        except Exception as e:
+            self.notify(f"Could not save the {what}: {e}", title="Storage error", severity="error")
+            return False
+        return True
+
     async def rename(self, title: str) -> None:
-        await self.background(self.conversation.rename, title)
+        await self._store("title", self.conversation.rename, title)
         self.post_message(ChatStateChanged(self))
 
     async def set_system_prompt(self, text: str) -> None:
-        await self.background(self.conversation.set_system_prompt, text)
+        await self._store("system prompt", self.conversation.set_system_prompt, text)
         self.refresh_banner()

@@ -39,7 +39,11 @@ class ConversationsScreen(ModalScreen[int | None]):
         self.run_worker(self._load(), exclusive=True)
 
     async def _load(self) -> None:
-        rows = await self.list_conversations()
+        try:
+            rows = await self.list_conversations()
+        except Exception as e:
+            self.query_one("#conversations-empty", Label).update(f"Could not read the conversations: {e}")
+            return
         table = self.query_one(DataTable)
         for row in rows:
             table.add_row(Text(row.title), str(row.num_messages), Text(row.model), _when(row.updated_at),

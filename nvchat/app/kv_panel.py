@@ -22,11 +22,11 @@ from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
 from engine import EngineSnapshot
+from engine.block_manager import CACHED, SHARED, USED
 
 REFRESH_S = 0.25
 _HISTORY = 80  # sparkline samples: 20 s at REFRESH_S
 _USED, _SHARED, _CACHED, _FREE = "█", "▓", "░", "·"
-_STATE_USED, _STATE_SHARED, _STATE_CACHED = 2, 3, 1  # engine.block_manager's codes
 _UNKNOWN_OWNER = "#808080"
 
 
@@ -68,7 +68,7 @@ def aggregate(snapshot: EngineSnapshot, num_cells: int) -> tuple[list[Cell], int
     for index, start in enumerate(range(0, len(states), per_cell)):
         chunk = states[start:start + per_cell]
         top = holders.get(index)
-        cells.append(Cell(chunk.count(_STATE_USED), chunk.count(_STATE_SHARED), chunk.count(_STATE_CACHED),
+        cells.append(Cell(chunk.count(USED), chunk.count(SHARED), chunk.count(CACHED),
                           top.most_common(1)[0][0] if top else None))
     return cells, per_cell
 

@@ -4,7 +4,7 @@ import pytest
 
 from engine.engine_thread import EngineSnapshot
 from nvchat.app.bindings import ALL_KEYS, describe_key, unknown_key_ids
-from nvchat.app.export import export_markdown
+from nvchat.export import export_markdown
 from nvchat.app.kv_panel import aggregate, counters_text
 from nvchat.app.message_view import ThinkSplitter, footer_text
 from nvchat.cli import build_parser, settings_from_args

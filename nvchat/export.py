@@ -1,4 +1,5 @@
-"""Writing a conversation to a Markdown file (runs on the conversation thread, not the UI's)."""
+"""Writing a conversation to a Markdown file, for the app's export and the REPL's /save (never on
+the UI thread)."""
 import re
 from pathlib import Path
 
@@ -30,3 +31,12 @@ def export_markdown(conversation: Conversation, directories: list[Path]) -> Path
         except OSError as e:
             errors.append(f"{directory}: {e.strerror or e}")
     raise OSError("could not write the export: " + "; ".join(errors))
+
+
+def save_markdown_to(conversation: Conversation, path: Path) -> Path:
+    """Writes to exactly PATH (the user named the file); a directory gets a fresh name inside it."""
+    if path.is_dir():
+        return export_markdown(conversation, [path])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(conversation.to_markdown(), encoding="utf-8")
+    return path.resolve()
