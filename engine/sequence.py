@@ -43,9 +43,6 @@ class Sequence:
         # Set when the caller wants text as it is generated (streaming or stop strings).
         self.detokenizer = None
 
-    def __len__(self):
-        return len(self.token_ids)
-
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -57,10 +54,6 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:

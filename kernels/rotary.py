@@ -1,5 +1,4 @@
 """Neox-style rotary embedding (rotate halves) applied to q and k in place."""
-import torch
 import triton
 import triton.language as tl
 
