@@ -14,11 +14,11 @@ updates a second however fast tokens arrive.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from textual import work
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.content import Content
@@ -133,8 +133,12 @@ class NvchatApp(App[None]):
         except RuntimeError:
             pass
 
-    @work(thread=True, exit_on_error=False, name="start engine")
     def _start_backend(self) -> None:
+        # A daemon thread, not a Textual thread worker: quitting during a long model load must not
+        # wait for the load (Textual joins its workers' executor on exit).
+        threading.Thread(target=self._build_backend, name="nvchat-start", daemon=True).start()
+
+    def _build_backend(self) -> None:
         loading = self._loading
 
         def progress(stage: str) -> None:
