@@ -1,0 +1,114 @@
+"""Where an engine step's time goes: a torch.profiler trace of a few steps in three situations
+(batch-1 decode, full-batch decode, a prompt chunk mixed into 8 decoding streams), reduced to
+wall time per step, GPU-busy time per step, kernels per step and the costliest kernels."""
+import argparse
+import random
+import time
+from collections import defaultdict
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.common import CONFIGS, write_json
+from engine import LLM, SamplingParams
+
+
+def _busy_us(intervals) -> float:
+    """Length of the union of [start, end) intervals: time the GPU ran at least one kernel."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
+def profile_steps(llm: LLM, steps: int) -> dict:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by_name = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += e.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    return {
+        "wall_us_per_step": wall_us / steps,
+        "gpu_busy_us_per_step": _busy_us((e.time_range.start, e.time_range.end) for e in kernels) / steps,
+        "kernel_us_per_step": sum(t for _, t in by_name.values()) / steps,
+        "kernels_per_step": len(kernels) / steps,
+        "top": [{"name": name[:90], "per_step": n / steps, "us_per_step": t / steps, "us_each": t / n}
+                for name, (n, t) in top],
+    }
+
+
+def report(title: str, r: dict) -> None:
+    print(f"\n== {title}: wall {r['wall_us_per_step']:.0f} us/step, GPU busy {r['gpu_busy_us_per_step']:.0f} us, "
+          f"{r['kernels_per_step']:.0f} kernels/step")
+    for k in r["top"]:
+        print(f"  {k['us_per_step']:8.1f} us/step  {k['per_step']:6.1f}x  {k['us_each']:7.2f} us each  {k['name']}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--config", default=str(CONFIGS / "qwen3-0.6b"))
+    p.add_argument("--prefill-cuda-graphs", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--out", default="benchmarks/out/profile.json")
+    args = p.parse_args()
+    rng = random.Random(0)
+    llm = LLM(args.config, load_format="random", dtype="bfloat16", max_model_len=8192, max_num_seqs=256,
+              max_num_batched_tokens=16384, max_prefill_chunk=512, enforce_eager=args.enforce_eager,
+              prefill_cuda_graphs=args.prefill_cuda_graphs)
+    vocab = llm.config.hf_config.vocab_size
+
+    def prompt(n):
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    decode_only = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    results = {}
+
+    seq = llm.add_request(prompt(512), decode_only)
+    for _ in range(5):
+        llm.step()
+    results["decode_b1_ctx512"] = profile_steps(llm, 20)
+    llm.abort(seq)
+    llm.step()
+
+    seqs = [llm.add_request(prompt(600), decode_only) for _ in range(256)]
+    while any(s.num_completion_tokens == 0 for s in seqs):
+        llm.step()
+    llm.step()
+    results["decode_b256_ctx600"] = profile_steps(llm, 5)
+    for s in seqs:
+        llm.abort(s)
+    llm.step()
+
+    seqs = [llm.add_request(prompt(64), decode_only) for _ in range(8)]
+    for _ in range(4):
+        llm.step()
+    seqs.append(llm.add_request(prompt(4096), SamplingParams(max_tokens=1)))
+    results["mixed_8_decode_plus_512_chunk"] = profile_steps(llm, 4)
+    for s in seqs:
+        llm.abort(s)
+    llm.step()
+
+    seq = llm.add_request(prompt(2048), SamplingParams(max_tokens=1))
+    while not seq.is_finished:
+        llm.step()
+    llm.add_request(seq.token_ids[:2048] + prompt(50), SamplingParams(max_tokens=1))
+    results["cached_2048_plus_50_prefill"] = profile_steps(llm, 1)
+    llm.shutdown()
+    for title, r in results.items():
+        report(title, r)
+    write_json(args.out, {"config": args.config, "prefill_cuda_graphs": args.prefill_cuda_graphs, **results})
+
+
+if __name__ == "__main__":
+    main()
