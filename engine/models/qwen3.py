@@ -6,7 +6,8 @@ from torch import nn
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                  norm_and_project)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
@@ -40,8 +41,9 @@ class DecoderAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions, x, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions, qkv, meta: AttentionMetadata):
+        """qkv: this layer's qkv_proj output (the decoder layer runs it, fused with the norm)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -51,15 +53,14 @@ class DecoderAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU's weights; DecoderLayer runs them, so that the norm in front can fuse in."""
+
     def __init__(self, config):
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
         self.act = SiluAndMul()
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -71,13 +72,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, positions, x, residual, meta):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        """x: the previous layer's output, not yet added to the residual stream."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = norm_and_project(self.input_layernorm, attn.qkv_proj, x, residual)
+        x = attn(positions, qkv, meta)
+        act, residual = norm_and_project(self.post_attention_layernorm, mlp.gate_up_proj, x, residual, mlp.act)
+        return mlp.down_proj(act), residual
 
 
 class DecoderModel(nn.Module):
