@@ -65,7 +65,8 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--skip-ttft", action="store_true")
-    p.add_argument("--prefill-cuda-graphs", action="store_true", help="graph small prefill/mixed steps too")
+    p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
+                   help="run prefill and mixed steps eagerly (decode steps still use graphs)")
     p.add_argument("--out", default="benchmarks/out/latency.json")
     args = p.parse_args()
     random.seed(0)

@@ -24,7 +24,8 @@ def main():
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--warm-tokens", type=int, default=64, help="tokens per stream before the long prompt")
-    p.add_argument("--prefill-cuda-graphs", action="store_true", help="graph small prefill/mixed steps too")
+    p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
+                   help="run prefill and mixed steps eagerly (decode steps still use graphs)")
     p.add_argument("--out", default="benchmarks/out/streaming.json")
     args = p.parse_args()
 

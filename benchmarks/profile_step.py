@@ -58,7 +58,8 @@ def report(title: str, r: dict) -> None:
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", default=str(CONFIGS / "qwen3-0.6b"))
-    p.add_argument("--prefill-cuda-graphs", action="store_true")
+    p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
+                   help="run prefill and mixed steps eagerly (decode steps still use graphs)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--out", default="benchmarks/out/profile.json")
     args = p.parse_args()

@@ -34,7 +34,7 @@ class TritonBackend:
 
     def prefill(self, q, k_cache, v_cache, meta, scale):
         return self._prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                             scale, max_seqlen_q=meta.max_seqlen_q)
+                             scale, max_seqlen_q=meta.max_seqlen_q, num_splits=meta.prefill_splits)
 
 
 class FlashAttnBackend:

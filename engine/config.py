@@ -41,15 +41,16 @@ class EngineConfig:
     max_prefill_chunk: int | None = None
     # "safetensors", or "random" for benchmarks in real model shapes without weights on disk.
     load_format: str = "safetensors"
-    # CUDA graphs for small prefill and mixed steps too, not only decode. Off by default until
-    # tests/gpu/test_engine_gpu.py has passed with it on an H200 (see benchmarks/RESULTS.md).
-    prefill_cuda_graphs: bool = False
+    # CUDA graphs for small prefill and mixed steps too, not only decode: a chat turn after a cached
+    # prefix, or a prompt chunk mixed into decoding streams, is otherwise bound by launch cost.
+    # On by default, except with flash-attn (see create).
+    prefill_cuda_graphs: bool = True
 
     @classmethod
     def create(cls, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-               load_format="safetensors", prefill_cuda_graphs=False):
+               load_format="safetensors", prefill_cuda_graphs=None):
         from transformers import AutoConfig
 
         if load_format not in ("safetensors", "random"):
@@ -66,6 +67,8 @@ class EngineConfig:
             raise ValueError("device='cuda' asked for, but no CUDA device is available")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        if prefill_cuda_graphs is None:
+            prefill_cuda_graphs = attention_backend != "flash_attn"
         if prefill_cuda_graphs and attention_backend == "flash_attn":
             raise ValueError("prefill_cuda_graphs needs attention_backend='triton': flash-attn's varlen call "
                              "reads the longest context on the host, which a CUDA graph can't capture")

@@ -24,6 +24,18 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return [t for t in (32, 64, 128, 256, 512, 768, 1024) if t <= max_tokens]
 
 
+# A graph's kernels are sized for its bucket, so the prefill kernel cannot see that a small step
+# is a short turn after a long cached prefix (few queries, many keys) and split the keys to fill
+# the GPU. Small buckets are split always: a turn after a 2048-token prefix took 67 us per layer
+# unsplit in a graph and 14 us split, eagerly (H200, RESULTS.md); empty splits cost little there.
+_SPLIT_PREFILL_MAX_TOKENS = 128
+_PREFILL_SPLITS = 16
+
+
+def prefill_splits(tokens: int) -> int:
+    return _PREFILL_SPLITS if tokens <= _SPLIT_PREFILL_MAX_TOKENS else 1
+
+
 class StepGraphs:
     def __init__(self, model, *, decode: bool, token_buckets: list[int], max_seqs: int, max_blocks_per_seq: int,
                  hidden_size: int, device, dtype):
@@ -55,7 +67,8 @@ class StepGraphs:
         s = self.seqs_in(tokens)
         return AttentionMetadata(slot_mapping=self.slot_mapping[:tokens], context_lens=self.context_lens[:s],
                                  block_tables=self.block_tables[:s], cu_seqlens_q=self.cu_seqlens_q[:s + 1],
-                                 max_seqlen_q=1 if self.decode else tokens, is_decode=self.decode)
+                                 max_seqlen_q=1 if self.decode else tokens, is_decode=self.decode,
+                                 prefill_splits=None if self.decode else prefill_splits(tokens))
 
     def _forward(self, tokens: int) -> None:
         self.hidden[:tokens] = self.model(self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens))

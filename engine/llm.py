@@ -45,7 +45,7 @@ class LLM:
     def __init__(self, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                  max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                  gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-                 load_format="safetensors", prefill_cuda_graphs=False, progress=None):
+                 load_format="safetensors", prefill_cuda_graphs=None, progress=None):
         """progress: optional callable taking one string, told each start-up stage (for a UI)."""
         self._progress = progress or (lambda message: None)
         self._progress("reading the model config")
