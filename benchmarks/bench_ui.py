@@ -5,19 +5,24 @@ Reports the UI's frame times (the gap between the stream pump's ticks, and the t
 spends draining streams and rendering Markdown; p50 and p99) and the engine's output tokens/s
 both ways. Every reply runs to --max-tokens (ignore_eos) so both runs do the same work.
 
-    python -m benchmarks.bench_ui [--model PATH] [--tabs 8] [--max-tokens 256] [--out benchmarks/out/ui.json]
+    python -m benchmarks.bench_ui [--model PATH | --shape qwen3-0.6b] [--tabs 8] [--max-tokens 256] [--out ui.json]
 
-With no --model it uses the built-in demo model (on CPU here, on the GPU where there is one).
+With no --model it uses the built-in demo model (on CPU here, on the GPU where there is one);
+--shape gives a real model's layers with random weights, for GPUs without checkpoints.
 """
 import argparse
 import asyncio
+import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import CONFIGS, print_table, write_json
 from engine import EngineThread, RequestStream
+from engine.demo_model import ensure_demo_model
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
 
 
@@ -25,6 +30,24 @@ from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
 class BenchSettings(Settings):
     def sampling_params(self, **overrides):
         return super().sampling_params(ignore_eos=True, **overrides)
+
+
+def shaped_demo_model(shape: str, scratch: str) -> Path:
+    """A model directory with the layers of benchmarks/configs/<shape> and the demo model's byte
+    tokenizer, for random weights. Its vocabulary is the tokenizer's (261 rows instead of ~152k),
+    so every sampled token is a character the app has to render."""
+    demo = ensure_demo_model()
+    target = Path(scratch) / f"shape-{shape}"
+    target.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (demo / name).exists():
+            shutil.copy(demo / name, target / name)
+    config = json.loads((CONFIGS / shape / "config.json").read_text())
+    demo_config = json.loads((demo / "config.json").read_text())
+    for key in ("vocab_size", "bos_token_id", "eos_token_id"):
+        config[key] = demo_config.get(key)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
 
 
 def user_message(run: str, i: int) -> str:
@@ -93,6 +116,8 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint dir or cached HF repo id (default: the demo model)")
+    p.add_argument("--shape", help="a config dir under benchmarks/configs (e.g. qwen3-0.6b): that model's shapes "
+                                   "with random weights and the demo model's byte tokenizer")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--tabs", type=int, default=8)
@@ -112,6 +137,8 @@ def main() -> None:
                              max_num_seqs=max(16, args.tabs), max_tokens=args.max_tokens, temperature=0.8,
                              system_prompt=DEFAULT_SYSTEM_PROMPT)
     kwargs = settings.engine_kwargs()
+    if args.shape:
+        kwargs.update(model=str(shaped_demo_model(args.shape, scratch)), load_format="random")
     engine = EngineThread(kwargs.pop("model"), **kwargs).start()
     try:
         # Warm-up: first-call costs, and the shared system prompt in the prefix cache for both runs.

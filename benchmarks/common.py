@@ -48,12 +48,16 @@ def decode_floor_ms(weight_bytes: int, kv_per_token: int, context: int, batch: i
 
 def environment() -> dict:
     import torch
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    return {"date": time.strftime("%Y-%m-%d"), "commit": commit or os.environ.get("NVCHAT_COMMIT", "unknown"),
+    # NVCHAT_COMMIT first: the GPU machines get a copy of the working tree whose .git may not be
+    # the one the run was made from.
+    commit = os.environ.get("NVCHAT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            commit = ""
+    return {"date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
 
