@@ -31,11 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.layers.activation import SiluAndMul  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
+from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from kernels.decode_attention import paged_decode_attention  # noqa: E402
+from kernels.norm_rope_store import norm_rope_store  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
-from kernels.rotary import apply_rotary  # noqa: E402
 from kernels.silu_mul import silu_and_mul  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 16, 8, 128, 1024, 3072
@@ -193,14 +194,23 @@ def fused_cases():
         yield ("rmsnorm+residual", f"tokens={t}", lambda x=x, r=res, n=norm: rms_norm(x, n.weight, n.eps, r),
                lambda x=x, r=res, n=norm: n(x, r))
     rope = RotaryEmbedding(HEAD_DIM, 40960, 1e6).to(DEVICE)
-    rope.fused = False
+    q_norm, k_norm = RMSNorm(HEAD_DIM).to(DEVICE).to(DTYPE), RMSNorm(HEAD_DIM).to(DEVICE).to(DTYPE)
     for t in tokens:
         qkv = torch.randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=DEVICE).to(DTYPE)
-        q = qkv[:, :HEADS * HEAD_DIM].view(t, HEADS, HEAD_DIM)
-        k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM)
+        cache = torch.zeros(2, t // 16 + 1, 16, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        slots = torch.randperm(cache.shape[1] * 16, device=DEVICE)[:t]
         pos = torch.randint(0, 4096, (t,), device=DEVICE)
-        yield ("rotary (q+k)", f"tokens={t}", lambda q=q, k=k, p=pos: apply_rotary(q, k, p, rope.cos, rope.sin),
-               lambda q=q, k=k, p=pos: rope(p, q, k))
+
+        def unfused(qkv=qkv, cache=cache, slots=slots, pos=pos):
+            q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+            q, k = rope(pos, q_norm(q.reshape(-1, HEADS, HEAD_DIM)), k_norm(k.reshape(-1, KV_HEADS, HEAD_DIM)))
+            torch_store_kv(k, v.reshape(-1, KV_HEADS, HEAD_DIM), cache[0], cache[1], slots)
+
+        yield ("q/k norm+rope+kv store", f"tokens={t}",
+               lambda qkv=qkv, cache=cache, slots=slots, pos=pos: norm_rope_store(
+                   qkv, pos, rope.cos, rope.sin, cache[0], cache[1], slots, HEADS, KV_HEADS,
+                   q_norm.weight, k_norm.weight, q_norm.eps),
+               unfused)
     act = SiluAndMul()
     act.fused = False
     for t in tokens:

@@ -11,7 +11,6 @@ _EXPORTS = {
     "paged_decode_attention": "decode_attention",
     "paged_prefill_attention": "prefill_attention",
     "rms_norm": "rmsnorm",
-    "apply_rotary": "rotary",
     "silu_and_mul": "silu_mul",
 }
 

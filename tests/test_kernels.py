@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.layers import paged_attention_torch as ref  # noqa: E402
-from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, rotary, silu_mul  # noqa: E402
+from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, silu_mul  # noqa: E402
 from tests.kernel_checks import assert_close, poison, seed  # noqa: E402,F401 (fixtures)
 
 
@@ -28,7 +28,7 @@ def _interpreted() -> bool:
 
 if not _interpreted() and not torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "1":
     # Imported before TRITON_INTERPRET was set, by an earlier test module: decorate them again.
-    for _module in (kv_store, decode_attention, prefill_attention, rmsnorm, rotary, silu_mul):
+    for _module in (kv_store, decode_attention, prefill_attention, rmsnorm, silu_mul):
         importlib.reload(_module)
 if _interpreted():
     DEVICE = "cpu"
@@ -210,33 +210,6 @@ def test_rms_norm(dtype, w_dtype, hidden, with_residual, poison):
         assert_close(got[1], want[1], dtype)
         got, want = got[0], want[0]
     assert_close(got, want, dtype)
-
-
-def rotary_ref(q, k, positions, cos, sin):
-    def rot(x):
-        x1, x2 = x.float().chunk(2, -1)
-        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        return (x.float() * c + torch.cat([-x2, x1], -1) * s).to(x.dtype)
-    return rot(q), rot(k)
-
-
-@pytest.mark.parametrize("dtype, heads, kv_heads, head_dim", [(F32, 4, 2, 32), (BF16, 6, 2, 64), (F16, 2, 1, 32)])
-def test_apply_rotary(dtype, heads, kv_heads, head_dim):
-    tokens, max_pos = 9, 64
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
-    cos, sin = torch.cat([freqs, freqs], -1).cos().to(DEVICE), torch.cat([freqs, freqs], -1).sin().to(DEVICE)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(dtype)
-    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
-    positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
-    want_q, want_k = rotary_ref(q, k, positions, cos, sin)
-    got_q, got_k = rotary.apply_rotary(q, k, positions, cos, sin)
-    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
-    assert_close(q, want_q, dtype)
-    assert_close(k, want_k, dtype)
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)
 
 
 @pytest.mark.parametrize("dtype, d", [(F32, 48), (BF16, 64), (F16, 2100)])

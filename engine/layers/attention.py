@@ -32,11 +32,15 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def attend(self, q, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's K/V."""
+        q = q.view(-1, self.num_heads, self.head_dim)
         b = self.backend
-        b.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_decode:
             o = b.decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
         else:

@@ -22,8 +22,6 @@ class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves), as Qwen and Llama checkpoints expect; cos/sin are
     precomputed in float32 for every position up to max_position."""
 
-    fused = False  # set by the runner with the Triton backend: rotates q and k in place, in one kernel
-
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -44,9 +42,6 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        if self.fused:
-            from kernels.rotary import apply_rotary
-            return apply_rotary(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         q = q * cos + self._rotate_half(q) * sin

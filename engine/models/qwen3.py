@@ -24,6 +24,9 @@ def rope_settings(config) -> tuple[float, dict | None]:
 
 
 class DecoderAttention(nn.Module):
+    # Set by the runner with the Triton backend: q/k norm, RoPE and the K/V store in one kernel.
+    fused = False
+
     def __init__(self, config, max_position: int, qk_norm: bool, bias: bool):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -43,6 +46,12 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions, qkv, meta: AttentionMetadata):
         """qkv: this layer's qkv_proj output (the decoder layer runs it, fused with the norm)."""
+        if self.fused:
+            from kernels.norm_rope_store import norm_rope_store
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
+            q = norm_rope_store(qkv, positions, self.rotary.cos, self.rotary.sin, self.attn.k_cache,
+                                self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads, *norms)
+            return self.o_proj(self.attn.attend(q, meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)

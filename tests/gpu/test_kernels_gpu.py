@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from engine.layers import paged_attention_torch as ref  # noqa: E402
-from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, rotary, silu_mul  # noqa: E402
+from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, silu_mul  # noqa: E402
 from tests.kernel_checks import assert_close, poison, seed  # noqa: E402,F401 (fixtures)
 
 if type(decode_attention._decode_split_kernel).__name__ == "InterpretedFunction":
@@ -169,26 +169,6 @@ def test_rms_norm(shape, with_residual, poison):
         assert_close(got[1], h, BF16)
         got = got[0]
     assert_close(got, want, BF16)
-
-
-def test_apply_rotary():
-    tokens, heads, kv_heads, max_pos = 2048, 16, 8, 40960
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
-    freqs = torch.outer(torch.arange(max_pos, device="cuda").float(), inv_freq)
-    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * HEAD_DIM, device="cuda").to(BF16)
-    q = qkv[:, :heads * HEAD_DIM].view(tokens, heads, HEAD_DIM)
-    k = qkv[:, heads * HEAD_DIM:(heads + kv_heads) * HEAD_DIM].view(tokens, kv_heads, HEAD_DIM)
-    positions = torch.randint(0, max_pos, (tokens,), device="cuda")
-
-    def rot(x):
-        x1, x2 = x.float().chunk(2, -1)
-        return (x.float() * cos[positions, None] + torch.cat([-x2, x1], -1) * sin[positions, None]).to(BF16)
-
-    want_q, want_k = rot(q), rot(k)
-    rotary.apply_rotary(q, k, positions, cos, sin)
-    assert_close(q, want_q, BF16)
-    assert_close(k, want_k, BF16)
 
 
 def test_silu_and_mul(poison):
