@@ -93,8 +93,11 @@ class BlockManager:
         return hits
 
     def commit_full_blocks(self, seq: Sequence) -> None:
-        """Registers the hashes of blocks that filled since the last call (prefill chunks and decode)."""
+        """Registers the hashes of blocks that filled since the last call (prefill chunks and decode).
+        Runs for every sequence after every step; a block fills once per block_size decode steps."""
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_committed_blocks:
+            return
         hashes = self._hashes_up_to(seq, num_full)
         for i in range(seq.num_committed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
@@ -102,15 +105,17 @@ class BlockManager:
                 block.hash = hashes[i]
                 block.token_ids = tuple(seq.block_tokens(i))
                 self.hash_to_block[hashes[i]] = block.block_id
-        seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
+        seq.num_committed_blocks = num_full
 
     # --- allocation ----------------------------------------------------------------------------
 
     def blocks_needed(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> int:
         """Free-list entries that giving seq room for num_tokens would consume (hits included when
         they sit in the free list as cached blocks)."""
-        have = len(seq.block_table) if not hits else len(hits)
-        new = max(0, seq.num_blocks_for(num_tokens) - have)
+        if not hits:  # every running sequence, every step: keep it short
+            new = -(-num_tokens // self.block_size) - len(seq.block_table)
+            return new if new > 0 else 0
+        new = max(0, seq.num_blocks_for(num_tokens) - len(hits))
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return new + revived
 
@@ -128,7 +133,9 @@ class BlockManager:
         self.grow(seq, num_tokens)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
-        need = seq.num_blocks_for(num_tokens) - len(seq.block_table)
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return
         if need > len(self.free):
             raise RuntimeError(f"KV cache out of blocks: need {need}, {len(self.free)} free")
         for _ in range(need):

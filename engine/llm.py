@@ -31,7 +31,7 @@ class EngineStats:
         return self.num_blocks - self.num_free_blocks
 
 
-@dataclass
+@dataclass(slots=True)  # one per sequence per step: slots make them cheaper to build
 class StepOutput:
     """What one step did to one sequence that produced a token."""
 
@@ -154,13 +154,17 @@ class LLM:
         self.last_step_tokens = (0, 0)
         if not batch:
             return outputs
-        decode = sum(1 for seq, n in batch if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
-        self.last_step_tokens = (sum(n for _, n in batch) - decode, decode)
-        tokens = iter(self.runner.execute(plan_step(batch, self.block_size)))
+        plan = plan_step(batch, self.block_size)
+        tokens = iter(self.runner.execute(plan))
+        # Runs for every sequence of every step: the GPU idles through it, so it stays lean.
+        commit = self.blocks.commit_full_blocks
+        decode = 0
         for seq, n in batch:
+            if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                decode += 1
             seq.num_computed_tokens += n
-            self.blocks.commit_full_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
+            commit(seq)
+            if seq.num_computed_tokens < len(seq.token_ids):
                 continue  # a prompt chunk that does not reach the end samples nothing
             token = next(tokens)
             seq.token_ids.append(token)
@@ -170,14 +174,17 @@ class LLM:
                 self.scheduler.finish(seq, reason)
                 text += self.flush_text(seq)
             outputs.append(StepOutput(seq, [token], text, reason is not None))
+        self.last_step_tokens = (len(plan.input_ids) - decode, decode)
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if seq.detokenizer is not None and seq.detokenizer.stopped:
             return "stop"
-        if token in self.eos_ids and not seq.params.ignore_eos:
+        params = seq.params
+        if token in self.eos_ids and not params.ignore_eos:
             return "stop"
-        if seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return "length"
         return None
 

@@ -154,26 +154,49 @@ class ModelRunner:
 
     # --- running a step --------------------------------------------------------------------------
 
-    def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
-        return t.to(self.device, non_blocking=True)
-
-    def _block_tables(self, tables) -> torch.Tensor:
-        """Rows of int32 block ids (arrays), zero-padded to the widest, as one device tensor."""
-        width = max(len(t) for t in tables)
-        zeros = bytes(4 * width)
-        raw = bytearray(b"".join(array("i", t).tobytes() + zeros[: 4 * (width - len(t))] for t in tables))
-        host = torch.frombuffer(raw, dtype=torch.int32).view(len(tables), width)
+    def _tensor(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """The step's integer inputs on the device, as views of one buffer sent in one host->device
+        copy: a copy per input costs a pinned allocation and a launch each, host time the GPU waits
+        out. int64 for what indexes embeddings, RoPE and KV slots (a big cache has over 2**31 slot
+        elements), int32 for what the attention kernels read."""
+        fields = (("input_ids", plan.input_ids, torch.int64), ("positions", plan.positions, torch.int64),
+                  ("slot_mapping", plan.slot_mapping, torch.int64), ("sample_rows", plan.sample_rows, torch.int64),
+                  ("context_lens", plan.context_lens, torch.int32), ("cu_seqlens_q", plan.cu_seqlens_q, torch.int32))
+        raw, spans = bytearray(), []
+        for name, values, dtype in fields:
+            start = len(raw)
+            raw += array("q" if dtype == torch.int64 else "i", values)
+            spans.append((name, start, len(raw), dtype))
+            # Each input starts 16-byte aligned, as its own allocation would: Triton specializes
+            # kernels on pointer alignment, and a step must not need a new compile.
+            raw += bytes(-len(raw) % 16)
+        tables_at = len(raw)
+        width = self._block_tables(plan.block_tables, raw)
+        buf = torch.frombuffer(raw, dtype=torch.uint8)
         if self.device.type == "cuda":
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        out = {name: buf[start:end].view(dtype) for name, start, end, dtype in spans}
+        out["block_tables"] = buf[tables_at:].view(torch.int32).view(len(plan.block_tables), width)
+        return out
 
-    def metadata(self, plan: StepPlan) -> AttentionMetadata:
+    @staticmethod
+    def _block_tables(tables, raw: bytearray) -> int:
+        """Appends the tables to raw as rows of int32 block ids zero-padded to the widest; returns
+        the width. Sequences hold array('i') tables, whose bytes go in as they are."""
+        width = max(map(len, tables))
+        zeros = bytes(4 * width)
+        for t in tables:
+            raw += t if isinstance(t, array) else array("i", t)
+            raw += zeros[4 * len(t):]
+        return width
+
+    @staticmethod
+    def metadata(plan: StepPlan, inputs: dict[str, torch.Tensor]) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self._tensor(plan.slot_mapping, torch.int64),
-            context_lens=self._tensor(plan.context_lens),
-            block_tables=self._block_tables(plan.block_tables),
-            cu_seqlens_q=self._tensor(plan.cu_seqlens_q),
+            slot_mapping=inputs["slot_mapping"],
+            context_lens=inputs["context_lens"],
+            block_tables=inputs["block_tables"],
+            cu_seqlens_q=inputs["cu_seqlens_q"],
             max_seqlen_q=plan.max_seqlen_q,
             is_decode=plan.is_decode,
         )
@@ -181,18 +204,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int] | None:
         """Runs one step; rank 0 returns the sampled token of each sampled row, others None."""
-        input_ids = self._tensor(plan.input_ids, torch.int64)
-        positions = self._tensor(plan.positions, torch.int64)
-        meta = self.metadata(plan)
+        inputs = self._tensor(plan)
+        meta = self.metadata(plan, inputs)
         graphs = self.decode_graphs if plan.is_decode else self.prefill_graphs
         bucket = graphs.bucket_for(len(plan.input_ids), plan.num_seqs) if graphs is not None else None
         if bucket is not None:
-            hidden = graphs.run(bucket, input_ids, positions, meta)
+            hidden = graphs.run(bucket, inputs["input_ids"], inputs["positions"], meta)
         else:
-            hidden = self.model(input_ids, positions, meta)
+            hidden = self.model(inputs["input_ids"], inputs["positions"], meta)
         if not plan.sample_rows:
             return [] if self.rank == 0 else None
-        logits = self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.int64)])
+        # Rows are increasing, so as many rows as tokens means every row (a decode step): no gather.
+        if len(plan.sample_rows) < len(plan.input_ids):
+            hidden = hidden[inputs["sample_rows"]]
+        logits = self.model.compute_logits(hidden)
         if self.rank != 0:
             return None
         return self.sampler(logits, plan.sample_params, plan.sample_positions)

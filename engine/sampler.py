@@ -33,24 +33,37 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
 
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        # Pinned and non-blocking: a plain copy to the GPU would wait for the forward pass to end
+        # before the host could queue the rest of sampling.
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
+
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
-        logits = logits.float()
-        greedy = logits.argmax(-1)
-        if all(p.greedy for p in params):
-            return greedy.tolist()
-        dev = logits.device
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
-        logits = logits / temps[:, None]
+        """logits: [rows, vocab] in the model's dtype; positions: each row's token position, which
+        keys seeded draws."""
+        # Up-casting is exact and keeps order, so the argmax of bf16 logits is the argmax of their
+        # float32 copy (first index on ties in both), without writing that copy.
+        if all(p.temperature == 0 for p in params):
+            return logits.argmax(-1).tolist()
+        is_greedy = [p.temperature == 0 for p in params]
+        temps = [1.0 if greedy else p.temperature for p, greedy in zip(params, is_greedy)]
+        seeded = [(row, (p.seed * _SEED_MIX + positions[row]) % (2**63))
+                  for row, p in enumerate(params) if p.seed is not None and p.temperature > 0]
+        greedy_tokens = logits.argmax(-1) if any(is_greedy) else None
+        # Dividing by float32 temperatures promotes to float32: the values .float() would give,
+        # in one pass over the logits instead of two.
+        logits = logits / self._to_device(temps, torch.float32)[:, None]
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=dev)
-            top_p = torch.tensor([p.top_p for p in params], device=dev)
+            top_k = self._to_device([p.top_k for p in params], torch.int64)
+            top_p = self._to_device([p.top_p for p in params], torch.float32)
             logits = filter_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(-1)
         noise = torch.empty_like(probs).exponential_()
-        for row, (p, pos) in enumerate(zip(params, positions)):
-            if p.seed is not None and not p.greedy:
-                self.generator.manual_seed((p.seed * _SEED_MIX + pos) % (2**63))
-                noise[row].exponential_(generator=self.generator)
-        sampled = (probs / noise).argmax(-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=dev)
-        return torch.where(is_greedy, greedy, sampled).tolist()
+        for row, seed in seeded:
+            self.generator.manual_seed(seed)
+            noise[row].exponential_(generator=self.generator)
+        sampled = probs.div_(noise).argmax(-1)
+        if greedy_tokens is None:
+            return sampled.tolist()
+        return torch.where(self._to_device(is_greedy, torch.bool), greedy_tokens, sampled).tolist()

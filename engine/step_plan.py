@@ -24,6 +24,8 @@ class StepPlan:
 
     @property
     def max_seqlen_q(self) -> int:
+        if self.is_decode:
+            return 1
         cu = self.cu_seqlens_q
         return max(b - a for a, b in zip(cu, cu[1:]))
 
@@ -34,24 +36,28 @@ class StepPlan:
 
 
 def plan_step(batch: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
-    """batch: each sequence with the number of its uncomputed tokens to run this step."""
+    """batch: each sequence with the number of its uncomputed tokens to run this step (at least one)."""
     input_ids, positions, slots, cu, lens, tables, rows, params = [], [], [], [0], [], [], [], []
+    total = 0
     for seq, n in batch:
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        start = seq.num_computed_tokens
+        end = start + n
         table = seq.block_table
+        token_ids = seq.token_ids
         if n == 1:  # the decode case, most of every big batch: skip the slicing and comprehensions
-            input_ids.append(seq.token_ids[start])
+            input_ids.append(token_ids[start])
             positions.append(start)
             slots.append(table[start // block_size] * block_size + start % block_size)
         else:
-            input_ids += seq.token_ids[start:end]
+            input_ids += token_ids[start:end]
             positions += range(start, end)
             slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        cu.append(cu[-1] + n)
+        total += n
+        cu.append(total)
         lens.append(end)
         tables.append(table)
-        if end == seq.num_tokens:  # the chunk reaches the end: its last row predicts the next token
-            rows.append(cu[-1] - 1)
+        if end == len(token_ids):  # the chunk reaches the end: its last row predicts the next token
+            rows.append(total - 1)
             params.append(seq.params)
-    return StepPlan(input_ids, positions, slots, cu, lens, tables, rows, params,
-                    is_decode=all(n == 1 for _, n in batch))
+    # Every sequence runs at least one token, so one token per sequence is a decode step.
+    return StepPlan(input_ids, positions, slots, cu, lens, tables, rows, params, is_decode=total == len(batch))
