@@ -11,10 +11,6 @@ from torch import nn
 from engine import parallel
 from engine.layers.weights import copy_into, narrow, shape_of
 
-# At or below this many rows (decode steps of small batches) a fused layer runs the Triton skinny
-# kernel; above it, cuBLAS (kernels/skinny_linear.py says why).
-SKINNY_MAX_ROWS = 16
-
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
@@ -23,8 +19,6 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 class _Linear(nn.Module):
-    fused = False  # set by the runner with the Triton backend
-
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp = parallel.current_group()
@@ -44,28 +38,8 @@ class _Linear(nn.Module):
             loaded = narrow(loaded, self.tp_dim, self.tp_rank * size, size)
         copy_into(param, loaded)
 
-    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.fused and x.shape[0] <= SKINNY_MAX_ROWS:
-            from kernels.skinny_linear import skinny_linear
-            return skinny_linear(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x, self.bias)
-
-
-def norm_and_project(norm, linear: _Linear, x: torch.Tensor, residual: torch.Tensor | None, act=None):
-    """The pre-norm block's entry: linear(norm(x + residual)), then act if given (SwiGLU's
-    SiluAndMul over a merged gate_up projection). Returns (output, new residual). For few rows
-    with a fused linear it is one kernel: the norm, the matmul and the SiLU-mul together."""
-    if linear.fused and x.shape[0] <= SKINNY_MAX_ROWS:
-        from kernels.skinny_linear import skinny_linear
-        out = skinny_linear(x, linear.weight, linear.bias, norm_weight=norm.weight, eps=norm.eps,
-                            residual=residual, gated=act is not None)
-        return out if residual is not None else (out, x)
-    normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
-    out = linear(normed)
-    return (act(out) if act is not None else out), residual
+        return F.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(_Linear):
@@ -131,4 +105,4 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, so the all-reduce does not count it tp_size times.
         bias = self.bias if self.tp_rank == 0 else None
-        return self.tp.all_reduce(self.project(x, bias))
+        return self.tp.all_reduce(F.linear(x, self.weight, bias))

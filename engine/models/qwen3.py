@@ -6,8 +6,7 @@ from torch import nn
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                  norm_and_project)
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
@@ -44,8 +43,8 @@ class DecoderAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions, qkv, meta: AttentionMetadata):
-        """qkv: this layer's qkv_proj output (the decoder layer runs it, fused with the norm)."""
+    def forward(self, positions, x, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
         if self.fused:
             from kernels.norm_rope_store import norm_rope_store
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
@@ -62,14 +61,15 @@ class DecoderAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU's weights; DecoderLayer runs them, so that the norm in front can fuse in."""
-
     def __init__(self, config):
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
         self.act = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -81,12 +81,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, positions, x, residual, meta):
-        """x: the previous layer's output, not yet added to the residual stream."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = norm_and_project(self.input_layernorm, attn.qkv_proj, x, residual)
-        x = attn(positions, qkv, meta)
-        act, residual = norm_and_project(self.post_attention_layernorm, mlp.gate_up_proj, x, residual, mlp.act)
-        return mlp.down_proj(act), residual
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
