@@ -22,7 +22,7 @@ def main():
     p.add_argument("--device", default=None)
     p.add_argument("--long-prompt", type=int, default=8192)
     p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=128, help="max_prefill_chunk (the app's default)")
     p.add_argument("--warm-tokens", type=int, default=64, help="tokens per stream before the long prompt")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="run prefill and mixed steps eagerly (decode steps still use graphs)")

@@ -1,5 +1,5 @@
 """Where an engine step's time goes: a torch.profiler trace of a few steps in three situations
-(batch-1 decode, full-batch decode, a prompt chunk mixed into 8 decoding streams), reduced to
+(batch-1 decode, full-batch decode, a prompt chunk mixed into 8 decoding streams, prefills), reduced to
 wall time per step, GPU-busy time per step, kernels per step and the costliest kernels."""
 import argparse
 import random
@@ -65,7 +65,7 @@ def main():
     args = p.parse_args()
     rng = random.Random(0)
     llm = LLM(args.config, load_format="random", dtype="bfloat16", max_model_len=8192, max_num_seqs=256,
-              max_num_batched_tokens=16384, max_prefill_chunk=512, enforce_eager=args.enforce_eager,
+              max_num_batched_tokens=16384, max_prefill_chunk=128, enforce_eager=args.enforce_eager,
               prefill_cuda_graphs=args.prefill_cuda_graphs)
     vocab = llm.config.hf_config.vocab_size
 
@@ -95,7 +95,7 @@ def main():
     for _ in range(4):
         llm.step()
     seqs.append(llm.add_request(prompt(4096), SamplingParams(max_tokens=1)))
-    results["mixed_8_decode_plus_512_chunk"] = profile_steps(llm, 4)
+    results["mixed_8_decode_plus_120_chunk"] = profile_steps(llm, 4)
     for s in seqs:
         llm.abort(s)
     llm.step()
@@ -105,6 +105,8 @@ def main():
         llm.step()
     llm.add_request(seq.token_ids[:2048] + prompt(50), SamplingParams(max_tokens=1))
     results["cached_2048_plus_50_prefill"] = profile_steps(llm, 1)
+    llm.add_request(prompt(2098), SamplingParams(max_tokens=1))
+    results["uncached_2098_prefill"] = profile_steps(llm, 1)
     llm.shutdown()
     for title, r in results.items():
         report(title, r)

@@ -16,8 +16,10 @@ from engine.step_plan import StepPlan
 _CPU_KV_SEQS = 32
 _CPU_KV_MAX_BYTES = 4 << 30
 # Prefill graphs hold this many sequence slots at most; bigger mixed batches run eagerly (they are
-# decode-heavy, and their GPU time hides the launch cost anyway).
-_PREFILL_GRAPH_SEQS = 64
+# decode-heavy, and their GPU time hides the launch cost anyway). Every slot costs the prefill
+# kernel programs that find no queries and exit: at 64 slots a 128-token mixed step paid ~2 ms
+# for them on the H200 (RESULTS.md), more than a chat's handful of tabs ever needs.
+_PREFILL_GRAPH_SEQS = 16
 
 
 def _cpu_ram_bytes() -> int:

@@ -3,7 +3,7 @@
 Every step first serves the running sequences (one token each while decoding, or the next chunk
 of a prompt still being prefilled), then admits waiting prompts with the token budget left. So a
 long prompt is prefilled in chunks mixed into decode steps instead of stalling every stream; a
-step that carries prompt tokens holds at most max_prefill_chunk tokens in all.
+step that carries prompt tokens while others decode holds at most max_prefill_chunk tokens.
 When blocks run out, the most recently admitted sequence is preempted: its blocks are freed and
 it goes back to the front of the queue, to be recomputed from its tokens (no token is lost).
 """
@@ -36,11 +36,15 @@ class Scheduler:
         """Returns (batch of (sequence, tokens to run)), sequences that can never fit and were
         finished with reason "length")."""
         budget = self.max_num_batched_tokens
-        # A step that prefills is at most max_prefill_chunk tokens, decode tokens included, so a
-        # chunk mixed into decoding streams fits the prefill CUDA graph of that size, and the
-        # streams' step time does not grow with their number. Prompts keep at least a quarter.
+        # While streams decode, a step that prefills is at most max_prefill_chunk tokens, decode
+        # tokens included: the streams' step time stays short, and the step fits the prefill CUDA
+        # graph of that size. Prompts keep at least a quarter. With nothing decoding there is
+        # nobody to keep waiting, and prompts get the whole batch budget.
         decoding = sum(1 for seq in self.running if seq.num_uncomputed_tokens == 1)
-        prefill_budget = max(self.max_prefill_chunk - decoding, self.max_prefill_chunk // 4, 1)
+        if decoding:
+            prefill_budget = max(self.max_prefill_chunk - decoding, self.max_prefill_chunk // 4, 1)
+        else:
+            prefill_budget = budget
         batch: list[tuple[Sequence, int]] = []
         cut_short: list[Sequence] = []
 

@@ -28,7 +28,7 @@ class Settings:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     # A long prompt is prefilled this many tokens per step, between other conversations' tokens.
-    max_prefill_chunk: int = 512
+    max_prefill_chunk: int = 128
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     temperature: float = 0.7
     top_p: float = 0.95
