@@ -248,9 +248,12 @@ class NvchatApp(App[None]):
         self._pump_timer.resume()
 
     def on_tabbed_content_tab_activated(self) -> None:
-        self.refresh_bindings()
+        if self.screen_stack:
+            self.refresh_bindings()
 
     def on_chat_state_changed(self, event: ChatStateChanged) -> None:
+        if not self.screen_stack:
+            return  # a reply that ended as the app closed: no screen is left to redraw
         self.refresh_bindings()
         pane = event.pane
         if pane.parent is not None and pane.parent.id:

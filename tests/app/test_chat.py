@@ -6,6 +6,7 @@ from nvchat import paths
 from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.loading_screen import LoadingScreen
+from nvchat.app.messages import ChatStateChanged
 from nvchat.app.message_view import ReplyView, UserMessageView
 from nvchat.conversation import Message
 from nvchat.store import ChatStore
@@ -314,6 +315,8 @@ async def test_quitting_mid_reply_keeps_completed_messages(make_app):
         await wait_for(pilot, lambda: pane.stream is not None and pane.stream.num_completion_tokens > 3)
         conversation_id = pane.conversation.id
         await press_now(pilot, "ctrl+q")
+    # A reply's last state change can arrive once the screens are gone (seen on a fast GPU).
+    app.on_chat_state_changed(ChatStateChanged(pane))
     store = ChatStore(paths.database_file())
     try:
         rows = store.load_messages(conversation_id)
