@@ -8,6 +8,7 @@ and the collectives go over NCCL (gloo on CPU).
 """
 import argparse
 import gc
+import json
 import random
 import statistics
 import sys
@@ -98,7 +99,12 @@ def main():
     p.add_argument("--attention-backend", default=None)
     args = p.parse_args()
 
-    results = [run_one(args, tp) for tp in args.tp]
+    results = []
+    for tp in args.tp:
+        results.append(run_one(args, tp))
+        # Each size as it finishes, so a run cut short by a time limit still reports what it did.
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "runs"}), flush=True)
+        write_json(args.out, {"config": args.config, "results": results, "complete": False})
     base = next((r for r in results if r["tp"] == 1), None)
     rows = []
     for r in results:
@@ -115,7 +121,7 @@ def main():
     graphs = torch.cuda.is_available() and not args.enforce_eager
     print(f"{Path(args.config).name}, bf16, random weights, {'CUDA graphs' if graphs else 'eager'}")
     print_table(rows, tuple(header + ["KV blocks", "startup s"]))
-    write_json(args.out, {"config": args.config, "results": results})
+    write_json(args.out, {"config": args.config, "results": results, "complete": True})
 
 
 if __name__ == "__main__":
