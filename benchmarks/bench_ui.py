@@ -164,10 +164,11 @@ def main() -> None:
         ("UI ticks", "-", ui["frames"]),
         ("UI thread CPU (share of one core)", "-", f"{ui['ui_thread_cpu_share'] * 100:.0f}%"),
     ]
-    print(f"{args.tabs} tabs x {args.max_tokens} tokens, model {args.model or 'demo'}, "
+    label = args.model or (f"{args.shape} shape" if args.shape else "demo")
+    print(f"{args.tabs} tabs x {args.max_tokens} tokens, model {label}, "
           f"device {engine.llm.config.device}, KV panel {'off' if args.no_kv_panel else 'on'}")
     print_table(rows_out, ("", "headless", "with UI"))
-    write_json(args.out, {"tabs": args.tabs, "max_tokens": args.max_tokens, "model": args.model or "demo",
+    write_json(args.out, {"tabs": args.tabs, "max_tokens": args.max_tokens, "model": label,
                           "device": str(engine.llm.config.device), "kv_panel": not args.no_kv_panel,
                           "headless": headless, "ui": ui})
 
