@@ -43,3 +43,32 @@ def assert_close(out, expected, dtype):
     assert not out.isnan().any(), "an output element was left unwritten (NaN)"
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def norm_rope_store_reference(qkv, positions, rope, k_cache, v_cache, slots, heads, kv_heads, q_norm, k_norm):
+    """kernels.norm_rope_store's unfused equivalent: the q/k norm modules, the rotary module's
+    forward in fp32 rounded once (the kernel's contract), and store_kv. Returns q; stores k/v."""
+    from engine.layers import paged_attention_torch as ref
+    head_dim = rope.cos.shape[-1]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k = q.reshape(-1, heads, head_dim), k.reshape(-1, kv_heads, head_dim)
+    v = v.reshape(-1, kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    rq, rk = rope(positions, q.float(), k.float())
+    ref.store_kv(rk.to(q.dtype), v, k_cache, v_cache, slots)
+    return rq.to(q.dtype)
+
+
+def capture(step):
+    """A CUDA graph of step() and its output, with the kernels compiled first, on a side stream
+    as torch asks, so that no compilation lands inside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

@@ -17,10 +17,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.layers import paged_attention_torch as ref  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
-from tests.kernel_checks import assert_close, seed  # noqa: E402,F401 (fixture)
+from tests.kernel_checks import assert_close, norm_rope_store_reference, seed  # noqa: E402,F401 (fixture)
 
 # By module path: the package's lazy exports may one day name the function the same.
 nrs = importlib.import_module("kernels.norm_rope_store")
@@ -43,17 +42,6 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 MAX_POS = 512
 
 
-def reference(qkv, positions, rope, k_cache, v_cache, slots, heads, kv_heads, q_norm, k_norm):
-    """The unfused path on copies: returns rotated q [tokens, heads, head_dim] and stores k/v."""
-    head_dim = rope.cos.shape[-1]
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
-    q, k = q.reshape(-1, heads, head_dim), k.reshape(-1, kv_heads, head_dim)
-    v = v.reshape(-1, kv_heads, head_dim)
-    if q_norm is not None:
-        q, k = q_norm(q), k_norm(k)
-    rq, rk = rope(positions, q.float(), k.float())
-    ref.store_kv(rk.to(q.dtype), v, k_cache, v_cache, slots)
-    return rq.to(q.dtype)
 
 
 def make_case(tokens, heads, kv_heads, head_dim, block_size, dtype, with_norm, slot_dtype=torch.int64):
@@ -98,7 +86,7 @@ def test_norm_rope_store(tokens, heads, kv_heads, head_dim, block_size, dtype, w
         tokens, heads, kv_heads, head_dim, block_size, dtype, with_norm, slot_dtype)
     wide_before, expected = wide.clone(), caches.clone()
     with torch.no_grad():
-        want_q = reference(qkv.clone(), positions, rope, expected[0, 1], expected[1, 1], slots, heads,
+        want_q = norm_rope_store_reference(qkv.clone(), positions, rope, expected[0, 1], expected[1, 1], slots, heads,
                            kv_heads, q_norm, k_norm)
     got_q = nrs.norm_rope_store(
         qkv, positions, rope.cos, rope.sin, caches[0, 1], caches[1, 1], slots, heads, kv_heads,

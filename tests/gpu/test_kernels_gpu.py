@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 from engine.layers import paged_attention_torch as ref  # noqa: E402
 from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, silu_mul  # noqa: E402
-from tests.kernel_checks import assert_close, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import assert_close, capture, poison, seed  # noqa: E402,F401 (fixtures)
 
 if type(decode_attention._decode_split_kernel).__name__ == "InterpretedFunction":
     pytest.skip("kernels were imported under TRITON_INTERPRET=1", allow_module_level=True)
@@ -90,14 +90,7 @@ def test_decode_cuda_graph(num_splits):
     def step():
         return decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale, num_splits)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     graph.replay()
     assert_close(out, ref.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale), BF16)
     tables.copy_(tables_a[batch:])

@@ -17,10 +17,9 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from engine.layers import paged_attention_torch as ref  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
-from tests.kernel_checks import assert_close, seed  # noqa: E402,F401 (fixture)
+from tests.kernel_checks import assert_close, capture, norm_rope_store_reference, seed  # noqa: E402,F401 (fixture)
 
 nrs = importlib.import_module("kernels.norm_rope_store")
 if type(nrs._norm_rope_store_kernel).__name__ == "InterpretedFunction":
@@ -30,18 +29,6 @@ BF16 = torch.bfloat16
 MAX_POS = 40960
 
 
-def reference(qkv, positions, rope, k_cache, v_cache, slots, heads, kv_heads, q_norm, k_norm):
-    """The unfused path: the norm modules, the rotary module's forward in fp32 rounded once
-    (the kernels' contract), store_kv. Returns q; stores k/v."""
-    head_dim = rope.cos.shape[-1]
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
-    q, k = q.reshape(-1, heads, head_dim), k.reshape(-1, kv_heads, head_dim)
-    v = v.reshape(-1, kv_heads, head_dim)
-    if q_norm is not None:
-        q, k = q_norm(q), k_norm(k)
-    rq, rk = rope(positions, q.float(), k.float())
-    ref.store_kv(rk.to(q.dtype), v, k_cache, v_cache, slots)
-    return rq.to(q.dtype)
 
 
 def make_case(tokens, heads, kv_heads, head_dim, block_size, with_norm):
@@ -81,7 +68,7 @@ def test_norm_rope_store(tokens, heads, kv_heads, head_dim, block_size, with_nor
     slots = slots.int() if random.random() < 0.5 else slots
     wide_before, expected = wide.clone(), caches.clone()
     with torch.no_grad():
-        want_q = reference(qkv.clone(), positions, rope, expected[0, 1], expected[1, 1], slots, heads,
+        want_q = norm_rope_store_reference(qkv.clone(), positions, rope, expected[0, 1], expected[1, 1], slots, heads,
                            kv_heads, q_norm, k_norm)
     got_q = nrs.norm_rope_store(
         qkv, positions, rope.cos, rope.sin, caches[0, 1], caches[1, 1], slots, heads, kv_heads,
@@ -106,14 +93,7 @@ def test_cuda_graph():
         return nrs.norm_rope_store(qkv, positions, rope.cos, rope.sin, caches[0, 1], caches[1, 1], slots,
                                    heads, kv_heads, q_norm.weight, k_norm.weight, 1e-6)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q = step()
+    graph, q = capture(step)
 
     _, qkv_b, positions_b, slots_b, _, _, _ = make_case(tokens, heads, kv_heads, head_dim, block_size, True)
     slots_b[0] = -1
@@ -123,7 +103,7 @@ def test_cuda_graph():
     caches.fill_(float("nan"))
     expected = caches.clone()
     with torch.no_grad():
-        want_q = reference(qkv.clone(), positions, rope, expected[0, 1], expected[1, 1], slots, heads,
+        want_q = norm_rope_store_reference(qkv.clone(), positions, rope, expected[0, 1], expected[1, 1], slots, heads,
                            kv_heads, q_norm, k_norm)
     graph.replay()
     assert_close(q, want_q, BF16)
