@@ -156,7 +156,7 @@ class ModelRunner:
 
     # --- running a step --------------------------------------------------------------------------
 
-    def _tensor(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+    def _step_inputs(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         """The step's integer inputs on the device, as views of one buffer sent in one host->device
         copy: a copy per input costs a pinned allocation and a launch each, host time the GPU waits
         out. int64 for what indexes embeddings, RoPE and KV slots (a big cache has over 2**31 slot
@@ -206,7 +206,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int] | None:
         """Runs one step; rank 0 returns the sampled token of each sampled row, others None."""
-        inputs = self._tensor(plan)
+        inputs = self._step_inputs(plan)
         meta = self.metadata(plan, inputs)
         graphs = self.decode_graphs if plan.is_decode else self.prefill_graphs
         bucket = graphs.bucket_for(len(plan.input_ids), plan.num_seqs) if graphs is not None else None

@@ -60,6 +60,21 @@ def norm_rope_store_reference(qkv, positions, rope, k_cache, v_cache, slots, hea
     return rq.to(q.dtype)
 
 
+def run_norm_rope_store(kernel, qkv, positions, rope, caches, slots, heads, kv_heads, q_norm, k_norm):
+    """Runs the kernel on qkv and layer 1 of caches, and its reference on copies. Returns (q,
+    reference q, reference caches); checks that q is the promised view of qkv."""
+    expected = caches.clone()
+    with torch.no_grad():
+        want_q = norm_rope_store_reference(qkv.clone(), positions, rope, expected[0, 1], expected[1, 1], slots,
+                                           heads, kv_heads, q_norm, k_norm)
+    norms = (q_norm.weight, k_norm.weight) if q_norm is not None else (None, None)
+    got_q = kernel(qkv, positions, rope.cos, rope.sin, caches[0, 1], caches[1, 1], slots, heads, kv_heads,
+                   *norms, 1e-6)
+    head_dim = rope.cos.shape[-1]
+    assert got_q.data_ptr() == qkv.data_ptr() and got_q.stride() == (qkv.stride(0), head_dim, 1)
+    return got_q, want_q, expected
+
+
 def capture(step):
     """A CUDA graph of step() and its output, with the kernels compiled first, on a side stream
     as torch asks, so that no compilation lands inside the capture."""

@@ -75,7 +75,7 @@ def test_packed_inputs_match_the_plan(tiny_qwen3):
                         context_lens=[3, 18, 41], block_tables=[[2], [3, 4], [1, 9, 4]], sample_rows=[4, 5],
                         sample_params=[], is_decode=False)
         plan.block_tables[1] = array("i", plan.block_tables[1])
-        t = runner._tensor(plan)
+        t = runner._step_inputs(plan)
         assert t["input_ids"].dtype == t["positions"].dtype == t["slot_mapping"].dtype == torch.int64
         assert t["sample_rows"].dtype == torch.int64
         assert t["context_lens"].dtype == t["cu_seqlens_q"].dtype == t["block_tables"].dtype == torch.int32
@@ -84,7 +84,7 @@ def test_packed_inputs_match_the_plan(tiny_qwen3):
         assert t["block_tables"].tolist() == [[2, 0, 0], [3, 4, 0], [1, 9, 4]]
         base = t["input_ids"].data_ptr()
         assert all((x.data_ptr() - base) % 16 == 0 for x in t.values())  # as separate allocations are
-        empty = runner._tensor(StepPlan([1], [0], [0], [0, 1], [1], [[0]], [], [], is_decode=True))
+        empty = runner._step_inputs(StepPlan([1], [0], [0], [0, 1], [1], [[0]], [], [], is_decode=True))
         assert empty["sample_rows"].numel() == 0 and empty["input_ids"].tolist() == [1]
 
 

@@ -47,7 +47,8 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.fused:
             from kernels.norm_rope_store import norm_rope_store
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
+            has_norm = self.q_norm is not None
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if has_norm else (None, None, 0.0)
             q = norm_rope_store(qkv, positions, self.rotary.cos, self.rotary.sin, self.attn.k_cache,
                                 self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads, *norms)
             return self.o_proj(self.attn.attend(q, meta))

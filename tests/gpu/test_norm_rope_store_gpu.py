@@ -19,7 +19,8 @@ triton = pytest.importorskip("triton")
 
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
-from tests.kernel_checks import assert_close, capture, norm_rope_store_reference, seed  # noqa: E402,F401 (fixture)
+from tests.kernel_checks import (  # noqa: E402,F401 (seed: fixture)
+    assert_close, capture, norm_rope_store_reference, run_norm_rope_store, seed)
 
 nrs = importlib.import_module("kernels.norm_rope_store")
 if type(nrs._norm_rope_store_kernel).__name__ == "InterpretedFunction":
@@ -66,14 +67,9 @@ def test_norm_rope_store(tokens, heads, kv_heads, head_dim, block_size, with_nor
     wide, qkv, positions, slots, caches, rope, (q_norm, k_norm) = make_case(
         tokens, heads, kv_heads, head_dim, block_size, with_norm)
     slots = slots.int() if random.random() < 0.5 else slots
-    wide_before, expected = wide.clone(), caches.clone()
-    with torch.no_grad():
-        want_q = norm_rope_store_reference(qkv.clone(), positions, rope, expected[0, 1], expected[1, 1], slots, heads,
-                           kv_heads, q_norm, k_norm)
-    got_q = nrs.norm_rope_store(
-        qkv, positions, rope.cos, rope.sin, caches[0, 1], caches[1, 1], slots, heads, kv_heads,
-        q_norm.weight if with_norm else None, k_norm.weight if with_norm else None, 1e-6)
-    assert got_q.data_ptr() == qkv.data_ptr() and got_q.stride() == (qkv.stride(0), head_dim, 1)
+    wide_before = wide.clone()
+    got_q, want_q, expected = run_norm_rope_store(nrs.norm_rope_store, qkv, positions, rope, caches, slots, heads,
+                                                  kv_heads, q_norm, k_norm)
     assert_close(got_q, want_q, BF16)
     untouched = torch.ones(wide.shape[1], dtype=torch.bool, device="cuda")
     untouched[head_dim:head_dim + heads * head_dim] = False
@@ -103,8 +99,8 @@ def test_cuda_graph():
     caches.fill_(float("nan"))
     expected = caches.clone()
     with torch.no_grad():
-        want_q = norm_rope_store_reference(qkv.clone(), positions, rope, expected[0, 1], expected[1, 1], slots, heads,
-                           kv_heads, q_norm, k_norm)
+        want_q = norm_rope_store_reference(qkv.clone(), positions, rope, expected[0, 1], expected[1, 1], slots,
+                                           heads, kv_heads, q_norm, k_norm)
     graph.replay()
     assert_close(q, want_q, BF16)
     torch.testing.assert_close(caches, expected, rtol=3e-2, atol=3e-2, equal_nan=True)
