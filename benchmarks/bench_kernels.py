@@ -306,24 +306,48 @@ def sweep_decode(block_size, budget_s):
     return out
 
 
+def chunk_cases():
+    """A prompt chunk mixed into decode steps (what the streaming benchmark's p99 waits on), and a
+    short turn after a cached prefix."""
+    if SMOKE:
+        return [("q8_after_64", 64, 8)]
+    return [("chunk_q120_ctx8192", 8192, 120), ("chunk_q120_ctx2048", 2048, 120),
+            ("q50_after_2048_cached", 2098, 50)]
+
+
 def sweep_prefill(block_size):
+    """Launch configs x key splits for few queries over many keys. Each call reads its own layer's
+    cache (4 of them, past the L2), as an engine step does."""
     out = []
-    configs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in
-               ((128, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2))]
-    configs += [dict(num_splits=n) for n in (1, 2, 4, 8, 16, 32)]
-    for name, context, queries in prefill_cases():
-        s = prefill_setup(context, queries, block_size)
-        results = []
-        for cfg in configs:
-            try:
-                results.append((cfg, timed_graph(prefill_fns(s, **cfg)[0], 1)))
-            except Exception as e:  # e.g. out of shared memory: report and go on
-                results.append((dict(cfg, error=type(e).__name__), None))
+    tiles = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3),
+             (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 32, 4, 3), (32, 64, 4, 3)]
+    if SMOKE:
+        tiles = tiles[:1]
+    configs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st, num_splits=sp)
+               for sp in ((1, 4) if SMOKE else (1, 4, 8, 16, 32)) for m, n, w, st in tiles]
+    layers = 1 if SMOKE else 4
+    scale = HEAD_DIM ** -0.5
+    for name, context, queries in chunk_cases():
+        cache, tables = paged_cache([context], block_size, layers)
+        q = torch.randn(queries, HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+        cu = torch.tensor([0, queries], dtype=torch.int32, device=DEVICE)
+        lens = torch.tensor([context], dtype=torch.int32, device=DEVICE)
+        flops = 4 * HEAD_DIM * HEADS * sum(range(context - queries + 1, context + 1))
+
+        def call(cfg):
+            return lambda: [paged_prefill_attention(q, cache[0, i], cache[1, i], cu, lens, tables, scale, queries,
+                                                    **cfg) for i in range(layers)]
+
+        results = [(cfg, timed_graph(call(cfg), layers)) for cfg in configs]
+        default_ms = timed_graph(call({}), layers)
         results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
-        print(f"\nsweep prefill {name} bs={block_size} (graph us/call):")
-        for cfg, ms in results:
-            print(f"  {us(ms)!s:>9}  {cfg}")
-        out.append(dict(case=name, block_size=block_size, results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
+        print(f"\nsweep prefill {name} bs={block_size} (graph us/call, {layers} layers rotated; "
+              f"default config {us(default_ms)} us):")
+        for cfg, ms in results[:12]:
+            rate = f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s" if ms else ""
+            print(f"  {us(ms)!s:>9}  {rate:>12}  {cfg}")
+        out.append(dict(case=name, block_size=block_size, default_us=us(default_ms),
+                        results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
     return out
 
 
@@ -353,6 +377,8 @@ def main():
     parser.add_argument("--out", default="benchmarks/out/kernels.json")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs")
     parser.add_argument("--sweep-budget", type=float, default=150, help="seconds the decode sweep may take, split evenly over its cases")
+    parser.add_argument("--sweep-prefill-only", action="store_true",
+                        help="only the prefill sweep (few queries over many keys), then exit")
     parser.add_argument("--block-sizes", default="16,256", help="KV cache block sizes for the attention cases")
     args = parser.parse_args()
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
@@ -371,6 +397,10 @@ def main():
     def save():
         out_path.write_text(json.dumps(result, indent=1))
 
+    if args.sweep_prefill_only:
+        result["sweep_prefill"] = sweep_prefill(block_sizes[0])
+        save()
+        return
     if args.sweep:
         result["sweep_decode"] = sweep_decode(block_sizes[0], args.sweep_budget)
         save()

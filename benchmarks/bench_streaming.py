@@ -1,5 +1,7 @@
 """Chat scheduling under load: 8 streams decode, then an 8192-token prompt arrives. Reports the
-8 streams' inter-token latency (p50, p99) before and during that prompt's prefill."""
+8 streams' inter-token latency (p50, p99) before and during that prompt's prefill, and the engine's
+own step times (decode-only steps before, steps carrying a prompt chunk during), which split an ITL
+into what the step costs and what delivering its tokens adds."""
 import argparse
 import random
 import statistics
@@ -14,6 +16,22 @@ from engine import EngineThread, SamplingParams
 def percentile(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def record_steps(llm) -> list[tuple[float, float, int]]:
+    """Wraps llm.step to log (start, end, prompt tokens run) for every step that ran anything."""
+    log, step = [], llm.step
+
+    def timed_step():
+        start = time.perf_counter()
+        outputs = step()
+        prefill, decode = llm.last_step_tokens
+        if prefill or decode:
+            log.append((start, time.perf_counter(), prefill))
+        return outputs
+
+    llm.step = timed_step
+    return log
 
 
 def main():
@@ -37,6 +55,7 @@ def main():
     engine = EngineThread(model, device=args.device, max_model_len=args.long_prompt + 1024, max_num_seqs=64,
                           max_prefill_chunk=args.prefill_chunk, prefill_cuda_graphs=args.prefill_cuda_graphs,
                           **extra).start()
+    steps = record_steps(engine.llm)
     vocab = engine.llm.config.hf_config.vocab_size
     rng = random.Random(0)
     engine.submit([rng.randrange(vocab) for _ in range(32)], SamplingParams(max_tokens=4)).wait()
@@ -72,6 +91,11 @@ def main():
             out += [(b - x) * 1e3 for x, b in zip(a, a[1:]) if lo <= x and b <= hi]
         return out
 
+    def step_ms(lo, hi, mixed):
+        return [(end - start) * 1e3 for start, end, prefill in steps
+                if lo <= start and end <= hi and (prefill > 0) == mixed]
+
+    decode_steps, mixed_steps = step_ms(0, submitted, False), step_ms(submitted, prefill_done, True)
     before = gaps(0, submitted)
     during = gaps(submitted, prefill_done)
     rows = [("before", len(before), f"{percentile(before, .5):.2f}", f"{percentile(before, .99):.2f}"),
@@ -79,12 +103,15 @@ def main():
     print(f"{args.long_prompt}-token prompt prefilled in {(prefill_done - submitted) * 1e3:.0f} ms "
           f"(chunks of {args.prefill_chunk}); {args.streams} streams")
     print_table(rows, ("window", "gaps", "p50 ms", "p99 ms"))
+    print(f"engine steps: decode-only before p50 {percentile(decode_steps, .5):.2f} ms "
+          f"({len(decode_steps)}); with a prompt chunk during p50 {percentile(mixed_steps, .5):.2f} / "
+          f"p99 {percentile(mixed_steps, .99):.2f} ms ({len(mixed_steps)})")
     ratio = percentile(during, .99) / percentile(before, .5)
     print(f"p99 during / p50 before = {ratio:.2f} (target <= 2)")
     write_json(args.out, {"before_ms": before, "during_ms": during, "prefill_ms": (prefill_done - submitted) * 1e3,
                           "p50_before": percentile(before, .5), "p99_before": percentile(before, .99),
                           "p50_during": percentile(during, .5), "p99_during": percentile(during, .99),
-                          "ratio": ratio, "prefill_chunk": args.prefill_chunk, "config": args.config,
+                          "ratio": ratio, "decode_step_ms": decode_steps, "mixed_step_ms": mixed_steps, "prefill_chunk": args.prefill_chunk, "config": args.config,
                           "median_before": statistics.median(before) if before else None})
 
 
