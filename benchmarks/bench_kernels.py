@@ -35,7 +35,7 @@ from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # no
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from kernels.decode_attention import paged_decode_attention  # noqa: E402
 from kernels.norm_rope_store import norm_rope_store  # noqa: E402
-from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from kernels.prefill_attention import paged_prefill_attention, plan_on_device  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
 from kernels.silu_mul import silu_and_mul  # noqa: E402
 
@@ -167,9 +167,13 @@ def prefill_setup(context, queries, block_size):
 def prefill_fns(s, **cfg):
     scale = HEAD_DIM ** -0.5
 
+    # Planned here, outside any graph capture: planning reads the lengths on the host.
+    work = plan_on_device(s["q"], s["k"], s["cu"], s["lens"], num_splits=cfg.pop("num_splits", None),
+                          block_m=cfg.get("block_m"))
+
     def triton_call():
         return paged_prefill_attention(s["q"], s["k"], s["v"], s["cu"], s["lens"], s["tables"], scale,
-                                       s["queries"], **cfg)
+                                       s["queries"], work=work, **cfg)
 
     def torch_call():
         return torch_prefill_one(s["q"], s["k"], s["v"], s["tables"][0], s["context"], scale)
@@ -324,7 +328,7 @@ def sweep_prefill(block_size):
     if SMOKE:
         tiles = tiles[:1]
     configs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st, num_splits=sp)
-               for sp in ((1, 4) if SMOKE else (1, 4, 8, 16, 32)) for m, n, w, st in tiles]
+               for sp in ((1, 4) if SMOKE else (None, 1, 4, 8, 16)) for m, n, w, st in tiles]
     layers = 1 if SMOKE else 4
     scale = HEAD_DIM ** -0.5
     for name, context, queries in chunk_cases():
@@ -335,8 +339,11 @@ def sweep_prefill(block_size):
         flops = 4 * HEAD_DIM * HEADS * sum(range(context - queries + 1, context + 1))
 
         def call(cfg):
+            cfg = dict(cfg)
+            work = plan_on_device(q, cache[0, 0], cu, lens, num_splits=cfg.pop("num_splits", None),
+                                  block_m=cfg.get("block_m"))
             return lambda: [paged_prefill_attention(q, cache[0, i], cache[1, i], cu, lens, tables, scale, queries,
-                                                    **cfg) for i in range(layers)]
+                                                    work=work, **cfg) for i in range(layers)]
 
         results = [(cfg, timed_graph(call(cfg), layers)) for cfg in configs]
         default_ms = timed_graph(call({}), layers)

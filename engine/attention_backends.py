@@ -11,6 +11,13 @@ BACKENDS = ("torch", "triton", "flash_attn")
 
 class TorchBackend:
     name = "torch"
+
+    def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
+        pass
+
+    @staticmethod
+    def plan_prefill(q_lens, context_lens, bucket_tokens):
+        return None
     store_kv = staticmethod(torch_ref.store_kv)
 
     @staticmethod
@@ -32,9 +39,23 @@ class TritonBackend:
         self.decode = paged_decode_attention
         self._prefill = paged_prefill_attention
 
+    def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
+        """Fixes the prefill kernel's tile and program count for this model, so the runner can plan
+        each step's work list on the host."""
+        from kernels.prefill_attention import launch_shape
+        self._block_q, self._programs = launch_shape(dtype, head_dim, num_heads // kv_heads, device)
+        self._kv_heads = kv_heads
+
+    def plan_prefill(self, q_lens, context_lens, bucket_tokens):
+        """(items, token_splits, max_splits) of a prefill step; bucket_tokens is the token count of
+        the CUDA graph it replays in (or its own), which fixes the split cap."""
+        from kernels.prefill_attention import plan_work, split_cap
+        return plan_work(q_lens, context_lens, self._block_q, self._kv_heads, self._programs,
+                         cap=split_cap(bucket_tokens))
+
     def prefill(self, q, k_cache, v_cache, meta, scale):
         return self._prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                             scale, max_seqlen_q=meta.max_seqlen_q, num_splits=meta.prefill_splits)
+                             scale, max_seqlen_q=meta.max_seqlen_q, work=meta.prefill_work)
 
 
 class FlashAttnBackend:
@@ -48,6 +69,9 @@ class FlashAttnBackend:
         from kernels.kv_store import store_kv
         self.store_kv = store_kv
         self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+
+    setup = TorchBackend.setup
+    plan_prefill = TorchBackend.plan_prefill
 
     def prefill(self, q, k_cache, v_cache, meta, scale):
         cu_k = F.pad(meta.context_lens.cumsum(0, dtype=meta.context_lens.dtype), (1, 0))

@@ -13,6 +13,7 @@ cached prefix and a prompt chunk mixed into decoding streams look like.
 import torch
 
 from engine.layers.attention import AttentionMetadata
+from kernels.prefill_attention import ITEM_FIELDS, PrefillWork, split_cap
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -22,18 +23,6 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 def prefill_buckets(max_tokens: int) -> list[int]:
     return [t for t in (32, 64, 128, 256, 512, 768, 1024) if t <= max_tokens]
-
-
-# A graph's kernels are sized for its bucket, so the prefill kernel cannot see that a small step
-# is a short turn after a long cached prefix (few queries, many keys) and split the keys to fill
-# the GPU. Small buckets are split always: a turn after a 2048-token prefix took 67 us per layer
-# unsplit in a graph and 14 us split, eagerly (H200, RESULTS.md); empty splits cost little there.
-_SPLIT_PREFILL_MAX_TOKENS = 128
-_PREFILL_SPLITS = 16
-
-
-def prefill_splits(tokens: int) -> int:
-    return _PREFILL_SPLITS if tokens <= _SPLIT_PREFILL_MAX_TOKENS else 1
 
 
 class StepGraphs:
@@ -52,6 +41,14 @@ class StepGraphs:
         self.block_tables = torch.zeros(seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.cu_seqlens_q = (torch.arange(seqs + 1, dtype=torch.int32, device=device) if decode
                              else torch.zeros(seqs + 1, dtype=torch.int32, device=device))
+        if not decode:
+            # The prefill kernel's work list (kernels.prefill_attention), refilled every replay: the
+            # captured kernel runs the step's own tiles and splits, whatever the bucket. Rows bound
+            # any step's items: at most a tile per query token or sequence, times the split cap.
+            self.work_items = torch.zeros((tokens + seqs) * split_cap(token_buckets[0]), ITEM_FIELDS,
+                                          dtype=torch.int32, device=device)
+            self.work_count = torch.zeros(1, dtype=torch.int32, device=device)
+            self.token_splits = torch.zeros(tokens, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -65,10 +62,11 @@ class StepGraphs:
 
     def _meta(self, tokens: int) -> AttentionMetadata:
         s = self.seqs_in(tokens)
+        work = None if self.decode else PrefillWork(self.work_items, self.work_count, self.token_splits[:tokens],
+                                                    split_cap(tokens))
         return AttentionMetadata(slot_mapping=self.slot_mapping[:tokens], context_lens=self.context_lens[:s],
                                  block_tables=self.block_tables[:s], cu_seqlens_q=self.cu_seqlens_q[:s + 1],
-                                 max_seqlen_q=1 if self.decode else tokens, is_decode=self.decode,
-                                 prefill_splits=None if self.decode else prefill_splits(tokens))
+                                 max_seqlen_q=1 if self.decode else tokens, is_decode=self.decode, prefill_work=work)
 
     def _forward(self, tokens: int) -> None:
         self.hidden[:tokens] = self.model(self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens))
@@ -107,5 +105,11 @@ class StepGraphs:
             self.context_lens[b:s] = 0
             self.cu_seqlens_q[:b + 1] = meta.cu_seqlens_q
             self.cu_seqlens_q[b + 1:s + 1] = t  # padding sequences: no queries
+            work = meta.prefill_work
+            if work is not None:
+                self.work_items[:work.items.shape[0]] = work.items
+                self.work_count.copy_(work.count)
+                self.token_splits[:t] = work.token_splits
+                self.token_splits[t:bucket] = 0
         self.graphs[bucket].replay()
         return self.hidden[:t]

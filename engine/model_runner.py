@@ -64,6 +64,8 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers()
         for attn in self.attention_layers:
             attn.backend = self.backend
+        attn0 = self.attention_layers[0]
+        self.backend.setup(config.dtype, attn0.head_dim, attn0.num_heads, attn0.num_kv_heads, self.device)
         if self.backend.name == "triton":
             # The fused Triton norm, RoPE and SiLU kernels beat torch eager on the H200 (RESULTS.md).
             for module in self.model.modules():
@@ -156,14 +158,19 @@ class ModelRunner:
 
     # --- running a step --------------------------------------------------------------------------
 
-    def _step_inputs(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+    def _step_inputs(self, plan: StepPlan, prefill_work=None) -> dict[str, torch.Tensor]:
         """The step's integer inputs on the device, as views of one buffer sent in one host->device
         copy: a copy per input costs a pinned allocation and a launch each, host time the GPU waits
         out. int64 for what indexes embeddings, RoPE and KV slots (a big cache has over 2**31 slot
-        elements), int32 for what the attention kernels read."""
-        fields = (("input_ids", plan.input_ids, torch.int64), ("positions", plan.positions, torch.int64),
+        elements), int32 for what the attention kernels read. prefill_work: the backend's
+        (items, token_splits, max_splits) for a prefill step, or None."""
+        fields = [("input_ids", plan.input_ids, torch.int64), ("positions", plan.positions, torch.int64),
                   ("slot_mapping", plan.slot_mapping, torch.int64), ("sample_rows", plan.sample_rows, torch.int64),
-                  ("context_lens", plan.context_lens, torch.int32), ("cu_seqlens_q", plan.cu_seqlens_q, torch.int32))
+                  ("context_lens", plan.context_lens, torch.int32), ("cu_seqlens_q", plan.cu_seqlens_q, torch.int32)]
+        if prefill_work is not None:
+            items, token_splits, _ = prefill_work
+            fields += [("prefill_items", items, torch.int32), ("prefill_count", [len(items) // 4], torch.int32),
+                       ("token_splits", token_splits, torch.int32)]
         raw, spans = bytearray(), []
         for name, values, dtype in fields:
             start = len(raw)
@@ -193,7 +200,12 @@ class ModelRunner:
         return width
 
     @staticmethod
-    def metadata(plan: StepPlan, inputs: dict[str, torch.Tensor]) -> AttentionMetadata:
+    def metadata(plan: StepPlan, inputs: dict[str, torch.Tensor], prefill_work=None) -> AttentionMetadata:
+        work = None
+        if prefill_work is not None:
+            from kernels.prefill_attention import ITEM_FIELDS, PrefillWork
+            work = PrefillWork(inputs["prefill_items"].view(-1, ITEM_FIELDS), inputs["prefill_count"],
+                               inputs["token_splits"], prefill_work[2])
         return AttentionMetadata(
             slot_mapping=inputs["slot_mapping"],
             context_lens=inputs["context_lens"],
@@ -201,15 +213,21 @@ class ModelRunner:
             cu_seqlens_q=inputs["cu_seqlens_q"],
             max_seqlen_q=plan.max_seqlen_q,
             is_decode=plan.is_decode,
+            prefill_work=work,
         )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int] | None:
         """Runs one step; rank 0 returns the sampled token of each sampled row, others None."""
-        inputs = self._step_inputs(plan)
-        meta = self.metadata(plan, inputs)
         graphs = self.decode_graphs if plan.is_decode else self.prefill_graphs
         bucket = graphs.bucket_for(len(plan.input_ids), plan.num_seqs) if graphs is not None else None
+        work = None
+        if not plan.is_decode:
+            cu = plan.cu_seqlens_q
+            work = self.backend.plan_prefill([b - a for a, b in zip(cu, cu[1:])], plan.context_lens,
+                                             bucket or len(plan.input_ids))
+        inputs = self._step_inputs(plan, work)
+        meta = self.metadata(plan, inputs, work)
         if bucket is not None:
             hidden = graphs.run(bucket, inputs["input_ids"], inputs["positions"], meta)
         else:

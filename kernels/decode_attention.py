@@ -109,27 +109,34 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_heads, head_dim,
-                         num_splits, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Program (i, head) merges output row i: a sequence here, a query token in split prefill.
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, row_splits_ptr, stride_ob, stride_oh, num_heads,
+                         head_dim, num_splits, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PER_ROW: tl.constexpr):
+    """Program (i, head) merges output row i: a sequence here, a query token in split prefill.
+    num_splits is the partials' split dimension; with PER_ROW, row i used row_splits[i] of them,
+    and a row of one split (written straight to out) or none (padding) is left alone."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
-    d_mask = d < head_dim
-    row = (seq * num_heads + head) * num_splits + s
-    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    o = tl.load(part_o_ptr + row[:, None] * head_dim + d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    top = tl.max(lse, 0)
-    # An empty context (a padding slot in a captured batch) has every split neutral: output 0.
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp2(lse - top)
-    total = tl.sum(w, 0)
-    merged = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+    used = num_splits
+    if PER_ROW:
+        used = tl.load(row_splits_ptr + seq)
+    if used > 1:
+        s = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, BLOCK_D)
+        s_mask = s < used
+        d_mask = d < head_dim
+        row = (seq * num_heads + head) * num_splits + s
+        lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+        o = tl.load(part_o_ptr + row[:, None] * head_dim + d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        top = tl.max(lse, 0)
+        # An empty context (a padding slot in a captured batch) has every split neutral: output 0.
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp2(lse - top)
+        total = tl.sum(w, 0)
+        merged = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty),
+                 mask=d_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,7 +201,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, head_dim,
-            num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            part_o, part_lse, out, context_lens, out.stride(0), out.stride(1), num_heads, head_dim,
+            num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PER_ROW=False,
             num_warps=2 if q.is_cuda else 1)
     return out

@@ -5,23 +5,106 @@ K/V, new tokens included, are read from the cache through its block table. So on
 plain prefill (q_len == context), prefix-cached and chunked prefill (q_len < context) and decode
 tokens mixed into a prefill batch (q_len == 1).
 
-A program owns BLOCK_Q queries of one sequence and all query heads of one KV head: the rows of its
-tiles are (query, head-in-group) pairs, so each K/V tile is loaded once per GQA group. When the
-queries are too few to fill the GPU (a short turn after a long cached prefix), the keys are also
-split over programs and merged by log-sum-exp, as in decode.
+A unit of work is BLOCK_Q queries of one sequence, all query heads of one KV head (the rows of its
+tiles are (query, head-in-group) pairs, so each K/V tile is loaded once per GQA group), and one
+split of the keys those queries see. The host lists the units of a step (`plan_work`), heaviest
+first, and a fixed number of programs walks the list. So a CUDA graph captured for a bucket of
+steps runs exactly the units of the step it replays: a padding slot or a decode token costs no
+idle programs, and a long key range is split (then merged by log-sum-exp) only where the queries
+alone would leave SMs idle, such as a prompt chunk or a short turn after a long cached prefix.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.decode_attention import LOG2E, _dot, _kv_offsets, _merge_splits_kernel, _sm_count, dot_flags
 
-# When the keys are split, into this many pieces. On an H200 (bf16, 50 queries after a 2048-token
-# cached prefix, eager) 16 and 32 splits took 52 us and no split 81 us, but 2, 4 and 8 splits took
-# 128-139 us, for reasons not yet pinned down; so it is all or nothing.
-SPLITS = 16
-MIN_SPLIT_CONTEXT = 1024  # block-table capacity below which the keys are never split
-PARTIALS_BUDGET = 64 << 20  # bytes of fp32 partials a split launch may allocate
+MAX_SPLITS = 16
+# A split shorter than this costs more in its fixed work (load Q, write a partial) than it saves.
+MIN_SPLIT_KEYS = 256
+# Split partials are fp32 rows of [tokens, heads, splits]: a step of many tokens has tiles enough
+# to fill the GPU unsplit, so its split cap shrinks to keep the partials near this many token rows.
+PARTIAL_TOKEN_ROWS = 2048
+ITEM_FIELDS = 4  # a work item: (sequence, query tile, split, splits of that tile)
+
+
+def split_cap(tokens: int) -> int:
+    """The most splits a step of `tokens` query tokens may use. Equal for every step size a
+    power of two bounds alike, so a CUDA graph bucket's partials fit every step it replays."""
+    return max(1, min(MAX_SPLITS, PARTIAL_TOKEN_ROWS // triton.next_power_of_2(max(tokens, 1))))
+
+
+@dataclass
+class PrefillWork:
+    """A step's work list on the device. items: [rows >= count, ITEM_FIELDS] int32; count: [1]
+    int32, the items in use; token_splits: [tokens] int32, the splits of each query token's tile
+    (0 for padding); max_splits: the partial buffers' split dimension (>= every tile's splits)."""
+
+    items: torch.Tensor
+    count: torch.Tensor
+    token_splits: torch.Tensor
+    max_splits: int
+
+
+def plan_work(q_lens: list[int], context_lens: list[int], block_q: int, kv_heads: int, num_programs: int, *,
+              cap: int | None = None, num_splits: int | None = None) -> tuple[list[int], list[int], int]:
+    """The units of one step, on the host: (items flattened, token_splits, max splits used).
+
+    Without num_splits, a tile whose keys exceed an even share of the step's keys per program is
+    split into that many pieces (at most cap, by default split_cap of the step's tokens; none
+    shorter than MIN_SPLIT_KEYS); num_splits forces every tile's count (tests and sweeps). Items run heaviest first, so the programs that walk
+    the list in strides finish close together."""
+    tiles = []  # (keys the tile's last query sees, sequence, query tile, first token, tokens)
+    first = 0
+    for seq, (q_len, ctx) in enumerate(zip(q_lens, context_lens)):
+        for t in range(triton.cdiv(q_len, block_q)):
+            end = min((t + 1) * block_q, q_len)
+            tiles.append((ctx - q_len + end, seq, t, first + t * block_q, end - t * block_q))
+        first += q_len
+    cap = cap or split_cap(first)
+    if num_splits is not None:
+        def splits_of(keys):
+            return num_splits
+    else:
+        share = max(kv_heads * sum(t[0] for t in tiles) / max(num_programs, 1), MIN_SPLIT_KEYS)
+
+        def splits_of(keys):
+            return max(1, min(cap, -(-keys // int(share))))
+    tiles.sort(key=lambda t: -t[0] / splits_of(t[0]))
+    items, token_splits, most = [], [0] * first, 1
+    for keys, seq, t, start, n in tiles:
+        splits = splits_of(keys)
+        most = max(most, splits)
+        for split in range(splits):
+            items += (seq, t, split, splits)
+        token_splits[start:start + n] = [splits] * n
+    return items, token_splits, most
+
+
+def _config(dtype: torch.dtype, head_dim: int, on_gpu: bool):
+    """(rows per tile, BLOCK_N, num_warps, num_stages, programs per SM); rows are queries x padded
+    group. From `benchmarks/bench_kernels.py --sweep-prefill-only` on an H200 (bf16, head_dim 128):
+    128 x 128 tiles were best or within 7% for a 120-query chunk over 2K and 8K keys and a 50-query
+    turn after 2K cached keys. Such a program fills an SM's shared memory, hence one per SM."""
+    if not on_gpu:
+        return 32, 32, 1, 1, 1
+    if dtype == torch.float32 or head_dim > 128:
+        return 64, 32, 4, 2, 2
+    return 128, 128, 8, 2, 1
+
+
+def launch_shape(dtype: torch.dtype, head_dim: int, group: int, device: torch.device,
+                 block_m: int | None = None) -> tuple[int, int]:
+    """(queries per tile, programs) that paged_prefill_attention uses for these shapes: what the
+    host needs to plan a step's work list."""
+    rows, _, _, _, per_sm = _config(dtype, head_dim, device.type == "cuda")
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(16 // group_pad, (block_m or rows) // group_pad, 1)  # tl.dot wants >= 16 rows
+    programs = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * per_sm \
+        if device.type == "cuda" else 4
+    return block_q, programs
 
 
 @triton.jit
@@ -60,141 +143,140 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, hi, qk_sca
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    cu_seqlens_ptr, context_lens_ptr, block_tables_ptr,
+    cu_seqlens_ptr, context_lens_ptr, block_tables_ptr, items_ptr, count_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
-    num_heads, num_splits,
+    num_heads, kv_heads, max_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # Query tiles run last-first: the causal ones nearest the end of a sequence are the longest.
-    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
-    q_start = tl.load(cu_seqlens_ptr + seq)
-    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:
-        return
-    ctx = tl.load(context_lens_ptr + seq)
-
     r = tl.arange(0, BLOCK_M)
-    qi = q_tile * BLOCK_Q + r // GROUP_PAD
-    g = r % GROUP_PAD
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    row_mask = (qi < q_len) & (g < GROUP)
-    q_pos = ctx - q_len + qi
-    token = (q_start + qi).to(tl.int64)
-    head = kv_head * GROUP + g
-    q = tl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None] + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    g = r % GROUP_PAD
+    units = tl.load(count_ptr) * kv_heads
+    # Units are (item, KV head) pairs, item-major: every head of the heaviest items goes first.
+    for unit in range(tl.program_id(0), units, tl.num_programs(0)):
+        item = items_ptr + (unit // kv_heads) * 4
+        kv_head = unit % kv_heads
+        seq = tl.load(item)
+        q_tile = tl.load(item + 1)
+        split = tl.load(item + 2)
+        num_splits = tl.load(item + 3)
+        q_start = tl.load(cu_seqlens_ptr + seq)
+        q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+        ctx = tl.load(context_lens_ptr + seq)
 
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    # Keys past the tile's last query are masked for every row: stop there. Keys up to its first
-    # query are visible to every row: whole tiles of those skip the causal mask.
-    hi = ctx - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
-    full = (ctx - q_len + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
-    # This split's share of [0, hi), in whole tiles; splits past the end get none.
-    chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
-    lo = tl.minimum(split * chunk, hi)
-    hi = tl.minimum(lo + chunk, hi)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, tl.minimum(hi, full),
-                                  qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
-                                  BLOCK_D, HEAD_DIM, False, PRECISION, UPCAST)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, tl.maximum(lo, full), hi,
-                                  qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
-                                  BLOCK_D, HEAD_DIM, True, PRECISION, UPCAST)
+        qi = q_tile * BLOCK_Q + r // GROUP_PAD
+        row_mask = (qi < q_len) & (g < GROUP)
+        q_pos = ctx - q_len + qi
+        token = (q_start + qi).to(tl.int64)
+        head = kv_head * GROUP + g
+        q = tl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None] + d[None, :],
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    mask = row_mask[:, None] & d_mask[None, :]
-    if SPLIT:
-        # Partial rows of [tokens, heads, num_splits], merged by decode's merge kernel.
-        part = (token * num_heads + head) * num_splits + split
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=mask)
-        tl.store(part_lse_ptr + part, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=row_mask)
-    else:
-        tl.store(out_ptr + (token * stride_ot + head * stride_oh)[:, None] + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        k_head = k_ptr + kv_head * stride_kh
+        v_head = v_ptr + kv_head * stride_vh
+        # Keys past the tile's last query are masked for every row: stop there. Keys up to its
+        # first query are visible to every row: whole tiles of those skip the causal mask.
+        hi = ctx - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+        full = (ctx - q_len + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+        # This split's share of [0, hi), in whole tiles; splits past the end get none.
+        chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(split * chunk, hi)
+        hi = tl.minimum(lo + chunk, hi)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, tl.minimum(hi, full),
+                                      qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
+                                      BLOCK_D, HEAD_DIM, False, PRECISION, UPCAST)
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, tl.maximum(lo, full), hi,
+                                      qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
+                                      BLOCK_D, HEAD_DIM, True, PRECISION, UPCAST)
 
-
-def _config(dtype: torch.dtype, head_dim: int, on_gpu: bool, rows: int):
-    """(rows per tile, BLOCK_N, num_warps, num_stages); rows are queries x padded group. From
-    `benchmarks/bench_kernels.py --sweep` on an H200 (bf16, head_dim 128)."""
-    if not on_gpu:
-        return 32, 32, 1, 1
-    if dtype == torch.float32 or head_dim > 128:
-        return 64, 32, 4, 2
-    if rows <= 64:  # short queries (decode tokens, small chunks): smaller tiles waste less
-        return 64, 64, 4, 2
-    return 128, 128, 8, 2
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        mask = row_mask[:, None] & d_mask[None, :]
+        if num_splits > 1:
+            # Partial rows of [tokens, heads, max_splits], merged by the merge kernel.
+            part = (token * num_heads + head) * max_splits + split
+            tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=mask)
+            tl.store(part_lse_ptr + part, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=row_mask)
+        else:
+            tl.store(out_ptr + (token * stride_ot + head * stride_oh)[:, None] + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def default_num_splits(programs: int, max_context: int, partial_bytes_per_split: int, device) -> int:
-    """SPLITS when the queries alone leave SMs idle (a short turn after a long cached prefix) and
-    the context may be long, else 1. Host ints only: no sync."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 16
-    if programs >= sms or max_context < MIN_SPLIT_CONTEXT or SPLITS * partial_bytes_per_split > PARTIALS_BUDGET:
-        return 1
-    return SPLITS
+def plan_on_device(q, k_cache, cu_seqlens_q, context_lens, *, num_splits=None, block_m=None) -> PrefillWork:
+    """The work list of a paged_prefill_attention call with these inputs, planned from the device
+    tensors (reading them is a sync: plan before capturing a graph). For callers without a step
+    plan on the host: tests and benchmarks."""
+    num_heads, head_dim = q.shape[1:]
+    kv_heads = k_cache.shape[2]
+    block_q, programs = launch_shape(q.dtype, head_dim, num_heads // kv_heads, q.device, block_m)
+    cu = cu_seqlens_q.tolist()
+    items, token_splits, most = plan_work([b - a for a, b in zip(cu, cu[1:])], context_lens.tolist(), block_q,
+                                          kv_heads, programs, num_splits=num_splits)
+    token_splits += [0] * (q.shape[0] - len(token_splits))
+    rows = torch.tensor(items or [0] * ITEM_FIELDS, dtype=torch.int32).view(-1, ITEM_FIELDS)
+    return PrefillWork(rows.to(q.device), torch.tensor([len(items) // ITEM_FIELDS], dtype=torch.int32).to(q.device),
+                       torch.tensor(token_splits, dtype=torch.int32).to(q.device), most)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                            max_seqlen_q=None, *, num_splits=None, block_m=None, block_n=None,
-                            num_warps=None, num_stages=None):
+                            max_seqlen_q=None, *, work: PrefillWork | None = None, num_splits=None,
+                            block_m=None, block_n=None, num_warps=None, num_stages=None):
     """q [tokens, heads, head_dim] (sequences packed by cu_seqlens_q) -> [tokens, heads, head_dim] in
-    q's dtype. context_lens[i] >= q_len_i. max_seqlen_q, if given, must be >= every q_len_i; without
-    it the host reads cu_seqlens_q (a sync). num_splits (keys split over that many programs, then
-    merged) defaults to 1 unless the queries are too few to fill the GPU. block_m / block_n /
-    num_warps / num_stages override the tuned launch config (tests and benchmarks)."""
+    q's dtype. context_lens[i] >= q_len_i.
+
+    work: the step's work list, planned on the host by plan_work with launch_shape's block_q (the
+    engine builds it from its step plan: no sync, and a CUDA graph replays whatever list its buffers
+    hold). Without it the list is planned here from cu_seqlens_q and context_lens, which reads them
+    on the host (a sync); num_splits then forces every tile's split count. block_m / block_n /
+    num_warps / num_stages override the tuned launch config (tests and benchmarks; with work given,
+    block_m must match the one it was planned with). max_seqlen_q is accepted for the backends'
+    common signature and not needed."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    batch = cu_seqlens_q.shape[0] - 1
     assert num_heads % kv_heads == 0, "query heads must be a multiple of KV heads"
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size: power of two >= 16"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if tokens == 0 or batch == 0:
+    if tokens == 0 or cu_seqlens_q.shape[0] < 2:
         return out
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
-    cfg_m, cfg_n, cfg_warps, cfg_stages = _config(q.dtype, head_dim, q.is_cuda, max_seqlen_q * group_pad)
-    # tl.dot wants at least 16 rows.
-    block_q = max(16 // group_pad, (block_m or cfg_m) // group_pad, 1)
-    q_tiles = triton.cdiv(max_seqlen_q, block_q)
-    if num_splits is None:
-        num_splits = default_num_splits(q_tiles * batch * kv_heads, block_tables.shape[1] * block_size,
-                                        tokens * num_heads * head_dim * 4, q.device)
-    if num_splits > 1:
-        part_o = torch.empty((tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    cfg_m, cfg_n, cfg_warps, cfg_stages, _ = _config(q.dtype, head_dim, q.is_cuda)
+    block_q, programs = launch_shape(q.dtype, head_dim, group, q.device, block_m)
+    if work is None:
+        work = plan_on_device(q, k_cache, cu_seqlens_q, context_lens, num_splits=num_splits, block_m=block_m)
+    # Eagerly the list is exact; in a graph its buffer is the bucket's bound and every program runs.
+    programs = min(programs, work.items.shape[0] * kv_heads)
+    split = work.max_splits > 1
+    if split:
+        part_o = torch.empty((tokens, num_heads, work.max_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((tokens, num_heads, work.max_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
     block_d = triton.next_power_of_2(head_dim)
-    _prefill_kernel[(q_tiles, batch, kv_heads * num_splits)](
+    _prefill_kernel[(programs,)](
         q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, context_lens, block_tables,
-        scale * LOG2E,
+        work.items, work.count, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        num_heads, num_splits,
+        num_heads, kv_heads, work.max_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        BLOCK_M=block_q * group_pad, BLOCK_D=block_d, BLOCK_N=block_n or cfg_n, SPLIT=num_splits > 1,
+        BLOCK_M=block_q * group_pad, BLOCK_D=block_d, BLOCK_N=block_n or cfg_n,
         **dot_flags(q.dtype), num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
-    if num_splits > 1:
-        # Rows of tokens instead of sequences: the same layout decode's merge reads.
+    if split:
+        # Rows of tokens instead of sequences, each merging the splits of its own tile.
         _merge_splits_kernel[(tokens, num_heads)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), num_heads, head_dim, num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2 if q.is_cuda else 1)
+            part_o, part_lse, out, work.token_splits, out.stride(0), out.stride(1), num_heads, head_dim,
+            work.max_splits, SPLITS_PAD=triton.next_power_of_2(work.max_splits), BLOCK_D=block_d, PER_ROW=True,
+            num_warps=2 if q.is_cuda else 1)
     return out

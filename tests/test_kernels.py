@@ -140,10 +140,39 @@ def test_default_split_counts_are_static():
     assert decode_attention.default_num_splits(1, 8, 64, cpu) == 1
     many = decode_attention.default_num_splits(1, 8, 8192, cpu)
     assert 1 < many <= decode_attention.MAX_SPLITS
-    # Prefill splits keys only for few programs over a long possible context.
-    assert prefill_attention.default_num_splits(8, 4096, 1 << 16, cpu) == prefill_attention.SPLITS
-    assert prefill_attention.default_num_splits(1024, 4096, 1 << 16, cpu) == 1
-    assert prefill_attention.default_num_splits(8, 256, 1 << 16, cpu) == 1
+
+
+def _units(items):
+    return [tuple(items[i:i + prefill_attention.ITEM_FIELDS]) for i in range(0, len(items), prefill_attention.ITEM_FIELDS)]
+
+
+def test_prefill_work_covers_every_tile_once_and_splits_only_long_keys():
+    # A 120-token chunk of a long prompt mixed with 8 decode tokens, 132 programs, 64 queries a tile.
+    q_lens, ctx = [1] * 8 + [120], [random.randint(50, 400) for _ in range(8)] + [8192]
+    items, token_splits, most = prefill_attention.plan_work(q_lens, ctx, 64, 8, 132)
+    units = _units(items)
+    tiles = {(seq, t) for seq, t, _, _ in units}
+    assert tiles == {(s, 0) for s in range(8)} | {(8, 0), (8, 1)}
+    for seq, t in tiles:
+        splits = sorted(split for s, tt, split, _ in units if (s, tt) == (seq, t))
+        n = next(n for s, tt, _, n in units if (s, tt) == (seq, t))
+        assert splits == list(range(n))
+    assert all(n == 1 for seq, _, _, n in units if seq < 8)  # a few hundred keys: never split
+    chunk_splits = {n for seq, _, _, n in units if seq == 8}
+    assert len(chunk_splits) == 1 and 4 <= most == chunk_splits.pop() <= prefill_attention.MAX_SPLITS
+    assert token_splits == [1] * 8 + [most] * 120
+    # Heaviest first: the chunk's later tile (more keys) leads the list.
+    assert units[0][:2] == (8, 1)
+
+
+def test_prefill_work_split_cap_and_forced_splits():
+    assert prefill_attention.split_cap(100) == prefill_attention.split_cap(128)  # one graph bucket
+    assert prefill_attention.split_cap(8192) == 1
+    # Thousands of query tokens fill the GPU unsplit.
+    _, token_splits, most = prefill_attention.plan_work([4096], [4096], 64, 8, 132)
+    assert most == 1 and set(token_splits) == {1}
+    items, token_splits, most = prefill_attention.plan_work([3, 0, 5], [10, 7, 5], 4, 2, 4, num_splits=3)
+    assert most == 3 and token_splits == [3] * 8 and len(_units(items)) == 3 * 3  # tiles: 1 + 0 + 2
 
 
 # -- prefill ------------------------------------------------------------------------------------
@@ -184,6 +213,37 @@ def test_prefill_attention(block_size, group, dtype, block_m, block_n, num_split
                                                         block_n=block_n)
     expected = ref.paged_prefill_attention(q, k_cache, v_cache, cu, context_lens, tables, scale)
     assert_close(out, expected, dtype)
+
+
+def test_prefill_attention_replays_a_padded_work_list(poison):
+    """As a CUDA graph replays it: the work list sits in a buffer longer than the step's items (the
+    rest is stale garbage), the partials have the bucket's split dimension, and padding sequences
+    and tokens have no work."""
+    block_size, kv_heads, group, dtype = 16, 2, 2, F32
+    shapes = [(40, 1), (3 * block_size + 5, 23), (90, 1), (0, 0), (0, 0)]  # the last two: padding slots
+    lens = [c for c, _ in shapes]
+    q_lens = [n for _, n in shapes]
+    k_cache, v_cache, tables = make_paged_kv([max(c, 1) for c in lens], block_size, kv_heads, dtype)
+    padded_tokens = sum(q_lens) + 6
+    cu = torch.tensor([0] + [sum(q_lens[:i + 1]) for i in range(len(shapes))], dtype=torch.int32)
+    q = torch.randn(padded_tokens, kv_heads * group, HEAD_DIM, device=DEVICE).to(dtype)
+    block_q, programs = prefill_attention.launch_shape(dtype, HEAD_DIM, group, torch.device(DEVICE))
+    items, token_splits, _ = prefill_attention.plan_work(q_lens, lens, block_q, kv_heads, programs, num_splits=3)
+    n = len(items) // prefill_attention.ITEM_FIELDS
+    rows = torch.randint(0, 4, (n + 7, prefill_attention.ITEM_FIELDS), dtype=torch.int32)
+    rows[:n] = torch.tensor(items, dtype=torch.int32).view(n, -1)
+    work = prefill_attention.PrefillWork(
+        rows.to(DEVICE), torch.tensor([n], dtype=torch.int32, device=DEVICE),
+        torch.tensor(token_splits + [0] * 6, dtype=torch.int32, device=DEVICE), prefill_attention.MAX_SPLITS)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = HEAD_DIM ** -0.5
+    with poison():
+        out = prefill_attention.paged_prefill_attention(q, k_cache, v_cache, cu.to(DEVICE), context_lens, tables,
+                                                        scale, work=work)
+    real = sum(q_lens)
+    expected = ref.paged_prefill_attention(q[:real], k_cache, v_cache, cu[:4].to(DEVICE), context_lens[:3],
+                                           tables[:3], scale)
+    assert_close(out[:real], expected, dtype)
 
 
 # -- fused elementwise ops ----------------------------------------------------------------------

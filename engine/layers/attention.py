@@ -15,9 +15,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [seqs + 1]: query token offsets
     max_seqlen_q: int
     is_decode: bool  # exactly one query token per sequence
-    # Prefill only: split the keys over this many programs; None lets the kernel choose from the
-    # shapes, which a CUDA graph cannot do (its shapes are the bucket's, not the step's).
-    prefill_splits: int | None = None
+    # Prefill with the triton backend: the step's work list (kernels.prefill_attention.PrefillWork),
+    # planned on the host from the step plan; None plans it inside the kernel call (a sync).
+    prefill_work: object | None = None
 
 
 class Attention(nn.Module):
