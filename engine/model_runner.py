@@ -241,18 +241,18 @@ class ModelRunner:
             hidden = graphs.run(bucket, inputs["input_ids"], inputs["positions"], meta)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], meta)
-        if self.rank != 0 and not plan.sample_rows:
+        if plan.sample_rows:
+            # Rows are increasing, so as many rows as tokens means every row (a decode step): no gather.
+            if len(plan.sample_rows) < len(plan.input_ids):
+                hidden = hidden[inputs["sample_rows"]]
+            logits = self.model.compute_logits(hidden)  # every rank: its vocabulary shard goes to rank 0
+            if self.rank != 0:
+                return None
+            self._sampled = self.sampler(logits, plan.sample_params, plan.sample_positions)
+        elif self.rank != 0:
             return None
-        if not plan.sample_rows:
+        else:
             self._sampled = torch.empty(0, dtype=torch.int64, device=self.device)
-            return SampledTokens(self._sampled)
-        # Rows are increasing, so as many rows as tokens means every row (a decode step): no gather.
-        if len(plan.sample_rows) < len(plan.input_ids):
-            hidden = hidden[inputs["sample_rows"]]
-        logits = self.model.compute_logits(hidden)
-        if self.rank != 0:
-            return None
-        self._sampled = self.sampler(logits, plan.sample_params, plan.sample_positions)
         return SampledTokens(self._sampled)
 
     def shutdown(self) -> None:
