@@ -113,8 +113,9 @@ def patch(targets: list) -> callable:
     """Sets each (object, attribute, wrapper factory); returns a function undoing it. Methods get
     a wrapper in the instance's __dict__, which undo deletes; module and class attributes are set
     back."""
-    saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in targets]
-    for obj, name, make in targets:
+    saved = []
+    for obj, name, make in targets:  # an attribute may be wrapped twice: save each layer
+        saved.append((obj, name, vars(obj).get(name)))
         setattr(obj, name, make(getattr(obj, name)))
 
     def undo():

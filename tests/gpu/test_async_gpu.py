@@ -5,7 +5,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sequence import PENDING_TOKEN
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -20,9 +20,10 @@ def tokens_of(llm, prompts, params):
     return [(o["token_ids"], o["finish_reason"]) for o in outs]
 
 
-def test_overlap_matches_hf_and_the_synchronous_step(tiny_qwen3):
+def test_overlap_matches_the_synchronous_step(tiny_qwen3):
     """Decode graphs and prefill graphs (chunks mixed into decoding), staggered finishes, a second
-    round on the prefix cache, and seeded sampling."""
+    round on the prefix cache, and seeded sampling. (HF parity with the overlap on, its default, is
+    test_engine_gpu's.)"""
     shared = random_prompts([70], seed=2)[0]
     prompts = random_prompts([5, 33, 70, 129], seed=3) + [shared + [1, 2, 3]]
     greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 3, 17, 24, 9)]
@@ -38,8 +39,7 @@ def test_overlap_matches_hf_and_the_synchronous_step(tiny_qwen3):
                          tokens_of(llm, prompts, seeded)))
             assert llm.stats().prefix_hit_tokens > 0
     assert runs[0] == runs[1]
-    expected = hf_greedy(tiny_qwen3, prompts, 24)
-    assert [t for t, _ in runs[1][0]] == [e[:p.max_tokens] for e, p in zip(expected, greedy)]
+    assert [len(t) for t, _ in runs[1][0]] == [p.max_tokens for p in greedy]
 
 
 def test_overlap_with_preemption_on_gpu(tiny_qwen3):
@@ -48,8 +48,7 @@ def test_overlap_with_preemption_on_gpu(tiny_qwen3):
              [SamplingParams(temperature=0.7, max_tokens=60, ignore_eos=True, seed=i) for i in range(2)]
     with LLM(tiny_qwen3, async_scheduling=False, **ENGINE) as roomy:
         expected = tokens_of(roomy, prompts, params)
-    tight_engine = {**ENGINE, "gpu_memory_utilization": 0.9}
-    with LLM(tiny_qwen3, num_kvcache_blocks=20, **tight_engine) as tight:
+    with LLM(tiny_qwen3, num_kvcache_blocks=20, **ENGINE) as tight:
         assert tight.async_scheduling
         assert tokens_of(tight, prompts, params) == expected
         assert tight.stats().num_preemptions > 0
