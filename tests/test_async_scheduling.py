@@ -135,7 +135,8 @@ def test_the_dropped_tokens_slot_is_never_in_a_cached_block(tiny_qwen3, overlap)
     block = 8
     prompt = random_prompts([13], seed=41)[0]
     with LLM(tiny_qwen3, device="cpu", async_scheduling=False) as llm:
-        reference = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]["token_ids"]
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        reference = llm.generate([prompt], params)[0]["token_ids"]
     end = eos_at(reference, lambda i: (len(prompt) + i + 1) % block == 0)
     assert end is not None
     with LLM(tiny_qwen3, device="cpu", kvcache_block_size=block, async_scheduling=overlap) as llm:

@@ -42,7 +42,8 @@ def test_seeded_draws_depend_only_on_seed_and_position():
     logits = torch.randn(3, 100)
     seeded = SamplingParams(temperature=1.0, seed=42)
     alone = sampler(logits[1:2], [seeded], [10]).tolist()
-    batched = sampler(logits, [SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0)], [3, 10, 5]).tolist()
+    batch = [SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0)]
+    batched = sampler(logits, batch, [3, 10, 5]).tolist()
     assert batched[1] == alone[0]
     assert batched[2] == int(logits[2].argmax())
 
