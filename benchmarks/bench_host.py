@@ -34,6 +34,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -109,7 +110,7 @@ class GpuTimeline:
         return busy, gaps
 
 
-def patch(targets: list) -> callable:
+def patch(targets: list) -> Callable[[], None]:
     """Sets each (object, attribute, wrapper factory); returns a function undoing it. Methods get
     a wrapper in the instance's __dict__, which undo deletes; module and class attributes are set
     back."""
