@@ -20,7 +20,9 @@ class Sequence:
     """One request: its tokens, how many of them have KV in the cache, and the blocks holding it.
 
     A preempted sequence keeps its token ids (prompt and completion so far) and recomputes their
-    KV when it is scheduled again, so nothing it generated is lost or repeated.
+    KV when it is scheduled again, so nothing it generated is lost or repeated. While a step that
+    samples its next token is in flight, token_ids ends in PENDING_TOKEN (counted by num_tokens);
+    the finished sequence holds none.
     """
 
     _ids = itertools.count()
