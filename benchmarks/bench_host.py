@@ -1,40 +1,49 @@
-"""Host time of one engine step, split by phase, on a model whose forward costs next to nothing.
+"""Host time of one engine step, split by phase, and how long the GPU idles between steps.
 
-The engine is synchronous: from the .tolist() that ends one step's sampling to the graph launch
-of the next, the host post-processes, schedules, plans and builds inputs while the GPU waits.
-This runs the real LLM.step() and times the real calls inside it by wrapping them:
+With async_scheduling the host schedules, plans and launches step N+1 before it waits for step
+N's tokens and post-processes them, so host time only costs GPU time where it exceeds the GPU's
+step. This runs the real LLM.step() and times the real calls inside it by wrapping them, with no
+synchronization added (host time only):
 
   schedule   Scheduler.schedule
   plan       plan_step (the scheduler's choice as a StepPlan)
-  inputs     ModelRunner.execute minus forward, logits and sample: building the step's tensors
-  forward    the model or its CUDA graph (device work, not host time; synchronized on CUDA)
-  logits     compute_logits on the sampled rows (synchronized on CUDA)
-  sample     the Sampler, its kernels and the .tolist() sync included
-  post       LLM.step minus all of the above: appending tokens, committing blocks, finish checks
+  inputs     ModelRunner.execute minus launch and sample: building and sending the step's inputs
+  launch     queuing the model (or replaying its CUDA graph) and the logits
+  sample     queuing the Sampler's kernels
+  wait       SampledTokens.tolist: the host waiting for a step's tokens (the GPU is ahead)
+  post       the rest of LLM.step: pending tokens, settling (commits, detokenizing, finish checks)
+  host       step wall minus wait: what the host spends per step
+
+On CUDA, events around each step's device work (from its inputs landing to its sampled tokens'
+copy to the host) give the GPU's busy time per step and the gap it idles between two steps: the
+host time the GPU waits through. Without the overlap that gap is about post + schedule + plan +
+inputs; with it, near zero while the host keeps up.
 
 Scenarios: decode at batch 1 and batch 256 (context ~600, block size 16), greedy, and batch 256
-sampled at temperature 0.6 (what bench_throughput runs). Medians over many steps; "step wall" is
-an uninstrumented llm.step() loop. By default the demo model (tiny, ~260-token vocabulary), so
-the figures are host cost; --config runs a real shape with random weights (for a GPU). On CPU the
-attention math is stubbed out (--real-attention keeps it): the torch backend loops over sequences
-and would take seconds per batch-256 step, and none of that is host overhead of the engine.
+sampled at temperature 0.6 (what bench_throughput runs), each with the overlap on and off.
+Medians over many steps; "step wall" is an uninstrumented llm.step() loop. By default the demo
+model (tiny, ~260-token vocabulary), so the figures are host cost; --config runs a real shape
+with random weights (for a GPU). On CPU the attention math is stubbed out (--real-attention keeps
+it): the torch backend loops over sequences and would take seconds per batch-256 step, and none
+of that is host overhead of the engine.
 
-  python -m benchmarks.bench_host [--device cuda] [--config benchmarks/configs/qwen3-0.6b]
+  python -m benchmarks.bench_host [--device cuda] [--config benchmarks/configs/qwen3-0.6b] [--overlap on|off]
 """
 import argparse
 import random
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
 import engine.llm as llm_module
+import engine.model_runner as runner_module
 from benchmarks.common import print_table, write_json
 from engine import LLM, SamplingParams
 
-PHASES = ("schedule", "plan", "inputs", "forward", "logits", "sample", "post")
-HOST_PHASES = ("schedule", "plan", "inputs", "sample", "post")
+PHASES = ("schedule", "plan", "inputs", "launch", "sample", "wait", "post", "host")
 
 
 class NoAttention:
@@ -56,37 +65,62 @@ class NoAttention:
 
 
 class PhaseTimer:
-    def __init__(self, sync: bool):
-        self.sync = sync
+    def __init__(self):
         self.step = defaultdict(float)  # seconds per phase in the step being timed
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
             start = time.perf_counter()
             out = fn(*args, **kwargs)
-            if self.sync:
-                torch.cuda.synchronize()
             self.step[name] += time.perf_counter() - start
             return out
         return timed
 
 
-def instrument(llm: LLM, timer: PhaseTimer):
-    """Wraps the calls inside llm.step(); returns a function undoing it."""
-    runner = llm.runner
-    targets = [(llm.scheduler, "schedule", "schedule"), (llm_module, "plan_step", "plan"),
-               (runner, "execute", "execute"), (runner, "sampler", "sample"), (runner.model, "forward", "forward"),
-               (runner.model, "compute_logits", "logits")]
-    if runner.decode_graphs is not None:
-        targets.append((runner.decode_graphs, "run", "forward"))
-    # Methods get a wrapper in the instance's __dict__, which undo deletes; plain attributes and
-    # module functions are set back.
-    saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in targets]
-    for obj, name, phase in targets:
-        setattr(obj, name, timer.wrap(phase, getattr(obj, name)))
+class GpuTimeline:
+    """CUDA events at the start of each step's device work (once its inputs are queued) and at
+    its end (after its sampled tokens' copy to the host is queued)."""
+
+    def __init__(self):
+        self.starts, self.ends = [], []
+
+    def _record(self, events: list):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        events.append(event)
+
+    def wrap_inputs(self, fn):
+        def recorded(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self._record(self.starts)
+            return out
+        return recorded
+
+    def wrap_execute(self, fn):
+        def recorded(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self._record(self.ends)
+            return out
+        return recorded
+
+    def busy_and_gaps_us(self) -> tuple[list[float], list[float]]:
+        torch.cuda.synchronize()
+        busy = [s.elapsed_time(e) * 1e3 for s, e in zip(self.starts, self.ends)]
+        gaps = [e.elapsed_time(s) * 1e3 for e, s in zip(self.ends, self.starts[1:])]
+        return busy, gaps
+
+
+def patch(targets: list) -> Callable[[], None]:
+    """Sets each (object, attribute, wrapper factory); returns a function undoing it. Methods get
+    a wrapper in the instance's __dict__, which undo deletes; module and class attributes are set
+    back."""
+    saved = []
+    for obj, name, make in targets:  # an attribute may be wrapped twice: save each layer
+        saved.append((obj, name, vars(obj).get(name)))
+        setattr(obj, name, make(getattr(obj, name)))
 
     def undo():
-        for obj, name, original in saved:
+        for obj, name, original in reversed(saved):
             if original is None:
                 delattr(obj, name)
             else:
@@ -94,41 +128,63 @@ def instrument(llm: LLM, timer: PhaseTimer):
     return undo
 
 
-def measure(llm: LLM, steps: int, sync: bool) -> dict:
-    """Median microseconds per phase over `steps` instrumented steps, then the plain step wall."""
-    timer = PhaseTimer(sync)
-    undo = instrument(llm, timer)
+def instrument(llm: LLM, timer: PhaseTimer, timeline: GpuTimeline | None):
+    """Wraps the calls inside llm.step(); returns a function undoing it."""
+    runner = llm.runner
+    timed = [(llm.scheduler, "schedule", "schedule"), (llm_module, "plan_step", "plan"),
+             (runner, "execute", "execute"), (runner, "sampler", "sample"), (runner.model, "forward", "launch"),
+             (runner.model, "compute_logits", "launch"), (runner_module.SampledTokens, "tolist", "wait")]
+    if runner.decode_graphs is not None:
+        timed.append((runner.decode_graphs, "run", "launch"))
+    if runner.prefill_graphs is not None:
+        timed.append((runner.prefill_graphs, "run", "launch"))
+    targets = [(obj, name, lambda fn, phase=phase: timer.wrap(phase, fn)) for obj, name, phase in timed]
+    if timeline is not None:
+        targets += [(runner, "_step_inputs", timeline.wrap_inputs), (runner, "execute", timeline.wrap_execute)]
+    return patch(targets)
+
+
+def measure(llm: LLM, steps: int, cuda: bool) -> dict:
+    """Median microseconds per phase over `steps` instrumented steps, the GPU's busy time and idle
+    gaps, then the plain step wall."""
+    timer = PhaseTimer()
+    timeline = GpuTimeline() if cuda else None
+    undo = instrument(llm, timer, timeline)
     samples = defaultdict(list)
     try:
         for _ in range(steps):
             timer.step.clear()
             start = time.perf_counter()
             llm.step()
-            if sync:
-                torch.cuda.synchronize()
             total = time.perf_counter() - start
             s = timer.step
-            s["inputs"] = s["execute"] - s["forward"] - s["logits"] - s["sample"]
-            s["post"] = total - s["schedule"] - s["plan"] - s["execute"]
-            s["host"] = sum(s[p] for p in HOST_PHASES)
-            for name in (*PHASES, "host"):
+            # The graph's run() is called inside forward's place, never both; launch counts either.
+            s["inputs"] = s["execute"] - s["launch"] - s["sample"]
+            s["post"] = total - s["schedule"] - s["plan"] - s["execute"] - s["wait"]
+            s["host"] = total - s["wait"]
+            for name in PHASES:
                 samples[name].append(s[name] * 1e6)
     finally:
         undo()
-    if sync:
+    result = {name: statistics.median(v) for name, v in samples.items()}
+    result["mean_host"] = statistics.fmean(samples["host"])
+    if timeline is not None:
+        busy, gaps = timeline.busy_and_gaps_us()
+        result.update(gpu_busy=statistics.median(busy), gpu_gap=statistics.median(gaps),
+                      mean_gpu_gap=statistics.fmean(gaps))
+    if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         llm.step()
-    if sync:
+    if cuda:
         torch.cuda.synchronize()
-    result = {name: statistics.median(v) for name, v in samples.items()}
-    result["mean_host"] = statistics.fmean(samples["host"])
     result["step_wall"] = (time.perf_counter() - start) / steps * 1e6
     return result
 
 
-def run_scenario(llm: LLM, batch: int, context: int, temperature: float, steps: int, sync: bool) -> dict:
+def run_scenario(llm: LLM, batch: int, context: int, temperature: float, steps: int, overlap: bool) -> dict:
+    llm.async_scheduling = overlap
     rng = random.Random(0)
     vocab = llm.config.hf_config.vocab_size
     params = SamplingParams(temperature=temperature, max_tokens=llm.config.max_model_len, ignore_eos=True)
@@ -140,7 +196,7 @@ def run_scenario(llm: LLM, batch: int, context: int, temperature: float, steps: 
     for _ in range(3):
         llm.step()
     assert llm.last_step_tokens == (0, batch), "not a pure decode step: raise num_kvcache_blocks"
-    result = measure(llm, steps, sync)
+    result = measure(llm, steps, llm.runner.device.type == "cuda")
     for s in seqs:
         llm.abort(s)
     llm.step()
@@ -155,6 +211,7 @@ def main():
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--steps-b1", type=int, default=300)
     p.add_argument("--steps-b256", type=int, default=40)
+    p.add_argument("--overlap", choices=["on", "off", "both"], default="both", help="async_scheduling")
     p.add_argument("--real-attention", action="store_true", help="on CPU, run the real attention backend")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
     args = p.parse_args()
@@ -170,21 +227,24 @@ def main():
     blocks = 256 * (-(-(args.context + 16 + 4 * args.steps_b256 + 16) // 16))
     llm = LLM(model, device=args.device, dtype=dtype, load_format=load_format, max_model_len=args.context + 2048,
               max_num_seqs=256, max_num_batched_tokens=16384, kvcache_block_size=16, num_kvcache_blocks=blocks)
-    sync = llm.runner.device.type == "cuda"
-    if not sync and not args.real_attention:
+    cuda = llm.runner.device.type == "cuda"
+    if not cuda and not args.real_attention:
         for attn in llm.runner.attention_layers:
             attn.backend = NoAttention
-    results = {
-        "decode_b1": run_scenario(llm, 1, args.context, 0.0, args.steps_b1, sync),
-        "decode_b256": run_scenario(llm, 256, args.context, 0.0, args.steps_b256, sync),
-        "decode_b256_t0.6": run_scenario(llm, 256, args.context, 0.6, args.steps_b256, sync),
-    }
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
+    results = {}
+    for name, batch, temperature, steps in (("decode_b1", 1, 0.0, args.steps_b1),
+                                            ("decode_b256", 256, 0.0, args.steps_b256),
+                                            ("decode_b256_t0.6", 256, 0.6, args.steps_b256)):
+        for overlap in modes:
+            key = f"{name}_{'overlap' if overlap else 'sync'}"
+            results[key] = run_scenario(llm, batch, args.context, temperature, steps, overlap)
     llm.shutdown()
-    header = ("scenario", *(f"{p} us" for p in PHASES), "host us", "host mean", "step wall us")
-    rows = [(name, *(f"{r[p]:.1f}" for p in PHASES), f"{r['host']:.1f}", f"{r['mean_host']:.1f}",
+    gpu = ("gpu_busy", "gpu_gap", "mean_gpu_gap") if cuda else ()
+    header = ("scenario", *(f"{p} us" for p in PHASES), "host mean", *(f"{g} us" for g in gpu), "step wall us")
+    rows = [(name, *(f"{r[p]:.1f}" for p in PHASES), f"{r['mean_host']:.1f}", *(f"{r[g]:.1f}" for g in gpu),
              f"{r['step_wall']:.0f}") for name, r in results.items()]
-    print(f"device {llm.runner.device}, model {model}: medians over the steps "
-          "(host = schedule + plan + inputs + sample + post)")
+    print(f"device {llm.runner.device}, model {model}: medians over the steps (host = step wall - wait)")
     print_table(rows, header)
     write_json(args.out, {"model": str(model), "device": args.device, "context": args.context, **results})
 

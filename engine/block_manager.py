@@ -92,10 +92,14 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def commit_full_blocks(self, seq: Sequence) -> None:
+    def commit_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
         """Registers the hashes of blocks that filled since the last call (prefill chunks and decode).
-        Runs for every sequence after every step; a block fills once per block_size decode steps."""
-        num_full = seq.num_computed_tokens // self.block_size
+        num_computed: seq's tokens whose K/V are written or queued on the device ahead of any step
+        that could read them (default seq.num_computed_tokens). Runs for every sequence after every
+        step; a block fills once per block_size decode steps."""
+        if num_computed is None:
+            num_computed = seq.num_computed_tokens
+        num_full = num_computed // self.block_size
         if num_full <= seq.num_committed_blocks:
             return
         hashes = self._hashes_up_to(seq, num_full)

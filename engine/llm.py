@@ -1,17 +1,34 @@
 """The engine's front door: LLM holds the model runner, the scheduler and the tokenizer, and runs
 requests step by step. generate() is the batch API; add_request()/step()/abort() are what the
-streaming EngineThread drives."""
+streaming EngineThread drives.
+
+A step is scheduled, planned and launched on the device, then its sampled tokens are settled on
+the host: appended, committed to the prefix cache, detokenized and checked for a finish. With
+async_scheduling (the default on one rank), step() launches the next step before it settles the
+one in flight, so the GPU runs step N+1 while the host post-processes step N and then schedules and
+builds step N+2: the GPU no longer waits through the host's work. Each sequence sampled by the
+step in flight ends in a PENDING_TOKEN meanwhile; the next step's input for it is copied from that
+step's sampled tokens on the device, in stream order. A sequence that step N finishes has already
+been given a row in step N+1: that row's token is dropped, and the blocks it wrote go back to the
+free list, where any later user of them is queued behind step N+1 on the same stream. The row
+writes the K/V of the sequence's last token, whose block is never a committed (cached) one: only
+blocks full of K/V computed up to step N are committed.
+"""
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import PENDING_TOKEN, Sequence
 from engine.step_plan import plan_step
 from engine.tokenizer import eos_token_ids, load_tokenizer
+
+if TYPE_CHECKING:
+    from engine.model_runner import SampledTokens
 
 
 @dataclass
@@ -41,12 +58,26 @@ class StepOutput:
     finished: bool
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A step queued on the device whose tokens are not yet settled."""
+
+    # Per sequence run: (sequence, its computed tokens once the step has run, its preemption count
+    # at launch, whether the step samples its next token). A sampled token goes at index = count.
+    entries: list[tuple[Sequence, int, int, bool]]
+    rows: dict[Sequence, int]  # sampled sequences -> their row in tokens
+    tokens: "SampledTokens"
+
+
 class LLM:
     def __init__(self, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                  max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                  gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-                 load_format="safetensors", prefill_cuda_graphs=None, progress=None):
-        """progress: optional callable taking one string, told each start-up stage (for a UI)."""
+                 load_format="safetensors", prefill_cuda_graphs=None, async_scheduling=None, progress=None):
+        """progress: optional callable taking one string, told each start-up stage (for a UI).
+        async_scheduling: overlap each step's host work with the GPU (see the module docstring); on
+        by default with one rank; tensor parallelism runs steps synchronously. It can be turned off
+        (set the attribute) between steps."""
         self._progress = progress or (lambda message: None)
         self._progress("reading the model config")
         self.config = EngineConfig.create(
@@ -60,13 +91,17 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
+        if async_scheduling and self.config.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size=1: tensor-parallel steps run synchronously")
         self.runner = self._make_runner()
         self.block_size = self.config.block_size
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.max_prefill_chunk)
+        self.async_scheduling = self.config.tensor_parallel_size == 1 if async_scheduling is None else async_scheduling
+        self._inflight: _Launched | None = None
         self._closed = False
-        self.last_step_tokens = (0, 0)  # (prefill, decode) tokens run by the last step
+        self.last_step_tokens = (0, 0)  # (prefill, decode) tokens run by the last step launched
 
     def _make_runner(self):
         if self.config.tensor_parallel_size > 1:
@@ -124,7 +159,7 @@ class LLM:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        seq = Sequence(self.encode(prompt), params, self.block_size)
+        seq = Sequence(self.encode(prompt), params, self.block_size, self.config.max_model_len)
         if (stream or params.stop) and self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._tokenizer_lock)
         return seq
@@ -146,45 +181,91 @@ class LLM:
     # --- stepping --------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        batch, cut_short = self.scheduler.schedule()
-        outputs = []
-        for seq in cut_short:
-            self.scheduler.finish(seq, "length")
-            outputs.append(StepOutput(seq, [], self.flush_text(seq), True))
-        self.last_step_tokens = (0, 0)
-        if not batch:
+        """Runs one step. With async_scheduling it returns the outputs of the step before, which
+        the GPU ran while this one was being scheduled; the first step returns none."""
+        try:
+            outputs = []
+            if not self.async_scheduling and self._inflight is not None:  # the overlap was just turned off
+                outputs += self._settle(self._take_inflight())
+            batch, cut_short = self.scheduler.schedule()
+            self.last_step_tokens = (0, 0)
+            launched = self._launch(batch) if batch else None
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                outputs += self._settle(previous)
+            if not self.async_scheduling and self._inflight is not None:
+                outputs += self._settle(self._take_inflight())
+            for seq in cut_short:
+                if not seq.is_finished:  # the token it had in flight may have ended it already
+                    self.scheduler.finish(seq, "length")
+                    outputs.append(StepOutput(seq, [], self.flush_text(seq), True))
             return outputs
-        plan = plan_step(batch, self.block_size)
-        tokens = iter(self.runner.execute(plan))
-        # Runs for every sequence of every step: the GPU idles through it, so it stays lean.
-        commit = self.blocks.commit_full_blocks
+        except BaseException:
+            self._fail_inflight()
+            raise
+
+    def _take_inflight(self) -> _Launched:
+        launched, self._inflight = self._inflight, None
+        return launched
+
+    def _launch(self, batch: list[tuple[Sequence, int]]) -> _Launched:
+        """Plans and queues a step, then moves its sequences on as though it had run: each sampled
+        sequence gets a pending token, so the next step can be scheduled before this one ends."""
+        previous = self._inflight
+        plan = plan_step(batch, self.block_size, previous.rows if previous is not None else None)
+        tokens = self.runner.execute(plan)
+        # Runs for every sequence of every step, on the host while the GPU works: keep it lean.
+        entries, rows = [], {}
         decode = 0
         for seq, n in batch:
             if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 decode += 1
             seq.num_computed_tokens += n
-            commit(seq)
-            if seq.num_computed_tokens < len(seq.token_ids):
-                continue  # a prompt chunk that does not reach the end samples nothing
-            token = next(tokens)
-            seq.token_ids.append(token)
+            count = seq.num_computed_tokens
+            samples = count == len(seq.token_ids)  # a prompt chunk that does not reach the end samples nothing
+            if samples:
+                rows[seq] = len(rows)
+                seq.token_ids.append(PENDING_TOKEN)
+            entries.append((seq, count, seq.num_preemptions, samples))
+        self.last_step_tokens = (len(plan.input_ids) - decode, decode)
+        return _Launched(entries, rows, tokens)
+
+    def _settle(self, launched: _Launched) -> list[StepOutput]:
+        """Waits for a launched step's tokens and post-processes its sequences."""
+        tokens = iter(launched.tokens.tolist())
+        commit = self.blocks.commit_full_blocks
+        outputs = []
+        for seq, count, preemptions, samples in launched.entries:
+            token = next(tokens) if samples else None
+            if seq.is_finished:
+                continue  # aborted, or ended by its token of the step before: this one is dropped
+            if seq.num_preemptions == preemptions:  # else its blocks went back and it recomputes
+                commit(seq, count)
+            if token is None:
+                continue
+            seq.token_ids[count] = token
             text = seq.detokenizer.push([token]) if seq.detokenizer else ""
-            reason = self._finish_reason(seq, token)
+            reason = self._finish_reason(seq, token, count + 1)
             if reason:
                 self.scheduler.finish(seq, reason)
                 text += self.flush_text(seq)
             outputs.append(StepOutput(seq, [token], text, reason is not None))
-        self.last_step_tokens = (len(plan.input_ids) - decode, decode)
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _fail_inflight(self) -> None:
+        """After a failed step: a token still pending can no longer be trusted to arrive, so its
+        sequence ends with "error" rather than ever running a token nobody samples."""
+        self._inflight = None
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.token_ids[-1] == PENDING_TOKEN:
+                self.scheduler.finish(seq, "error")
+
+    def _finish_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
         if seq.detokenizer is not None and seq.detokenizer.stopped:
             return "stop"
-        params = seq.params
-        if token in self.eos_ids and not params.ignore_eos:
+        if token in self.eos_ids and not seq.params.ignore_eos:
             return "stop"
-        num_tokens = len(seq.token_ids)
-        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
+        if num_tokens >= seq.max_num_tokens:
             return "length"
         return None
 
@@ -244,6 +325,7 @@ class LLM:
         if self._closed:
             return
         self._closed = True
+        self._inflight = None
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()

@@ -22,6 +22,26 @@ _CPU_KV_MAX_BYTES = 4 << 30
 _PREFILL_GRAPH_SEQS = 16
 
 
+class SampledTokens:
+    """One step's sampled tokens, one per sampled row. They stay on the device, where the next step
+    takes its pending input ids from them, and are copied to pinned host memory without waiting:
+    tolist() waits for that copy, not for anything queued after it."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.on_device = tokens
+        if tokens.is_cuda:
+            self._host = tokens.to("cpu", non_blocking=True)  # lands in pinned memory
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host, self._copied = tokens, None
+
+    def tolist(self) -> list[int]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
+
+
 def _cpu_ram_bytes() -> int:
     try:
         import os
@@ -72,6 +92,7 @@ class ModelRunner:
                 if hasattr(type(module), "fused"):
                     module.fused = True
         self.sampler = Sampler(self.device) if rank == 0 else None
+        self._sampled: torch.Tensor | None = None  # the last step's tokens, for the next one's feed_rows
         self.decode_graphs = self.prefill_graphs = None  # the warmup below runs eagerly
         if self.device.type == "cuda" and not config.num_kvcache_blocks:
             progress("warming up to size the KV cache")
@@ -166,6 +187,7 @@ class ModelRunner:
         (items, token_splits, max_splits) for a prefill step, or None."""
         fields = [("input_ids", plan.input_ids, torch.int64), ("positions", plan.positions, torch.int64),
                   ("slot_mapping", plan.slot_mapping, torch.int64), ("sample_rows", plan.sample_rows, torch.int64),
+                  ("feed_rows", plan.feed_rows, torch.int64), ("feed_from", plan.feed_from, torch.int64),
                   ("context_lens", plan.context_lens, torch.int32), ("cu_seqlens_q", plan.cu_seqlens_q, torch.int32)]
         if prefill_work is not None:
             items, token_splits, _ = prefill_work
@@ -217,8 +239,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[int] | None:
-        """Runs one step; rank 0 returns the sampled token of each sampled row, others None."""
+    def execute(self, plan: StepPlan) -> SampledTokens | None:
+        """Queues one step on the device and returns without waiting for it: rank 0 returns the
+        tokens it samples, one per sampled row, others None. The plan's feed_rows take their input
+        ids from the tokens the step before sampled, on the device."""
         graphs = self.decode_graphs if plan.is_decode else self.prefill_graphs
         bucket = graphs.bucket_for(len(plan.input_ids), plan.num_seqs) if graphs is not None else None
         work = None
@@ -227,20 +251,27 @@ class ModelRunner:
             work = self.backend.plan_prefill([b - a for a, b in zip(cu, cu[1:])], plan.context_lens,
                                              bucket or len(plan.input_ids))
         inputs = self._step_inputs(plan, work)
+        if plan.feed_rows:
+            inputs["input_ids"].index_copy_(0, inputs["feed_rows"],
+                                            self._sampled.index_select(0, inputs["feed_from"]))
         meta = self.metadata(plan, inputs, work)
         if bucket is not None:
             hidden = graphs.run(bucket, inputs["input_ids"], inputs["positions"], meta)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], meta)
-        if not plan.sample_rows:
-            return [] if self.rank == 0 else None
-        # Rows are increasing, so as many rows as tokens means every row (a decode step): no gather.
-        if len(plan.sample_rows) < len(plan.input_ids):
-            hidden = hidden[inputs["sample_rows"]]
-        logits = self.model.compute_logits(hidden)
-        if self.rank != 0:
+        if plan.sample_rows:
+            # Rows are increasing, so as many rows as tokens means every row (a decode step): no gather.
+            if len(plan.sample_rows) < len(plan.input_ids):
+                hidden = hidden[inputs["sample_rows"]]
+            logits = self.model.compute_logits(hidden)  # every rank: its vocabulary shard goes to rank 0
+            if self.rank != 0:
+                return None
+            self._sampled = self.sampler(logits, plan.sample_params, plan.sample_positions)
+        elif self.rank != 0:
             return None
-        return self.sampler(logits, plan.sample_params, plan.sample_positions)
+        else:
+            self._sampled = torch.empty(0, dtype=torch.int64, device=self.device)
+        return SampledTokens(self._sampled)
 
     def shutdown(self) -> None:
         """Frees the model, KV cache and graphs, so the memory is there for another engine even if

@@ -39,13 +39,13 @@ class Sampler:
         host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
         """logits: [rows, vocab] in the model's dtype; positions: each row's token position, which
-        keys seeded draws."""
+        keys seeded draws. Returns the int64 tokens on the logits' device, without waiting for them."""
         # Up-casting is exact and keeps order, so the argmax of bf16 logits is the argmax of their
         # float32 copy (first index on ties in both), without writing that copy.
         if all(p.temperature == 0 for p in params):
-            return logits.argmax(-1).tolist()
+            return logits.argmax(-1)
         is_greedy = [p.temperature == 0 for p in params]
         temps = [1.0 if greedy else p.temperature for p, greedy in zip(params, is_greedy)]
         seeded = [(row, (p.seed * _SEED_MIX + positions[row]) % (2**63))
@@ -65,5 +65,5 @@ class Sampler:
             noise[row].exponential_(generator=self.generator)
         sampled = probs.div_(noise).argmax(-1)
         if greedy_tokens is None:
-            return sampled.tolist()
-        return torch.where(self._to_device(is_greedy, torch.bool), greedy_tokens, sampled).tolist()
+            return sampled
+        return torch.where(self._to_device(is_greedy, torch.bool), greedy_tokens, sampled)

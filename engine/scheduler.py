@@ -6,6 +6,10 @@ long prompt is prefilled in chunks mixed into decode steps instead of stalling e
 step that carries prompt tokens while others decode holds at most max_prefill_chunk tokens.
 When blocks run out, the most recently admitted sequence is preempted: its blocks are freed and
 it goes back to the front of the queue, to be recomputed from its tokens (no token is lost).
+
+With the host's work overlapped with the GPU (engine.llm), a step is scheduled while the one
+before it still samples: each sequence that samples there already ends in a pending token, so it
+decodes that token next. A sequence whose pending token is its last by length is not run again.
 """
 from collections import deque
 
@@ -51,6 +55,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_tokens >= seq.max_num_tokens:  # its last token is being sampled: it is done
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             if n > 1:
                 n = min(n, prefill_budget)
@@ -76,6 +83,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_tokens >= seq.max_num_tokens:
+                break  # preempted while its last token was sampled: it ends when that token lands
             hits = self.blocks.lookup_prefix(seq)  # never covers the last token, which must run
             computed = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - computed, budget)
@@ -117,5 +126,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free_blocks_of(seq)
+        seq.drop_pending_tokens()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -1,9 +1,9 @@
 """Turns the scheduler's choice for one step into plain lists: which tokens run, where their K/V
 go, which rows get sampled. Plain data, so tensor-parallel workers can be sent the same plan."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sequence import PENDING_TOKEN, Sequence
 
 
 @dataclass
@@ -17,6 +17,10 @@ class StepPlan:
     sample_rows: list[int]  # query rows whose next-token logits are sampled
     sample_params: list[SamplingParams]
     is_decode: bool  # one query token per sequence: the CUDA-graph path
+    # Rows whose input is a token the step before this one is still sampling (PENDING_TOKEN in
+    # input_ids), and each one's row in that step's sampled tokens, which the device copies in.
+    feed_rows: list[int] = field(default_factory=list)
+    feed_from: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -35,9 +39,13 @@ class StepPlan:
         return [self.positions[r] + 1 for r in self.sample_rows]
 
 
-def plan_step(batch: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
-    """batch: each sequence with the number of its uncomputed tokens to run this step (at least one)."""
+def plan_step(batch: list[tuple[Sequence, int]], block_size: int,
+              pending: dict[Sequence, int] | None = None) -> StepPlan:
+    """batch: each sequence with the number of its uncomputed tokens to run this step (at least one).
+    pending: the sequences whose last token the step in flight is sampling, each with its row
+    among that step's sampled tokens."""
     input_ids, positions, slots, cu, lens, tables, rows, params = [], [], [], [0], [], [], [], []
+    feed_rows, feed_from = [], []
     total = 0
     for seq, n in batch:
         start = seq.num_computed_tokens
@@ -59,5 +67,13 @@ def plan_step(batch: list[tuple[Sequence, int]], block_size: int) -> StepPlan:
         if end == len(token_ids):  # the chunk reaches the end: its last row predicts the next token
             rows.append(total - 1)
             params.append(seq.params)
+            # A pending token is only ever a sequence's last, so this is the one row it can be in.
+            row = pending.get(seq) if pending else None
+            if row is not None:
+                feed_rows.append(total - 1)
+                feed_from.append(row)
+            elif token_ids[-1] == PENDING_TOKEN:
+                raise RuntimeError(f"sequence {seq.seq_id} would run a token that no step in flight is sampling")
     # Every sequence runs at least one token, so one token per sequence is a decode step.
-    return StepPlan(input_ids, positions, slots, cu, lens, tables, rows, params, is_decode=total == len(batch))
+    return StepPlan(input_ids, positions, slots, cu, lens, tables, rows, params, is_decode=total == len(batch),
+                    feed_rows=feed_rows, feed_from=feed_from)

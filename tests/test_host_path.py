@@ -43,7 +43,7 @@ def test_greedy_argmax_in_model_dtype_matches_float32(dtype, device):
     logits[2, [0, 999]] = 60.0
     logits[3, 500:] = 70.0
     params = [SamplingParams(temperature=0)] * 64
-    tokens = Sampler(torch.device(device))(logits, params, list(range(64)))
+    tokens = Sampler(torch.device(device))(logits, params, list(range(64))).tolist()
     assert tokens == logits.float().argmax(-1).tolist()
     assert tokens[:4] == [7, 0, 0, 500]
 
@@ -59,7 +59,7 @@ def test_sampled_rows_match_the_float32_reference(dtype):
     for all_sampled in (False, True):
         ps = [p if not p.greedy or not all_sampled else SamplingParams(temperature=0.5) for p in params]
         torch.manual_seed(123)
-        got = Sampler(torch.device("cpu"))(logits, ps, positions)
+        got = Sampler(torch.device("cpu"))(logits, ps, positions).tolist()
         torch.manual_seed(123)
         want = reference_sample(logits, ps, positions, torch.Generator())
         assert got == want

@@ -31,7 +31,7 @@ def test_sampler_draws_from_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
     logits = probs.log().expand(4000, 4).clone()
     params = [SamplingParams(temperature=1.0)] * 4000
-    tokens = torch.tensor(sampler(logits, params, list(range(4000))))
+    tokens = sampler(logits, params, list(range(4000)))
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     assert torch.allclose(freq, probs, atol=0.04)
     assert freq[3] == 0
@@ -41,8 +41,9 @@ def test_seeded_draws_depend_only_on_seed_and_position():
     sampler = Sampler(torch.device("cpu"))
     logits = torch.randn(3, 100)
     seeded = SamplingParams(temperature=1.0, seed=42)
-    alone = sampler(logits[1:2], [seeded], [10])
-    batched = sampler(logits, [SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0)], [3, 10, 5])
+    alone = sampler(logits[1:2], [seeded], [10]).tolist()
+    batch = [SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0)]
+    batched = sampler(logits, batch, [3, 10, 5]).tolist()
     assert batched[1] == alone[0]
     assert batched[2] == int(logits[2].argmax())
 
