@@ -34,3 +34,24 @@ def test_prompts_keep_a_quarter_of_the_chunk_when_many_streams_decode(tiny_qwen3
         llm.add_request(random_prompts([30], seed=6)[0], SamplingParams(max_tokens=1))
         llm.step()
         assert llm.last_step_tokens == (2, 12)
+
+
+def test_chunks_shrink_as_the_context_before_them_grows(tiny_qwen3):
+    chunk = 32
+    with LLM(tiny_qwen3, device="cpu", kvcache_block_size=8, max_prefill_chunk=chunk) as llm:
+        llm.scheduler.full_chunk_context = 64
+        streams = [llm.add_request(p, DECODE) for p in random_prompts([5, 6], seed=7)]
+        while any(s.num_completion_tokens == 0 for s in streams):
+            llm.step()
+        long = llm.add_request(random_prompts([200], seed=8)[0], SamplingParams(max_tokens=1))
+        chunks = []
+        while long.num_computed_tokens < long.num_prompt_tokens:
+            before = long.num_computed_tokens
+            llm.step()
+            chunks.append((before, long.num_computed_tokens - before))
+        # Up to 64 - 32 tokens of context a chunk is whole (less the two decode tokens); after it,
+        # chunk x context stays within 32 x 64, down to the 16-token floor.
+        assert chunks[0] == (0, chunk - 2)
+        for context, n in chunks[1:]:
+            assert n == min(200 - context, chunk - 2, max(16, chunk * 64 // (context + chunk)))
+        assert chunks[-1][1] < chunk - 2
