@@ -18,8 +18,9 @@ def percentile(values, q):
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def record_steps(llm) -> list[tuple[float, float, int]]:
-    """Wraps llm.step to log (start, end, prompt tokens run) for every step that ran anything."""
+def record_steps(llm) -> list[tuple[float, float, int, int]]:
+    """Wraps llm.step to log (start, end, prompt tokens, decode tokens) for every step that ran
+    anything."""
     log, step = [], llm.step
 
     def timed_step():
@@ -27,10 +28,26 @@ def record_steps(llm) -> list[tuple[float, float, int]]:
         outputs = step()
         prefill, decode = llm.last_step_tokens
         if prefill or decode:
-            log.append((start, time.perf_counter(), prefill))
+            log.append((start, time.perf_counter(), prefill, decode))
         return outputs
 
     llm.step = timed_step
+    return log
+
+
+def record_gc() -> list[tuple[float, float]]:
+    """Logs (start, ms) of every garbage collection: a stall of every thread at once."""
+    import gc
+    log, started = [], []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            at = started.pop()
+            log.append((at, (time.perf_counter() - at) * 1e3))
+
+    gc.callbacks.append(on_gc)
     return log
 
 
@@ -56,6 +73,7 @@ def main():
                           max_prefill_chunk=args.prefill_chunk, prefill_cuda_graphs=args.prefill_cuda_graphs,
                           **extra).start()
     steps = record_steps(engine.llm)
+    gc_pauses = record_gc()
     vocab = engine.llm.config.hf_config.vocab_size
     rng = random.Random(0)
     engine.submit([rng.randrange(vocab) for _ in range(32)], SamplingParams(max_tokens=4)).wait()
@@ -92,7 +110,7 @@ def main():
         return out
 
     def step_ms(lo, hi, mixed):
-        return [(end - start) * 1e3 for start, end, prefill in steps
+        return [(end - start) * 1e3 for start, end, prefill, _ in steps
                 if lo <= start and end <= hi and (prefill > 0) == mixed]
 
     decode_steps, mixed_steps = step_ms(0, submitted, False), step_ms(submitted, prefill_done, True)
@@ -111,7 +129,10 @@ def main():
     write_json(args.out, {"before_ms": before, "during_ms": during, "prefill_ms": (prefill_done - submitted) * 1e3,
                           "p50_before": percentile(before, .5), "p99_before": percentile(before, .99),
                           "p50_during": percentile(during, .5), "p99_during": percentile(during, .99),
-                          "ratio": ratio, "decode_step_ms": decode_steps, "mixed_step_ms": mixed_steps, "prefill_chunk": args.prefill_chunk, "config": args.config,
+                          "ratio": ratio, "decode_step_ms": decode_steps, "mixed_step_ms": mixed_steps,
+                          "steps": [(start - submitted, end - start, prefill, decode)
+                                    for start, end, prefill, decode in steps],
+                          "gc_pauses": [(at - submitted, ms) for at, ms in gc_pauses], "prefill_chunk": args.prefill_chunk, "config": args.config,
                           "median_before": statistics.median(before) if before else None})
 
 
