@@ -159,24 +159,35 @@ class SymmAllReduce:
             self._side.synchronize()
 
     def _release_until_closed(self) -> None:
-        try:
-            while not self._stop.is_set():
+        while not self._stop.is_set():
+            try:
                 self._open_signals()
-                # The poll interval of a GPU-side wait that nothing can signal to the host.
-                self._stop.wait(_RELEASE_POLL_S)
-        except Exception:
-            pass  # close() drains again, and strands the buffer if even that fails
+            except Exception:
+                pass  # e.g. another thread is capturing a graph: the next round may get through
+            # The poll interval of a GPU-side wait that nothing can signal to the host.
+            self._stop.wait(_RELEASE_POLL_S)
 
     def _drain(self) -> bool:
-        """Opens flags until all work queued on the device's stream has run."""
-        done = torch.cuda.Event()
-        done.record(torch.cuda.default_stream(self.device))
+        """Opens flags until the device has run all work queued on it, on whatever stream. False
+        if it has not within _DRAIN_TIMEOUT_S, or cannot (a broken CUDA context)."""
+        idle, synced = threading.Event(), []
+
+        def sync():
+            try:
+                torch.cuda.synchronize(self.device)
+                synced.append(True)
+            except Exception:
+                pass  # a broken context: the caller keeps the buffer
+            finally:
+                idle.set()
+
+        threading.Thread(target=sync, name="nvchat-tp-drain", daemon=True).start()
         deadline = time.monotonic() + _DRAIN_TIMEOUT_S
-        while not done.query():
+        while not idle.wait(_RELEASE_POLL_S):
             if time.monotonic() > deadline:
                 return False
             self._open_signals()
-        return True
+        return bool(synced)
 
     def close(self) -> None:
         """Frees the buffer and the group's name. Call with the peers stopped or gone, after abort()
@@ -192,6 +203,7 @@ class SymmAllReduce:
         except Exception:  # a broken CUDA context: nothing more can run on it
             drained = False
         if not drained:
+            # Freeing syncs the device (and raises in a destructor if it cannot): keep it instead.
             _stranded.append((self._buffer, self._handle, self._signals))
         self._buffer = self._handle = self._signals = None
         _unregister(self.name)
@@ -290,12 +302,16 @@ def _rendezvous(rank: int, size: int, backend, store, device: torch.device) -> S
         buffer = _SymmetricMemory.empty_strided_p2p((BUFFER_BYTES,), (1,), torch.uint8, device)
         _rendezvous_made += 1
         handle = symm_mem.rendezvous(buffer, name)
-        return SymmAllReduce(name, rank, size, device, buffer, handle, pg)
     except BaseException:
         # Where this process's rendezvous counter stands is unknown now.
         _unusable = "an earlier symmetric-memory set-up in this process failed"
         if registered:
             _unregister(name)
+        raise
+    try:
+        return SymmAllReduce(name, rank, size, device, buffer, handle, pg)
+    except BaseException:
+        _unregister(name)
         raise
 
 
