@@ -24,7 +24,7 @@ from tests.test_tensor_parallel import _children, _wait_until
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-ENGINE = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, num_kvcache_blocks=64)
+ENGINE = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, num_kvcache_blocks=256)
 _RANKS_TIMEOUT_S = 300
 _HOST = "127.0.0.1"
 
@@ -172,14 +172,20 @@ def test_fast_all_reduce_sums_in_a_cuda_graph(tmp_path):
 # --- engines ------------------------------------------------------------------------------------------
 
 
+def _symm_mem_sockets() -> set[Path]:
+    """torch's rendezvous sockets, $TMPDIR/symm_mem-PID (it reads these variables in this order)."""
+    tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if v in os.environ), "/tmp")
+    return set(Path(tmp).glob("symm_mem-*"))
+
+
 @contextlib.contextmanager
 def leaves_nothing_behind():
-    """No worker process and no symmetric-memory socket (torch's /tmp/symm_mem-PID) left over.
-    (NCCL's own /dev/shm segments are not this module's to check.)"""
-    children, sockets = _children(), set(Path("/tmp").glob("symm_mem-*"))
+    """No worker process and no symmetric-memory socket left over. (NCCL's own /dev/shm segments
+    are not this module's to check.)"""
+    children, sockets = _children(), _symm_mem_sockets()
     yield
     assert _children() - children == set(), "processes left running"
-    assert set(Path("/tmp").glob("symm_mem-*")) - sockets == set(), "symmetric-memory sockets left behind"
+    assert _symm_mem_sockets() - sockets == set(), "symmetric-memory sockets left behind"
 
 
 def _tokens(llm, prompts, params=GREEDY):
@@ -281,7 +287,8 @@ def test_worker_killed_mid_decode_raises_and_leaves_the_gpu_usable(tiny_qwen3, e
 
             stepper = threading.Thread(target=run, daemon=True)
             stepper.start()
-            _wait_until(lambda: seqs[0].num_completion_tokens >= 3 or not stepper.is_alive(), 60, "decoding to start")
+            _wait_until(lambda: seqs[0].num_completion_tokens >= 3 or not stepper.is_alive(), 60,
+                        "decoding to start")
             os.kill(pid, signal.SIGKILL)
             stepper.join(timeout=60)
             assert not stepper.is_alive(), "the caller hung after its worker died"
