@@ -87,6 +87,7 @@ def _rank_main(rank: int, size: int, port: int, args, results) -> None:
                     row[f"{name}_us"] = _time_us(group, reduce, x, args.calls, args.replays)
                 rows.append(row)
                 torch.cuda.empty_cache()
+        _barrier(group, device)  # every rank's kernels done before any rank releases its flags
         group.destroy()
         if rank == 0:
             results.put({"fast_all_reduce": fast is not None, "rows": rows})

@@ -93,6 +93,8 @@ class TPGroup:
             backend.abort()
 
     def destroy(self) -> None:
+        """Frees the group. Call once the peers have stopped, or died: anything still waiting on
+        them is released, which would corrupt a peer's collective still in flight."""
         backend, self._backend = self._backend, None
         fast, self.fast = self.fast, None
         if fast is not None:

@@ -144,8 +144,12 @@ class SymmAllReduce:
         if self.aborted:
             return
         self.aborted = True
-        self._releaser = threading.Thread(target=self._release_until_closed, name="nvchat-tp-release", daemon=True)
-        self._releaser.start()
+        releaser = threading.Thread(target=self._release_until_closed, name="nvchat-tp-release", daemon=True)
+        try:
+            releaser.start()
+        except RuntimeError:  # the interpreter is exiting (no new threads): close() drains on its own
+            return
+        self._releaser = releaser
 
     def _open_signals(self) -> None:
         """Sets every flag this rank's kernels wait on as if each peer had arrived, and clears the
@@ -168,26 +172,16 @@ class SymmAllReduce:
             self._stop.wait(_RELEASE_POLL_S)
 
     def _drain(self) -> bool:
-        """Opens flags until the device has run all work queued on it, on whatever stream. False
-        if it has not within _DRAIN_TIMEOUT_S, or cannot (a broken CUDA context)."""
-        idle, synced = threading.Event(), []
-
-        def sync():
-            try:
-                torch.cuda.synchronize(self.device)
-                synced.append(True)
-            except Exception:
-                pass  # a broken context: the caller keeps the buffer
-            finally:
-                idle.set()
-
-        threading.Thread(target=sync, name="nvchat-tp-drain", daemon=True).start()
+        """Opens flags until the work queued on the device's default stream has run: the engine
+        launches there, and its CUDA graphs replay there. False if it has not in _DRAIN_TIMEOUT_S."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.default_stream(self.device))
         deadline = time.monotonic() + _DRAIN_TIMEOUT_S
-        while not idle.wait(_RELEASE_POLL_S):
+        while not done.query():
             if time.monotonic() > deadline:
                 return False
             self._open_signals()
-        return bool(synced)
+        return True
 
     def close(self) -> None:
         """Frees the buffer and the group's name. Call with the peers stopped or gone, after abort()

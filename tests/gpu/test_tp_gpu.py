@@ -38,10 +38,11 @@ def _rank_main(check, rank: int, size: int, port: int, errors: str) -> None:
         torch.cuda.set_device(device)
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=120))
         group = parallel.create_group(rank, size, store, device, timedelta(seconds=120))
-        try:
-            check(rank, size, group)
-        finally:
-            group.destroy()
+        check(rank, size, group)
+        # Every rank's kernels done before any rank releases its flags in destroy().
+        group.backend_all_reduce(torch.zeros(1, device=device))
+        torch.cuda.synchronize(device)
+        group.destroy()
     except BaseException:
         Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
         raise
