@@ -3,12 +3,14 @@ tensor-parallel size, on random weights in a real model's shapes (no checkpoint 
 
     python -m benchmarks.bench_tp --config benchmarks/configs/qwen3-8b --tp 1 2 4 --out benchmarks/out/tp-8b.json
 
-Every size runs in this process, one engine after another; rank 0 is cuda:0, rank r is cuda:r,
-and the collectives go over NCCL (gloo on CPU).
+Every size runs in this process, one engine after another; rank 0 is cuda:0, rank r is cuda:r.
+Small all-reduces go over NVLink peer memory where it sets up (engine/symm_allreduce.py), the rest
+over NCCL (gloo on CPU); `--allreduce auto nccl` runs each size above 1 both ways.
 """
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -22,6 +24,7 @@ import torch
 
 from benchmarks.common import CONFIGS, nano_vllm_workload, print_table, write_json
 from engine import LLM, SamplingParams
+from engine.symm_allreduce import DISABLE_ENV
 
 NANO_VLLM_OUTPUT_TOKENS = 133_966  # what the 256-sequence workload must generate
 
@@ -64,11 +67,14 @@ def throughput(llm: LLM, num_seqs: int) -> dict:
             "prompt_tokens": sum(map(len, prompts)), "preemptions": llm.stats().num_preemptions}
 
 
-def run_one(args, tp: int) -> dict:
+def run_one(args, tp: int, allreduce: str) -> dict:
+    # Read when the engine sets up its group, here and in the workers it spawns.
+    os.environ[DISABLE_ENV] = allreduce
     start = time.perf_counter()
     llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=tp,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
-    result = {"tp": tp, "startup_s": time.perf_counter() - start, "num_blocks": llm.stats().num_blocks}
+    result = {"tp": tp, "allreduce": allreduce, "fast_all_reduce": getattr(llm.runner, "fast_all_reduce", False),
+              "startup_s": time.perf_counter() - start, "num_blocks": llm.stats().num_blocks}
     try:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
         random.seed(0)
@@ -97,25 +103,29 @@ def main():
     p.add_argument("--num-seqs", type=int, default=256, help="sequences in the throughput workload")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--allreduce", nargs="+", default=["auto"], choices=["auto", "nccl"],
+                   help="auto: symmetric memory for small all-reduces where it sets up; nccl: NCCL only")
     args = p.parse_args()
 
     results = []
     for tp in args.tp:
-        results.append(run_one(args, tp))
-        # Each size as it finishes, so a run cut short by a time limit still reports what it did.
-        print(json.dumps({k: v for k, v in results[-1].items() if k != "runs"}), flush=True)
-        write_json(args.out, {"config": args.config, "results": results, "complete": False})
+        for allreduce in args.allreduce if tp > 1 else args.allreduce[:1]:
+            results.append(run_one(args, tp, allreduce))
+            # Each run as it finishes, so a run cut short by a time limit still reports what it did.
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "runs"}), flush=True)
+            write_json(args.out, {"config": args.config, "results": results, "complete": False})
     base = next((r for r in results if r["tp"] == 1), None)
     rows = []
     for r in results:
         ms = r["decode"]["ms_per_token"]
-        row = [r["tp"], f"{ms:.3f}", f"{base['decode']['ms_per_token'] / ms:.2f}x" if base else "-"]
+        path = "-" if r["tp"] == 1 else "symm+nccl" if r["fast_all_reduce"] else "nccl"
+        row = [r["tp"], path, f"{ms:.3f}", f"{ms / base['decode']['ms_per_token']:.2f}x" if base else "-"]
         if "throughput" in r:
             t = r["throughput"]
             row += [f"{t['output_tokens']:,}", f"{t['seconds']:.1f}", f"{t['tok_per_s']:,.0f}",
                     f"{t['tok_per_s'] / base['throughput']['tok_per_s']:.2f}x" if base else "-"]
         rows.append(tuple(row + [r["num_blocks"], f"{r['startup_s']:.1f}"]))
-    header = ["tp", f"decode ms/token ({args.context} ctx)", "vs tp1"]
+    header = ["tp", "all-reduce", f"decode ms/token ({args.context} ctx)", "of tp1"]
     if not args.skip_throughput:
         header += ["out tokens", "s", "tok/s", "vs tp1"]
     graphs = torch.cuda.is_available() and not args.enforce_eager

@@ -2,7 +2,8 @@
 
 Every engine has its own TPGroup, and layers keep the group that was current while the model was
 built (see `building`), so two engines in one process never share a communicator. With one rank
-every collective is a no-op, so single-GPU and CPU runs pay nothing for it.
+every collective is a no-op, so single-GPU and CPU runs pay nothing for it. On CUDA, small sums
+(decode steps) go over NVLink peer memory (engine/symm_allreduce.py) and the rest over NCCL.
 """
 import contextlib
 import contextvars
@@ -11,6 +12,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from engine import symm_allreduce
 
 
 class CollectiveError(RuntimeError):
@@ -24,6 +27,8 @@ class TPGroup:
         self.rank, self.size = rank, size
         self._backend = backend
         self.is_nccl = backend is not None and backend.name().lower() == "nccl"
+        # Sums of small CUDA tensors, when every rank could set it up (see create_group).
+        self.fast: symm_allreduce.SymmAllReduce | None = None
 
     def _pg(self):
         if self._backend is None:
@@ -31,7 +36,17 @@ class TPGroup:
         return self._backend
 
     def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """In place, and returns x."""
+        """Returns the reduction over ranks: a new tensor on the fast path, x reduced in place on
+        the backend's. Callers use the result and leave x alone."""
+        fast = self.fast
+        if fast is not None and op == dist.ReduceOp.SUM and fast.accepts(x):
+            if fast.aborted:
+                raise CollectiveError("this tensor-parallel group was aborted: a peer has gone")
+            return fast(x)
+        return self.backend_all_reduce(x, op)
+
+    def backend_all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """The process-group backend's all-reduce (NCCL or gloo), in place; returns x."""
         if self.size > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
@@ -67,18 +82,28 @@ class TPGroup:
         return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
 
     def abort(self) -> None:
-        """Called from another thread when a peer has died: NCCL kernels waiting on it would spin
-        forever, and aborting the communicator releases them. Gloo needs nothing, since it errors as
-        soon as the peer's sockets close (and its abort does not wake a waiting collective)."""
-        backend = self._backend
+        """Called from another thread when a peer has died: NCCL and fast-path kernels waiting on it
+        would spin forever, and aborting releases them. Gloo needs nothing, since it errors as soon
+        as the peer's sockets close (and its abort does not wake a waiting collective)."""
+        backend, fast = self._backend, self.fast
+        # The fast path first: NCCL's abort may wait for a stream that one of its kernels holds.
+        if fast is not None:
+            fast.abort()
         if backend is not None and self.is_nccl:
             backend.abort()
 
     def destroy(self) -> None:
+        """Frees the group. Call once the peers have stopped, or died: anything still waiting on
+        them is released, which would corrupt a peer's collective still in flight."""
         backend, self._backend = self._backend, None
+        fast, self.fast = self.fast, None
+        if fast is not None:
+            fast.abort()  # the peers are stopped or gone: release whatever still waits on them
         # abort, not shutdown: it is local, so it cannot wait on ranks that have already exited.
         if backend is not None and self.is_nccl:
             backend.abort()
+        if fast is not None:
+            fast.close()
 
 
 SINGLE_RANK = TPGroup()
@@ -139,4 +164,6 @@ def create_group(rank: int, size: int, store, device: torch.device, timeout: tim
     group.all_reduce(torch.zeros(1, device=device))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        group.fast = symm_allreduce.connect(rank, size, backend, store, device,
+                                            agree=lambda ok: group.min(int(ok), device) == 1)
     return group

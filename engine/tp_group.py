@@ -225,6 +225,12 @@ class TensorParallelRunner:
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._ranks.workers]
 
+    @property
+    def fast_all_reduce(self) -> bool:
+        """Whether small all-reduces go over NVLink peer memory (engine/symm_allreduce.py), not NCCL."""
+        group = self._ranks.group
+        return group is not None and group.fast is not None
+
     def _start(self, progress) -> None:
         c, ranks = self.config, self._ranks
         device = torch.device("cuda", c.device.index or 0) if c.device.type == "cuda" else c.device

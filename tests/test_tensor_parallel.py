@@ -84,6 +84,7 @@ def test_tp_matches_one_rank_and_hf(tiny_qwen3, tp):
     with leaves_nothing_behind():
         with LLM(tiny_qwen3, device="cpu", kvcache_block_size=4, tensor_parallel_size=tp) as llm:
             assert len(llm.runner.worker_pids) == tp - 1
+            assert not llm.runner.fast_all_reduce  # gloo all the way on CPU
             qkv = llm.runner.runner.model.model.layers[0].self_attn.qkv_proj
             assert (qkv.num_heads, qkv.num_kv_heads, qkv.kv_replicas) == (4 // tp, 1, tp // 2)
             outs = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
