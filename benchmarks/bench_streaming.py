@@ -92,8 +92,9 @@ def main():
         t.start()
     while min(len(a) for a in arrivals) < args.warm_tokens:
         time.sleep(0.01)
+    long_prompt = [rng.randrange(vocab) for _ in range(args.long_prompt)]
     submitted = time.perf_counter()
-    long = engine.submit([rng.randrange(vocab) for _ in range(args.long_prompt)], SamplingParams(max_tokens=1))
+    long = engine.submit(long_prompt, SamplingParams(max_tokens=1))
     long.wait()
     prefill_done = long.first_token_at
     time.sleep(0.2)
