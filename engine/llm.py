@@ -14,6 +14,7 @@ free list, where any later user of them is queued behind step N+1 on the same st
 writes the K/V of the sequence's last token, whose block is never a committed (cached) one: only
 blocks full of K/V computed up to step N are committed.
 """
+import atexit
 import gc
 import threading
 from dataclasses import dataclass
@@ -30,6 +31,13 @@ from engine.tokenizer import eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
     from engine.model_runner import SampledTokens
+
+
+@atexit.register
+def _unfreeze_at_exit():
+    """Hands the objects LLM froze back to the collector, so the interpreter's last collection
+    frees them: frozen Triton IR objects would otherwise be reported leaked by nanobind at exit."""
+    gc.unfreeze()
 
 
 @dataclass
@@ -106,7 +114,7 @@ class LLM:
         # The model, tokenizer and libraries leave ~10^6 long-lived objects that every full garbage
         # collection would walk: one such pass stalled a chat's streams for 222 ms on the H200 box
         # (bench_streaming). They live as long as the engine, so take them out of the collector's
-        # reach.
+        # reach (until exit: see _unfreeze_at_exit).
         gc.collect()
         gc.freeze()
 
