@@ -254,15 +254,21 @@ class NvchatApp(App[None]):
         self._streaming[event.pane] = None
         self._pump_timer.resume()
 
-    def on_tabbed_content_tab_activated(self) -> None:
-        if self.screen_stack:
-            self.refresh_bindings()
+    async def on_tabbed_content_tab_activated(self) -> None:
+        if not self.screen_stack:
+            return
+        self.refresh_bindings()
+        pane = self.active_pane
+        if pane is not None:
+            await pane.catch_up()
 
     def on_chat_state_changed(self, event: ChatStateChanged) -> None:
         if not self.screen_stack:
             return  # a reply that ended as the app closed: no screen is left to redraw
-        self.refresh_bindings()
         pane = event.pane
+        # The footer's keys depend on the active chat alone; refreshing them rebuilds the footer.
+        if pane is self.active_pane:
+            self.refresh_bindings()
         if pane.parent is not None and pane.parent.id:
             try:
                 self.tabs.get_tab(pane.parent.id).label = self._tab_label(pane)
