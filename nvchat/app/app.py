@@ -47,10 +47,6 @@ from nvchat.store import ChatStore
 from themes import load_themes, tab_colors
 
 PUMP_HZ = 20
-# The engine thread runs a little Python between GPU waits and must take the GIL back after each
-# wait. At Python's default 5 ms switch interval a busy UI thread holds it up to 5 ms every time,
-# several times per step: 8 streams on an H200 ran 2.7x slower with the app attached (RESULTS.md).
-GIL_SWITCH_INTERVAL_S = 0.0005
 FALLBACK_THEME = "nvchat-dark"
 # Actions that need a started engine and the chat screen on top.
 _CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv_panel"} | {"default_system_prompt"}
@@ -74,6 +70,11 @@ class NvchatApp(App[None]):
                 ("app.tcss", "chat_pane.tcss", "message_view.tcss", "prompt_input.tcss", "kv_panel.tcss")]
     BINDINGS = bindings(APP_KEYS)
     COMMANDS = App.COMMANDS | {ChatCommands}
+    # The engine thread runs a little Python between GPU waits (and between the torch calls, each
+    # of which lets go of the GIL) and must take the GIL back every time. While the UI thread is
+    # busy each take waits up to one switch interval: at Python's default 5 ms, 8 streams on an
+    # H200 ran 2.7x slower with the app attached (RESULTS.md). Set while the app is mounted.
+    GIL_SWITCH_INTERVAL_S = 0.0005
 
     def __init__(self, settings: Settings, *, engine: EngineThread | None = None, store: ChatStore | None = None):
         """engine / store: already running ones to use (and leave running), e.g. shared by tests;
@@ -108,7 +109,7 @@ class NvchatApp(App[None]):
 
     def on_mount(self) -> None:
         self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(self.GIL_SWITCH_INTERVAL_S)
         for theme in load_themes():
             self.register_theme(theme)
         if self.settings.theme in self.available_themes:
