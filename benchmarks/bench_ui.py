@@ -5,11 +5,12 @@ Reports the engine's output tokens/s both ways (and their ratio, the issue's tar
 the UI thread's CPU (its share of one core over the run, and per pump tick) and the UI's frame
 times (the gap between the stream pump's ticks, and the time each tick spends draining streams
 and drawing; p50 and p99). Every reply runs to --max-tokens (ignore_eos) so both runs do the same
-work. Each --switch-interval value (the GIL switch interval the app sets while it runs) gets its
-own pair of runs, headless then with the UI, on one engine:
+work. Each pair of a --switch-interval value (the GIL switch interval the app sets while it runs)
+and a --pump-hz value gets its own pair of runs, headless then with the UI, on one engine:
 
     python -m benchmarks.bench_ui [--model PATH | --shape qwen3-0.6b] [--tabs 8] [--max-tokens 1536]
-                                  [--switch-interval 0.0005 0.0001 ...] [--profile-ui] [--out ui.json]
+                                  [--switch-interval 0.0005 0.0001 ...] [--pump-hz 20 10 ...] [--profile-ui]
+                                  [--out ui.json]
 
 With no --model it uses the built-in demo model (on CPU here, on the GPU where there is one);
 --shape gives a real model's layers with random weights, for GPUs without checkpoints.
@@ -19,6 +20,7 @@ With no --model it uses the built-in demo model (on CPU here, on the GPU where t
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -84,13 +86,14 @@ def run_headless(engine: EngineThread, settings: Settings, tabs: int, run: int) 
 
 
 async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_panel: bool, size, run: int,
-                      switch_interval: float, profile: bool = False) -> dict:
+                      switch_interval: float, pump_hz: int, profile: bool = False) -> dict:
     from nvchat.app import NvchatApp
     from nvchat.app.messages import PromptSubmitted
 
     class RecordingApp(NvchatApp):
         """Keeps each reply's stream for the numbers. Textual also runs NvchatApp's own handler."""
         GIL_SWITCH_INTERVAL_S = switch_interval
+        PUMP_HZ = pump_hz
         streams: list[RequestStream] = []
 
         def on_reply_started(self, event) -> None:
@@ -118,7 +121,7 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
                 await asyncio.sleep(0.05)
             ui_cpu_s, wall_s = time.thread_time() - cpu_start, time.perf_counter() - wall_start
         if sampler is not None:
-            print(f"--- UI thread profile, switch interval {switch_interval * 1000:g} ms ---")
+            print(f"--- UI thread profile, switch interval {switch_interval * 1000:g} ms, pump {pump_hz} Hz ---")
             print(sampler.report())
         intervals, durations = list(app.frame_stats.intervals), list(app.frame_stats.durations)
     pct = app.frame_stats.percentile
@@ -143,6 +146,9 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--switch-interval", type=float, nargs="+", default=[NvchatApp.GIL_SWITCH_INTERVAL_S],
                    help="GIL switch interval(s) in seconds for the app's runs (default: the app's own)")
+    p.add_argument("--pump-hz", type=int, nargs="+", default=[NvchatApp.PUMP_HZ],
+                   help="the app's stream pump rate(s), the visible reply's most updates a second (default: the app's); "
+                        "every --switch-interval runs at every rate")
     p.add_argument("--no-kv-panel", action="store_true", help="leave the KV panel hidden during the UI run")
     p.add_argument("--size", default="160x50", help="terminal size for the headless app, COLSxROWS")
     p.add_argument("--profile-ui", action="store_true", help="sample the UI thread's stack and print where its time goes")
@@ -169,12 +175,13 @@ def main() -> None:
         # a short first app session takes the one-time costs of imports, CSS and widget classes.
         short = BenchSettings(**{**settings.__dict__, "max_tokens": 8})
         run_headless(engine, short, 2, 0)
-        asyncio.run(run_with_ui(engine, short, args.tabs, kv_panel, (cols, rows), 0, args.switch_interval[0]))
-        for run, interval in enumerate(args.switch_interval, 1):
+        asyncio.run(run_with_ui(engine, short, args.tabs, kv_panel, (cols, rows), 0, args.switch_interval[0],
+                                args.pump_hz[0]))
+        for run, (interval, hz) in enumerate(itertools.product(args.switch_interval, args.pump_hz), 1):
             headless = run_headless(engine, settings, args.tabs, run)
-            ui = asyncio.run(run_with_ui(engine, settings, args.tabs, kv_panel, (cols, rows), run, interval,
+            ui = asyncio.run(run_with_ui(engine, settings, args.tabs, kv_panel, (cols, rows), run, interval, hz,
                                          args.profile_ui))
-            runs.append({"switch_interval_s": interval, "headless": headless, "ui": ui,
+            runs.append({"switch_interval_s": interval, "pump_hz": hz, "headless": headless, "ui": ui,
                          "ui_vs_headless": ui["tokens_per_s"] / headless["tokens_per_s"]})
     finally:
         engine.shutdown()
@@ -182,7 +189,7 @@ def main() -> None:
     label = args.model or (f"{args.shape} shape" if args.shape else "demo")
     print(f"{args.tabs} tabs x {args.max_tokens} tokens, model {label}, "
           f"device {engine.llm.config.device}, KV panel {'on' if kv_panel else 'off'}")
-    print_table([(f"{r['switch_interval_s'] * 1000:g}",
+    print_table([(f"{r['switch_interval_s'] * 1000:g}", r["pump_hz"],
                   f"{r['headless']['tokens_per_s']:,.0f}", f"{r['ui']['tokens_per_s']:,.0f}",
                   f"{r['ui_vs_headless'] * 100:.0f}%",
                   f"{r['headless']['mean_stream_tokens_per_s']:,.0f} / {r['ui']['mean_stream_tokens_per_s']:,.0f}",
@@ -192,7 +199,7 @@ def main() -> None:
                   f"{r['ui']['tick_interval_ms']['p50']:.1f} / {r['ui']['tick_interval_ms']['p99']:.1f}",
                   f"{r['ui']['tick_work_ms']['p50']:.2f} / {r['ui']['tick_work_ms']['p99']:.2f}")
                  for r in runs],
-                ("switch ms", "headless tok/s", "UI tok/s", "UI/headless", "per-stream tok/s h / UI",
+                ("switch ms", "pump Hz", "headless tok/s", "UI tok/s", "UI/headless", "per-stream tok/s h / UI",
                  "TTFT ms h / UI", "UI thread CPU", "UI CPU ms/tick", "ticks", "tick gap p50/p99 ms",
                  "tick work p50/p99 ms"))
     write_json(args.out, {"tabs": args.tabs, "max_tokens": args.max_tokens, "model": label,

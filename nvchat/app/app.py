@@ -46,7 +46,6 @@ from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, save_setting
 from nvchat.store import ChatStore
 from themes import load_themes, tab_colors
 
-PUMP_HZ = 20
 FALLBACK_THEME = "nvchat-dark"
 # Actions that need a started engine and the chat screen on top.
 _CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv_panel"} | {"default_system_prompt"}
@@ -70,6 +69,7 @@ class NvchatApp(App[None]):
                 ("app.tcss", "chat_pane.tcss", "message_view.tcss", "prompt_input.tcss", "kv_panel.tcss")]
     BINDINGS = bindings(APP_KEYS)
     COMMANDS = App.COMMANDS | {ChatCommands}
+    PUMP_HZ = 20  # stream pump ticks a second: the most updates a second the visible reply gets
     # The engine thread runs a little Python between GPU waits (and between the torch calls, each
     # of which lets go of the GIL) and must take the GIL back every time. While the UI thread is
     # busy each take waits up to one switch interval: at Python's default 5 ms, 8 streams on an
@@ -125,7 +125,7 @@ class NvchatApp(App[None]):
                         severity="warning", timeout=10)
         self.set_keymap(self.keymap)
         self.sub_title = self.note or model_label(self.settings)
-        self._pump_timer = self.set_interval(1 / PUMP_HZ, self._pump_replies, pause=True)
+        self._pump_timer = self.set_interval(1 / self.PUMP_HZ, self._pump_replies, pause=True)
         self.query_one(KVPanel).source = self._panel_data
         if self.engine is None:
             self._loading = LoadingScreen(model_label(self.settings), self.note)
