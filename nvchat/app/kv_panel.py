@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, deque
-from itertools import groupby
+from itertools import groupby, zip_longest
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +19,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.color import Color
 from textual.containers import Vertical
+from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
@@ -92,8 +93,14 @@ class BlockGrid(Widget):
 
     def show(self, data: PanelData) -> None:
         self.data = data
-        self._rows = None
-        self.refresh()
+        if self._rows is None or not self.size:
+            self.refresh()  # built when first drawn
+            return
+        # Only the rows that changed are drawn again: a few chats' blocks grow between refreshes.
+        old, self._rows = self._rows, self._build_rows()
+        changed = [y for y, (a, b) in enumerate(zip_longest(old, self._rows)) if a != b]
+        if changed:
+            self.refresh(Region(0, changed[0], self.size.width, changed[-1] - changed[0] + 1))
 
     def on_resize(self) -> None:
         self._rows = None
