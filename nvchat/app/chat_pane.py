@@ -48,8 +48,12 @@ class ChatPane(Vertical):
             yield Static(self._hint_text(), id="empty-hint")
             for message in self.conversation.messages:
                 yield self._view_for(message)
-        yield Static(id="chat-status")
-        yield PromptInput(id="prompt")
+        # In a container of their own: Textual redraws every child of a container whose area an
+        # update touches, and the prompt box (a TextArea) re-derives its theme on each redraw, so as
+        # a sibling of the transcript it was redrawn with every streamed update.
+        with Vertical(id="composer"):
+            yield Static(id="chat-status")
+            yield PromptInput(id="prompt")
 
     def on_mount(self) -> None:
         # Anchored: follows new output until the user scrolls up, and again once back at the bottom.
