@@ -147,11 +147,12 @@ def main() -> None:
     p.add_argument("--switch-interval", type=float, nargs="+", default=[NvchatApp.GIL_SWITCH_INTERVAL_S],
                    help="GIL switch interval(s) in seconds for the app's runs (default: the app's own)")
     p.add_argument("--pump-hz", type=int, nargs="+", default=[NvchatApp.PUMP_HZ],
-                   help="the app's stream pump rate(s), the visible reply's most updates a second (default: the app's); "
-                        "every --switch-interval runs at every rate")
+                   help="the app's stream pump rate(s), the visible reply's most updates a second "
+                        "(default: the app's); every --switch-interval runs at every rate")
     p.add_argument("--no-kv-panel", action="store_true", help="leave the KV panel hidden during the UI run")
     p.add_argument("--size", default="160x50", help="terminal size for the headless app, COLSxROWS")
-    p.add_argument("--profile-ui", action="store_true", help="sample the UI thread's stack and print where its time goes")
+    p.add_argument("--profile-ui", action="store_true",
+                   help="sample the UI thread's stack and print where its time goes")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
 

@@ -72,10 +72,10 @@ class NvchatApp(App[None]):
     BINDINGS = bindings(APP_KEYS)
     COMMANDS = App.COMMANDS | {ChatCommands}
     PUMP_HZ = 20  # stream pump ticks a second: the most updates a second the visible reply gets
-    # The engine thread runs a little Python between GPU waits (and between the torch calls, each
-    # of which lets go of the GIL) and must take the GIL back every time. While the UI thread is
-    # busy each take waits up to one switch interval: at Python's default 5 ms, 8 streams on an
-    # H200 ran 2.7x slower with the app attached (RESULTS.md). Set while the app is mounted.
+    # The engine thread lets go of the GIL while it waits on the GPU and must take it back to run
+    # its Python; while the UI thread is busy each take waits up to one switch interval: at
+    # Python's default 5 ms, 8 streams on an H200 ran 2.7x slower with the app attached
+    # (RESULTS.md). Set while the app is mounted.
     GIL_SWITCH_INTERVAL_S = 0.0005
 
     def __init__(self, settings: Settings, *, engine: EngineThread | None = None, store: ChatStore | None = None):

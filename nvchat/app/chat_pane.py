@@ -189,9 +189,9 @@ class ChatPane(Vertical):
 
     async def pump(self, shown: bool) -> bool:
         """Moves what the stream produced since the last tick into the reply; True once it has ended.
-        Called by the app's pump timer (NvchatApp.PUMP_HZ). A chat in a hidden tab keeps receiving but draws
-        nothing until it is shown (catch_up()): nobody sees it, and parsing and laying it out would
-        take time from the visible chat and, through the GIL, from the engine."""
+        Called by the app's pump timer (NvchatApp.PUMP_HZ). A chat in a hidden tab keeps receiving
+        but draws nothing until it is shown (catch_up()): nobody sees it, and parsing and laying it
+        out would take time from the visible chat and, through the GIL, from the engine."""
         stream, view = self.stream, self._reply_view
         if stream is None or view is None:
             return True

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, deque
-from itertools import groupby, zip_longest
 from dataclasses import dataclass
+from itertools import groupby, zip_longest
 from typing import Callable
 
 from rich.segment import Segment
@@ -30,8 +30,11 @@ from engine.block_manager import CACHED, FREE, SHARED, USED
 REFRESH_S = 0.25
 _HISTORY = 80  # sparkline samples: 20 s at REFRESH_S
 _USED, _SHARED, _CACHED, _FREE = "█", "▓", "░", "·"
-_GLYPHS = {0: _FREE, 1: _CACHED, 2: _USED, 3: _SHARED}  # by rank
-_RUNS = re.compile(rb"(.)\1*", re.DOTALL)
+# Block states ranked by how much they tell: a cell of several blocks shows its most telling one.
+_RANK_FREE, _RANK_CACHED, _RANK_USED, _RANK_SHARED = 0, 1, 2, 3
+_RANK = bytes.maketrans(bytes([FREE, CACHED, USED, SHARED]), bytes([_RANK_FREE, _RANK_CACHED, _RANK_USED, _RANK_SHARED]))
+_GLYPHS = {_RANK_FREE: _FREE, _RANK_CACHED: _CACHED, _RANK_USED: _USED, _RANK_SHARED: _SHARED}
+_RUNS = re.compile(rb"(.)\1*", re.DOTALL)  # runs of one byte
 _UNKNOWN_OWNER = "#808080"
 
 
@@ -47,11 +50,6 @@ class PanelData:
     snapshot: EngineSnapshot
     owners: dict[int, BlockOwner]  # request id -> the chat that submitted it
     chats: list[BlockOwner]  # every open chat, for the legend
-
-
-# Block states ranked by how much they tell: a cell of several blocks shows its most telling one.
-_RANK = bytes.maketrans(bytes([FREE, CACHED, USED, SHARED]), bytes([0, 1, 2, 3]))
-_RANK_FREE, _RANK_CACHED, _RANK_USED, _RANK_SHARED = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
