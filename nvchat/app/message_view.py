@@ -131,10 +131,11 @@ class ReplyView(Vertical):
         """Draws what arrived since the last call: appends it to the Markdown as one update and,
         once the reply has ended, flushes the Markdown streams and shows the footer."""
         async with self._drawing:
+            # Both taken before any await: the ending is only drawn with the last text it came after.
             text, self._unrendered = self._unrendered, ""
+            stats, self._end_stats = self._end_stats, None
             for thinking, piece in self._splitter.feed(text):
                 await self._write_piece(thinking, piece)
-            stats, self._end_stats = self._end_stats, None
             if stats is None:
                 return
             for thinking, piece in self._splitter.flush():
