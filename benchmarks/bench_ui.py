@@ -1,17 +1,26 @@
 """The chat app's cost: 8 tabs streaming at once, with the app attached (run headless through
 Textual's App.run_test) versus the same 8 requests on the bare EngineThread.
 
-Reports the UI's frame times (the gap between the stream pump's ticks, and the time each tick
-spends draining streams and rendering Markdown; p50 and p99) and the engine's output tokens/s
-both ways. Every reply runs to --max-tokens (ignore_eos) so both runs do the same work.
+Reports the engine's output tokens/s both ways (and their ratio, the issue's target being >= 90%),
+the UI thread's CPU (its share of one core over the run, and per pump tick) and the UI's frame
+times (the gap between the stream pump's ticks, and the time each tick spends draining streams
+and drawing; p50 and p99). Every reply runs to --max-tokens (ignore_eos) so both runs do the same
+work. Each pair of a --switch-interval value (the GIL switch interval the app sets while it runs)
+and a --pump-hz value gets its own pair of runs, headless then with the UI, on one engine:
 
-    python -m benchmarks.bench_ui [--model PATH | --shape qwen3-0.6b] [--tabs 8] [--max-tokens 256] [--out ui.json]
+    python -m benchmarks.bench_ui [--model PATH | --shape qwen3-0.6b] [--tabs 8] [--max-tokens 1536]
+                                  [--switch-interval 0.0005 0.0001 ...] [--pump-hz 20 10 ...] [--profile-ui]
+                                  [--out ui.json]
 
 With no --model it uses the built-in demo model (on CPU here, on the GPU where there is one);
 --shape gives a real model's layers with random weights, for GPUs without checkpoints.
+--profile-ui samples the UI thread's stack during the UI runs and prints where its time went
+(the sampling takes the GIL too, so the throughput of a profiled run is not the benchmark's).
 """
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -21,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import CONFIGS, print_table, write_json
+from benchmarks.thread_sampler import sample_current_thread
 from engine import EngineThread, RequestStream
 from engine.demo_model import ensure_demo_model
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
@@ -51,8 +61,8 @@ def shaped_demo_model(shape: str, scratch: str) -> Path:
 
 
 def user_message(run: str, i: int) -> str:
-    # Run names of equal length ("headless", "attached"): both runs' prompts are the same length,
-    # and share no blocks beyond the system prompt.
+    # Run names of equal length ("headless3", "attached3"): every run's prompts are the same
+    # length, and share no blocks beyond the system prompt.
     return f"{run} tab {i:02d}: tell me a long story about the number {i}."
 
 
@@ -65,22 +75,25 @@ def throughput(streams: list[RequestStream]) -> dict:
             "mean_ttft_ms": 1000 * sum(s.time_to_first_token or 0 for s in streams) / len(streams)}
 
 
-def run_headless(engine: EngineThread, settings: Settings, tabs: int) -> dict:
+def run_headless(engine: EngineThread, settings: Settings, tabs: int, run: int) -> dict:
     params = settings.sampling_params()
     streams = [engine.submit([{"role": "system", "content": settings.system_prompt},
-                              {"role": "user", "content": user_message("headless", i)}], params)
+                              {"role": "user", "content": user_message(f"headless{run}", i)}], params)
                for i in range(tabs)]
     for s in streams:
         s.wait()
     return throughput(streams)
 
 
-async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_panel: bool, size) -> dict:
+async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_panel: bool, size, run: int,
+                      switch_interval: float, pump_hz: int, profile: bool = False) -> dict:
     from nvchat.app import NvchatApp
     from nvchat.app.messages import PromptSubmitted
 
     class RecordingApp(NvchatApp):
         """Keeps each reply's stream for the numbers. Textual also runs NvchatApp's own handler."""
+        GIL_SWITCH_INTERVAL_S = switch_interval
+        PUMP_HZ = pump_hz
         streams: list[RequestStream] = []
 
         def on_reply_started(self, event) -> None:
@@ -97,23 +110,30 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
         await pilot.pause(0.2)
         panes = list(app._panes)
         app.frame_stats.reset()
-        cpu_start, wall_start = time.thread_time(), time.perf_counter()
-        for i, pane in enumerate(panes):
-            pane.post_message(PromptSubmitted(user_message("attached", i)))
-        deadline = time.monotonic() + 600
-        # Plain sleeps, not pilot.pause(): that walks the whole widget tree each call, which a
-        # real terminal session never does.
-        while (len(app.streams) < tabs or any(p.busy for p in panes)) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        ui_cpu_s, wall_s = time.thread_time() - cpu_start, time.perf_counter() - wall_start
+        with sample_current_thread() if profile else contextlib.nullcontext() as sampler:
+            cpu_start, wall_start = time.thread_time(), time.perf_counter()
+            for i, pane in enumerate(panes):
+                pane.post_message(PromptSubmitted(user_message(f"attached{run}", i)))
+            deadline = time.monotonic() + 600
+            # Plain sleeps, not pilot.pause(): that walks the whole widget tree each call, which a
+            # real terminal session never does.
+            while (len(app.streams) < tabs or any(p.busy for p in panes)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            ui_cpu_s, wall_s = time.thread_time() - cpu_start, time.perf_counter() - wall_start
+        if sampler is not None:
+            print(f"--- UI thread profile, switch interval {switch_interval * 1000:g} ms, pump {pump_hz} Hz ---")
+            print(sampler.report())
         intervals, durations = list(app.frame_stats.intervals), list(app.frame_stats.durations)
     pct = app.frame_stats.percentile
-    return {**throughput(app.streams), "frames": len(durations), "ui_thread_cpu_share": ui_cpu_s / wall_s,
+    return {**throughput(app.streams), "frames": len(durations), "ui_thread_cpu_s": ui_cpu_s,
+            "ui_thread_cpu_share": ui_cpu_s / wall_s, "ui_cpu_ms_per_tick": 1000 * ui_cpu_s / max(1, len(durations)),
             "tick_interval_ms": {"p50": 1000 * pct(intervals, 50), "p99": 1000 * pct(intervals, 99)},
             "tick_work_ms": {"p50": 1000 * pct(durations, 50), "p99": 1000 * pct(durations, 99)}}
 
 
 def main() -> None:
+    from nvchat.app import NvchatApp
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint dir or cached HF repo id (default: the demo model)")
     p.add_argument("--shape", help="a config dir under benchmarks/configs (e.g. qwen3-0.6b): that model's shapes "
@@ -121,10 +141,18 @@ def main() -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--tabs", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=1536,
+                   help="tokens per reply (the default keeps the UI run several seconds long on an H200)")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--switch-interval", type=float, nargs="+", default=[NvchatApp.GIL_SWITCH_INTERVAL_S],
+                   help="GIL switch interval(s) in seconds for the app's runs (default: the app's own)")
+    p.add_argument("--pump-hz", type=int, nargs="+", default=[NvchatApp.PUMP_HZ],
+                   help="the app's stream pump rate(s), the visible reply's most updates a second "
+                        "(default: the app's); every --switch-interval runs at every rate")
     p.add_argument("--no-kv-panel", action="store_true", help="leave the KV panel hidden during the UI run")
     p.add_argument("--size", default="160x50", help="terminal size for the headless app, COLSxROWS")
+    p.add_argument("--profile-ui", action="store_true",
+                   help="sample the UI thread's stack and print where its time goes")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
 
@@ -140,37 +168,44 @@ def main() -> None:
     if args.shape:
         kwargs.update(model=str(shaped_demo_model(args.shape, scratch)), load_format="random")
     engine = EngineThread(kwargs.pop("model"), **kwargs).start()
+    cols, rows = (int(x) for x in args.size.split("x"))
+    kv_panel = not args.no_kv_panel
+    runs = []
     try:
-        # Warm-up: first-call costs, and the shared system prompt in the prefix cache for both runs.
-        run_headless(engine, BenchSettings(**{**settings.__dict__, "max_tokens": 8}), 2)
-        headless = run_headless(engine, settings, args.tabs)
-        cols, rows = (int(x) for x in args.size.split("x"))
-        # A short first session: imports, CSS and widget classes' first use are one-time costs.
-        warm = BenchSettings(**{**settings.__dict__, "max_tokens": 8})
-        asyncio.run(run_with_ui(engine, warm, args.tabs, not args.no_kv_panel, (cols, rows)))
-        ui = asyncio.run(run_with_ui(engine, settings, args.tabs, not args.no_kv_panel, (cols, rows)))
+        # Warm-up: first-call costs, and the shared system prompt in the prefix cache for every run;
+        # a short first app session takes the one-time costs of imports, CSS and widget classes.
+        short = BenchSettings(**{**settings.__dict__, "max_tokens": 8})
+        run_headless(engine, short, 2, 0)
+        asyncio.run(run_with_ui(engine, short, args.tabs, kv_panel, (cols, rows), 0, args.switch_interval[0],
+                                args.pump_hz[0]))
+        for run, (interval, hz) in enumerate(itertools.product(args.switch_interval, args.pump_hz), 1):
+            headless = run_headless(engine, settings, args.tabs, run)
+            ui = asyncio.run(run_with_ui(engine, settings, args.tabs, kv_panel, (cols, rows), run, interval, hz,
+                                         args.profile_ui))
+            runs.append({"switch_interval_s": interval, "pump_hz": hz, "headless": headless, "ui": ui,
+                         "ui_vs_headless": ui["tokens_per_s"] / headless["tokens_per_s"]})
     finally:
         engine.shutdown()
 
-    rows_out = [
-        ("output tokens", headless["tokens"], ui["tokens"]),
-        ("engine tok/s (tokens / wall time)", f"{headless['tokens_per_s']:,.0f}", f"{ui['tokens_per_s']:,.0f}"),
-        ("mean per-stream tok/s", f"{headless['mean_stream_tokens_per_s']:,.1f}",
-         f"{ui['mean_stream_tokens_per_s']:,.1f}"),
-        ("mean TTFT ms", f"{headless['mean_ttft_ms']:,.0f}", f"{ui['mean_ttft_ms']:,.0f}"),
-        ("UI tick interval p50 / p99 ms", "-",
-         f"{ui['tick_interval_ms']['p50']:.1f} / {ui['tick_interval_ms']['p99']:.1f}"),
-        ("UI tick work p50 / p99 ms", "-", f"{ui['tick_work_ms']['p50']:.2f} / {ui['tick_work_ms']['p99']:.2f}"),
-        ("UI ticks", "-", ui["frames"]),
-        ("UI thread CPU (share of one core)", "-", f"{ui['ui_thread_cpu_share'] * 100:.0f}%"),
-    ]
     label = args.model or (f"{args.shape} shape" if args.shape else "demo")
     print(f"{args.tabs} tabs x {args.max_tokens} tokens, model {label}, "
-          f"device {engine.llm.config.device}, KV panel {'off' if args.no_kv_panel else 'on'}")
-    print_table(rows_out, ("", "headless", "with UI"))
+          f"device {engine.llm.config.device}, KV panel {'on' if kv_panel else 'off'}")
+    print_table([(f"{r['switch_interval_s'] * 1000:g}", r["pump_hz"],
+                  f"{r['headless']['tokens_per_s']:,.0f}", f"{r['ui']['tokens_per_s']:,.0f}",
+                  f"{r['ui_vs_headless'] * 100:.0f}%",
+                  f"{r['headless']['mean_stream_tokens_per_s']:,.0f} / {r['ui']['mean_stream_tokens_per_s']:,.0f}",
+                  f"{r['headless']['mean_ttft_ms']:,.0f} / {r['ui']['mean_ttft_ms']:,.0f}",
+                  f"{r['ui']['ui_thread_cpu_share'] * 100:.0f}%", f"{r['ui']['ui_cpu_ms_per_tick']:.2f}",
+                  r["ui"]["frames"],
+                  f"{r['ui']['tick_interval_ms']['p50']:.1f} / {r['ui']['tick_interval_ms']['p99']:.1f}",
+                  f"{r['ui']['tick_work_ms']['p50']:.2f} / {r['ui']['tick_work_ms']['p99']:.2f}")
+                 for r in runs],
+                ("switch ms", "pump Hz", "headless tok/s", "UI tok/s", "UI/headless", "per-stream tok/s h / UI",
+                 "TTFT ms h / UI", "UI thread CPU", "UI CPU ms/tick", "ticks", "tick gap p50/p99 ms",
+                 "tick work p50/p99 ms"))
     write_json(args.out, {"tabs": args.tabs, "max_tokens": args.max_tokens, "model": label,
-                          "device": str(engine.llm.config.device), "kv_panel": not args.no_kv_panel,
-                          "headless": headless, "ui": ui})
+                          "device": str(engine.llm.config.device), "kv_panel": kv_panel, "size": args.size,
+                          "runs": runs})
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ Threads, and what runs where:
 - a start-up thread worker builds the engine, reporting each stage to the loading screen.
 
 Streaming: one app-level timer (PUMP_HZ) drains every active stream with RequestStream.drain(),
-which hands over everything since the last tick as one delta, and appends it to that reply's
-MarkdownStream. The engine never posts per-token messages, and a pane gets at most PUMP_HZ
-updates a second however fast tokens arrive.
+which hands over everything since the last tick as one delta. The visible chat appends it to its
+reply's MarkdownStream, so it gets at most PUMP_HZ updates a second however fast tokens arrive;
+a chat in a hidden tab only accumulates it, and draws it when its tab is shown. The engine never
+posts per-token messages. The UI thread's time is the engine's too: the engine thread needs the
+GIL between its GPU waits, so whatever the UI draws that nobody sees slows generation.
 """
 from __future__ import annotations
 
@@ -46,11 +48,6 @@ from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, save_setting
 from nvchat.store import ChatStore
 from themes import load_themes, tab_colors
 
-PUMP_HZ = 20
-# The engine thread runs a little Python between GPU waits and must take the GIL back after each
-# wait. At Python's default 5 ms switch interval a busy UI thread holds it up to 5 ms every time,
-# several times per step: 8 streams on an H200 ran 2.7x slower with the app attached (RESULTS.md).
-GIL_SWITCH_INTERVAL_S = 0.0005
 FALLBACK_THEME = "nvchat-dark"
 # Actions that need a started engine and the chat screen on top.
 _CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv_panel"} | {"default_system_prompt"}
@@ -74,6 +71,12 @@ class NvchatApp(App[None]):
                 ("app.tcss", "chat_pane.tcss", "message_view.tcss", "prompt_input.tcss", "kv_panel.tcss")]
     BINDINGS = bindings(APP_KEYS)
     COMMANDS = App.COMMANDS | {ChatCommands}
+    PUMP_HZ = 20  # stream pump ticks a second: the most updates a second the visible reply gets
+    # The engine thread lets go of the GIL while it waits on the GPU and must take it back to run
+    # its Python; while the UI thread is busy each take waits up to one switch interval: at
+    # Python's default 5 ms, 8 streams on an H200 ran 2.7x slower with the app attached
+    # (RESULTS.md). Set while the app is mounted.
+    GIL_SWITCH_INTERVAL_S = 0.0005
 
     def __init__(self, settings: Settings, *, engine: EngineThread | None = None, store: ChatStore | None = None):
         """engine / store: already running ones to use (and leave running), e.g. shared by tests;
@@ -108,7 +111,7 @@ class NvchatApp(App[None]):
 
     def on_mount(self) -> None:
         self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(self.GIL_SWITCH_INTERVAL_S)
         for theme in load_themes():
             self.register_theme(theme)
         if self.settings.theme in self.available_themes:
@@ -124,7 +127,7 @@ class NvchatApp(App[None]):
                         severity="warning", timeout=10)
         self.set_keymap(self.keymap)
         self.sub_title = self.note or model_label(self.settings)
-        self._pump_timer = self.set_interval(1 / PUMP_HZ, self._pump_replies, pause=True)
+        self._pump_timer = self.set_interval(1 / self.PUMP_HZ, self._pump_replies, pause=True)
         self.query_one(KVPanel).source = self._panel_data
         if self.engine is None:
             self._loading = LoadingScreen(model_label(self.settings), self.note)
@@ -254,15 +257,21 @@ class NvchatApp(App[None]):
         self._streaming[event.pane] = None
         self._pump_timer.resume()
 
-    def on_tabbed_content_tab_activated(self) -> None:
-        if self.screen_stack:
-            self.refresh_bindings()
+    async def on_tabbed_content_tab_activated(self) -> None:
+        if not self.screen_stack:
+            return
+        self.refresh_bindings()
+        pane = self.active_pane
+        if pane is not None:
+            await pane.catch_up()
 
     def on_chat_state_changed(self, event: ChatStateChanged) -> None:
         if not self.screen_stack:
             return  # a reply that ended as the app closed: no screen is left to redraw
-        self.refresh_bindings()
         pane = event.pane
+        # The footer's keys depend on the active chat alone; refreshing them rebuilds the footer.
+        if pane is self.active_pane:
+            self.refresh_bindings()
         if pane.parent is not None and pane.parent.id:
             try:
                 self.tabs.get_tab(pane.parent.id).label = self._tab_label(pane)

@@ -7,7 +7,6 @@ conversation.messages once it is idle.
 """
 from __future__ import annotations
 
-import time
 from typing import Awaitable, Callable
 
 from textual.app import ComposeResult
@@ -22,7 +21,6 @@ from nvchat.app.prompt_input import PromptInput
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
 
 Background = Callable[..., Awaitable]
-HIDDEN_RENDER_S = 1.0
 _DEFAULT_TITLE = "New chat"
 _AUTO_TITLE_CHARS = 40
 
@@ -39,8 +37,8 @@ class ChatPane(Vertical):
         self.stream: RequestStream | None = None  # the reply being generated
         self.busy = False
         self.editing = False
-        self._reply_view: ReplyView | None = None
-        self._rendered_at = 0.0
+        self._reply_view: ReplyView | None = None  # the reply being generated, until it is stored
+        self._last_reply: ReplyView | None = None  # the latest live reply, which may not be drawn in full yet
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -50,8 +48,12 @@ class ChatPane(Vertical):
             yield Static(self._hint_text(), id="empty-hint")
             for message in self.conversation.messages:
                 yield self._view_for(message)
-        yield Static(id="chat-status")
-        yield PromptInput(id="prompt")
+        # In a container of their own: Textual redraws every child of a container whose area an
+        # update touches, and the prompt box (a TextArea) re-derives its theme on each redraw, so as
+        # a sibling of the transcript it was redrawn with every streamed update.
+        with Vertical(id="composer"):
+            yield Static(id="chat-status")
+            yield PromptInput(id="prompt")
 
     def on_mount(self) -> None:
         # Anchored: follows new output until the user scrolls up, and again once back at the bottom.
@@ -95,7 +97,6 @@ class ChatPane(Vertical):
 
     def _set_busy(self, busy: bool) -> None:
         self.busy = busy
-        self.set_class(busy, "-busy")
         self._set_status("generating… Esc stops" if busy else "")
         self.post_message(ChatStateChanged(self))
 
@@ -178,11 +179,9 @@ class ChatPane(Vertical):
             self.notify(str(e), title="Could not send", severity="error", timeout=8)
             return
         await self._sync_views()
-        self._reply_view = ReplyView()
+        self._reply_view = self._last_reply = ReplyView()
         self._refresh_hint()
         await self.transcript.mount(self._reply_view)
-        # Tabs started together would otherwise all render their hidden replies in the same tick.
-        self._rendered_at = time.monotonic() - HIDDEN_RENDER_S * (self.color_slot % 8) / 8
         self.stream = stream
         self.post_message(ReplyStarted(self))
         if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
@@ -190,9 +189,9 @@ class ChatPane(Vertical):
 
     async def pump(self, shown: bool) -> bool:
         """Moves what the stream produced since the last tick into the reply; True once it has ended.
-        Called by the app's pump timer (PUMP_HZ). A chat in a hidden tab keeps receiving but
-        renders its Markdown only every HIDDEN_RENDER_S: nobody sees it, and parsing it would
-        take time from the visible chat and from the engine."""
+        Called by the app's pump timer (NvchatApp.PUMP_HZ). A chat in a hidden tab keeps receiving
+        but draws nothing until it is shown (catch_up()): nobody sees it, and parsing and laying it
+        out would take time from the visible chat and, through the GIL, from the engine."""
         stream, view = self.stream, self._reply_view
         if stream is None or view is None:
             return True
@@ -205,16 +204,20 @@ class ChatPane(Vertical):
             # stream to store, so the reply is stored exactly once, and the write already waits.
             self.stream = None
             stored = self.background(self.conversation.finish_reply, stream)
-        now = time.monotonic()
-        if shown or ended or now - self._rendered_at >= HIDDEN_RENDER_S:
-            self._rendered_at = now
-            await view.render_received()
+            view.end(reply_stats(stream))
+        if shown:
+            await view.catch_up()
         if ended:
-            await view.finish(reply_stats(stream))
             if stream.finish_reason == "error":
                 self.notify(stream.error or "generation failed", title="Engine error", severity="error", timeout=10)
             self.run_worker(self._store_reply(stored, view), exit_on_error=False)
         return ended
+
+    async def catch_up(self) -> None:
+        """Draws what the reply received while the tab was hidden (its tab was just shown)."""
+        view = self._last_reply
+        if view is not None and view.behind and view.is_attached:
+            await view.catch_up()
 
     async def _store_reply(self, stored, view: ReplyView) -> None:
         try:

@@ -7,8 +7,10 @@ never waits on (or slows) generation. Its timer runs only while the panel is sho
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, deque
 from dataclasses import dataclass
+from itertools import groupby, zip_longest
 from typing import Callable
 
 from rich.segment import Segment
@@ -17,16 +19,22 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.color import Color
 from textual.containers import Vertical
+from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
 from engine import EngineSnapshot
-from engine.block_manager import CACHED, SHARED, USED
+from engine.block_manager import CACHED, FREE, SHARED, USED
 
 REFRESH_S = 0.25
 _HISTORY = 80  # sparkline samples: 20 s at REFRESH_S
 _USED, _SHARED, _CACHED, _FREE = "█", "▓", "░", "·"
+# Block states ranked by how much they tell: a cell of several blocks shows its most telling one.
+_RANK_FREE, _RANK_CACHED, _RANK_USED, _RANK_SHARED = 0, 1, 2, 3
+_RANK = bytes.maketrans(bytes([FREE, CACHED, USED, SHARED]), bytes([_RANK_FREE, _RANK_CACHED, _RANK_USED, _RANK_SHARED]))
+_GLYPHS = {_RANK_FREE: _FREE, _RANK_CACHED: _CACHED, _RANK_USED: _USED, _RANK_SHARED: _SHARED}
+_RUNS = re.compile(rb"(.)\1*", re.DOTALL)  # runs of one byte
 _UNKNOWN_OWNER = "#808080"
 
 
@@ -45,32 +53,30 @@ class PanelData:
 
 
 @dataclass(frozen=True)
-class Cell:
-    used: int
-    shared: int
-    cached: int
-    owner: int | None  # request holding most of the cell's blocks
+class FoldedBlocks:
+    ranks: bytes  # per cell, the rank of its most telling block state (_RANK_*)
+    owners: dict[int, int]  # cell -> request holding most of the cell's blocks (cells held by none absent)
+    per_cell: int  # blocks per cell
 
 
 def blocks_per_cell(num_blocks: int, num_cells: int) -> int:
     return max(1, math.ceil(num_blocks / max(1, num_cells)))
 
 
-def aggregate(snapshot: EngineSnapshot, num_cells: int) -> tuple[list[Cell], int]:
-    """The block map folded into at most num_cells cells, and how many blocks each cell covers."""
-    states = snapshot.block_states
-    per_cell = blocks_per_cell(len(states), num_cells)
-    holders: dict[int, Counter] = {}
+def fold_blocks(snapshot: EngineSnapshot, num_cells: int) -> FoldedBlocks:
+    """The block map folded into at most num_cells cells. Runs several times a second on the UI
+    thread over up to ~10^5 blocks, so the per-block work stays in bytes methods."""
+    ranks = snapshot.block_states.translate(_RANK)
+    per_cell = blocks_per_cell(len(ranks), num_cells)
+    if per_cell > 1:
+        ranks = bytes(max(ranks[i:i + per_cell]) for i in range(0, len(ranks), per_cell))
+    owners: dict[int, int] = {}
+    most: dict[int, int] = {}
     for request_id, blocks in snapshot.block_holders.items():
         for cell, count in Counter(b // per_cell for b in blocks).items():
-            holders.setdefault(cell, Counter())[request_id] += count
-    cells = []
-    for index, start in enumerate(range(0, len(states), per_cell)):
-        chunk = states[start:start + per_cell]
-        top = holders.get(index)
-        cells.append(Cell(chunk.count(USED), chunk.count(SHARED), chunk.count(CACHED),
-                          top.most_common(1)[0][0] if top else None))
-    return cells, per_cell
+            if count > most.get(cell, 0):
+                most[cell], owners[cell] = count, request_id
+    return FoldedBlocks(ranks, owners, per_cell)
 
 
 class BlockGrid(Widget):
@@ -85,52 +91,50 @@ class BlockGrid(Widget):
 
     def show(self, data: PanelData) -> None:
         self.data = data
-        self._rows = None
-        self.refresh()
+        if self._rows is None or not self.size:
+            self.refresh()  # built when first drawn
+            return
+        # Only the rows that changed are drawn again: a few chats' blocks grow between refreshes.
+        old, self._rows = self._rows, self._build_rows()
+        changed = [y for y, (a, b) in enumerate(zip_longest(old, self._rows)) if a != b]
+        if changed:
+            self.refresh(Region(0, changed[0], self.size.width, changed[-1] - changed[0] + 1))
 
     def on_resize(self) -> None:
         self._rows = None
-
-    def _cell_looks(self) -> Callable[[Cell], tuple[str, str]]:
-        theme = self.app.current_theme
-        fg = Color.parse(theme.foreground or ("#e0e0e0" if theme.dark else "#202020"))
-        bg = Color.parse(theme.background or ("#000000" if theme.dark else "#ffffff"))
-        free_color = fg.blend(bg, 0.6).hex
-        cached_color = Color.parse(theme.secondary or theme.primary).hex
-        owners = self.data.owners
-
-        def looks(cell: Cell) -> tuple[str, str]:
-            if cell.used or cell.shared:
-                owner = owners.get(cell.owner) if cell.owner is not None else None
-                return (_SHARED if cell.shared else _USED), (owner.color if owner else _UNKNOWN_OWNER)
-            if cell.cached:
-                return _CACHED, cached_color
-            return _FREE, free_color
-
-        return looks
 
     def _build_rows(self) -> list[Strip]:
         width, height = max(1, self.size.width), max(1, self.size.height)
         base = self.rich_style
         if self.data is None:
             return [Strip([Segment("waiting for the engine…", base + Style(italic=True))])]
-        cells, _ = aggregate(self.data.snapshot, width * height)
-        looks = self._cell_looks()
-        styles: dict[str, Style] = {}
+        folded = fold_blocks(self.data.snapshot, width * height)
+        theme = self.app.current_theme
+        fg = Color.parse(theme.foreground or ("#e0e0e0" if theme.dark else "#202020"))
+        bg = Color.parse(theme.background or ("#000000" if theme.dark else "#ffffff"))
+        styles = {_RANK_FREE: base + Style(color=fg.blend(bg, 0.6).hex),
+                  _RANK_CACHED: base + Style(color=Color.parse(theme.secondary or theme.primary).hex)}
+        for owner in self.data.owners.values():
+            styles.setdefault(owner.color, base + Style(color=owner.color))
+        styles.setdefault(_UNKNOWN_OWNER, base + Style(color=_UNKNOWN_OWNER))
+        ranks, owners, request_owners = folded.ranks, folded.owners, self.data.owners
+
+        def colour(cell: int) -> str:
+            owner = request_owners.get(owners.get(cell))
+            return owner.color if owner is not None else _UNKNOWN_OWNER
+
         rows = []
-        for start in range(0, len(cells), width):
-            segments, run_glyph, run_color, run_length = [], None, None, 0
-            for cell in cells[start:start + width]:
-                glyph, color = looks(cell)
-                if (glyph, color) != (run_glyph, run_color) and run_length:
-                    style = styles.get(run_color) or styles.setdefault(run_color, base + Style(color=run_color))
-                    segments.append(Segment(run_glyph * run_length, style))
-                    run_length = 0
-                run_glyph, run_color = glyph, color
-                run_length += 1
-            if run_length:
-                style = styles.get(run_color) or styles.setdefault(run_color, base + Style(color=run_color))
-                segments.append(Segment(run_glyph * run_length, style))
+        for start in range(0, len(ranks), width):
+            row, segments = ranks[start:start + width], []
+            # Runs of like cells: a few segments per row rather than one per cell. Free and cached
+            # runs (most of a big cache) are found by the regex alone; held ones split by chat.
+            for run in _RUNS.finditer(row):
+                rank, begin, end = row[run.start()], start + run.start(), start + run.end()
+                if rank < _RANK_USED:
+                    segments.append(Segment(_GLYPHS[rank] * (end - begin), styles[rank]))
+                    continue
+                for chat, cells in groupby(range(begin, end), key=colour):
+                    segments.append(Segment(_GLYPHS[rank] * sum(1 for _ in cells), styles[chat]))
             rows.append(Strip(segments))
         return rows
 

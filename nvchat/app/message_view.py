@@ -1,10 +1,12 @@
 """Transcript entries: the user's messages as plain text, the assistant's as Markdown with its
 Qwen3 <think> section folded away and a footer of numbers.
 
-A reply being generated grows through MarkdownStream.write, so each update parses only the new
-tail of the document rather than re-rendering the reply.
+A reply being generated grows through MarkdownStream.write into a StreamingMarkdown, so each
+update parses only the new tail of the document rather than re-rendering the reply.
 """
 from __future__ import annotations
+
+import asyncio
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -12,6 +14,7 @@ from textual.content import Content
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
+from nvchat.app.streaming_markdown import StreamingMarkdown
 from nvchat.conversation import Message, split_thinking
 
 _FINISH_NOTES = {"abort": "stopped", "length": "hit max tokens", "error": "failed"}
@@ -75,20 +78,24 @@ class UserMessageView(Static):
 
 
 class ReplyView(Vertical):
-    """An assistant reply: stored (built whole), or live: fed by receive() and drawn, in batches,
-    by render_received()."""
+    """An assistant reply: stored (built whole), or live: fed by receive() and end(), and drawn,
+    in batches, by catch_up(). A live reply in a hidden tab only accumulates: it is drawn once,
+    whole, when its tab is shown."""
 
     def __init__(self, message: Message | None = None) -> None:
         super().__init__(classes="message assistant")
         self.message = message
         self.border_title = "assistant"
         self._thinking_md: Markdown | None = None
-        self._answer_md = Markdown(id="answer")
+        self._answer_md: Markdown | None = None
         self._streams: dict[bool, MarkdownStream] = {}
         self._splitter = ThinkSplitter()
         self._footer = Static("" if message is not None else "generating…", id="reply-footer")
         self.text = ""
         self._unrendered = ""
+        self._end_stats: dict | None = None  # the reply's numbers once it ended, until drawn
+        # The pump and a tab switch can both catch up; one at a time keeps the pieces in order.
+        self._drawing = asyncio.Lock()
 
     def compose(self) -> ComposeResult:
         if self.message is not None:
@@ -102,36 +109,48 @@ class ReplyView(Vertical):
                 self._footer.update(footer_text(self.message.stats))
         else:
             self.add_class("-live")
+            self._answer_md = StreamingMarkdown(id="answer")
             yield self._answer_md
             yield self._footer
 
     def receive(self, text: str) -> None:
-        """Takes new text without rendering it (cheap: a hidden tab's reply just accumulates)."""
+        """Takes new text without drawing it (cheap: a hidden tab's reply just accumulates)."""
         self.text += text
         self._unrendered += text
 
-    async def render_received(self) -> None:
-        """Appends what was received since the last call to the Markdown, as one update."""
-        text, self._unrendered = self._unrendered, ""
-        for thinking, piece in self._splitter.feed(text):
-            await self._write_piece(thinking, piece)
+    def end(self, stats: dict) -> None:
+        """The reply is complete (everything was received); its footer shows at the next catch_up()."""
+        self._end_stats = stats
+
+    @property
+    def behind(self) -> bool:
+        """Received text or an ending that is not drawn yet."""
+        return bool(self._unrendered) or self._end_stats is not None
+
+    async def catch_up(self) -> None:
+        """Draws what arrived since the last call: appends it to the Markdown as one update and,
+        once the reply has ended, flushes the Markdown streams and shows the footer."""
+        async with self._drawing:
+            # Both taken before any await: the ending is only drawn with the last text it came after.
+            text, self._unrendered = self._unrendered, ""
+            stats, self._end_stats = self._end_stats, None
+            for thinking, piece in self._splitter.feed(text):
+                await self._write_piece(thinking, piece)
+            if stats is None:
+                return
+            for thinking, piece in self._splitter.flush():
+                await self._write_piece(thinking, piece)
+            for stream in self._streams.values():
+                await stream.stop()
+            self._streams.clear()
+            self.remove_class("-live")
+            self._footer.update(footer_text(stats))
 
     async def _write_piece(self, thinking: bool, piece: str) -> None:
         if thinking and self._thinking_md is None:
-            self._thinking_md = Markdown()
+            self._thinking_md = StreamingMarkdown()
             await self.mount(Collapsible(self._thinking_md, title="Thinking", collapsed=True), before=self._answer_md)
         stream = self._streams.get(thinking)
         if stream is None:
             stream = self._streams[thinking] = Markdown.get_stream(self._thinking_md if thinking else self._answer_md)
         await stream.write(piece)
-
-    async def finish(self, stats: dict) -> None:
-        """Flushes what the Markdown streams still hold and shows the footer."""
-        await self.render_received()
-        for thinking, piece in self._splitter.flush():
-            await self._write_piece(thinking, piece)
-        for stream in self._streams.values():
-            await stream.stop()
-        self._streams.clear()
-        self.remove_class("-live")
-        self._footer.update(footer_text(stats))

@@ -7,7 +7,7 @@ from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.messages import ChatStateChanged
-from nvchat.app.message_view import ReplyView, UserMessageView
+from nvchat.app.message_view import ReplyView, ThinkSplitter, UserMessageView
 from nvchat.conversation import Message
 from nvchat.store import ChatStore
 from tests.app.conftest import app_settings
@@ -58,6 +58,8 @@ async def test_send_streams_a_reply_with_footer_and_stores_it(make_app):
         # Not send(): Pilot.press waits up to a second for the app to go idle, long enough for
         # the demo model to finish the whole reply on a fast machine.
         await submit_now(pilot, pane, "hello there")
+        # The chat turns busy before the prompt is tokenized; its reply view comes with the stream.
+        await wait_for(pilot, lambda: pane.stream is not None or pane.query(ReplyView), what="the reply view")
         # Streaming: the reply's Markdown grows over several pump ticks before the reply ends.
         sizes = set()
         while pane.busy:
@@ -161,6 +163,47 @@ async def test_background_tab_keeps_receiving_tokens(make_app):
         await idle(pilot, second)
         assert first.conversation.messages[-1].stats["tokens"] == 400
         assert len(view.text) == len(first.conversation.messages[-1].content)
+
+
+def drawn_and_received(view: ReplyView) -> tuple[tuple[str, str], tuple[str, str]]:
+    """(thinking, answer) as the view's Markdown widgets show them, and as its received text splits."""
+    splitter = ThinkSplitter()
+    pieces = splitter.feed(view.text) + splitter.flush()
+    received = tuple("".join(text for thinking, text in pieces if thinking == side) for side in (True, False))
+    thinking = view.query(Collapsible)
+    drawn = (thinking.first().query_one(Markdown).source if thinking else "",
+             view.query_one("#answer", Markdown).source)
+    return drawn, received
+
+
+@pytest.mark.parametrize("drawn_first", [True, False], ids=["hidden-mid-reply", "hidden-throughout"])
+async def test_a_reply_that_ends_in_a_hidden_tab_shows_whole_once_shown(make_app, drawn_first):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        first = app.active_pane
+        await submit_now(pilot, first, "long story")
+        await wait_for(pilot, lambda: first.stream is not None)
+        view = first.query(ReplyView).last()
+        if drawn_first:
+            answer = view.query_one("#answer", Markdown)
+            await wait_for(pilot, lambda: len(answer.source) > 10, what="the reply to be drawn while shown")
+        await press_now(pilot, "ctrl+t")
+        assert app.active_pane is not first and first.busy  # hidden mid-reply
+        await idle(pilot, first)
+        # Hidden, it received the whole reply and stored it, but drew none of what came after.
+        stored = first.conversation.messages[-1]
+        assert stored.stats["tokens"] == 400 and len(view.text) == len(stored.content)
+        drawn, received = drawn_and_received(view)
+        assert len(drawn[0]) + len(drawn[1]) < len(received[0]) + len(received[1])
+        assert str(view.query_one("#reply-footer").render()) == "generating…"
+        await pilot.press("alt+left")
+        assert app.active_pane is first
+        await wait_for(pilot, lambda: drawn_and_received(view)[0] == drawn_and_received(view)[1],
+                       what="the whole reply to be drawn")
+        footer = str(view.query_one("#reply-footer").render())
+        assert "400 tokens" in footer and "tok/s" in footer and "hit max tokens" in footer
+        assert not view.has_class("-live")
 
 
 async def test_tab_keys_cycle_rename_and_close(make_app):

@@ -5,7 +5,7 @@ import pytest
 from engine.engine_thread import EngineSnapshot
 from nvchat.app.bindings import ALL_KEYS, describe_key, unknown_key_ids
 from nvchat.export import export_markdown
-from nvchat.app.kv_panel import aggregate, counters_text
+from nvchat.app.kv_panel import counters_text, fold_blocks
 from nvchat.app.message_view import ThinkSplitter, footer_text
 from nvchat.cli import build_parser, settings_from_args
 from nvchat.conversation import Conversation, Message
@@ -52,12 +52,12 @@ def snapshot(states: bytes, holders: dict) -> EngineSnapshot:
 def test_grid_cells_fold_blocks_when_the_grid_is_small():
     states = bytes([2, 2, 3, 0, 1, 1, 0, 0])
     snap = snapshot(states, {7: [0, 1, 2], 9: [2]})
-    cells, per_cell = aggregate(snap, num_cells=8)
-    assert per_cell == 1 and [c.owner for c in cells[:3]] == [7, 7, 7] and cells[2].shared == 1
-    cells, per_cell = aggregate(snap, num_cells=3)
-    assert per_cell == 3 and len(cells) == 3
-    assert (cells[0].used, cells[0].shared, cells[0].owner) == (2, 1, 7)
-    assert (cells[1].used, cells[1].cached, cells[1].owner) == (0, 2, None)
+    folded = fold_blocks(snap, num_cells=8)
+    assert folded.per_cell == 1 and list(folded.ranks) == [2, 2, 3, 0, 1, 1, 0, 0]  # used, shared, free, cached
+    assert folded.owners == {0: 7, 1: 7, 2: 7}  # block 2 is 7's and 9's: the first holder names it
+    folded = fold_blocks(snap, num_cells=3)
+    assert folded.per_cell == 3 and list(folded.ranks) == [3, 1, 0]  # a cell shows its most telling block
+    assert folded.owners == {0: 7}
     assert "25.0% hit (32/128 tok)" in counters_text(snap)
 
 
