@@ -22,6 +22,8 @@ def test_top_p_keeps_the_smallest_nucleus_reaching_p():
         probs = logits[row].softmax(-1)
         order = probs.argsort(descending=True)
         need = int((probs[order].cumsum(0) < top_p[row]).sum()) + 1
+        if top_p[row] == 1:
+            need = 40  # top_p=1 is off; a float32 cumsum can reach 1.0 before the last tokens
         kept = set(torch.isfinite(out[row]).nonzero().flatten().tolist())
         assert kept == set(order[:min(need, 40)].tolist())
 
