@@ -173,7 +173,7 @@ def prefill_fns(s, **cfg):
 
     def triton_call():
         return paged_prefill_attention(s["q"], s["k"], s["v"], s["cu"], s["lens"], s["tables"], scale,
-                                       s["queries"], work=work, **cfg)
+                                       work=work, **cfg)
 
     def torch_call():
         return torch_prefill_one(s["q"], s["k"], s["v"], s["tables"][0], s["context"], scale)
@@ -342,8 +342,8 @@ def sweep_prefill(block_size):
             cfg = dict(cfg)
             work = plan_on_device(q, cache[0, 0], cu, lens, num_splits=cfg.pop("num_splits", None),
                                   block_m=cfg.get("block_m"))
-            return lambda: [paged_prefill_attention(q, cache[0, i], cache[1, i], cu, lens, tables, scale, queries,
-                                                    work=work, **cfg) for i in range(layers)]
+            return lambda: [paged_prefill_attention(q, cache[0, i], cache[1, i], cu, lens, tables, scale, work=work,
+                                                    **cfg) for i in range(layers)]
 
         results = [(cfg, timed_graph(call(cfg), layers)) for cfg in configs]
         default_ms = timed_graph(call({}), layers)

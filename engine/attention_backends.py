@@ -2,6 +2,7 @@
 import importlib.util
 import os
 
+import torch
 import torch.nn.functional as F
 
 from engine.layers import paged_attention_torch as torch_ref
@@ -34,28 +35,39 @@ class TritonBackend:
     def __init__(self):
         from kernels.decode_attention import paged_decode_attention
         from kernels.kv_store import store_kv
-        from kernels.prefill_attention import paged_prefill_attention
+        from kernels import prefill_attention
         self.store_kv = store_kv
         self.decode = paged_decode_attention
-        self._prefill = paged_prefill_attention
+        self._prefill = prefill_attention.paged_prefill_attention
+        self._work = prefill_attention  # its work-list planner and format
 
     def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
         """Fixes the prefill kernel's tile and program count for this model, so the runner can plan
         each step's work list on the host."""
-        from kernels.prefill_attention import launch_shape
-        self._block_q, self._programs = launch_shape(dtype, head_dim, num_heads // kv_heads, device)
+        self._block_q, self._programs = self._work.launch_shape(dtype, head_dim, num_heads // kv_heads, device)
         self._kv_heads = kv_heads
 
     def plan_prefill(self, q_lens, context_lens, bucket_tokens):
         """(items, token_splits, max_splits) of a prefill step; bucket_tokens is the token count of
         the CUDA graph it replays in (or its own), which fixes the split cap."""
-        from kernels.prefill_attention import plan_work, split_cap
-        return plan_work(q_lens, context_lens, self._block_q, self._kv_heads, self._programs,
-                         cap=split_cap(bucket_tokens))
+        return self._work.plan_work(q_lens, context_lens, self._block_q, self._kv_heads, self._programs,
+                                    cap=self._work.split_cap(bucket_tokens))
+
+    def prefill_inputs(self, planned) -> list[tuple[str, list[int], torch.dtype]]:
+        """A planned work list as int32 step inputs, for the runner's one host->device copy."""
+        items, token_splits, _ = planned
+        return [("prefill_items", items, torch.int32),
+                ("prefill_count", [len(items) // self._work.ITEM_FIELDS], torch.int32),
+                ("token_splits", token_splits, torch.int32)]
+
+    def prefill_work(self, inputs: dict, planned):
+        """The kernel's PrefillWork over the step inputs that prefill_inputs added."""
+        return self._work.PrefillWork(inputs["prefill_items"].view(-1, self._work.ITEM_FIELDS),
+                                      inputs["prefill_count"], inputs["token_splits"], planned[2])
 
     def prefill(self, q, k_cache, v_cache, meta, scale):
         return self._prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                             scale, max_seqlen_q=meta.max_seqlen_q, work=meta.prefill_work)
+                             scale, work=meta.prefill_work)
 
 
 class FlashAttnBackend:

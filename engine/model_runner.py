@@ -190,9 +190,7 @@ class ModelRunner:
                   ("feed_rows", plan.feed_rows, torch.int64), ("feed_from", plan.feed_from, torch.int64),
                   ("context_lens", plan.context_lens, torch.int32), ("cu_seqlens_q", plan.cu_seqlens_q, torch.int32)]
         if prefill_work is not None:
-            items, token_splits, _ = prefill_work
-            fields += [("prefill_items", items, torch.int32), ("prefill_count", [len(items) // 4], torch.int32),
-                       ("token_splits", token_splits, torch.int32)]
+            fields += self.backend.prefill_inputs(prefill_work)
         raw, spans = bytearray(), []
         for name, values, dtype in fields:
             start = len(raw)
@@ -221,13 +219,8 @@ class ModelRunner:
             raw += zeros[4 * len(t):]
         return width
 
-    @staticmethod
-    def metadata(plan: StepPlan, inputs: dict[str, torch.Tensor], prefill_work=None) -> AttentionMetadata:
-        work = None
-        if prefill_work is not None:
-            from kernels.prefill_attention import ITEM_FIELDS, PrefillWork
-            work = PrefillWork(inputs["prefill_items"].view(-1, ITEM_FIELDS), inputs["prefill_count"],
-                               inputs["token_splits"], prefill_work[2])
+    def metadata(self, plan: StepPlan, inputs: dict[str, torch.Tensor], prefill_work=None) -> AttentionMetadata:
+        work = self.backend.prefill_work(inputs, prefill_work) if prefill_work is not None else None
         return AttentionMetadata(
             slot_mapping=inputs["slot_mapping"],
             context_lens=inputs["context_lens"],

@@ -67,18 +67,11 @@ def plan_work(q_lens: list[int], context_lens: list[int], block_q: int, kv_heads
             tiles.append((ctx - q_len + end, seq, t, first + t * block_q, end - t * block_q))
         first += q_len
     cap = cap or split_cap(first)
-    if num_splits is not None:
-        def splits_of(keys):
-            return num_splits
-    else:
-        share = max(kv_heads * sum(t[0] for t in tiles) / max(num_programs, 1), MIN_SPLIT_KEYS)
-
-        def splits_of(keys):
-            return max(1, min(cap, int(keys // share)))
-    tiles.sort(key=lambda t: -t[0] / splits_of(t[0]))
+    share = max(kv_heads * sum(t[0] for t in tiles) / max(num_programs, 1), MIN_SPLIT_KEYS)
+    tiles = [(num_splits or max(1, min(cap, int(t[0] // share))), *t) for t in tiles]
+    tiles.sort(key=lambda t: -t[1] / t[0])  # keys per unit
     items, token_splits, most = [], [0] * first, 1
-    for keys, seq, t, start, n in tiles:
-        splits = splits_of(keys)
+    for splits, keys, seq, t, start, n in tiles:
         most = max(most, splits)
         for split in range(splits):
             items += (seq, t, split, splits)
@@ -230,8 +223,8 @@ def plan_on_device(q, k_cache, cu_seqlens_q, context_lens, *, num_splits=None, b
                        torch.tensor(token_splits, dtype=torch.int32).to(q.device), most)
 
 
-def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                            max_seqlen_q=None, *, work: PrefillWork | None = None, num_splits=None,
+def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, *,
+                            work: PrefillWork | None = None, num_splits=None,
                             block_m=None, block_n=None, num_warps=None, num_stages=None):
     """q [tokens, heads, head_dim] (sequences packed by cu_seqlens_q) -> [tokens, heads, head_dim] in
     q's dtype. context_lens[i] >= q_len_i.
@@ -241,8 +234,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     hold). Without it the list is planned here from cu_seqlens_q and context_lens, which reads them
     on the host (a sync); num_splits then forces every tile's split count. block_m / block_n /
     num_warps / num_stages override the tuned launch config (tests and benchmarks; with work given,
-    block_m must match the one it was planned with). max_seqlen_q is accepted for the backends'
-    common signature and not needed."""
+    block_m must match the one it was planned with)."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert num_heads % kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -253,7 +245,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         return out
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
-    cfg_m, cfg_n, cfg_warps, cfg_stages, _ = _config(q.dtype, head_dim, q.is_cuda)
+    _, cfg_n, cfg_warps, cfg_stages, _ = _config(q.dtype, head_dim, q.is_cuda)
     block_q, programs = launch_shape(q.dtype, head_dim, group, q.device, block_m)
     if work is None:
         work = plan_on_device(q, k_cache, cu_seqlens_q, context_lens, num_splits=num_splits, block_m=block_m)

@@ -206,11 +206,9 @@ def test_prefill_attention(block_size, group, dtype, block_m, block_n, num_split
     cu = cu.to(DEVICE)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     scale = HEAD_DIM ** -0.5
-    max_q = int(q_lens.max()) if random.random() < 0.5 else None
     with poison():
         out = prefill_attention.paged_prefill_attention(q, k_cache, v_cache, cu, context_lens, tables, scale,
-                                                        max_q, num_splits=num_splits, block_m=block_m,
-                                                        block_n=block_n)
+                                                        num_splits=num_splits, block_m=block_m, block_n=block_n)
     expected = ref.paged_prefill_attention(q, k_cache, v_cache, cu, context_lens, tables, scale)
     assert_close(out, expected, dtype)
 
