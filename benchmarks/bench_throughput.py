@@ -14,7 +14,7 @@ def run_nvchat(args, prompts, max_tokens) -> dict:
     llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=args.tp,
               max_model_len=2048, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-              async_scheduling=args.overlap == "on" if args.tp == 1 else None)
+              async_scheduling=args.overlap == "on")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in max_tokens]
     torch.cuda.synchronize()
@@ -64,7 +64,7 @@ def main():
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--overlap", choices=["on", "off"], default="on",
-                   help="async_scheduling: the host's step work overlapped with the GPU (one rank only)")
+                   help="async_scheduling: the host's step work overlapped with the GPU")
     p.add_argument("--compare", choices=["hf"], default=None)
     p.add_argument("--hf-num-seqs", type=int, default=None, help="run HF on the first N sequences only")
     p.add_argument("--out", default="benchmarks/out/throughput.json")

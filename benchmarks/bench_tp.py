@@ -9,6 +9,7 @@ over NCCL (gloo on CPU); `--allreduce auto nccl` runs each size above 1 both way
 """
 import argparse
 import gc
+import itertools
 import json
 import os
 import random
@@ -67,13 +68,14 @@ def throughput(llm: LLM, num_seqs: int) -> dict:
             "prompt_tokens": sum(map(len, prompts)), "preemptions": llm.stats().num_preemptions}
 
 
-def run_one(args, tp: int, allreduce: str) -> dict:
+def run_one(args, tp: int, allreduce: str, overlap: str) -> dict:
     # Read when the engine sets up its group, here and in the workers it spawns.
     os.environ[DISABLE_ENV] = allreduce
     start = time.perf_counter()
     llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=tp,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
-    result = {"tp": tp, "allreduce": allreduce, "fast_all_reduce": getattr(llm.runner, "fast_all_reduce", False),
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+              async_scheduling=overlap == "on")
+    result = {"tp": tp, "allreduce": allreduce, "overlap": overlap, "fast_all_reduce": getattr(llm.runner, "fast_all_reduce", False),
               "startup_s": time.perf_counter() - start, "num_blocks": llm.stats().num_blocks}
     try:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
@@ -105,27 +107,31 @@ def main():
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--allreduce", nargs="+", default=["auto"], choices=["auto", "nccl"],
                    help="auto: symmetric memory for small all-reduces where it sets up; nccl: NCCL only")
+    p.add_argument("--overlap", nargs="+", default=["on"], choices=["on", "off"],
+                   help="async_scheduling: each step's host work overlapped with the GPUs (on), or not")
     args = p.parse_args()
 
     results = []
     for tp in args.tp:
-        for allreduce in args.allreduce if tp > 1 else args.allreduce[:1]:
-            results.append(run_one(args, tp, allreduce))
+        for allreduce, overlap in itertools.product(args.allreduce if tp > 1 else args.allreduce[:1], args.overlap):
+            results.append(run_one(args, tp, allreduce, overlap))
             # Each run as it finishes, so a run cut short by a time limit still reports what it did.
             print(json.dumps({k: v for k, v in results[-1].items() if k != "runs"}), flush=True)
             write_json(args.out, {"config": args.config, "results": results, "complete": False})
-    base = next((r for r in results if r["tp"] == 1), None)
+    # Each size against TP=1 with the same overlap setting.
+    bases = {r["overlap"]: r for r in results if r["tp"] == 1}
     rows = []
     for r in results:
         ms = r["decode"]["ms_per_token"]
+        base = bases.get(r["overlap"])
         path = "-" if r["tp"] == 1 else "symm+nccl" if r["fast_all_reduce"] else "nccl"
-        row = [r["tp"], path, f"{ms:.3f}", f"{ms / base['decode']['ms_per_token']:.2f}x" if base else "-"]
+        row = [r["tp"], path, r["overlap"], f"{ms:.3f}", f"{ms / base['decode']['ms_per_token']:.2f}x" if base else "-"]
         if "throughput" in r:
             t = r["throughput"]
             row += [f"{t['output_tokens']:,}", f"{t['seconds']:.1f}", f"{t['tok_per_s']:,.0f}",
                     f"{t['tok_per_s'] / base['throughput']['tok_per_s']:.2f}x" if base else "-"]
         rows.append(tuple(row + [r["num_blocks"], f"{r['startup_s']:.1f}"]))
-    header = ["tp", "all-reduce", f"decode ms/token ({args.context} ctx)", "of tp1"]
+    header = ["tp", "all-reduce", "overlap", f"decode ms/token ({args.context} ctx)", "of tp1"]
     if not args.skip_throughput:
         header += ["out tokens", "s", "tok/s", "vs tp1"]
     graphs = torch.cuda.is_available() and not args.enforce_eager

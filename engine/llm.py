@@ -4,11 +4,12 @@ streaming EngineThread drives.
 
 A step is scheduled, planned and launched on the device, then its sampled tokens are settled on
 the host: appended, committed to the prefix cache, detokenized and checked for a finish. With
-async_scheduling (the default on one rank), step() launches the next step before it settles the
+async_scheduling (the default), step() launches the next step before it settles the
 one in flight, so the GPU runs step N+1 while the host post-processes step N and then schedules and
 builds step N+2: the GPU no longer waits through the host's work. Each sequence sampled by the
 step in flight ends in a PENDING_TOKEN meanwhile; the next step's input for it is copied from that
-step's sampled tokens on the device, in stream order. A sequence that step N finishes has already
+step's sampled tokens on the device, in stream order (with tensor parallelism every rank holds
+them: rank 0 broadcasts what it samples). A sequence that step N finishes has already
 been given a row in step N+1: that row's token is dropped, and the blocks it wrote go back to the
 free list, where any later user of them is queued behind step N+1 on the same stream. The row
 writes the K/V of the sequence's last token, whose block is never a committed (cached) one: only
@@ -85,8 +86,7 @@ class LLM:
                  load_format="safetensors", prefill_cuda_graphs=None, async_scheduling=None, progress=None):
         """progress: optional callable taking one string, told each start-up stage (for a UI).
         async_scheduling: overlap each step's host work with the GPU (see the module docstring); on
-        by default with one rank; tensor parallelism runs steps synchronously. It can be turned off
-        (set the attribute) between steps."""
+        by default. It can be turned off (set the attribute) between steps."""
         self._progress = progress or (lambda message: None)
         self._progress("reading the model config")
         self.config = EngineConfig.create(
@@ -100,14 +100,12 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
-        if async_scheduling and self.config.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling needs tensor_parallel_size=1: tensor-parallel steps run synchronously")
         self.runner = self._make_runner()
         self.block_size = self.config.block_size
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.max_prefill_chunk)
-        self.async_scheduling = self.config.tensor_parallel_size == 1 if async_scheduling is None else async_scheduling
+        self.async_scheduling = True if async_scheduling is None else async_scheduling
         self._inflight: _Launched | None = None
         self._closed = False
         self.last_step_tokens = (0, 0)  # (prefill, decode) tokens run by the last step launched

@@ -257,14 +257,16 @@ class ModelRunner:
             if len(plan.sample_rows) < len(plan.input_ids):
                 hidden = hidden[inputs["sample_rows"]]
             logits = self.model.compute_logits(hidden)  # every rank: its vocabulary shard goes to rank 0
-            if self.rank != 0:
-                return None
-            self._sampled = self.sampler(logits, plan.sample_params, plan.sample_positions)
-        elif self.rank != 0:
-            return None
+            if self.rank == 0:
+                self._sampled = self.sampler(logits, plan.sample_params, plan.sample_positions)
+            else:
+                self._sampled = torch.empty(len(plan.sample_rows), dtype=torch.int64, device=self.device)
+            # Every rank keeps the tokens, so that any rank can feed the next step's pending inputs
+            # from its own device, as the overlapped step needs, without rank 0's host in between.
+            self.tp_group.broadcast_from_rank0(self._sampled)
         else:
             self._sampled = torch.empty(0, dtype=torch.int64, device=self.device)
-        return SampledTokens(self._sampled)
+        return SampledTokens(self._sampled) if self.rank == 0 else None
 
     def shutdown(self) -> None:
         """Frees the model, KV cache and graphs, so the memory is there for another engine even if

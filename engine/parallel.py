@@ -74,6 +74,20 @@ class TPGroup:
             raise CollectiveError(str(e)) from e
         return torch.cat(parts, dim=dim) if parts else None
 
+    def broadcast_from_rank0(self, x: torch.Tensor) -> torch.Tensor:
+        """Overwrites x on every other rank with rank 0's x, in place; returns x. On CUDA the
+        host does not wait: the copy is ordered on the current stream like a kernel."""
+        if self.size > 1:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            try:
+                self._pg().broadcast([x], opts).wait()
+            except CollectiveError:
+                raise
+            except RuntimeError as e:
+                raise CollectiveError(str(e)) from e
+        return x
+
     def min(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's value (each GPU may have room for a different KV cache)."""
         if self.size == 1:

@@ -200,6 +200,22 @@ class _Ranks:
         self.group = self.store = None
 
 
+class _GroupTokens:
+    """Rank 0's sampled tokens for a step queued on every rank. A worker that dies while the step
+    runs has its communicator aborted under it, which ends the step's kernels early with garbage in
+    them: those tokens must never reach a user, so tolist() raises the failure instead."""
+
+    def __init__(self, tokens, runner: "TensorParallelRunner"):
+        self._tokens, self._runner = tokens, runner
+
+    def tolist(self) -> list[int]:
+        values = self._tokens.tolist()
+        self._runner._check_usable()
+        if self._runner._ranks.aborted:
+            self._runner._fail(None)
+        return values
+
+
 class TensorParallelRunner:
     """ModelRunner's interface (num_blocks, execute) over tensor_parallel_size ranks, plus
     shutdown() and `broken`, which is True once a failure has ended the group."""
@@ -291,12 +307,13 @@ class TensorParallelRunner:
 
     # --- running calls on every rank -------------------------------------------------------------
 
-    def execute(self, plan: StepPlan) -> list[int]:
+    def execute(self, plan: StepPlan) -> "_GroupTokens":
         # No reply is awaited: the collectives inside keep the ranks in step, and a worker that
         # fails exits, which fails rank 0's next collective. That keeps a round trip off every step.
         # Workers don't sample, so the sampling params, the slowest part to unpickle, stay here.
-        return self._run("execute", (plan,), wants_reply=False,
-                         worker_args=(dataclasses.replace(plan, sample_params=[]),))
+        tokens = self._run("execute", (plan,), wants_reply=False,
+                           worker_args=(dataclasses.replace(plan, sample_params=[]),))
+        return _GroupTokens(tokens, self)
 
     def call(self, method: str, *args):
         """Runs ModelRunner.<method>(*args) on every rank, waits for all, returns rank 0's result."""

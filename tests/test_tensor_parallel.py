@@ -16,6 +16,7 @@ import pytest
 from engine import LLM, EngineThread, SamplingParams
 from engine.tp_group import WorkerError
 from tests.conftest import hf_greedy, random_prompts, save_tiny_hf_model
+from tests.test_async_scheduling import completions, run
 
 REPO = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -90,6 +91,33 @@ def test_tp_matches_one_rank_and_hf(tiny_qwen3, tp):
             outs = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
             assert llm.stats().num_free_blocks == llm.stats().num_blocks
     assert outs == one_rank == expected
+
+
+def test_overlapped_steps_match_one_synchronous_rank(tiny_qwen3):
+    """With the overlap (the default) a worker feeds each step's pending inputs from the tokens
+    rank 0 broadcast the step before. Seeded and greedy rows, prompts chunked beside decodes, and
+    preemption in a tight cache all give one synchronous rank's tokens."""
+    prompts = random_prompts([30, 22, 41, 12, 27, 35], seed=23)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + \
+             [SamplingParams(temperature=0.8, top_k=30, top_p=0.9, max_tokens=30, ignore_eos=True, seed=i)
+              for i in range(3)]
+    with LLM(tiny_qwen3, device="cpu", kvcache_block_size=4, async_scheduling=False) as one_rank:
+        expected = completions(run(one_rank, prompts, params)[0])
+    with leaves_nothing_behind():
+        with LLM(tiny_qwen3, device="cpu", kvcache_block_size=4, num_kvcache_blocks=40, max_prefill_chunk=13,
+                 tensor_parallel_size=2) as llm:
+            assert llm.async_scheduling
+            plans = []
+            execute = llm.runner.execute
+
+            def spy(plan):
+                plans.append(plan)
+                return execute(plan)
+            llm.runner.execute = spy
+            got = completions(run(llm, prompts, params)[0])
+            assert llm.stats().num_preemptions > 0
+    assert any(p.feed_rows for p in plans)
+    assert got == expected
 
 
 def test_two_engines_in_one_process(tiny_qwen3, tiny_qwen3_tied):
