@@ -1,5 +1,11 @@
-"""Loads safetensors checkpoints into the model through each parameter's weight_loader, so every
-tensor-parallel rank reads only its own slices. Pickled formats are never opened."""
+"""Loads safetensors checkpoints into the model through the weight_loader of the layer that owns
+each parameter, so every tensor-parallel rank reads only its own slices. Pickled formats are never
+opened.
+
+The loaders are looked up on the layers, not hung on the parameters: a parameter holding its
+layer's bound method would make a reference cycle of every layer, which only the garbage collector
+can free, and the engine freezes its objects out of the collector's reach (LLM.__init__), so the
+model's memory would outlive the engine."""
 from pathlib import Path
 
 from safetensors import safe_open
@@ -30,7 +36,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 param = params.get(target)
                 if param is None:
                     raise ModelError(f"{file.name} has weight {name!r}, which this model has no place for")
-                loader = getattr(param, "weight_loader", None)
+                loader = getattr(model.get_submodule(target.rpartition(".")[0]), "weight_loader", None)
                 try:
                     if loader is None:
                         default_weight_loader(param, f.get_slice(name))

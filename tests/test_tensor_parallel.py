@@ -3,12 +3,14 @@ several engines in one process, and no hang or leftover process whatever way a r
 
 The tiny checkpoints have 4 query heads and 2 KV heads, so TP=4 runs with KV heads replicated."""
 import contextlib
+import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -118,6 +120,21 @@ def test_overlapped_steps_match_one_synchronous_rank(tiny_qwen3):
             assert llm.stats().num_preemptions > 0
     assert any(p.feed_rows for p in plans)
     assert got == expected
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_engine_frees_its_model_when_it_ends(tiny_qwen3, tp):
+    """The engine freezes its objects out of the garbage collector, so anything of the model's
+    caught in a reference cycle would outlive it: on a GPU, a second engine then found no memory
+    left (bench_tp, 32B shape). Rank 0's weights must go by reference counting alone."""
+    llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=tp)
+    rank0 = llm.runner.runner if tp > 1 else llm.runner
+    weights = [weakref.ref(p) for p in rank0.model.parameters()]
+    llm.generate(random_prompts([9], seed=5), GREEDY)
+    llm.shutdown()
+    del llm, rank0
+    gc.collect()  # what bench_tp does between engines; frozen objects stay out of its reach
+    assert not [w for w in weights if w() is not None]
 
 
 def test_two_engines_in_one_process(tiny_qwen3, tiny_qwen3_tied):

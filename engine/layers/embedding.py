@@ -19,7 +19,6 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.tp_rank * self.shard_size
         self.end = min(self.start + self.shard_size, vocab_size)
         self.weight = nn.Parameter(torch.zeros(self.shard_size, dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         rows = shape_of(loaded)[0]

@@ -2,7 +2,8 @@
 
 Column-parallel layers split the output features (each rank computes its own heads or MLP
 columns); row-parallel layers split the input features and all-reduce the partial sums. Each
-parameter carries a weight_loader that copies only this rank's slice of the checkpoint tensor.
+layer has a weight_loader that copies only this rank's slice of a checkpoint tensor into one of
+its parameters.
 """
 import torch
 import torch.nn.functional as F
@@ -25,10 +26,8 @@ class _Linear(nn.Module):
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
