@@ -315,8 +315,8 @@ def chunk_cases():
     short turn after a cached prefix."""
     if SMOKE:
         return [("q8_after_64", 64, 8)]
-    return [("chunk_q120_ctx8192", 8192, 120), ("chunk_q120_ctx2048", 2048, 120),
-            ("q50_after_2048_cached", 2098, 50)]
+    return [("chunk_q64_ctx8192", 8192, 64), ("chunk_q32_ctx8192", 8192, 32), ("chunk_q120_ctx8192", 8192, 120),
+            ("chunk_q120_ctx2048", 2048, 120), ("q50_after_2048_cached", 2098, 50)]
 
 
 def sweep_prefill(block_size):
@@ -358,6 +358,37 @@ def sweep_prefill(block_size):
     return out
 
 
+def sweep_prefill_occupancy(block_size):
+    """Few queries over 8K keys with more programs than SMs and more splits than the default cap:
+    whether several programs per SM hide the latency of the paged K/V loads."""
+    out = []
+    tiles = [(128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (32, 64, 4, 2)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
+    layers = 4
+    scale = HEAD_DIM ** -0.5
+    for name, context, queries in [("chunk_q64_ctx8192", 8192, 64), ("chunk_q32_ctx8192", 8192, 32),
+                                   ("chunk_q120_ctx8192", 8192, 120)]:
+        cache, tables = paged_cache([context], block_size, layers)
+        q = torch.randn(queries, HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+        cu = torch.tensor([0, queries], dtype=torch.int32, device=DEVICE)
+        lens = torch.tensor([context], dtype=torch.int32, device=DEVICE)
+        results = []
+        for (m, n, w, st), per_sm, cap in itertools.product(tiles, (1, 2, 4), (16, 32, 64)):
+            work = plan_on_device(q, cache[0, 0], cu, lens, block_m=m, num_programs=sms * per_sm, cap=cap)
+            cfg = dict(block_m=m, block_n=n, num_warps=w, num_stages=st, num_programs=sms * per_sm)
+
+            def call(work=work, cfg=cfg):
+                return [paged_prefill_attention(q, cache[0, i], cache[1, i], cu, lens, tables, scale, work=work, **cfg)
+                        for i in range(layers)]
+            results.append((dict(cfg, cap=cap, splits=work.max_splits), timed_graph(call, layers)))
+        results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
+        print(f"\nsweep prefill occupancy {name} bs={block_size} (graph us/call, {layers} layers rotated):")
+        for cfg, ms in results[:10]:
+            print(f"  {us(ms)!s:>9}  {cfg}")
+        out.append(dict(case=name, results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
+    return out
+
+
 def timed_graph(fn, calls):
     try:
         return time_graph(fn, calls) if CUDA else time_eager(fn, calls)
@@ -384,6 +415,8 @@ def main():
     parser.add_argument("--out", default="benchmarks/out/kernels.json")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs")
     parser.add_argument("--sweep-budget", type=float, default=150, help="seconds the decode sweep may take, split evenly over its cases")
+    parser.add_argument("--sweep-occupancy-only", action="store_true",
+                        help="only the prefill occupancy sweep (programs per SM x split cap), then exit")
     parser.add_argument("--sweep-prefill-only", action="store_true",
                         help="only the prefill sweep (few queries over many keys), then exit")
     parser.add_argument("--block-sizes", default="16,256", help="KV cache block sizes for the attention cases")
@@ -404,6 +437,10 @@ def main():
     def save():
         out_path.write_text(json.dumps(result, indent=1))
 
+    if args.sweep_occupancy_only:
+        result["sweep_occupancy"] = sweep_prefill_occupancy(block_sizes[0])
+        save()
+        return
     if args.sweep_prefill_only:
         result["sweep_prefill"] = sweep_prefill(block_sizes[0])
         save()

@@ -5,6 +5,7 @@ into what the step costs and what delivering its tokens adds."""
 import argparse
 import random
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -61,8 +62,14 @@ def main():
     p.add_argument("--warm-tokens", type=int, default=64, help="tokens per stream before the long prompt")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="run prefill and mixed steps eagerly (decode steps still use graphs)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for the run, in seconds (the chat app sets 0.0005)")
+    p.add_argument("--full-chunk-context", type=int, default=None,
+                   help="the scheduler's full_chunk_context (chunks shrink past it while streams decode)")
     p.add_argument("--out", default="benchmarks/out/streaming.json")
     args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
 
     if args.config == "demo":
         from engine.demo_model import ensure_demo_model
@@ -72,6 +79,8 @@ def main():
     engine = EngineThread(model, device=args.device, max_model_len=args.long_prompt + 1024, max_num_seqs=64,
                           max_prefill_chunk=args.prefill_chunk, prefill_cuda_graphs=args.prefill_cuda_graphs,
                           **extra).start()
+    if args.full_chunk_context is not None:
+        engine.llm.scheduler.full_chunk_context = args.full_chunk_context
     steps = record_steps(engine.llm)
     gc_pauses = record_gc()
     vocab = engine.llm.config.hf_config.vocab_size
@@ -133,7 +142,9 @@ def main():
                           "ratio": ratio, "decode_step_ms": decode_steps, "mixed_step_ms": mixed_steps,
                           "steps": [(start - submitted, end - start, prefill, decode)
                                     for start, end, prefill, decode in steps],
-                          "gc_pauses": [(at - submitted, ms) for at, ms in gc_pauses], "prefill_chunk": args.prefill_chunk, "config": args.config,
+                          "gc_pauses": [(at - submitted, ms) for at, ms in gc_pauses], "prefill_chunk": args.prefill_chunk,
+                          "switch_interval_s": sys.getswitchinterval(),
+                          "full_chunk_context": engine.llm.scheduler.full_chunk_context, "config": args.config,
                           "median_before": statistics.median(before) if before else None})
 
 

@@ -1,5 +1,6 @@
 """Where an engine step's time goes: a torch.profiler trace of a few steps in three situations
-(batch-1 decode, full-batch decode, a prompt chunk mixed into 8 decoding streams, prefills), reduced to
+(batch-1 decode, full-batch decode, a prompt chunk mixed into 8 decoding streams early and late in
+a long prompt, prefills), reduced to
 wall time per step, GPU-busy time per step, kernels per step and the costliest kernels."""
 import argparse
 import random
@@ -24,13 +25,18 @@ def _busy_us(intervals) -> float:
     return busy
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def profile_steps(llm: LLM, steps: int) -> dict:
-    torch.cuda.synchronize()
+    sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             llm.step()
-        torch.cuda.synchronize()
+        sync()
         wall_us = (time.perf_counter() - start) * 1e6
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     by_name = defaultdict(lambda: [0, 0.0])
@@ -55,58 +61,88 @@ def report(title: str, r: dict) -> None:
         print(f"  {k['us_per_step']:8.1f} us/step  {k['per_step']:6.1f}x  {k['us_each']:7.2f} us each  {k['name']}")
 
 
+SCENARIOS = ["decode_b1_ctx512", "decode_b256_ctx600", "mixed_8_decode_plus_120_chunk", "mixed_8_streams_at_8k",
+             "cached_2048_plus_50_prefill"]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", default=str(CONFIGS / "qwen3-0.6b"))
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="run prefill and mixed steps eagerly (decode steps still use graphs)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rank 0's kernels are profiled)")
+    p.add_argument("--only", nargs="+", choices=SCENARIOS, default=SCENARIOS, help="scenarios to run")
     p.add_argument("--out", default="benchmarks/out/profile.json")
     args = p.parse_args()
     rng = random.Random(0)
-    llm = LLM(args.config, load_format="random", dtype="bfloat16", max_model_len=8192, max_num_seqs=256,
+    llm = LLM(args.config, load_format="random", dtype="bfloat16", max_model_len=9216, max_num_seqs=256,
               max_num_batched_tokens=16384, max_prefill_chunk=128, enforce_eager=args.enforce_eager,
-              prefill_cuda_graphs=args.prefill_cuda_graphs)
+              prefill_cuda_graphs=args.prefill_cuda_graphs, tensor_parallel_size=args.tp)
     vocab = llm.config.hf_config.vocab_size
 
     def prompt(n):
         return [rng.randrange(vocab) for _ in range(n)]
 
     decode_only = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    streaming = SamplingParams(temperature=0.8, max_tokens=4096, ignore_eos=True)
     results = {}
 
-    seq = llm.add_request(prompt(512), decode_only)
-    for _ in range(5):
+    def end(seqs):
+        for s in seqs:
+            llm.abort(s)
         llm.step()
-    results["decode_b1_ctx512"] = profile_steps(llm, 20)
-    llm.abort(seq)
-    llm.step()
+        llm.step()
 
-    seqs = [llm.add_request(prompt(600), decode_only) for _ in range(256)]
-    while any(s.num_completion_tokens == 0 for s in seqs):
-        llm.step()
-    llm.step()
-    results["decode_b256_ctx600"] = profile_steps(llm, 5)
-    for s in seqs:
-        llm.abort(s)
-    llm.step()
+    if "decode_b1_ctx512" in args.only:
+        seq = llm.add_request(prompt(512), decode_only)
+        for _ in range(5):
+            llm.step()
+        results["decode_b1_ctx512"] = profile_steps(llm, 20)
+        end([seq])
 
-    seqs = [llm.add_request(prompt(64), decode_only) for _ in range(8)]
-    for _ in range(4):
+    if "decode_b256_ctx600" in args.only:
+        seqs = [llm.add_request(prompt(600), decode_only) for _ in range(256)]
+        while any(s.num_completion_tokens == 0 for s in seqs):
+            llm.step()
         llm.step()
-    seqs.append(llm.add_request(prompt(4096), SamplingParams(max_tokens=1)))
-    results["mixed_8_decode_plus_120_chunk"] = profile_steps(llm, 4)
-    for s in seqs:
-        llm.abort(s)
-    llm.step()
+        results["decode_b256_ctx600"] = profile_steps(llm, 5)
+        end(seqs)
 
-    seq = llm.add_request(prompt(2048), SamplingParams(max_tokens=1))
-    while not seq.is_finished:
-        llm.step()
-    llm.add_request(seq.token_ids[:2048] + prompt(50), SamplingParams(max_tokens=1))
-    results["cached_2048_plus_50_prefill"] = profile_steps(llm, 1)
-    llm.add_request(prompt(2098), SamplingParams(max_tokens=1))
-    results["uncached_2098_prefill"] = profile_steps(llm, 1)
+    if "mixed_8_decode_plus_120_chunk" in args.only:
+        seqs = [llm.add_request(prompt(64), decode_only) for _ in range(8)]
+        for _ in range(4):
+            llm.step()
+        seqs.append(llm.add_request(prompt(4096), SamplingParams(max_tokens=1)))
+        results["mixed_8_decode_plus_120_chunk"] = profile_steps(llm, 4)
+        end(seqs)
+
+    if "mixed_8_streams_at_8k" in args.only:
+        # bench_streaming's situation near the end of its 8192-token prompt: 8 sampled streams
+        # and 64-token chunks (shrunk past 4K of context by the scheduler) over ~7.5K keys.
+        llm.scheduler.max_prefill_chunk = 64
+        seqs = [llm.add_request(prompt(64), streaming) for _ in range(8)]
+        for _ in range(4):
+            llm.step()
+        long = llm.add_request(prompt(8192), SamplingParams(max_tokens=1))
+        seqs.append(long)
+        while long.num_computed_tokens < 7500:
+            llm.step()
+        results["mixed_8_streams_at_8k"] = profile_steps(llm, 4)
+        while long.num_computed_tokens < 8192 - 64:
+            llm.step()
+        results["mixed_8_streams_last_chunks"] = profile_steps(llm, 3)
+        end(seqs)
+        llm.scheduler.max_prefill_chunk = 128
+
+    if "cached_2048_plus_50_prefill" in args.only:
+        seq = llm.add_request(prompt(2048), SamplingParams(max_tokens=1))
+        while not seq.is_finished:
+            llm.step()
+        llm.add_request(seq.token_ids[:2048] + prompt(50), SamplingParams(max_tokens=1))
+        results["cached_2048_plus_50_prefill"] = profile_steps(llm, 1)
+        llm.add_request(prompt(2098), SamplingParams(max_tokens=1))
+        results["uncached_2098_prefill"] = profile_steps(llm, 1)
     llm.shutdown()
     for title, r in results.items():
         report(title, r)

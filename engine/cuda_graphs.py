@@ -95,7 +95,8 @@ class StepGraphs:
 
     @torch.inference_mode()
     def run(self, bucket: int, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        """Copies a step's device tensors into the bucket's buffers, replays, returns [tokens, H]."""
+        """Copies a step's device tensors into the bucket's buffers, replays, returns [bucket, H]:
+        the step's tokens first, then the padding's (finite, unused) rows."""
         t, b = input_ids.shape[0], meta.context_lens.shape[0]
         s = self.seqs_in(bucket)
         self.input_ids[:t] = input_ids
@@ -117,4 +118,4 @@ class StepGraphs:
                 self.token_splits[:t] = work.token_splits
                 self.token_splits[t:bucket] = 0
         self.graphs[bucket].replay()
-        return self.hidden[:t]
+        return self.hidden[:bucket]

@@ -102,6 +102,9 @@ class ModelRunner:
         self._allocate_kv_cache(self.num_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(progress)
+        self._logits_ladder = None
+        if self.device.type == "cuda":
+            self._warm_logits(progress)
 
     # --- KV cache --------------------------------------------------------------------------------
 
@@ -177,16 +180,41 @@ class ModelRunner:
                                              max_seqs=min(c.max_num_seqs, _PREFILL_GRAPH_SEQS), **shared)
             self.prefill_graphs.capture(pool, progress)
 
+    def _warm_logits(self, progress) -> None:
+        """The logits GEMM runs outside the graphs, for as many rows as the step samples. cuBLAS
+        spends ~3.5 ms on the host the first time it meets a new row count (H200: 9 rows after 8),
+        which stalled every stream for one step each time a prompt's last chunk sampled beside
+        them. So logits are computed for a row count from a fixed ladder (the decode graphs'
+        sizes), each one met once here. Every rank runs this: the logits gather is a collective."""
+        from engine.cuda_graphs import decode_buckets
+        progress("warming up the logits")
+        self._logits_ladder = decode_buckets(min(self.config.max_num_seqs, 512))
+        hidden = torch.zeros(self._logits_ladder[-1], self.config.hf_config.hidden_size, dtype=self.config.dtype,
+                             device=self.device)
+        with torch.inference_mode():
+            for rows in self._logits_ladder:
+                self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
+
+    def logits_rows(self, rows: int) -> int:
+        """How many rows a step that samples `rows` computes logits for (see _warm_logits)."""
+        ladder = self._logits_ladder
+        if ladder is None or rows > ladder[-1]:
+            return rows
+        return next(r for r in ladder if r >= rows)
+
     # --- running a step --------------------------------------------------------------------------
 
-    def _step_inputs(self, plan: StepPlan, prefill_work=None) -> dict[str, torch.Tensor]:
+    def _step_inputs(self, plan: StepPlan, prefill_work=None, sample_rows=None) -> dict[str, torch.Tensor]:
         """The step's integer inputs on the device, as views of one buffer sent in one host->device
         copy: a copy per input costs a pinned allocation and a launch each, host time the GPU waits
         out. int64 for what indexes embeddings, RoPE and KV slots (a big cache has over 2**31 slot
         elements), int32 for what the attention kernels read. prefill_work: the backend's
-        (items, token_splits, max_splits) for a prefill step, or None."""
+        (items, token_splits, max_splits) for a prefill step, or None. sample_rows: the rows to take
+        logits of, plan.sample_rows by default."""
+        sample_rows = plan.sample_rows if sample_rows is None else sample_rows
         fields = [("input_ids", plan.input_ids, torch.int64), ("positions", plan.positions, torch.int64),
-                  ("slot_mapping", plan.slot_mapping, torch.int64), ("sample_rows", plan.sample_rows, torch.int64),
+                  ("slot_mapping", plan.slot_mapping, torch.int64), ("sample_rows", sample_rows, torch.int64),
                   ("feed_rows", plan.feed_rows, torch.int64), ("feed_from", plan.feed_from, torch.int64),
                   ("context_lens", plan.context_lens, torch.int32), ("cu_seqlens_q", plan.cu_seqlens_q, torch.int32)]
         if prefill_work is not None:
@@ -243,7 +271,10 @@ class ModelRunner:
             cu = plan.cu_seqlens_q
             work = self.backend.plan_prefill([b - a for a, b in zip(cu, cu[1:])], plan.context_lens,
                                              bucket or len(plan.input_ids))
-        inputs = self._step_inputs(plan, work)
+        rows = len(plan.sample_rows)
+        padded = self.logits_rows(rows) if rows else 0
+        # The padding rows repeat the last sampled row: their logits are computed and never read.
+        inputs = self._step_inputs(plan, work, plan.sample_rows + plan.sample_rows[-1:] * (padded - rows))
         if plan.feed_rows:
             inputs["input_ids"].index_copy_(0, inputs["feed_rows"],
                                             self._sampled.index_select(0, inputs["feed_from"]))
@@ -253,12 +284,13 @@ class ModelRunner:
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], meta)
         if plan.sample_rows:
-            # Rows are increasing, so as many rows as tokens means every row (a decode step): no gather.
-            if len(plan.sample_rows) < len(plan.input_ids):
+            # Rows are increasing, so as many rows as tokens means every row (a decode step): no
+            # gather where the hidden states hold the padded row count already (a graph's bucket).
+            if rows < len(plan.input_ids) or hidden.shape[0] != padded:
                 hidden = hidden[inputs["sample_rows"]]
             logits = self.model.compute_logits(hidden)  # every rank: its vocabulary shard goes to rank 0
             if self.rank == 0:
-                self._sampled = self.sampler(logits, plan.sample_params, plan.sample_positions)
+                self._sampled = self.sampler(logits[:rows], plan.sample_params, plan.sample_positions)
             else:
                 self._sampled = torch.empty(len(plan.sample_rows), dtype=torch.int64, device=self.device)
             # Every rank keeps the tokens, so that any rank can feed the next step's pending inputs

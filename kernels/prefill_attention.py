@@ -207,16 +207,18 @@ def _prefill_kernel(
                      o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def plan_on_device(q, k_cache, cu_seqlens_q, context_lens, *, num_splits=None, block_m=None) -> PrefillWork:
+def plan_on_device(q, k_cache, cu_seqlens_q, context_lens, *, num_splits=None, block_m=None, num_programs=None,
+                   cap=None) -> PrefillWork:
     """The work list of a paged_prefill_attention call with these inputs, planned from the device
     tensors (reading them is a sync: plan before capturing a graph). For callers without a step
-    plan on the host: tests and benchmarks."""
+    plan on the host: tests and benchmarks (num_programs and cap override the launch's program
+    count and the split cap, for sweeps)."""
     num_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
     block_q, programs = launch_shape(q.dtype, head_dim, num_heads // kv_heads, q.device, block_m)
     cu = cu_seqlens_q.tolist()
     items, token_splits, most = plan_work([b - a for a, b in zip(cu, cu[1:])], context_lens.tolist(), block_q,
-                                          kv_heads, programs, num_splits=num_splits)
+                                          kv_heads, num_programs or programs, cap=cap, num_splits=num_splits)
     token_splits += [0] * (q.shape[0] - len(token_splits))
     rows = torch.tensor(items or [0] * ITEM_FIELDS, dtype=torch.int32).view(-1, ITEM_FIELDS)
     return PrefillWork(rows.to(q.device), torch.tensor([len(items) // ITEM_FIELDS], dtype=torch.int32).to(q.device),
@@ -224,7 +226,7 @@ def plan_on_device(q, k_cache, cu_seqlens_q, context_lens, *, num_splits=None, b
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, *,
-                            work: PrefillWork | None = None, num_splits=None,
+                            work: PrefillWork | None = None, num_splits=None, num_programs=None,
                             block_m=None, block_n=None, num_warps=None, num_stages=None):
     """q [tokens, heads, head_dim] (sequences packed by cu_seqlens_q) -> [tokens, heads, head_dim] in
     q's dtype. context_lens[i] >= q_len_i.
@@ -233,8 +235,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     engine builds it from its step plan: no sync, and a CUDA graph replays whatever list its buffers
     hold). Without it the list is planned here from cu_seqlens_q and context_lens, which reads them
     on the host (a sync); num_splits then forces every tile's split count. block_m / block_n /
-    num_warps / num_stages override the tuned launch config (tests and benchmarks; with work given,
-    block_m must match the one it was planned with)."""
+    num_warps / num_stages / num_programs override the tuned launch config (tests and benchmarks;
+    with work given, block_m must match the one it was planned with)."""
     tokens, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert num_heads % kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -250,7 +252,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     if work is None:
         work = plan_on_device(q, k_cache, cu_seqlens_q, context_lens, num_splits=num_splits, block_m=block_m)
     # Eagerly the list is exact; in a graph its buffer is the bucket's bound and every program runs.
-    programs = min(programs, work.items.shape[0] * kv_heads)
+    programs = min(num_programs or programs, work.items.shape[0] * kv_heads)
     split = work.max_splits > 1
     if split:
         part_o = torch.empty((tokens, num_heads, work.max_splits, head_dim), dtype=torch.float32, device=q.device)

@@ -7,6 +7,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.sampler import _SEED_MIX, Sampler, filter_top_k_top_p
 from engine.step_plan import StepPlan, plan_step
+from tests.conftest import random_prompts
 
 
 def reference_sample(logits, params, positions, generator):
@@ -117,3 +118,36 @@ def test_bf16_engine_greedy_matches_float32_argmax_of_its_logits(tiny_qwen3):
         out = llm.generate([list(range(1, 30)), list(range(40, 47))],
                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [o["token_ids"] for o in out] == [[step[0] for step in seen], [step[1] for step in seen]]
+
+
+def test_logits_for_a_padded_row_count_give_the_same_tokens(tiny_qwen3):
+    """On CUDA the logits are taken for a row count from a warmed ladder (ModelRunner.logits_rows):
+    decode steps of 3 rows compute 4, a chunk beside decodes gathers its sampled rows padded with
+    repeats. Padding rows must never reach the sampler."""
+    prompts = random_prompts([30, 5, 17, 9, 41], seed=31)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 3)] + \
+             [SamplingParams(temperature=0.9, top_k=20, max_tokens=n, ignore_eos=True, seed=n) for n in (7, 9, 5)]
+    ladder = [1, 2, 4, 8, 16]
+    outs = []
+    for padded in (False, True):
+        with LLM(tiny_qwen3, device="cpu", max_prefill_chunk=16, max_num_batched_tokens=32) as llm:
+            llm.runner._logits_ladder = ladder if padded else None
+            model, logits_rows, sampled_rows = llm.runner.model, [], []
+            compute_logits, sampler = model.compute_logits, llm.runner.sampler
+
+            def logits_spy(hidden):
+                logits_rows.append(hidden.shape[0])
+                return compute_logits(hidden)
+
+            def sampler_spy(logits, params, positions):
+                sampled_rows.append(logits.shape[0])
+                return sampler(logits, params, positions)
+            model.compute_logits, llm.runner.sampler = logits_spy, sampler_spy
+            outs.append([o["token_ids"] for o in llm.generate(prompts, params)])
+        if padded:
+            assert set(logits_rows) <= set(ladder)
+            assert [llm.runner.logits_rows(n) for n in sampled_rows] == logits_rows
+            assert any(n not in ladder for n in sampled_rows)  # some steps really were padded
+        else:
+            assert logits_rows == sampled_rows
+    assert outs[0] == outs[1]

@@ -40,6 +40,7 @@ def test_chunks_shrink_as_the_context_before_them_grows(tiny_qwen3):
     chunk = 32
     with LLM(tiny_qwen3, device="cpu", kvcache_block_size=8, max_prefill_chunk=chunk) as llm:
         llm.scheduler.full_chunk_context = 64
+        llm.scheduler.min_chunk = 16
         streams = [llm.add_request(p, DECODE) for p in random_prompts([5, 6], seed=7)]
         while any(s.num_completion_tokens == 0 for s in streams):
             llm.step()
