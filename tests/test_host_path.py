@@ -1,4 +1,5 @@
 """The per-step host path: packed step inputs, the sampler's shortcuts, and plan_step's flags."""
+import random
 from array import array
 
 import pytest
@@ -117,3 +118,21 @@ def test_bf16_engine_greedy_matches_float32_argmax_of_its_logits(tiny_qwen3):
         out = llm.generate([list(range(1, 30)), list(range(40, 47))],
                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [o["token_ids"] for o in out] == [[step[0] for step in seen], [step[1] for step in seen]]
+
+
+def test_text_decoder_matches_tokenizer_decode(demo_model_path):
+    """The detokenizer's direct backend decode gives tokenizer.decode's text: special and added
+    tokens, broken UTF-8, empty input; with clean-up on it is tokenizer.decode itself."""
+    from transformers import AutoTokenizer
+
+    from engine.detokenizer import text_decoder
+    tok = AutoTokenizer.from_pretrained(demo_model_path)
+    decode = text_decoder(tok)
+    assert decode.func.__self__ is tok.backend_tokenizer  # the fast path, not a wrapper
+    rng = random.Random(0)
+    cases = [[], [len(tok) - 1], tok.encode("naïve 🎉 <|im_end|> <think> x"), tok.encode("🎉")[:2]]
+    cases += [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))] for _ in range(300)]
+    for ids in cases:
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True), ids
+    tok.clean_up_tokenization_spaces = True
+    assert text_decoder(tok).func == tok.decode
