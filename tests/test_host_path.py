@@ -66,6 +66,27 @@ def test_sampled_rows_match_the_float32_reference(dtype):
         assert got == want
 
 
+def test_sampler_reuses_row_settings_only_while_they_hold():
+    """The sampler keeps the last batch's settings on the device: every change of rows, values
+    (a SamplingParams changed in place included) or vocabulary must still sample as the reference."""
+    sampler = Sampler(torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    shared = SamplingParams(temperature=0.8, top_k=20, top_p=0.95)
+    batches = [[shared] * 4, [shared] * 4, [shared] * 3, [shared, SamplingParams(temperature=0)] * 2,
+               [SamplingParams(temperature=1.1, top_p=0.5)] * 4, [shared] * 4, "mutate", [shared] * 4]
+    for vocab, batch in [(300, b) for b in batches] + [(150, [shared] * 4), (300, [shared] * 4)]:
+        if batch == "mutate":
+            shared.top_k, shared.temperature = 3, 1.5
+            continue
+        for _ in range(3):
+            logits = torch.randn(len(batch), vocab, generator=g) * 3
+            positions = list(range(len(batch)))
+            torch.manual_seed(7)
+            got = sampler(logits, batch, positions).tolist()
+            torch.manual_seed(7)
+            assert got == reference_sample(logits, batch, positions, torch.Generator()), (batch, vocab)
+
+
 def test_packed_inputs_match_the_plan(tiny_qwen3):
     with LLM(tiny_qwen3, device="cpu", max_model_len=256, num_kvcache_blocks=64, kvcache_block_size=16) as llm:
         runner = llm.runner
