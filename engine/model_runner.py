@@ -185,27 +185,33 @@ class ModelRunner:
         out. int64 for what indexes embeddings, RoPE and KV slots (a big cache has over 2**31 slot
         elements), int32 for what the attention kernels read. prefill_work: the backend's
         (items, token_splits, max_splits) for a prefill step, or None."""
-        fields = [("input_ids", plan.input_ids, torch.int64), ("positions", plan.positions, torch.int64),
-                  ("slot_mapping", plan.slot_mapping, torch.int64), ("sample_rows", plan.sample_rows, torch.int64),
-                  ("feed_rows", plan.feed_rows, torch.int64), ("feed_from", plan.feed_from, torch.int64),
-                  ("context_lens", plan.context_lens, torch.int32), ("cu_seqlens_q", plan.cu_seqlens_q, torch.int32)]
+        longs = [("input_ids", plan.input_ids), ("positions", plan.positions), ("slot_mapping", plan.slot_mapping),
+                 ("sample_rows", plan.sample_rows), ("feed_rows", plan.feed_rows), ("feed_from", plan.feed_from)]
+        ints = [("context_lens", plan.context_lens), ("cu_seqlens_q", plan.cu_seqlens_q)]
         if prefill_work is not None:
-            fields += self.backend.prefill_inputs(prefill_work)
-        raw, spans = bytearray(), []
-        for name, values, dtype in fields:
-            start = len(raw)
-            raw += array("q" if dtype == torch.int64 else "i", values)
-            spans.append((name, start, len(raw), dtype))
-            # Each input starts 16-byte aligned, as its own allocation would: Triton specializes
-            # kernels on pointer alignment, and a step must not need a new compile.
-            raw += bytes(-len(raw) % 16)
+            for name, values, dtype in self.backend.prefill_inputs(prefill_work):
+                (longs if dtype == torch.int64 else ints).append((name, values))
+        # The int64 inputs first, then the int32 ones: each group is one typed view of the buffer,
+        # and each input a slice of it (a byte slice viewed as its type costs two torch calls).
+        raw, spans = bytearray(), ([], [])
+        for fields, code, group in ((longs, "q", spans[0]), (ints, "i", spans[1])):
+            for name, values in fields:
+                start = len(raw)
+                raw += array(code, values)
+                group.append((name, start, len(raw)))
+                # Each input starts 16-byte aligned, as its own allocation would: Triton
+                # specializes kernels on pointer alignment, and a step must not need a new compile.
+                raw += bytes(-len(raw) % 16)
+        ints_at = spans[1][0][1]
         tables_at = len(raw)
         width = self._block_tables(plan.block_tables, raw)
         buf = torch.frombuffer(raw, dtype=torch.uint8)
         if self.device.type == "cuda":
             buf = buf.pin_memory().to(self.device, non_blocking=True)
-        out = {name: buf[start:end].view(dtype) for name, start, end, dtype in spans}
-        out["block_tables"] = buf[tables_at:].view(torch.int32).view(len(plan.block_tables), width)
+        as_long, as_int = buf[:ints_at].view(torch.int64), buf.view(torch.int32)
+        out = {name: as_long[start // 8:end // 8] for name, start, end in spans[0]}
+        out.update((name, as_int[start // 4:end // 4]) for name, start, end in spans[1])
+        out["block_tables"] = as_int[tables_at // 4:].view(len(plan.block_tables), width)
         return out
 
     @staticmethod
