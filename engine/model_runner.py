@@ -237,6 +237,17 @@ class ModelRunner:
             prefill_work=work,
         )
 
+    def _feed(self, plan: StepPlan, inputs: dict[str, torch.Tensor]) -> None:
+        """Copies the plan's pending input ids in from the tokens the step before sampled."""
+        n = len(plan.input_ids)
+        # feed_rows increase, so n of them are every row: with feed_from the same rows, a decode
+        # batch that kept its order, one copy does what a gather and a scatter would.
+        if len(plan.feed_rows) == n and plan.feed_from == plan.feed_rows:
+            sampled = self._sampled
+            inputs["input_ids"].copy_(sampled if len(sampled) == n else sampled[:n])
+        else:
+            inputs["input_ids"].index_copy_(0, inputs["feed_rows"], self._sampled.index_select(0, inputs["feed_from"]))
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> SampledTokens | None:
         """Queues one step on the device and returns without waiting for it: rank 0 returns the
@@ -251,8 +262,7 @@ class ModelRunner:
                                              bucket or len(plan.input_ids))
         inputs = self._step_inputs(plan, work)
         if plan.feed_rows:
-            inputs["input_ids"].index_copy_(0, inputs["feed_rows"],
-                                            self._sampled.index_select(0, inputs["feed_from"]))
+            self._feed(plan, inputs)
         meta = self.metadata(plan, inputs, work)
         if bucket is not None:
             hidden = graphs.run(bucket, inputs["input_ids"], inputs["positions"], meta)
