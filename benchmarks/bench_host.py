@@ -33,10 +33,13 @@ take their tokens, with the overlap on. Its extra phases:
   host       step wall - wait + serve
   engine     host - launch: the Python the engine thread runs per step, less queuing the model
              (a graph replay on a GPU; on CPU the forward, stubbed to the embedding by default)
+  wall       the engine loop's wall time per step (host + wait + whatever held the GIL meanwhile)
   readers    CPU time of the reader threads per step (they run under the same GIL)
 
 --readers pump (the app's way: one thread drains every stream 20 times a second) or iter (a
-thread per stream blocking in iteration, woken by every token).
+thread per stream blocking in iteration, woken by every token). --ui-busy 0.25 adds a thread
+running Python a quarter of the time, as the app's UI thread does: its effect on "wall" beyond
+that quarter is what the engine loses to GIL hand-overs (every torch call releases the GIL).
 Medians over many steps; "step wall" is an uninstrumented llm.step() loop. By default the demo
 model (tiny, ~260-token vocabulary), so the figures are host cost; --config runs a real shape
 with random weights (for a GPU). On CPU the attention math is stubbed out (--real-attention keeps
@@ -65,7 +68,7 @@ from engine.detokenizer import IncrementalDetokenizer
 
 PHASES = ("schedule", "plan", "inputs", "launch", "sample", "wait", "post", "host")
 STREAM_PHASES = ("schedule", "plan", "inputs", "launch", "sample", "wait", "detok", "post", "push", "serve",
-                 "host", "engine", "readers")
+                 "host", "engine", "wall", "readers")
 
 
 class NoAttention:
@@ -270,10 +273,34 @@ class StreamReaders:
             t.join()
 
 
+class UiLoad:
+    """A thread standing in for the app's UI: pure Python for `busy` of every 50 ms, competing
+    with the engine thread for the GIL as Textual's rendering does."""
+
+    PERIOD_S = 0.05
+
+    def __init__(self, busy: float):
+        self.busy, self.stopped = busy, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stopped.is_set():
+            start = time.perf_counter()
+            while time.perf_counter() - start < self.busy * self.PERIOD_S:
+                "".join(str(i) for i in range(50))
+            self.stopped.wait(max(0.0, self.PERIOD_S - (time.perf_counter() - start)))
+
+    def stop(self):
+        self.stopped.set()
+        self.thread.join()
+
+
 def run_stream_scenario(llm: LLM, batch: int, context: int, steps: int, params: SamplingParams,
-                        readers: str) -> dict:
+                        readers: str, ui_busy: float = 0.0) -> dict:
     """Median host microseconds per phase over `steps` pure-decode steps of the EngineThread
-    serving `batch` streamed requests."""
+    serving `batch` streamed requests; the loop's wall time per step too ("wall": what a UI thread
+    busy for ui_busy of the time adds to it is the GIL's cost)."""
     rng = random.Random(batch)
     vocab = llm.config.hf_config.vocab_size
     timer, between = PhaseTimer(), PhaseTimer()  # inside llm.step; in the engine loop between steps
@@ -303,6 +330,7 @@ def run_stream_scenario(llm: LLM, batch: int, context: int, steps: int, params: 
         reading = StreamReaders(streams, readers)
         while any(not s.token_ids for s in streams):
             time.sleep(0.01)
+        ui = UiLoad(ui_busy) if ui_busy else None
         time.sleep(0.05)
         recording.set()
         reading.counting.set()
@@ -310,6 +338,8 @@ def run_stream_scenario(llm: LLM, batch: int, context: int, steps: int, params: 
             time.sleep(0.01)
         reading.counting.clear()
         recording.clear()
+        if ui is not None:
+            ui.stop()
         counted = len(records) - 1
         for s in streams:
             s.abort()
@@ -330,6 +360,7 @@ def run_stream_scenario(llm: LLM, batch: int, context: int, steps: int, params: 
         s = defaultdict(float, s, push=pushed)
         total = end - start
         s["serve"] = next_start - end
+        s["wall"] = next_start - start
         s["inputs"] = s["execute"] - s["launch"] - s["sample"]
         s["post"] = total - s["schedule"] - s["plan"] - s["execute"] - s["wait"] - s["detok"]
         s["host"] = total - s["wait"] + s["serve"]
@@ -338,6 +369,7 @@ def run_stream_scenario(llm: LLM, batch: int, context: int, steps: int, params: 
             samples[name].append(s[name] * 1e6)
     result = {name: statistics.median(v) for name, v in samples.items()}
     result["mean_engine"] = statistics.fmean(samples["engine"])
+    result["mean_wall"] = statistics.fmean(samples["wall"])  # 1 / the steps' rate
     result["readers"] = reading.cpu_s / counted * 1e6
     result["steps"] = decode_steps
     return result
@@ -360,20 +392,21 @@ def stream_main(args, llm: LLM) -> dict:
         for _ in range(args.repeats):
             for batch in args.batches:
                 results[f"stream_b{batch}"].append(run_stream_scenario(
-                    llm, batch, args.context, args.steps_stream, params, args.readers))
+                    llm, batch, args.context, args.steps_stream, params, args.readers, args.ui_busy))
     finally:
         sys.setswitchinterval(old_interval)
         vars(model).pop("forward", None)
-    header = ("scenario", *(f"{p} us" for p in STREAM_PHASES), "engine mean")
+    columns = (*STREAM_PHASES, "mean_engine", "mean_wall")
+    header = ("scenario", *(f"{p} us" for p in STREAM_PHASES), "engine mean", "wall mean")
     rows = []
     for name, runs in results.items():
         for i, r in enumerate(runs):
-            rows.append((f"{name} #{i + 1}", *(f"{r[p]:.1f}" for p in STREAM_PHASES), f"{r['mean_engine']:.1f}"))
+            rows.append((f"{name} #{i + 1}", *(f"{r[c]:.1f}" for c in columns)))
         if len(runs) > 1:
-            rows.append((f"{name} median", *(f"{statistics.median(r[p] for r in runs):.1f}" for p in STREAM_PHASES),
-                         f"{statistics.median(r['mean_engine'] for r in runs):.1f}"))
+            rows.append((f"{name} median", *(f"{statistics.median(r[c] for r in runs):.1f}" for c in columns)))
     print(f"device {llm.runner.device}, streaming through EngineThread, readers={args.readers}, "
-          f"t={args.temperature} top_k={args.top_k} top_p={args.top_p}: medians over {args.steps_stream} steps")
+          f"t={args.temperature} top_k={args.top_k} top_p={args.top_p}, ui busy {args.ui_busy:.0%}: "
+          f"medians over {args.steps_stream} steps")
     print_table(rows, header)
     return {name: runs for name, runs in results.items()}
 
@@ -399,6 +432,7 @@ def main():
     p.add_argument("--top-k", type=int, default=20, help="--stream: top-k (the app's default)")
     p.add_argument("--top-p", type=float, default=0.95, help="--stream: top-p (the app's default)")
     p.add_argument("--switch-interval", type=float, default=0.0005, help="--stream: GIL switch interval (the app's)")
+    p.add_argument("--ui-busy", type=float, default=0.0, help="--stream: share of the time a UI-like thread runs Python")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
     args = p.parse_args()
     if args.device == "cpu":
