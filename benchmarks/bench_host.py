@@ -22,6 +22,12 @@ inputs; with it, near zero while the host keeps up.
 Scenarios: decode at batch 1 and batch 256 (context ~600, block size 16), greedy, and batch 256
 sampled at temperature 0.6 (what bench_throughput runs), each with the overlap on and off.
 
+Medians over many steps; "step wall" is an uninstrumented llm.step() loop. By default the demo
+model (tiny, ~260-token vocabulary), so the figures are host cost; --config runs a real shape
+with random weights (for a GPU). On CPU the attention math is stubbed out (--real-attention keeps
+it): the torch backend loops over sequences and would take seconds per batch-256 step, and none
+of that is host overhead of the engine.
+
 --stream measures the chat app's path instead: the real EngineThread serving --batches streamed
 requests (detokenized, sampled at --temperature with the app's top-k/top-p) while reader threads
 take their tokens, with the overlap on. Its extra phases:
@@ -31,23 +37,22 @@ take their tokens, with the overlap on. Its extra phases:
              step stats, snapshots, the inbox
   push       RequestStream._push, inside serve
   host       step wall - wait + serve
-  engine     host - launch: the Python the engine thread runs per step, less queuing the model
-             (a graph replay on a GPU; on CPU the forward, stubbed to the embedding by default)
+  engine     host - launch: the engine thread's time per step besides queuing the model (a
+             graph replay on a GPU; on CPU the forward, stubbed to the embedding by default). On
+             CPU, sample includes the sampling math itself (a sort of the logits, the noise):
+             on a GPU those are kernel launches
   wall       the engine loop's wall time per step (host + wait + whatever held the GIL meanwhile)
   readers    CPU time of the reader threads per step (they run under the same GIL)
 
 --readers pump (the app's way: one thread drains every stream 20 times a second) or iter (a
 thread per stream blocking in iteration, woken by every token). --ui-busy 0.25 adds a thread
-running Python a quarter of the time, as the app's UI thread does: its effect on "wall" beyond
-that quarter is what the engine loses to GIL hand-overs (every torch call releases the GIL).
-Medians over many steps; "step wall" is an uninstrumented llm.step() loop. By default the demo
-model (tiny, ~260-token vocabulary), so the figures are host cost; --config runs a real shape
-with random weights (for a GPU). On CPU the attention math is stubbed out (--real-attention keeps
-it): the torch backend loops over sequences and would take seconds per batch-256 step, and none
-of that is host overhead of the engine.
+running Python a quarter of the time, as the app's UI thread does; "wall mean" with and without
+it shows what the engine loses to the GIL (torch calls release it while they run, and a busy UI
+thread can take it then for up to the switch interval). Medians of the steps counted, except
+the "mean" columns.
 
   python -m benchmarks.bench_host [--device cuda] [--config benchmarks/configs/qwen3-0.6b] [--overlap on|off]
-  python -m benchmarks.bench_host --stream [--batches 1 8 16] [--readers pump|iter] [--repeats 3]
+  python -m benchmarks.bench_host --stream [--batches 1 8 16] [--readers pump|iter] [--repeats 3] [--ui-busy 0.25]
 """
 import argparse
 import random
