@@ -99,14 +99,18 @@ class StepGraphs:
         the step's tokens first, then the padding's (finite, unused) rows."""
         t, b = input_ids.shape[0], meta.context_lens.shape[0]
         s = self.seqs_in(bucket)
+        # A decode step that fills its bucket (8 chat streams in the 8 bucket) has no padding:
+        # skip writing it, two torch calls the host would pay for every step.
         self.input_ids[:t] = input_ids
         self.positions[:t] = positions
         self.slot_mapping[:t] = meta.slot_mapping
-        self.slot_mapping[t:bucket] = -1
+        if t < bucket:
+            self.slot_mapping[t:bucket] = -1
         self.context_lens[:b] = meta.context_lens
         self.block_tables[:b, :meta.block_tables.shape[1]] = meta.block_tables
         if self.decode:
-            self.context_lens[b:s] = 1
+            if b < s:
+                self.context_lens[b:s] = 1
         else:
             self.context_lens[b:s] = 0
             self.cu_seqlens_q[:b + 1] = meta.cu_seqlens_q

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, text_decoder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence
@@ -99,6 +99,7 @@ class LLM:
         self._progress("loading the tokenizer")
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()
+        self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
         self.runner = self._make_runner()
         self.block_size = self.config.block_size
@@ -174,7 +175,8 @@ class LLM:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         seq = Sequence(self.encode(prompt), params, self.block_size, self.config.max_model_len)
         if (stream or params.stop) and self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._tokenizer_lock)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._tokenizer_lock,
+                                                     self._decode_text)
         return seq
 
     def enqueue(self, seq: Sequence) -> None:

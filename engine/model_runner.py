@@ -213,27 +213,33 @@ class ModelRunner:
         (items, token_splits, max_splits) for a prefill step, or None. sample_rows: the rows to take
         logits of, plan.sample_rows by default."""
         sample_rows = plan.sample_rows if sample_rows is None else sample_rows
-        fields = [("input_ids", plan.input_ids, torch.int64), ("positions", plan.positions, torch.int64),
-                  ("slot_mapping", plan.slot_mapping, torch.int64), ("sample_rows", sample_rows, torch.int64),
-                  ("feed_rows", plan.feed_rows, torch.int64), ("feed_from", plan.feed_from, torch.int64),
-                  ("context_lens", plan.context_lens, torch.int32), ("cu_seqlens_q", plan.cu_seqlens_q, torch.int32)]
+        longs = [("input_ids", plan.input_ids), ("positions", plan.positions), ("slot_mapping", plan.slot_mapping),
+                 ("sample_rows", sample_rows), ("feed_rows", plan.feed_rows), ("feed_from", plan.feed_from)]
+        ints = [("context_lens", plan.context_lens), ("cu_seqlens_q", plan.cu_seqlens_q)]
         if prefill_work is not None:
-            fields += self.backend.prefill_inputs(prefill_work)
-        raw, spans = bytearray(), []
-        for name, values, dtype in fields:
-            start = len(raw)
-            raw += array("q" if dtype == torch.int64 else "i", values)
-            spans.append((name, start, len(raw), dtype))
-            # Each input starts 16-byte aligned, as its own allocation would: Triton specializes
-            # kernels on pointer alignment, and a step must not need a new compile.
-            raw += bytes(-len(raw) % 16)
+            for name, values, dtype in self.backend.prefill_inputs(prefill_work):
+                (longs if dtype == torch.int64 else ints).append((name, values))
+        # The int64 inputs first, then the int32 ones: each group is one typed view of the buffer,
+        # and each input a slice of it (a byte slice viewed as its type costs two torch calls).
+        raw, spans = bytearray(), ([], [])
+        for fields, code, group in ((longs, "q", spans[0]), (ints, "i", spans[1])):
+            for name, values in fields:
+                start = len(raw)
+                raw += array(code, values)
+                group.append((name, start, len(raw)))
+                # Each input starts 16-byte aligned, as its own allocation would: Triton
+                # specializes kernels on pointer alignment, and a step must not need a new compile.
+                raw += bytes(-len(raw) % 16)
+        ints_at = spans[1][0][1]
         tables_at = len(raw)
         width = self._block_tables(plan.block_tables, raw)
         buf = torch.frombuffer(raw, dtype=torch.uint8)
         if self.device.type == "cuda":
             buf = buf.pin_memory().to(self.device, non_blocking=True)
-        out = {name: buf[start:end].view(dtype) for name, start, end, dtype in spans}
-        out["block_tables"] = buf[tables_at:].view(torch.int32).view(len(plan.block_tables), width)
+        as_long, as_int = buf[:ints_at].view(torch.int64), buf.view(torch.int32)
+        out = {name: as_long[start // 8:end // 8] for name, start, end in spans[0]}
+        out.update((name, as_int[start // 4:end // 4]) for name, start, end in spans[1])
+        out["block_tables"] = as_int[tables_at // 4:].view(len(plan.block_tables), width)
         return out
 
     @staticmethod
@@ -259,6 +265,17 @@ class ModelRunner:
             prefill_work=work,
         )
 
+    def _feed(self, plan: StepPlan, inputs: dict[str, torch.Tensor]) -> None:
+        """Copies the plan's pending input ids in from the tokens the step before sampled."""
+        n = len(plan.input_ids)
+        # feed_rows increase, so n of them are every row: with feed_from the same rows, a decode
+        # batch that kept its order, one copy does what a gather and a scatter would.
+        if len(plan.feed_rows) == n and plan.feed_from == plan.feed_rows:
+            sampled = self._sampled
+            inputs["input_ids"].copy_(sampled if len(sampled) == n else sampled[:n])
+        else:
+            inputs["input_ids"].index_copy_(0, inputs["feed_rows"], self._sampled.index_select(0, inputs["feed_from"]))
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> SampledTokens | None:
         """Queues one step on the device and returns without waiting for it: rank 0 returns the
@@ -276,8 +293,7 @@ class ModelRunner:
         # The padding rows repeat the last sampled row: their logits are computed and never read.
         inputs = self._step_inputs(plan, work, plan.sample_rows + plan.sample_rows[-1:] * (padded - rows))
         if plan.feed_rows:
-            inputs["input_ids"].index_copy_(0, inputs["feed_rows"],
-                                            self._sampled.index_select(0, inputs["feed_from"]))
+            self._feed(plan, inputs)
         meta = self.metadata(plan, inputs, work)
         if bucket is not None:
             hidden = graphs.run(bucket, inputs["input_ids"], inputs["positions"], meta)

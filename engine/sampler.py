@@ -7,15 +7,23 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the genera
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Sets logits outside each row's top-k and top-p nucleus to -inf. top_k=0 and top_p=1 keep all."""
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)
+    return _filter_sorted(logits, _beyond_top_k(top_k, logits.shape[-1]), top_p[:, None])
+
+
+def _beyond_top_k(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool: True at the sorted ranks past each row's top_k."""
+    rank = torch.arange(vocab, device=top_k.device)
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    drop = rank[None, :] >= k[:, None]
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    return rank[None, :] >= k[:, None]
+
+
+def _filter_sorted(logits: torch.Tensor, beyond_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """filter_top_k_top_p given _beyond_top_k's mask and top_p as a [rows, 1] column."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.masked_fill(beyond_k, float("-inf")).softmax(-1)
     # Keep a token when the mass before it is still under top_p; the most likely token always stays.
     mass_before = probs.cumsum(-1) - probs
-    drop |= mass_before >= top_p[:, None]
+    drop = beyond_k | (mass_before >= top_p)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
@@ -32,12 +40,33 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self.generator = torch.Generator(device=device)
+        # The device tensors of the last batch's per-row settings, and the settings they hold.
+        # Streams keep their settings from one step to the next, and building these tensors (on a
+        # GPU a pinned buffer and a copy each) was most of the sampler's host time at chat sizes.
+        self._rows_key = None
+        self._rows = None
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         # Pinned and non-blocking: a plain copy to the GPU would wait for the forward pass to end
         # before the host could queue the rest of sampling.
         host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)
+
+    def _row_settings(self, params: list[SamplingParams], vocab: int):
+        """(temperatures as a column, greedy rows or None, (top-k mask, top-p column) or None)."""
+        key = (vocab, [(p.temperature, p.top_k, p.top_p) for p in params])
+        if key == self._rows_key:
+            return self._rows
+        is_greedy = [p.temperature == 0 for p in params]
+        temps = self._to_device([1.0 if greedy else p.temperature for p, greedy in zip(params, is_greedy)],
+                                torch.float32)[:, None]
+        greedy_rows = self._to_device(is_greedy, torch.bool) if any(is_greedy) else None
+        filters = None
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            top_k = self._to_device([p.top_k for p in params], torch.int64)
+            filters = (_beyond_top_k(top_k, vocab), self._to_device([p.top_p for p in params], torch.float32)[:, None])
+        self._rows, self._rows_key = (temps, greedy_rows, filters), key
+        return self._rows
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
         """logits: [rows, vocab] in the model's dtype; positions: each row's token position, which
@@ -46,18 +75,15 @@ class Sampler:
         # float32 copy (first index on ties in both), without writing that copy.
         if all(p.temperature == 0 for p in params):
             return logits.argmax(-1)
-        is_greedy = [p.temperature == 0 for p in params]
-        temps = [1.0 if greedy else p.temperature for p, greedy in zip(params, is_greedy)]
+        temps, greedy_rows, filters = self._row_settings(params, logits.shape[-1])
         seeded = [(row, (p.seed * _SEED_MIX + positions[row]) % (2**63))
                   for row, p in enumerate(params) if p.seed is not None and p.temperature > 0]
-        greedy_tokens = logits.argmax(-1) if any(is_greedy) else None
+        greedy_tokens = logits.argmax(-1) if greedy_rows is not None else None
         # Dividing by float32 temperatures promotes to float32: the values .float() would give,
         # in one pass over the logits instead of two.
-        logits = logits / self._to_device(temps, torch.float32)[:, None]
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            top_k = self._to_device([p.top_k for p in params], torch.int64)
-            top_p = self._to_device([p.top_p for p in params], torch.float32)
-            logits = filter_top_k_top_p(logits, top_k, top_p)
+        logits = logits / temps
+        if filters is not None:
+            logits = _filter_sorted(logits, *filters)
         probs = logits.softmax(-1)
         noise = torch.empty_like(probs).exponential_()
         for row, seed in seeded:
@@ -66,4 +92,4 @@ class Sampler:
         sampled = probs.div_(noise).argmax(-1)
         if greedy_tokens is None:
             return sampled
-        return torch.where(self._to_device(is_greedy, torch.bool), greedy_tokens, sampled)
+        return torch.where(greedy_rows, greedy_tokens, sampled)

@@ -63,9 +63,10 @@ class Scheduler:
         batch: list[tuple[Sequence, int]] = []
         cut_short: list[Sequence] = []
 
+        blocks, running = self.blocks, self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             if seq.num_tokens >= seq.max_num_tokens:  # its last token is being sampled: it is done
                 i += 1
                 continue
@@ -75,17 +76,18 @@ class Scheduler:
                 if n <= 0:  # prefill allowance spent: this prompt's next chunk waits a step
                     i += 1
                     continue
-            need = self.blocks.blocks_needed(seq, seq.num_computed_tokens + n)
-            while need > self.blocks.num_free_blocks and self.running[-1] is not seq:
-                self._preempt(self.running.pop())
-            if need > self.blocks.num_free_blocks:
-                if len(self.running) == 1:
-                    # Alone and still out of room: the cache cannot hold this sequence any longer.
-                    cut_short.append(seq)
-                else:
-                    self._preempt(self.running.pop())
-                break
-            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            need = blocks.blocks_needed(seq, seq.num_computed_tokens + n)
+            if need:  # a decoding sequence needs a block only once every block_size steps
+                while need > blocks.num_free_blocks and running[-1] is not seq:
+                    self._preempt(running.pop())
+                if need > blocks.num_free_blocks:
+                    if len(running) == 1:
+                        # Alone and still out of room: the cache cannot hold this sequence any longer.
+                        cut_short.append(seq)
+                    else:
+                        self._preempt(running.pop())
+                    break
+                blocks.grow(seq, seq.num_computed_tokens + n)
             batch.append((seq, n))
             budget -= n
             if n > 1:

@@ -1,4 +1,5 @@
 """The per-step host path: packed step inputs, the sampler's shortcuts, and plan_step's flags."""
+import random
 from array import array
 
 import pytest
@@ -64,6 +65,27 @@ def test_sampled_rows_match_the_float32_reference(dtype):
         torch.manual_seed(123)
         want = reference_sample(logits, ps, positions, torch.Generator())
         assert got == want
+
+
+def test_sampler_reuses_row_settings_only_while_they_hold():
+    """The sampler keeps the last batch's settings on the device: every change of rows, values
+    (a SamplingParams changed in place included) or vocabulary must still sample as the reference."""
+    sampler = Sampler(torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    shared = SamplingParams(temperature=0.8, top_k=20, top_p=0.95)
+    batches = [[shared] * 4, [shared] * 4, [shared] * 3, [shared, SamplingParams(temperature=0)] * 2,
+               [SamplingParams(temperature=1.1, top_p=0.5)] * 4, [shared] * 4, "mutate", [shared] * 4]
+    for vocab, batch in [(300, b) for b in batches] + [(150, [shared] * 4), (300, [shared] * 4)]:
+        if batch == "mutate":
+            shared.top_k, shared.temperature = 3, 1.5
+            continue
+        for _ in range(3):
+            logits = torch.randn(len(batch), vocab, generator=g) * 3
+            positions = list(range(len(batch)))
+            torch.manual_seed(7)
+            got = sampler(logits, batch, positions).tolist()
+            torch.manual_seed(7)
+            assert got == reference_sample(logits, batch, positions, torch.Generator()), (batch, vocab)
 
 
 def test_packed_inputs_match_the_plan(tiny_qwen3):
@@ -151,3 +173,21 @@ def test_logits_for_a_padded_row_count_give_the_same_tokens(tiny_qwen3):
         else:
             assert logits_rows == sampled_rows
     assert outs[0] == outs[1]
+
+
+def test_text_decoder_matches_tokenizer_decode(demo_model_path):
+    """The detokenizer's direct backend decode gives tokenizer.decode's text: special and added
+    tokens, broken UTF-8, empty input; with clean-up on it is tokenizer.decode itself."""
+    from transformers import AutoTokenizer
+
+    from engine.detokenizer import text_decoder
+    tok = AutoTokenizer.from_pretrained(demo_model_path)
+    decode = text_decoder(tok)
+    assert decode.func.__self__ is tok.backend_tokenizer  # the fast path, not a wrapper
+    rng = random.Random(0)
+    cases = [[], [len(tok) - 1], tok.encode("naïve 🎉 <|im_end|> <think> x"), tok.encode("🎉")[:2]]
+    cases += [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))] for _ in range(300)]
+    for ids in cases:
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True), ids
+    tok.clean_up_tokenization_spaces = True
+    assert text_decoder(tok).func == tok.decode
