@@ -33,6 +33,7 @@ from engine.demo_model import GIBBERISH_NOTE
 from nvchat import paths
 from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
 from nvchat.app.chat_pane import ChatPane
+from nvchat.app.chat_screen import ChatScreen
 from nvchat.app.commands import ChatCommands
 from nvchat.app.conversations_screen import ConversationsScreen
 from nvchat.export import export_markdown
@@ -101,6 +102,9 @@ class NvchatApp(App[None]):
         self._theme_applied = False
 
     # --- start-up ------------------------------------------------------------------------------------
+
+    def get_default_screen(self) -> ChatScreen:
+        return ChatScreen(id="_default")
 
     def compose(self) -> ComposeResult:
         yield Header(icon="≡")
