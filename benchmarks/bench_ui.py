@@ -130,9 +130,11 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
             print(sampler.report())
         intervals, durations = list(app.frame_stats.intervals), list(app.frame_stats.durations)
     pct = app.frame_stats.percentile
-    return {**throughput(app.streams), "frames": len(durations), "ui_thread_cpu_s": ui_cpu_s,
+    return {**throughput(app.streams), "frames": len(durations), "draws": app.frame_stats.draws,
+            "ui_thread_cpu_s": ui_cpu_s,
             "ui_thread_cpu_share": ui_cpu_s / wall_s, "ui_cpu_ms_per_tick": 1000 * ui_cpu_s / max(1, len(durations)),
             "ui_cpu_ms_per_token": 1000 * ui_cpu_s / max(1, sum(s.num_completion_tokens for s in app.streams)),
+            "draws_per_s": app.frame_stats.draws / wall_s,
             "tick_interval_ms": {"p50": 1000 * pct(intervals, 50), "p99": 1000 * pct(intervals, 99)},
             "tick_work_ms": {"p50": 1000 * pct(durations, 50), "p99": 1000 * pct(durations, 99)}}
 
@@ -222,12 +224,12 @@ def main() -> None:
                   f"{r['headless']['mean_ttft_ms']:,.0f} / {r['ui']['mean_ttft_ms']:,.0f}",
                   f"{r['ui']['ui_thread_cpu_share'] * 100:.0f}%", f"{r['ui']['ui_cpu_ms_per_tick']:.2f}",
                   f"{r['ui']['ui_cpu_ms_per_token']:.3f}",
-                  r["ui"]["frames"],
+                  r["ui"]["frames"], f"{r['ui']['draws_per_s']:.1f}",
                   f"{r['ui']['tick_interval_ms']['p50']:.1f} / {r['ui']['tick_interval_ms']['p99']:.1f}",
                   f"{r['ui']['tick_work_ms']['p50']:.2f} / {r['ui']['tick_work_ms']['p99']:.2f}")
                  for r in runs],
                 ("switch ms", "pump Hz", "headless tok/s", "UI tok/s", "UI/headless", "per-stream tok/s h / UI",
-                 "TTFT ms h / UI", "UI thread CPU", "UI CPU ms/tick", "UI CPU ms/token", "ticks", "tick gap p50/p99 ms",
+                 "TTFT ms h / UI", "UI thread CPU", "UI CPU ms/tick", "UI CPU ms/token", "ticks", "draws/s", "tick gap p50/p99 ms",
                  "tick work p50/p99 ms"))
     write_json(args.out, {"tabs": args.tabs, "max_tokens": args.max_tokens, "model": label,
                           "device": str(engine.llm.config.device), "kv_panel": kv_panel, "size": args.size,

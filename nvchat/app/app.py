@@ -42,6 +42,7 @@ from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import BlockOwner, KVPanel, PanelData
 from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.messages import ChatStateChanged, ReplyStarted
+from nvchat.app.pacing import DrawPacer
 from nvchat.app.rename_screen import RenameScreen
 from nvchat.app.system_prompt_screen import SystemPromptScreen
 from nvchat.conversation import Conversation
@@ -73,6 +74,11 @@ class NvchatApp(App[None]):
     BINDINGS = bindings(APP_KEYS)
     COMMANDS = App.COMMANDS | {ChatCommands}
     PUMP_HZ = 20  # stream pump ticks a second: the most updates a second the visible reply gets
+    # Fewer while drawing is costly (DrawPacer): the UI thread aims to stay within this share of a
+    # core while one chat streams, and this while several do (its time is the engine's).
+    MIN_DRAW_HZ = 4
+    UI_CPU_BUDGET_ONE = 0.25
+    UI_CPU_BUDGET_MANY = 0.10
     # The engine thread lets go of the GIL while it waits on the GPU and must take it back to run
     # its Python; while the UI thread is busy each take waits up to one switch interval: at
     # Python's default 5 ms, 8 streams on an H200 ran 2.7x slower with the app attached
@@ -93,6 +99,7 @@ class NvchatApp(App[None]):
         self.closing = False
         self.note = GIBBERISH_NOTE if settings.uses_demo_model else None
         self.frame_stats = FrameStats()
+        self.draw_pacer = DrawPacer(self.PUMP_HZ, self.MIN_DRAW_HZ, self.UI_CPU_BUDGET_ONE, self.UI_CPU_BUDGET_MANY)
         self._conversation_thread = ThreadPoolExecutor(1, thread_name_prefix="nvchat-conversations")
         self._panes: list[ChatPane] = []
         self._streaming: dict[ChatPane, None] = {}  # panes the pump drains, in start order
@@ -285,18 +292,24 @@ class NvchatApp(App[None]):
     async def _pump_replies(self) -> None:
         started = time.perf_counter()
         shown = self.active_pane
+        draw = self.draw_pacer.due(started)
+        drawing, streams = draw and shown in self._streaming, len(self._streaming)
         for pane in list(self._streaming):
             try:
-                ended = await pane.pump(pane is shown)
+                ended = await pane.pump(pane is shown, draw)
             except Exception as e:  # one broken pane must not stall the others
                 self.log.error(f"pump failed for {pane}: {e!r}")
                 ended = True
             if ended:
                 self._streaming.pop(pane, None)
-        self.frame_stats.record(started, time.perf_counter())
+        now = time.perf_counter()
+        self.frame_stats.record(started, now, drew=drawing)
+        if drawing:
+            self.draw_pacer.drew(now, streams)
         if not self._streaming:
             self._pump_timer.pause()
             self.frame_stats.pause()
+            self.draw_pacer.reset()
 
     # --- KV panel ----------------------------------------------------------------------------------
 
