@@ -42,7 +42,7 @@ from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import BlockOwner, KVPanel, PanelData
 from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.messages import ChatStateChanged, ReplyStarted
-from nvchat.app.pacing import DrawPacer
+from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
 from nvchat.app.rename_screen import RenameScreen
 from nvchat.app.system_prompt_screen import SystemPromptScreen
 from nvchat.conversation import Conversation
@@ -100,6 +100,7 @@ class NvchatApp(App[None]):
         self.note = GIBBERISH_NOTE if settings.uses_demo_model else None
         self.frame_stats = FrameStats()
         self.draw_pacer = DrawPacer(self.PUMP_HZ, self.MIN_DRAW_HZ, self.UI_CPU_BUDGET_ONE, self.UI_CPU_BUDGET_MANY)
+        self._gc_deferral = FullCollectionDeferral()
         self._conversation_thread = ThreadPoolExecutor(1, thread_name_prefix="nvchat-conversations")
         self._panes: list[ChatPane] = []
         self._streaming: dict[ChatPane, None] = {}  # panes the pump drains, in start order
@@ -267,6 +268,7 @@ class NvchatApp(App[None]):
         self._request_owners[stream.request_id] = event.pane
         self._streaming[event.pane] = None
         self._pump_timer.resume()
+        self._gc_deferral.start()
 
     async def on_tabbed_content_tab_activated(self) -> None:
         if not self.screen_stack:
@@ -306,10 +308,13 @@ class NvchatApp(App[None]):
         self.frame_stats.record(started, now, drew=drawing)
         if drawing:
             self.draw_pacer.drew(now, streams)
-        if not self._streaming:
+        if self._streaming:
+            self._gc_deferral.tick()
+        else:
             self._pump_timer.pause()
             self.frame_stats.pause()
             self.draw_pacer.reset()
+            self._gc_deferral.stop()
 
     # --- KV panel ----------------------------------------------------------------------------------
 
@@ -476,6 +481,7 @@ class NvchatApp(App[None]):
     async def on_unmount(self) -> None:
         self.closing = True
         sys.setswitchinterval(self._switch_interval)
+        self._gc_deferral.stop()
         live = [(pane.conversation, pane.stream) for pane in self._panes if pane.stream is not None]
         for pane in self._panes:
             pane.stream = None

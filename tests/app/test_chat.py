@@ -1,4 +1,5 @@
 """The chat app driven by real keystrokes against the real demo model on CPU."""
+import gc
 import time
 
 import pytest
@@ -183,6 +184,7 @@ def drawn_and_received(view: ReplyView) -> tuple[tuple[str, str], tuple[str, str
 
 async def test_the_visible_reply_streams_whole_while_other_chats_stream(make_app):
     app = make_app(max_tokens=300)
+    gc_threshold = gc.get_threshold()
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
         for _ in range(2):
@@ -206,6 +208,8 @@ async def test_the_visible_reply_streams_whole_while_other_chats_stream(make_app
         assert draws <= app.PUMP_HZ * elapsed + 1  # batched: never more than PUMP_HZ updates a second
         for other in app._panes[:2]:
             await idle(pilot, other)
+        await wait_for(pilot, lambda: not app._streaming, what="the pump to stop")
+        assert gc.get_threshold() == gc_threshold  # full collections deferred only while streaming
 
 
 @pytest.mark.parametrize("drawn_first", [True, False], ids=["hidden-mid-reply", "hidden-throughout"])

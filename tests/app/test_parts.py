@@ -1,5 +1,7 @@
 """The app's pieces that need no running app: think splitting, footers, the KV grid's folding,
-the draw pacing, themes, key names, exports."""
+the draw pacing and garbage collection deferral, themes, key names, exports."""
+import gc
+
 import pytest
 
 from engine.engine_thread import EngineSnapshot
@@ -7,7 +9,7 @@ from nvchat.app.bindings import ALL_KEYS, describe_key, unknown_key_ids
 from nvchat.export import export_markdown
 from nvchat.app.kv_panel import counters_text, fold_blocks
 from nvchat.app.message_view import ThinkSplitter, footer_text
-from nvchat.app.pacing import DrawPacer
+from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
 from nvchat.cli import build_parser, settings_from_args
 from nvchat.conversation import Conversation, Message
 from nvchat.settings import Settings
@@ -141,3 +143,28 @@ def test_after_streaming_stops_the_next_draw_is_due_at_once():
     assert pacer.interval == pytest.approx(0.25)
     pacer.reset()
     assert pacer.due(0.0) and pacer.interval == pytest.approx(0.05)
+
+
+def test_full_collections_wait_while_streaming_but_not_forever():
+    saved = gc.get_threshold()
+    clock = CpuClock()  # any settable clock
+    deferral = FullCollectionDeferral(max_s=30, clock=clock)
+    try:
+        deferral.start()
+        young, middle, oldest = gc.get_threshold()
+        assert (young, middle) == saved[:2] and oldest > 10**6
+        clock.now = 29
+        deferral.tick()
+        assert gc.get_threshold()[2] > 10**6
+        clock.now = 31  # streaming for too long: one full collection may run...
+        deferral.tick()
+        assert gc.get_threshold() == saved
+        deferral.tick()
+        assert gc.get_threshold() == saved  # ...and until it has, the threshold stays as it was
+        gc.collect()
+        deferral.tick()
+        assert gc.get_threshold()[2] > 10**6  # then deferring again
+        deferral.stop()
+        assert gc.get_threshold() == saved
+    finally:
+        gc.set_threshold(*saved)
