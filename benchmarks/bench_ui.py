@@ -2,7 +2,7 @@
 Textual's App.run_test) versus the same 8 requests on the bare EngineThread.
 
 Reports the engine's output tokens/s both ways (and their ratio, the issue's target being >= 90%),
-the UI thread's CPU (its share of one core over the run, and per pump tick) and the UI's frame
+the UI thread's CPU (its share of one core over the run, per pump tick and per token) and the UI's frame
 times (the gap between the stream pump's ticks, and the time each tick spends draining streams
 and drawing; p50 and p99). Every reply runs to --max-tokens (ignore_eos) so both runs do the same
 work. Each pair of a --switch-interval value (the GIL switch interval the app sets while it runs)
@@ -10,12 +10,13 @@ and a --pump-hz value gets its own pair of runs, headless then with the UI, on o
 
     python -m benchmarks.bench_ui [--model PATH | --shape qwen3-0.6b] [--tabs 8] [--max-tokens 1536]
                                   [--switch-interval 0.0005 0.0001 ...] [--pump-hz 20 10 ...] [--profile-ui]
-                                  [--out ui.json]
+                                  [--cprofile ui.prof] [--out ui.json]
 
 With no --model it uses the built-in demo model (on CPU here, on the GPU where there is one);
 --shape gives a real model's layers with random weights, for GPUs without checkpoints.
 --profile-ui samples the UI thread's stack during the UI runs and prints where its time went
-(the sampling takes the GIL too, so the throughput of a profiled run is not the benchmark's).
+(the sampling takes the GIL too, so the throughput of a profiled run is not the benchmark's);
+--cprofile PATH writes a cProfile of the UI thread instead, for call counts.
 """
 import argparse
 import asyncio
@@ -86,7 +87,7 @@ def run_headless(engine: EngineThread, settings: Settings, tabs: int, run: int) 
 
 
 async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_panel: bool, size, run: int,
-                      switch_interval: float, pump_hz: int, profile: bool = False) -> dict:
+                      switch_interval: float, pump_hz: int, profile: bool = False, cprofile: str | None = None) -> dict:
     from nvchat.app import NvchatApp
     from nvchat.app.messages import PromptSubmitted
 
@@ -110,7 +111,8 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
         await pilot.pause(0.2)
         panes = list(app._panes)
         app.frame_stats.reset()
-        with sample_current_thread() if profile else contextlib.nullcontext() as sampler:
+        with sample_current_thread() if profile else contextlib.nullcontext() as sampler, \
+                _cprofiled(cprofile) as profiler:
             cpu_start, wall_start = time.thread_time(), time.perf_counter()
             for i, pane in enumerate(panes):
                 pane.post_message(PromptSubmitted(user_message(f"attached{run}", i)))
@@ -120,15 +122,38 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
             while (len(app.streams) < tabs or any(p.busy for p in panes)) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             ui_cpu_s, wall_s = time.thread_time() - cpu_start, time.perf_counter() - wall_start
+        if profiler is not None:
+            profiler.dump_stats(cprofile)
+            print(f"--- cProfile of the UI thread written to {cprofile} ---")
         if sampler is not None:
             print(f"--- UI thread profile, switch interval {switch_interval * 1000:g} ms, pump {pump_hz} Hz ---")
             print(sampler.report())
         intervals, durations = list(app.frame_stats.intervals), list(app.frame_stats.durations)
     pct = app.frame_stats.percentile
-    return {**throughput(app.streams), "frames": len(durations), "ui_thread_cpu_s": ui_cpu_s,
+    return {**throughput(app.streams), "frames": len(durations), "draws": app.frame_stats.draws,
+            "ui_thread_cpu_s": ui_cpu_s,
             "ui_thread_cpu_share": ui_cpu_s / wall_s, "ui_cpu_ms_per_tick": 1000 * ui_cpu_s / max(1, len(durations)),
+            "ui_cpu_ms_per_token": 1000 * ui_cpu_s / max(1, sum(s.num_completion_tokens for s in app.streams)),
+            "draws_per_s": app.frame_stats.draws / wall_s,
             "tick_interval_ms": {"p50": 1000 * pct(intervals, 50), "p99": 1000 * pct(intervals, 99)},
             "tick_work_ms": {"p50": 1000 * pct(durations, 50), "p99": 1000 * pct(durations, 99)}}
+
+
+@contextlib.contextmanager
+def _cprofiled(path: str | None):
+    """cProfile of the calling thread (the app runs in the benchmark's own event loop, so this is
+    the UI thread). Python 3.11's cProfile hooks the calling thread only; its per-call cost weighs
+    Textual's many small calls more than the sampler does, so read it for call counts."""
+    if path is None:
+        yield None
+        return
+    import cProfile
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield profiler
+    finally:
+        profiler.disable()
 
 
 def main() -> None:
@@ -153,6 +178,8 @@ def main() -> None:
     p.add_argument("--size", default="160x50", help="terminal size for the headless app, COLSxROWS")
     p.add_argument("--profile-ui", action="store_true",
                    help="sample the UI thread's stack and print where its time goes")
+    p.add_argument("--cprofile", default=None, metavar="PATH",
+                   help="cProfile the UI thread during the (last) UI run and write its stats here (pstats format)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
 
@@ -181,7 +208,7 @@ def main() -> None:
         for run, (interval, hz) in enumerate(itertools.product(args.switch_interval, args.pump_hz), 1):
             headless = run_headless(engine, settings, args.tabs, run)
             ui = asyncio.run(run_with_ui(engine, settings, args.tabs, kv_panel, (cols, rows), run, interval, hz,
-                                         args.profile_ui))
+                                         args.profile_ui, args.cprofile))
             runs.append({"switch_interval_s": interval, "pump_hz": hz, "headless": headless, "ui": ui,
                          "ui_vs_headless": ui["tokens_per_s"] / headless["tokens_per_s"]})
     finally:
@@ -196,12 +223,13 @@ def main() -> None:
                   f"{r['headless']['mean_stream_tokens_per_s']:,.0f} / {r['ui']['mean_stream_tokens_per_s']:,.0f}",
                   f"{r['headless']['mean_ttft_ms']:,.0f} / {r['ui']['mean_ttft_ms']:,.0f}",
                   f"{r['ui']['ui_thread_cpu_share'] * 100:.0f}%", f"{r['ui']['ui_cpu_ms_per_tick']:.2f}",
-                  r["ui"]["frames"],
+                  f"{r['ui']['ui_cpu_ms_per_token']:.3f}",
+                  r["ui"]["frames"], f"{r['ui']['draws_per_s']:.1f}",
                   f"{r['ui']['tick_interval_ms']['p50']:.1f} / {r['ui']['tick_interval_ms']['p99']:.1f}",
                   f"{r['ui']['tick_work_ms']['p50']:.2f} / {r['ui']['tick_work_ms']['p99']:.2f}")
                  for r in runs],
                 ("switch ms", "pump Hz", "headless tok/s", "UI tok/s", "UI/headless", "per-stream tok/s h / UI",
-                 "TTFT ms h / UI", "UI thread CPU", "UI CPU ms/tick", "ticks", "tick gap p50/p99 ms",
+                 "TTFT ms h / UI", "UI thread CPU", "UI CPU ms/tick", "UI CPU ms/token", "ticks", "draws/s", "tick gap p50/p99 ms",
                  "tick work p50/p99 ms"))
     write_json(args.out, {"tabs": args.tabs, "max_tokens": args.max_tokens, "model": label,
                           "device": str(engine.llm.config.device), "kv_panel": kv_panel, "size": args.size,

@@ -33,6 +33,7 @@ from engine.demo_model import GIBBERISH_NOTE
 from nvchat import paths
 from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
 from nvchat.app.chat_pane import ChatPane
+from nvchat.app.chat_screen import ChatScreen
 from nvchat.app.commands import ChatCommands
 from nvchat.app.conversations_screen import ConversationsScreen
 from nvchat.export import export_markdown
@@ -41,6 +42,7 @@ from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import BlockOwner, KVPanel, PanelData
 from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.messages import ChatStateChanged, ReplyStarted
+from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
 from nvchat.app.rename_screen import RenameScreen
 from nvchat.app.system_prompt_screen import SystemPromptScreen
 from nvchat.conversation import Conversation
@@ -72,6 +74,11 @@ class NvchatApp(App[None]):
     BINDINGS = bindings(APP_KEYS)
     COMMANDS = App.COMMANDS | {ChatCommands}
     PUMP_HZ = 20  # stream pump ticks a second: the most updates a second the visible reply gets
+    # Fewer while drawing is costly (DrawPacer): the UI thread aims to stay within this share of a
+    # core while one chat streams, and this while several do (its time is the engine's).
+    MIN_DRAW_HZ = 4
+    UI_CPU_BUDGET_ONE = 0.25
+    UI_CPU_BUDGET_MANY = 0.10
     # The engine thread lets go of the GIL while it waits on the GPU and must take it back to run
     # its Python; while the UI thread is busy each take waits up to one switch interval: at
     # Python's default 5 ms, 8 streams on an H200 ran 2.7x slower with the app attached
@@ -92,6 +99,8 @@ class NvchatApp(App[None]):
         self.closing = False
         self.note = GIBBERISH_NOTE if settings.uses_demo_model else None
         self.frame_stats = FrameStats()
+        self.draw_pacer = DrawPacer(self.PUMP_HZ, self.MIN_DRAW_HZ, self.UI_CPU_BUDGET_ONE, self.UI_CPU_BUDGET_MANY)
+        self._gc_deferral = FullCollectionDeferral()
         self._conversation_thread = ThreadPoolExecutor(1, thread_name_prefix="nvchat-conversations")
         self._panes: list[ChatPane] = []
         self._streaming: dict[ChatPane, None] = {}  # panes the pump drains, in start order
@@ -101,6 +110,9 @@ class NvchatApp(App[None]):
         self._theme_applied = False
 
     # --- start-up ------------------------------------------------------------------------------------
+
+    def get_default_screen(self) -> ChatScreen:
+        return ChatScreen(id="_default")
 
     def compose(self) -> ComposeResult:
         yield Header(icon="≡")
@@ -256,6 +268,7 @@ class NvchatApp(App[None]):
         self._request_owners[stream.request_id] = event.pane
         self._streaming[event.pane] = None
         self._pump_timer.resume()
+        self._gc_deferral.start()
 
     async def on_tabbed_content_tab_activated(self) -> None:
         if not self.screen_stack:
@@ -281,18 +294,27 @@ class NvchatApp(App[None]):
     async def _pump_replies(self) -> None:
         started = time.perf_counter()
         shown = self.active_pane
+        draw = self.draw_pacer.due(started)
+        drawing, streams = draw and shown in self._streaming, len(self._streaming)
         for pane in list(self._streaming):
             try:
-                ended = await pane.pump(pane is shown)
+                ended = await pane.pump(pane is shown, draw)
             except Exception as e:  # one broken pane must not stall the others
                 self.log.error(f"pump failed for {pane}: {e!r}")
                 ended = True
             if ended:
                 self._streaming.pop(pane, None)
-        self.frame_stats.record(started, time.perf_counter())
-        if not self._streaming:
+        now = time.perf_counter()
+        self.frame_stats.record(started, now, drew=drawing)
+        if drawing:
+            self.draw_pacer.drew(now, streams)
+        if self._streaming:
+            self._gc_deferral.tick()
+        else:
             self._pump_timer.pause()
             self.frame_stats.pause()
+            self.draw_pacer.reset()
+            self._gc_deferral.stop()
 
     # --- KV panel ----------------------------------------------------------------------------------
 
@@ -459,6 +481,7 @@ class NvchatApp(App[None]):
     async def on_unmount(self) -> None:
         self.closing = True
         sys.setswitchinterval(self._switch_interval)
+        self._gc_deferral.stop()
         live = [(pane.conversation, pane.stream) for pane in self._panes if pane.stream is not None]
         for pane in self._panes:
             pane.stream = None

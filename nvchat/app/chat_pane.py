@@ -187,9 +187,10 @@ class ChatPane(Vertical):
         if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
             await self.rename(first_line(args[0], _AUTO_TITLE_CHARS))
 
-    async def pump(self, shown: bool) -> bool:
+    async def pump(self, shown: bool, draw: bool = True) -> bool:
         """Moves what the stream produced since the last tick into the reply; True once it has ended.
-        Called by the app's pump timer (NvchatApp.PUMP_HZ). A chat in a hidden tab keeps receiving
+        Called by the app's pump timer (NvchatApp.PUMP_HZ). Shown, it draws when draw says a frame
+        is due (the app paces them), and always its last one. A chat in a hidden tab keeps receiving
         but draws nothing until it is shown (catch_up()): nobody sees it, and parsing and laying it
         out would take time from the visible chat and, through the GIL, from the engine."""
         stream, view = self.stream, self._reply_view
@@ -205,7 +206,7 @@ class ChatPane(Vertical):
             self.stream = None
             stored = self.background(self.conversation.finish_reply, stream)
             view.end(reply_stats(stream))
-        if shown:
+        if shown and (draw or ended):
             await view.catch_up()
         if ended:
             if stream.finish_reason == "error":

@@ -22,6 +22,8 @@ from textual.containers import Vertical
 from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
+from textual.renderables._blend_colors import blend_colors
+from textual.renderables.sparkline import Sparkline as SparklineRenderable
 from textual.widgets import Sparkline, Static
 
 from engine import EngineSnapshot
@@ -177,6 +179,59 @@ def legend_text(chats: list[BlockOwner], per_cell: int) -> Text:
     return text
 
 
+class ThroughputSparkline(Sparkline):
+    """Textual's Sparkline drawn with the line API: the same bars and colours, built once per
+    refresh as three strips. Its own render goes through a Rich renderable per refresh, which
+    cost the UI thread more than the rest of the panel's refresh together."""
+
+    def __init__(self, data, *, id: str | None = None) -> None:
+        super().__init__(data, id=id)
+        self._rows: list[Strip] | None = None
+
+    def watch_data(self) -> None:
+        self._rows = None
+
+    def on_resize(self) -> None:
+        self._rows = None
+
+    def _build_rows(self) -> list[Strip]:
+        # As textual.renderables.sparkline.Sparkline, which this replaces.
+        width, height = self.size.width, max(1, self.size.height)
+        base = self.rich_style
+        _, background = self.background_colors
+        low = (background + self.get_component_styles("sparkline--min-color").color).rich_color
+        high = (background + self.get_component_styles("sparkline--max-color").color).rich_color
+        data = list(self.data or [])
+        if len(data) < 2:
+            glyph, color, rows = ("▁", low, 1) if not data else ("█", high, height)
+            filled = Strip([Segment(glyph * width, base + Style.from_color(color))])
+            return [Strip.blank(width, base)] * (height - rows) + [filled] * rows
+        levels = len(SparklineRenderable.BARS)
+        minimum, maximum = min(data), max(data)
+        extent = maximum - minimum or 1
+        buckets = tuple(SparklineRenderable._buckets(data, num_buckets=width))
+        columns, index, step = [], 0.0, len(buckets) / width
+        for _ in range(width):
+            ratio = (max(buckets[int(index)]) - minimum) / extent
+            columns.append((int(ratio * (levels * height - 1)), base + Style.from_color(blend_colors(low, high, ratio))))
+            index += step
+        rows = []
+        for row in reversed(range(height)):
+            floor, top = row * levels, (row + 1) * levels
+            cells = [(" ", base) if bar < floor else
+                     ("█" if bar >= top else SparklineRenderable.BARS[bar % levels], style) for bar, style in columns]
+            rows.append(Strip([Segment("".join(glyph for glyph, _ in run), style)
+                               for style, run in ((style, list(run)) for style, run in groupby(cells, key=lambda c: c[1]))]))
+        return rows
+
+    def render_line(self, y: int) -> Strip:
+        if self._rows is None:
+            self._rows = self._build_rows()
+        if y >= len(self._rows):
+            return Strip.blank(self.size.width, self.rich_style)
+        return self._rows[y]
+
+
 class Counters(Widget):
     """Fixed-height text that repaints without asking for a new layout (Static.update would
     relayout the screen on every refresh)."""
@@ -208,7 +263,7 @@ class KVPanel(Vertical):
         yield Static(id="kv-legend")
         yield Counters(id="kv-counters")
         yield Static("throughput (tok/s)", id="kv-spark-label")
-        yield Sparkline(list(self._history), id="kv-spark")
+        yield ThroughputSparkline(list(self._history), id="kv-spark")
 
     def on_mount(self) -> None:
         self._timer = self.set_interval(REFRESH_S, self.refresh_stats, pause=not self.display)

@@ -1,4 +1,7 @@
 """The chat app driven by real keystrokes against the real demo model on CPU."""
+import gc
+import time
+
 import pytest
 from textual.widgets import Collapsible, Markdown, TabPane
 
@@ -82,7 +85,10 @@ async def test_escape_stops_the_reply(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
         pane = app.active_pane
-        await send(pilot, "tell me everything")
+        await pilot.press(*"tell")
+        # Not Pilot.press: it would wait up to a second for the app to go idle, and the reply
+        # could end before Esc reaches it.
+        await press_now(pilot, "enter")
         await wait_for(pilot, lambda: pane.stream is not None and pane.stream.num_completion_tokens > 3)
         await press_now(pilot, "escape")
         await idle(pilot, pane)
@@ -174,6 +180,36 @@ def drawn_and_received(view: ReplyView) -> tuple[tuple[str, str], tuple[str, str
     drawn = (thinking.first().query_one(Markdown).source if thinking else "",
              view.query_one("#answer", Markdown).source)
     return drawn, received
+
+
+async def test_the_visible_reply_streams_whole_while_other_chats_stream(make_app):
+    app = make_app(max_tokens=300)
+    gc_threshold = gc.get_threshold()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        for _ in range(2):
+            await submit_now(pilot, app.active_pane, "keep the engine busy")
+            await press_now(pilot, "ctrl+t")
+        pane = app.active_pane
+        await submit_now(pilot, pane, "and this one I watch")
+        await wait_for(pilot, lambda: pane.stream is not None, what="the watched reply to start")
+        started_at, draws = time.perf_counter(), app.frame_stats.draws
+        view = pane.query(ReplyView).last()
+        answer = view.query_one("#answer", Markdown)
+        sizes = set()
+        while pane.busy:
+            sizes.add(len(answer.source))
+            await pilot.pause(0.02)
+        elapsed, draws = time.perf_counter() - started_at, app.frame_stats.draws - draws
+        assert len(sizes) > 3  # it grew as it streamed, not once at the end
+        drawn, received = drawn_and_received(view)
+        assert drawn == received and len(view.text) == len(pane.conversation.messages[-1].content)
+        assert "300 tokens" in str(view.query_one("#reply-footer").render())
+        assert draws <= app.PUMP_HZ * elapsed + 1  # batched: never more than PUMP_HZ updates a second
+        for other in app._panes[:2]:
+            await idle(pilot, other)
+        await wait_for(pilot, lambda: not app._streaming, what="the pump to stop")
+        assert gc.get_threshold() == gc_threshold  # full collections deferred only while streaming
 
 
 @pytest.mark.parametrize("drawn_first", [True, False], ids=["hidden-mid-reply", "hidden-throughout"])

@@ -1,5 +1,7 @@
 """The app's pieces that need no running app: think splitting, footers, the KV grid's folding,
-themes, key names, exports."""
+the draw pacing and garbage collection deferral, themes, key names, exports."""
+import gc
+
 import pytest
 
 from engine.engine_thread import EngineSnapshot
@@ -7,6 +9,7 @@ from nvchat.app.bindings import ALL_KEYS, describe_key, unknown_key_ids
 from nvchat.export import export_markdown
 from nvchat.app.kv_panel import counters_text, fold_blocks
 from nvchat.app.message_view import ThinkSplitter, footer_text
+from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
 from nvchat.cli import build_parser, settings_from_args
 from nvchat.conversation import Conversation, Message
 from nvchat.settings import Settings
@@ -95,3 +98,73 @@ def test_flags_override_the_config_file(xdg_dirs):
     settings = settings_from_args(build_parser().parse_args(["--tp", "2", "--temperature", "0.9"]))
     assert (settings.tensor_parallel_size, settings.temperature, settings.max_model_len, settings.theme) == \
         (2, 0.9, 2048, "paper")
+
+
+class CpuClock:
+    """Stands in for the UI thread's CPU clock: a test says how much each frame cost."""
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pace(frame_cpu_s: float, streams: int, frames: int = 40) -> tuple[DrawPacer, float]:
+    """Draws as often as the pacer allows, each costing frame_cpu_s; returns the pacer and the draws a second."""
+    cpu = CpuClock()
+    pacer = DrawPacer(max_hz=20, min_hz=4, budget_one=0.25, budget_many=0.10, cpu_clock=cpu)
+    now, ticks, draws = 0.0, 0, 0
+    while draws < frames:
+        now = ticks / 20  # the app's pump ticks at max_hz
+        ticks += 1
+        if pacer.due(now):
+            cpu.now += frame_cpu_s
+            pacer.drew(now, streams)
+            draws += 1
+    return pacer, draws / now
+
+
+def test_cheap_draws_run_at_the_full_rate():
+    assert pace(0.002, streams=8)[1] == pytest.approx(20, rel=0.05)
+
+
+def test_costly_draws_slow_down_more_while_several_chats_stream():
+    # 10 ms a frame: 20 a second would be 20% of a core.
+    _, one = pace(0.010, streams=1)
+    _, many = pace(0.010, streams=8)
+    assert one == pytest.approx(20, rel=0.05)  # within the one-chat share (25%)
+    assert 8 <= many <= 11  # about 10% of a core: 10 draws a second
+    _, slowest = pace(0.200, streams=8)
+    assert slowest == pytest.approx(4, rel=0.1)  # never below min_hz
+
+
+def test_after_streaming_stops_the_next_draw_is_due_at_once():
+    pacer, _ = pace(0.200, streams=8)
+    assert pacer.interval == pytest.approx(0.25)
+    pacer.reset()
+    assert pacer.due(0.0) and pacer.interval == pytest.approx(0.05)
+
+
+def test_full_collections_wait_while_streaming_but_not_forever():
+    saved = gc.get_threshold()
+    clock = CpuClock()  # any settable clock
+    deferral = FullCollectionDeferral(max_s=30, clock=clock)
+    try:
+        deferral.start()
+        young, middle, oldest = gc.get_threshold()
+        assert (young, middle) == saved[:2] and oldest > 10**6
+        clock.now = 29
+        deferral.tick()
+        assert gc.get_threshold()[2] > 10**6
+        clock.now = 31  # streaming for too long: one full collection may run...
+        deferral.tick()
+        assert gc.get_threshold() == saved
+        deferral.tick()
+        assert gc.get_threshold() == saved  # ...and until it has, the threshold stays as it was
+        gc.collect()
+        deferral.tick()
+        assert gc.get_threshold()[2] > 10**6  # then deferring again
+        deferral.stop()
+        assert gc.get_threshold() == saved
+    finally:
+        gc.set_threshold(*saved)

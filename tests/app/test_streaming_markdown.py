@@ -1,8 +1,14 @@
 """StreamingMarkdown: appends that keep the last paragraph's height repaint it without a layout,
-and it still grows (and its parent with it) when a line wraps."""
+it still grows (and its parent with it) when a line wraps, and appends build the blocks Textual's
+Markdown builds."""
+import random
+
+import pytest
 from textual.app import App, ComposeResult
 from textual.containers import VerticalScroll
 from textual.geometry import Region
+from textual.widgets import Markdown
+from textual.widgets._markdown import MarkdownBlock
 
 from nvchat.app.streaming_markdown import GrowingParagraph, StreamingMarkdown
 
@@ -38,3 +44,43 @@ async def test_appends_repaint_in_place_and_wrapping_grows_the_paragraph():
         assert paragraph.size.height == 2  # laid out again at its new height
         assert "forty holds" in shown_text(paragraph)
         assert markdown.source == "hello world and a good deal more text than one line of forty holds"
+
+
+class TwoMarkdowns(App):
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Markdown(id="textual")
+            yield StreamingMarkdown(id="streaming")
+
+
+def blocks(markdown) -> list:
+    """Each block as it stands: its kind, where its source lies, and the content it shows."""
+    return [(type(block).__mro__[1 if isinstance(block, GrowingParagraph) else 0].__name__, block.source_range,
+             str(block._content), [(s.start, s.end, str(s.style)) for s in block._content.spans])
+            for block in markdown.query(MarkdownBlock)]
+
+
+REPLY = ("Here is a *start* of a reply with `code` and a [link](http://x.y) that goes on for a while "
+         "and then a second line\nof the same paragraph.\n\nA new paragraph **bold\nacross lines** ends.\n\n"
+         "- a list\n- of items\n\n1. numbered\n2. too\n\n# A heading\n\n```python\nprint('fenced')\n```\n\n"
+         "> quoted\n\nLast words, with a trailing `backtick and [bracket without end")
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_appends_build_what_textuals_markdown_builds(seed):
+    rng = random.Random(seed)
+    text = REPLY if seed % 2 == 0 else "".join(rng.choice("ab `*_[]()#-\n>1.") for _ in range(600))
+    chunks, at = [], 0
+    while at < len(text):
+        size = rng.randint(1, 30)
+        chunks.append(text[at:at + size])
+        at += size
+    app = TwoMarkdowns()
+    async with app.run_test(size=(60, 40)) as pilot:
+        textual, streaming = app.query_one("#textual", Markdown), app.query_one("#streaming", StreamingMarkdown)
+        for chunk in chunks:
+            await textual.append(chunk)
+            await streaming.append(chunk)
+            assert streaming.source == textual.source
+        await pilot.pause()
+        assert blocks(streaming) == blocks(textual)

@@ -1,0 +1,66 @@
+"""The app's main screen, drawn by a compositor that renders only what an update shows.
+
+For a partial update (a streamed line, a KV panel refresh) Textual's compositor renders every
+widget whose clip overlaps the union of the dirty regions, each of them whole: for a one-line
+change to the last paragraph of a reply, the screen, header and footer, the KV panel and every
+container down to the paragraph, some 400 lines from 18 widgets, of which the update then sends
+one line. The lines mostly come from each widget's cache, but walking them and each widget's
+styles was most of what a streamed frame cost the UI thread (and, through the GIL, the engine).
+
+UpdateCompositor renders, for a partial update, only widgets that a dirty region overlaps, only
+the rows of each that the regions cover, and no widget behind one that already covers every dirty
+region it overlaps. The update it sends is Textual's: it writes only the dirty spans, and each
+cell of a span shows the frontmost widget there, which overlaps the span and so is rendered.
+Full updates (resizes, screenshots) are Textual's own.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from textual._compositor import Compositor
+from textual.geometry import Region
+from textual.screen import Screen
+from textual.strip import Strip
+
+
+class UpdateCompositor(Compositor):
+    def __init__(self) -> None:
+        super().__init__()
+        self._update_regions: list[Region] | None = None
+
+    def render_partial_update(self):
+        self._update_regions = list(self._dirty_regions)
+        try:
+            return super().render_partial_update()
+        finally:
+            self._update_regions = None
+
+    def _get_renders(self, crop: Region | None = None) -> Iterable[tuple[Region, Region, list[Strip]]]:
+        if not self._update_regions or crop is None:
+            yield from super()._get_renders(crop)
+            return
+        uncovered = list(self._update_regions)
+        # Front to back, as the compositor fills each cut from the first widget that renders it.
+        for widget, (region, clip) in self.visible_widgets.items():
+            if not uncovered:
+                break
+            visible = region.intersection(clip)
+            top = bottom = None
+            for dirty in uncovered:
+                hit = visible.intersection(dirty)
+                if hit:
+                    top = hit.y if top is None else min(top, hit.y)
+                    bottom = hit.bottom if bottom is None else max(bottom, hit.bottom)
+            if top is None:
+                continue
+            uncovered = [dirty for dirty in uncovered if not visible.contains_region(dirty)]
+            # Whole rows of the widget's visible part: the compositor divides lines at widget
+            # edges, and a narrower render would move those cuts.
+            rows = Region(visible.x, top, visible.width, bottom - top)
+            yield region, rows, widget.render_lines(rows.translate((-region.x, -region.y)))
+
+
+class ChatScreen(Screen):
+    def __init__(self, name: str | None = None, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(name=name, id=id, classes=classes)
+        self._compositor = UpdateCompositor()

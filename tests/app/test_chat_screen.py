@@ -1,0 +1,90 @@
+"""ChatScreen's compositor renders less for a partial update than Textual's, and must send the
+terminal the same thing: after every step, what a terminal fed the app's updates shows equals a
+full render of the screen. Textual's own Screen runs the same steps as the control."""
+import pytest
+from textual.app import App, ComposeResult
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Sparkline, Static
+
+from nvchat.app.chat_screen import ChatScreen
+from nvchat.app.streaming_markdown import GrowingParagraph, StreamingMarkdown
+from tests.app.terminal import RecordingTerminal
+
+
+class Panes(App):
+    """The chat screen's shape: a scrolling transcript beside a panel, header and footer."""
+    CSS = """
+    #side { width: 24; border-left: solid $primary; }
+    #log { width: 1fr; }
+    StreamingMarkdown { margin: 0 1; }
+    """
+
+    def __init__(self, screen_class) -> None:
+        super().__init__()
+        self.screen_class = screen_class
+
+    def get_default_screen(self) -> Screen:
+        return self.screen_class(id="_default")
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal():
+            with VerticalScroll(id="log"):
+                yield Static("the start of the transcript\n" * 3)
+                yield StreamingMarkdown(id="reply")
+            with Vertical(id="side"):
+                yield Static(id="counter")
+                yield Sparkline([1, 2, 3], id="spark")
+        yield Footer()
+
+
+@pytest.mark.parametrize("screen_class", [Screen, ChatScreen], ids=["textual", "chat-screen"])
+async def test_the_terminal_shows_what_a_full_render_draws(screen_class):
+    app = Panes(screen_class)
+    terminal = RecordingTerminal(app)
+    async with app.run_test(size=(70, 20)) as pilot:
+        reply = app.query_one(StreamingMarkdown)
+        log = app.query_one("#log", VerticalScroll)
+        log.anchor()
+        steps = [
+            lambda i: reply.append(f"word{i} "),  # the last paragraph grows in place
+            lambda i: reply.append(f"**bold {i}** and `code`\n\n"),  # a new paragraph starts
+            lambda i: app.query_one("#counter", Static).update(f"count {i}"),
+            lambda i: app.query_one(Sparkline).__setattr__("data", [i % 5, 3, i % 7, 1]),
+            lambda i: reply.append("- a list item\n- another\n\n") if i % 7 == 0 else None,
+            lambda i: app.notify(f"toast {i}") if i % 9 == 0 else None,  # a layer above both panes
+        ]
+        for i in range(60):
+            for step in steps[: 2 + i % 5]:
+                result = step(i)
+                if result is not None:
+                    await result
+            if i == 40:
+                log.scroll_home(animate=False)  # the user scrolled up
+            await pilot.pause()
+            assert terminal.differences() == [], f"after step {i}"
+        assert terminal.updates > 60
+        assert log.max_scroll_y > 0  # the transcript overflowed, so it scrolled
+
+
+async def test_a_line_that_grows_in_place_renders_only_its_paragraph():
+    app = Panes(ChatScreen)
+    async with app.run_test(size=(70, 20)) as pilot:
+        reply = app.query_one(StreamingMarkdown)
+        await reply.append("hello")
+        await pilot.pause()
+        rendered = []
+        compositor = app.screen._compositor
+        get_renders = compositor._get_renders
+
+        def recording(crop=None):
+            for region, clip, strips in get_renders(crop):
+                rendered.append((region, clip))
+                yield region, clip, strips
+
+        compositor._get_renders = recording
+        await reply.append(" world")
+        await pilot.pause()
+        paragraph = reply.query_one(GrowingParagraph)
+        assert rendered == [(paragraph.region, paragraph.region)]
