@@ -60,7 +60,15 @@ class UpdateCompositor(Compositor):
             yield region, rows, widget.render_lines(rows.translate((-region.x, -region.y)))
 
 
+def _overridable(compositor: Compositor) -> bool:
+    """UpdateCompositor overrides internals of Textual's compositor (written against 8.2.8); a
+    Textual whose compositor lacks them keeps its own, which draws the same, only slower."""
+    return all(hasattr(compositor, name)
+               for name in ("render_partial_update", "_get_renders", "visible_widgets", "_dirty_regions"))
+
+
 class ChatScreen(Screen):
     def __init__(self, name: str | None = None, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(name=name, id=id, classes=classes)
-        self._compositor = UpdateCompositor()
+        if _overridable(self._compositor):
+            self._compositor = UpdateCompositor()
