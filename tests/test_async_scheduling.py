@@ -47,16 +47,21 @@ def both_ways(path, prompts, params, **kwargs):
     return results
 
 
+def record_plans(llm: LLM) -> list:
+    """Every step plan the engine hands its runner from now on, in order."""
+    plans, execute = [], llm.runner.execute
+
+    def spy(plan):
+        plans.append(plan)
+        return execute(plan)
+    llm.runner.execute = spy
+    return plans
+
+
 def test_overlap_is_the_default_and_decode_inputs_come_from_the_device(tiny_qwen3):
     with LLM(tiny_qwen3, device="cpu") as llm:
         assert llm.async_scheduling
-        plans = []
-        execute = llm.runner.execute
-
-        def spy(plan):
-            plans.append(plan)
-            return execute(plan)
-        llm.runner.execute = spy
+        plans = record_plans(llm)
         seqs = [llm.add_request(p, GREEDY) for p in random_prompts([5, 9], seed=1)]
         assert llm.step() == []  # the prefill is in flight: nothing settled yet
         assert seqs[0].token_ids[-1] == PENDING_TOKEN

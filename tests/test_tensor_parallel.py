@@ -18,7 +18,7 @@ import pytest
 from engine import LLM, EngineThread, SamplingParams
 from engine.tp_group import WorkerError
 from tests.conftest import hf_greedy, random_prompts, save_tiny_hf_model
-from tests.test_async_scheduling import completions, run
+from tests.test_async_scheduling import completions, record_plans, run
 
 REPO = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -109,13 +109,7 @@ def test_overlapped_steps_match_one_synchronous_rank(tiny_qwen3):
         with LLM(tiny_qwen3, device="cpu", kvcache_block_size=4, num_kvcache_blocks=40, max_prefill_chunk=13,
                  tensor_parallel_size=2) as llm:
             assert llm.async_scheduling
-            plans = []
-            execute = llm.runner.execute
-
-            def spy(plan):
-                plans.append(plan)
-                return execute(plan)
-            llm.runner.execute = spy
+            plans = record_plans(llm)
             got = completions(run(llm, prompts, params)[0])
             assert llm.stats().num_preemptions > 0
     assert any(p.feed_rows for p in plans)
