@@ -181,7 +181,8 @@ def run_headless(engine: EngineThread, settings: Settings, tabs: int, run: int) 
 
 
 async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_panel: bool, size, run: int,
-                      switch_interval: float, pump_hz: int, profile: bool = False, cprofile: str | None = None) -> dict:
+                      switch_interval: float, pump_hz: int, profile: bool = False, cprofile: str | None = None,
+                      fixed_rate: bool = False) -> dict:
     from nvchat.app import NvchatApp
     from nvchat.app.messages import PromptSubmitted
 
@@ -189,6 +190,8 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
         """Keeps each reply's stream for the numbers. Textual also runs NvchatApp's own handler."""
         GIL_SWITCH_INTERVAL_S = switch_interval
         PUMP_HZ = pump_hz
+        # The draw pacer's floor at its ceiling: every tick draws, whatever it costs.
+        MIN_DRAW_HZ = pump_hz if fixed_rate else getattr(NvchatApp, "MIN_DRAW_HZ", None)
         streams: list[RequestStream] = []
 
         def on_reply_started(self, event) -> None:
@@ -273,6 +276,9 @@ def main() -> None:
     p.add_argument("--replay", type=float, default=None, metavar="RATE",
                    help="run the app against a replay of recorded replies at RATE tokens/s per stream, "
                         "not the engine (see above)")
+    p.add_argument("--fixed-rate", action="store_true",
+                   help="draw the visible reply on every pump tick (no pacing): the cost of a draw at a fixed rate, "
+                        "comparable with builds from before the pacer")
     p.add_argument("--no-kv-panel", action="store_true", help="leave the KV panel hidden during the UI run")
     p.add_argument("--size", default="160x50", help="terminal size for the headless app, COLSxROWS")
     p.add_argument("--profile-ui", action="store_true",
@@ -311,7 +317,7 @@ def main() -> None:
         for run, (interval, hz) in enumerate(itertools.product(args.switch_interval, args.pump_hz), 1):
             headless = run_headless(engine, settings, args.tabs, run)
             ui = asyncio.run(run_with_ui(engine, settings, args.tabs, kv_panel, (cols, rows), run, interval, hz,
-                                         args.profile_ui, args.cprofile))
+                                         args.profile_ui, args.cprofile, args.fixed_rate))
             runs.append({"switch_interval_s": interval, "pump_hz": hz, "headless": headless, "ui": ui,
                          "ui_vs_headless": ui["tokens_per_s"] / headless["tokens_per_s"]})
     finally:
@@ -319,8 +325,8 @@ def main() -> None:
 
     label = args.model or (f"{args.shape} shape" if args.shape else "demo")
     device = f"replayed at {args.replay:g} tok/s per stream" if args.replay else engine.llm.config.device
-    print(f"{args.tabs} tabs x {args.max_tokens} tokens, model {label}, "
-          f"device {device}, KV panel {'on' if kv_panel else 'off'}")
+    print(f"{args.tabs} tabs x {args.max_tokens} tokens, model {label}, device {device}, "
+          f"KV panel {'on' if kv_panel else 'off'}{', fixed draw rate' if args.fixed_rate else ''}")
     print_table([(f"{r['switch_interval_s'] * 1000:g}", r["pump_hz"],
                   f"{r['headless']['tokens_per_s']:,.0f}", f"{r['ui']['tokens_per_s']:,.0f}",
                   f"{r['ui_vs_headless'] * 100:.0f}%",
@@ -336,7 +342,8 @@ def main() -> None:
                  "TTFT ms h / UI", "UI thread CPU", "UI CPU ms/tick", "UI CPU ms/token", "ticks", "draws/s",
                  "tick gap p50/p99 ms", "tick work p50/p99 ms"))
     write_json(args.out, {"tabs": args.tabs, "max_tokens": args.max_tokens, "model": label,
-                          "device": str(device), "replay_rate": args.replay, "kv_panel": kv_panel, "size": args.size,
+                          "device": str(device), "replay_rate": args.replay, "fixed_rate": args.fixed_rate,
+                          "kv_panel": kv_panel, "size": args.size,
                           "runs": runs})
 
 
