@@ -7,11 +7,13 @@ Threads, and what runs where:
 - a start-up thread worker builds the engine, reporting each stage to the loading screen.
 
 Streaming: one app-level timer (PUMP_HZ) drains every active stream with RequestStream.drain(),
-which hands over everything since the last tick as one delta. The visible chat appends it to its
-reply's MarkdownStream, so it gets at most PUMP_HZ updates a second however fast tokens arrive;
-a chat in a hidden tab only accumulates it, and draws it when its tab is shown. The engine never
-posts per-token messages. The UI thread's time is the engine's too: the engine thread needs the
-GIL between its GPU waits, so whatever the UI draws that nobody sees slows generation.
+which hands over everything since the last draw as one delta. The visible chat appends it to its
+reply's MarkdownStream, so it gets at most PUMP_HZ updates a second however fast tokens arrive,
+and fewer while drawing is costly (DrawPacer); a chat in a hidden tab only accumulates it, and
+draws it when its tab is shown. The engine never posts per-token messages. The UI thread's time
+is the engine's too: the engine thread needs the GIL between its GPU waits, so whatever the UI
+draws that nobody sees slows generation. Hence also ChatScreen, whose compositor renders only
+what an update shows, and the full garbage collections held back while chats stream.
 """
 from __future__ import annotations
 
