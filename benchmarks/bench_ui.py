@@ -2,15 +2,16 @@
 Textual's App.run_test) versus the same 8 requests on the bare EngineThread.
 
 Reports the engine's output tokens/s both ways (and their ratio, the issue's target being >= 90%),
-the UI thread's CPU (its share of one core over the run, per pump tick and per token) and the UI's frame
-times (the gap between the stream pump's ticks, and the time each tick spends draining streams
-and drawing; p50 and p99). Every reply runs to --max-tokens (ignore_eos) so both runs do the same
+the UI thread's CPU (its share of one core over the run, per pump tick and per token), how often
+the visible reply was drawn (draws/s: the app paces them, see nvchat/app/pacing.py) and the UI's
+frame times (the gap between the stream pump's ticks, and the time each tick spends draining
+streams and drawing; p50 and p99). Every reply runs to --max-tokens (ignore_eos) so both runs do the same
 work. Each pair of a --switch-interval value (the GIL switch interval the app sets while it runs)
 and a --pump-hz value gets its own pair of runs, headless then with the UI, on one engine:
 
     python -m benchmarks.bench_ui [--model PATH | --shape qwen3-0.6b] [--tabs 8] [--max-tokens 1536]
-                                  [--switch-interval 0.0005 0.0001 ...] [--pump-hz 20 10 ...] [--profile-ui]
-                                  [--cprofile ui.prof] [--out ui.json]
+                                  [--switch-interval 0.0005 0.0001 ...] [--pump-hz 20 10 ...] [--fixed-rate]
+                                  [--replay RATE] [--profile-ui] [--cprofile ui.prof] [--out ui.json]
 
 With no --model it uses the built-in demo model (on CPU here, on the GPU where there is one);
 --shape gives a real model's layers with random weights, for GPUs without checkpoints.
@@ -18,7 +19,8 @@ With no --model it uses the built-in demo model (on CPU here, on the GPU where t
 run, handed to each stream at RATE tokens/s (e.g. an H200's ~600 on a CPU box), with a KV map
 that grows with them. The UI's cost is then the only thing that varies between runs, which makes
 A/B comparisons of the app possible on a machine whose engine speed wanders; its "headless" row
-is the replay without the app.
+is the replay without the app. --fixed-rate draws on every pump tick, without the pacing: the
+cost of a draw at a fixed rate, comparable with the app from before the pacer.
 --profile-ui samples the UI thread's stack during the UI runs and prints where its time went
 (the sampling takes the GIL too, so the throughput of a profiled run is not the benchmark's);
 --cprofile PATH writes a cProfile of the UI thread instead, for call counts.
