@@ -2,18 +2,25 @@
 Textual's App.run_test) versus the same 8 requests on the bare EngineThread.
 
 Reports the engine's output tokens/s both ways (and their ratio, the issue's target being >= 90%),
-the UI thread's CPU (its share of one core over the run, per pump tick and per token) and the UI's frame
-times (the gap between the stream pump's ticks, and the time each tick spends draining streams
-and drawing; p50 and p99). Every reply runs to --max-tokens (ignore_eos) so both runs do the same
+the UI thread's CPU (its share of one core over the run, per pump tick and per token), how often
+the visible reply was drawn (draws/s: the app paces them, see nvchat/app/pacing.py) and the UI's
+frame times (the gap between the stream pump's ticks, and the time each tick spends draining
+streams and drawing; p50 and p99). Every reply runs to --max-tokens (ignore_eos) so both runs do the same
 work. Each pair of a --switch-interval value (the GIL switch interval the app sets while it runs)
 and a --pump-hz value gets its own pair of runs, headless then with the UI, on one engine:
 
     python -m benchmarks.bench_ui [--model PATH | --shape qwen3-0.6b] [--tabs 8] [--max-tokens 1536]
-                                  [--switch-interval 0.0005 0.0001 ...] [--pump-hz 20 10 ...] [--profile-ui]
-                                  [--cprofile ui.prof] [--out ui.json]
+                                  [--switch-interval 0.0005 0.0001 ...] [--pump-hz 20 10 ...] [--fixed-rate]
+                                  [--replay RATE] [--profile-ui] [--cprofile ui.prof] [--out ui.json]
 
 With no --model it uses the built-in demo model (on CPU here, on the GPU where there is one);
 --shape gives a real model's layers with random weights, for GPUs without checkpoints.
+--replay RATE runs the app against a replay instead of the engine: the tokens of one headless
+run, handed to each stream at RATE tokens/s (e.g. an H200's ~600 on a CPU box), with a KV map
+that grows with them. The UI's cost is then the only thing that varies between runs, which makes
+A/B comparisons of the app possible on a machine whose engine speed wanders; its "headless" row
+is the replay without the app. --fixed-rate draws on every pump tick, without the pacing: the
+cost of a draw at a fixed rate, comparable with the app from before the pacer.
 --profile-ui samples the UI thread's stack during the UI runs and prints where its time went
 (the sampling takes the GIL too, so the throughput of a profiled run is not the benchmark's);
 --cprofile PATH writes a cProfile of the UI thread instead, for call counts.
@@ -21,11 +28,14 @@ With no --model it uses the built-in demo model (on CPU here, on the GPU where t
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
+import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +43,8 @@ from pathlib import Path
 from benchmarks.common import CONFIGS, print_table, write_json
 from benchmarks.thread_sampler import sample_current_thread
 from engine import EngineThread, RequestStream
+from engine.block_manager import FREE, USED
+from engine.engine_thread import EngineSnapshot
 from engine.demo_model import ensure_demo_model
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
 
@@ -76,6 +88,90 @@ def throughput(streams: list[RequestStream]) -> dict:
             "mean_ttft_ms": 1000 * sum(s.time_to_first_token or 0 for s in streams) / len(streams)}
 
 
+class ReplayEngine:
+    """Stands in for EngineThread (submit, stats, shutdown): each request gets the next recorded
+    reply, one token per step, steps rate times a second. Its thread sleeps between steps, as the
+    engine thread waits on the GPU, and needs the GIL only briefly to hand tokens over."""
+
+    def __init__(self, replies: list[list[str]], rate: float, template: EngineSnapshot) -> None:
+        self.replies, self.step_s, self.template = replies, 1 / rate, template
+        self._ids = itertools.count(1)
+        self._live: dict[int, list] = {}  # request id -> [stream, pieces, next piece]
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._snapshot = self._snap()
+        self._thread = threading.Thread(target=self._run, name="replay-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt, sampling_params=None, *, enable_thinking=None, tag=None) -> RequestStream:
+        request_id = next(self._ids)
+        stream = RequestStream(request_id, 64, self._abort, tag)
+        pieces = self.replies[request_id % len(self.replies)]
+        if sampling_params is not None:
+            pieces = pieces[:sampling_params.max_tokens]
+        with self._lock:
+            self._live[request_id] = [stream, pieces, 0]
+        return stream
+
+    def _abort(self, stream: RequestStream) -> None:
+        with self._lock:
+            self._live.pop(stream.request_id, None)
+        stream._finish("abort")
+
+    def _run(self) -> None:
+        due = time.perf_counter()
+        while not self._stopping:
+            due += self.step_s
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                due = time.perf_counter()  # late (the GIL): no burst to catch up
+            with self._lock:
+                live = list(self._live.items())
+            for request_id, entry in live:
+                stream, pieces, at = entry
+                if at < len(pieces):
+                    stream._push(pieces[at], [at])
+                    entry[2] = at + 1
+                if entry[2] >= len(pieces):
+                    with self._lock:
+                        self._live.pop(request_id, None)
+                    stream._finish("length")
+            self._snapshot = self._snap()
+
+    def _snap(self) -> EngineSnapshot:
+        t = self.template
+        with self._lock:
+            live = [(request_id, entry[2]) for request_id, entry in self._live.items()]
+        states, holders, at = bytearray([FREE]) * t.num_blocks, {}, 0
+        for request_id, tokens in live:
+            n = min(math.ceil((64 + tokens) / t.block_size), t.num_blocks - at)
+            holders[request_id] = list(range(at, at + n))
+            states[at:at + n] = bytes([USED]) * n
+            at += n
+        return dataclasses.replace(t, num_free_blocks=t.num_blocks - at, num_running=len(live), num_waiting=0,
+                                   decode_tokens_per_s=len(live) / self.step_s, prefill_tokens_per_s=0.0,
+                                   kv_bytes_used=t.kv_bytes_total * at // max(1, t.num_blocks),
+                                   block_states=bytes(states), block_holders=holders, taken_at=time.perf_counter())
+
+    def stats(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._thread.join()
+
+
+def record_replies(engine: EngineThread, settings: Settings, tabs: int) -> list[list[str]]:
+    """Each reply of one headless run, token by token, for ReplayEngine."""
+    params = settings.sampling_params()
+    streams = [engine.submit([{"role": "system", "content": settings.system_prompt},
+                              {"role": "user", "content": user_message("recorded0", i)}], params)
+               for i in range(tabs)]
+    return [[delta.text for delta in stream] for stream in streams]
+
+
 def run_headless(engine: EngineThread, settings: Settings, tabs: int, run: int) -> dict:
     params = settings.sampling_params()
     streams = [engine.submit([{"role": "system", "content": settings.system_prompt},
@@ -87,7 +183,8 @@ def run_headless(engine: EngineThread, settings: Settings, tabs: int, run: int) 
 
 
 async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_panel: bool, size, run: int,
-                      switch_interval: float, pump_hz: int, profile: bool = False, cprofile: str | None = None) -> dict:
+                      switch_interval: float, pump_hz: int, profile: bool = False, cprofile: str | None = None,
+                      fixed_rate: bool = False) -> dict:
     from nvchat.app import NvchatApp
     from nvchat.app.messages import PromptSubmitted
 
@@ -95,6 +192,8 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
         """Keeps each reply's stream for the numbers. Textual also runs NvchatApp's own handler."""
         GIL_SWITCH_INTERVAL_S = switch_interval
         PUMP_HZ = pump_hz
+        # The draw pacer's floor at its ceiling: every tick draws, whatever it costs.
+        MIN_DRAW_HZ = pump_hz if fixed_rate else getattr(NvchatApp, "MIN_DRAW_HZ", None)
         streams: list[RequestStream] = []
 
         def on_reply_started(self, event) -> None:
@@ -130,11 +229,13 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
             print(sampler.report())
         intervals, durations = list(app.frame_stats.intervals), list(app.frame_stats.durations)
     pct = app.frame_stats.percentile
-    return {**throughput(app.streams), "frames": len(durations), "draws": app.frame_stats.draws,
+    # An app from before the pump paced its draws drew the visible reply on every tick.
+    draws = getattr(app.frame_stats, "draws", len(durations))
+    return {**throughput(app.streams), "frames": len(durations), "draws": draws,
             "ui_thread_cpu_s": ui_cpu_s,
             "ui_thread_cpu_share": ui_cpu_s / wall_s, "ui_cpu_ms_per_tick": 1000 * ui_cpu_s / max(1, len(durations)),
             "ui_cpu_ms_per_token": 1000 * ui_cpu_s / max(1, sum(s.num_completion_tokens for s in app.streams)),
-            "draws_per_s": app.frame_stats.draws / wall_s,
+            "draws_per_s": draws / wall_s,
             "tick_interval_ms": {"p50": 1000 * pct(intervals, 50), "p99": 1000 * pct(intervals, 99)},
             "tick_work_ms": {"p50": 1000 * pct(durations, 50), "p99": 1000 * pct(durations, 99)}}
 
@@ -174,6 +275,12 @@ def main() -> None:
     p.add_argument("--pump-hz", type=int, nargs="+", default=[NvchatApp.PUMP_HZ],
                    help="the app's stream pump rate(s), the visible reply's most updates a second "
                         "(default: the app's); every --switch-interval runs at every rate")
+    p.add_argument("--replay", type=float, default=None, metavar="RATE",
+                   help="run the app against a replay of recorded replies at RATE tokens/s per stream, "
+                        "not the engine (see above)")
+    p.add_argument("--fixed-rate", action="store_true",
+                   help="draw the visible reply on every pump tick (no pacing): the cost of a draw at a fixed rate, "
+                        "comparable with builds from before the pacer")
     p.add_argument("--no-kv-panel", action="store_true", help="leave the KV panel hidden during the UI run")
     p.add_argument("--size", default="160x50", help="terminal size for the headless app, COLSxROWS")
     p.add_argument("--profile-ui", action="store_true",
@@ -203,20 +310,25 @@ def main() -> None:
         # a short first app session takes the one-time costs of imports, CSS and widget classes.
         short = BenchSettings(**{**settings.__dict__, "max_tokens": 8})
         run_headless(engine, short, 2, 0)
+        if args.replay:
+            replies, template = record_replies(engine, settings, args.tabs), engine.stats()
+            engine.shutdown()
+            engine = ReplayEngine(replies, args.replay, template)
         asyncio.run(run_with_ui(engine, short, args.tabs, kv_panel, (cols, rows), 0, args.switch_interval[0],
                                 args.pump_hz[0]))
         for run, (interval, hz) in enumerate(itertools.product(args.switch_interval, args.pump_hz), 1):
             headless = run_headless(engine, settings, args.tabs, run)
             ui = asyncio.run(run_with_ui(engine, settings, args.tabs, kv_panel, (cols, rows), run, interval, hz,
-                                         args.profile_ui, args.cprofile))
+                                         args.profile_ui, args.cprofile, args.fixed_rate))
             runs.append({"switch_interval_s": interval, "pump_hz": hz, "headless": headless, "ui": ui,
                          "ui_vs_headless": ui["tokens_per_s"] / headless["tokens_per_s"]})
     finally:
         engine.shutdown()
 
     label = args.model or (f"{args.shape} shape" if args.shape else "demo")
-    print(f"{args.tabs} tabs x {args.max_tokens} tokens, model {label}, "
-          f"device {engine.llm.config.device}, KV panel {'on' if kv_panel else 'off'}")
+    device = f"replayed at {args.replay:g} tok/s per stream" if args.replay else engine.llm.config.device
+    print(f"{args.tabs} tabs x {args.max_tokens} tokens, model {label}, device {device}, "
+          f"KV panel {'on' if kv_panel else 'off'}{', fixed draw rate' if args.fixed_rate else ''}")
     print_table([(f"{r['switch_interval_s'] * 1000:g}", r["pump_hz"],
                   f"{r['headless']['tokens_per_s']:,.0f}", f"{r['ui']['tokens_per_s']:,.0f}",
                   f"{r['ui_vs_headless'] * 100:.0f}%",
@@ -229,10 +341,11 @@ def main() -> None:
                   f"{r['ui']['tick_work_ms']['p50']:.2f} / {r['ui']['tick_work_ms']['p99']:.2f}")
                  for r in runs],
                 ("switch ms", "pump Hz", "headless tok/s", "UI tok/s", "UI/headless", "per-stream tok/s h / UI",
-                 "TTFT ms h / UI", "UI thread CPU", "UI CPU ms/tick", "UI CPU ms/token", "ticks", "draws/s", "tick gap p50/p99 ms",
-                 "tick work p50/p99 ms"))
+                 "TTFT ms h / UI", "UI thread CPU", "UI CPU ms/tick", "UI CPU ms/token", "ticks", "draws/s",
+                 "tick gap p50/p99 ms", "tick work p50/p99 ms"))
     write_json(args.out, {"tabs": args.tabs, "max_tokens": args.max_tokens, "model": label,
-                          "device": str(engine.llm.config.device), "kv_panel": kv_panel, "size": args.size,
+                          "device": str(device), "replay_rate": args.replay, "fixed_rate": args.fixed_rate,
+                          "kv_panel": kv_panel, "size": args.size,
                           "runs": runs})
 
 

@@ -7,11 +7,13 @@ Threads, and what runs where:
 - a start-up thread worker builds the engine, reporting each stage to the loading screen.
 
 Streaming: one app-level timer (PUMP_HZ) drains every active stream with RequestStream.drain(),
-which hands over everything since the last tick as one delta. The visible chat appends it to its
-reply's MarkdownStream, so it gets at most PUMP_HZ updates a second however fast tokens arrive;
-a chat in a hidden tab only accumulates it, and draws it when its tab is shown. The engine never
-posts per-token messages. The UI thread's time is the engine's too: the engine thread needs the
-GIL between its GPU waits, so whatever the UI draws that nobody sees slows generation.
+which hands over everything since the last draw as one delta. The visible chat appends it to its
+reply's MarkdownStream, so it gets at most PUMP_HZ updates a second however fast tokens arrive,
+and fewer while drawing is costly (DrawPacer); a chat in a hidden tab only accumulates it, and
+draws it when its tab is shown. The engine never posts per-token messages. The UI thread's time
+is the engine's too: the engine thread needs the GIL between its GPU waits, so whatever the UI
+draws that nobody sees slows generation. Hence also ChatScreen, whose compositor renders only
+what an update shows, and the full garbage collections held back while chats stream.
 """
 from __future__ import annotations
 
@@ -221,8 +223,9 @@ class NvchatApp(App[None]):
 
     @property
     def active_pane(self) -> ChatPane | None:
-        pane = self.tabs.active_pane
-        return pane.query_one(ChatPane) if pane is not None else None
+        # Read by every pump tick: the chats' own list rather than two DOM queries.
+        active = self.tabs.active
+        return next((pane for pane in self._panes if pane.parent is not None and pane.parent.id == active), None)
 
     def _color_for(self, slot: int) -> str:
         colors = tab_colors(self.current_theme)
@@ -296,6 +299,10 @@ class NvchatApp(App[None]):
         shown = self.active_pane
         draw = self.draw_pacer.due(started)
         drawing, streams = draw and shown in self._streaming, len(self._streaming)
+        if not draw and shown in self._streaming:
+            # Hidden chats only accumulate: draining them can wait for the visible one's next draw.
+            self.frame_stats.record(started, time.perf_counter())
+            return
         for pane in list(self._streaming):
             try:
                 ended = await pane.pump(pane is shown, draw)

@@ -213,15 +213,17 @@ class ThroughputSparkline(Sparkline):
         columns, index, step = [], 0.0, len(buckets) / width
         for _ in range(width):
             ratio = (max(buckets[int(index)]) - minimum) / extent
-            columns.append((int(ratio * (levels * height - 1)), base + Style.from_color(blend_colors(low, high, ratio))))
-            index += step
+            bar = int(ratio * (levels * height - 1))
+            columns.append((bar, base + Style.from_color(blend_colors(low, high, ratio))))
+            index += step  # accumulated, not multiplied: the float rounding picks the same buckets
         rows = []
         for row in reversed(range(height)):
             floor, top = row * levels, (row + 1) * levels
             cells = [(" ", base) if bar < floor else
-                     ("█" if bar >= top else SparklineRenderable.BARS[bar % levels], style) for bar, style in columns]
-            rows.append(Strip([Segment("".join(glyph for glyph, _ in run), style)
-                               for style, run in ((style, list(run)) for style, run in groupby(cells, key=lambda c: c[1]))]))
+                     ("█" if bar >= top else SparklineRenderable.BARS[bar % levels], style)
+                     for bar, style in columns]
+            runs = groupby(cells, key=lambda cell: cell[1])
+            rows.append(Strip([Segment("".join(glyph for glyph, _ in run), style) for style, run in runs]))
         return rows
 
     def render_line(self, y: int) -> Strip:

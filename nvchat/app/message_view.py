@@ -14,7 +14,7 @@ from textual.content import Content
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from nvchat.app.streaming_markdown import StreamingMarkdown
+from nvchat.app.streaming_markdown import QuietResize, StreamingMarkdown
 from nvchat.conversation import Message, split_thinking
 
 _FINISH_NOTES = {"abort": "stopped", "length": "hit max tokens", "error": "failed"}
@@ -77,7 +77,7 @@ class UserMessageView(Static):
         self.border_title = "you"
 
 
-class ReplyView(Vertical):
+class ReplyView(QuietResize, Vertical):
     """An assistant reply: stored (built whole), or live: fed by receive() and end(), and drawn,
     in batches, by catch_up(). A live reply in a hidden tab only accumulates: it is drawn once,
     whole, when its tab is shown."""

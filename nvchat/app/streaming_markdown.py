@@ -19,7 +19,19 @@ from textual.widgets._markdown import MarkdownBlock
 _Paragraph = Markdown.BLOCKS["paragraph_open"]  # MarkdownParagraph, which textual does not export
 
 
-class GrowingParagraph(_Paragraph):
+class QuietResize:
+    """For widgets sized by their content that never scroll. When a layout gives a widget a new
+    size, Textual's _size_updated also sets its virtual_size, a reactive that asks for another
+    layout when it changes: each time a streamed line wraps, the paragraph, the Markdown and the
+    reply around it each asked, and the screen was laid out a second time for nothing (5-6 ms on
+    the CPU box, after the 10-15 ms of the first). The virtual size is set without that request;
+    a widget that does not scroll has no use for it."""
+
+    def _size_updated(self, size, virtual_size, container_size, layout: bool = True) -> bool:
+        return super()._size_updated(size, virtual_size, container_size, layout=False)
+
+
+class GrowingParagraph(QuietResize, _Paragraph):
     def set_content(self, content: Content) -> None:
         old, width = getattr(self, "_content", None), self.content_size.width
         # Same height at the laid-out width: a repaint of this paragraph is all it needs. Content
@@ -32,7 +44,7 @@ class GrowingParagraph(_Paragraph):
             super().set_content(content)
 
 
-class StreamingMarkdown(Markdown):
+class StreamingMarkdown(QuietResize, Markdown):
     BLOCKS = {**Markdown.BLOCKS, "paragraph_open": GrowingParagraph}
 
     def __init__(self, markdown: str | None = None, **kwargs) -> None:

@@ -62,7 +62,8 @@ async def test_send_streams_a_reply_with_footer_and_stores_it(make_app):
         # the demo model to finish the whole reply on a fast machine.
         await submit_now(pilot, pane, "hello there")
         # The chat turns busy before the prompt is tokenized; its reply view comes with the stream.
-        await wait_for(pilot, lambda: pane.stream is not None or pane.query(ReplyView), what="the reply view")
+        await wait_for(pilot, lambda: pane.query(ReplyView) and pane.query(ReplyView).last().query("#answer"),
+                       what="the reply view")
         # Streaming: the reply's Markdown grows over several pump ticks before the reply ends.
         sizes = set()
         while pane.busy:

@@ -88,3 +88,31 @@ async def test_a_line_that_grows_in_place_renders_only_its_paragraph():
         await pilot.pause()
         paragraph = reply.query_one(GrowingParagraph)
         assert rendered == [(paragraph.region, paragraph.region)]
+
+
+async def test_the_chat_app_sends_what_it_draws(make_app):
+    """The app itself: two chats streaming, the KV panel refreshing, the help screen over it all."""
+    from nvchat.app.prompt_input import PromptInput
+    from tests.app.helpers import idle, press_now, started, submit_now, wait_for
+
+    app = make_app(max_tokens=200)
+    terminal = RecordingTerminal(app)
+    async with app.run_test(size=(110, 36)) as pilot:
+        await started(pilot)
+        await pilot.press("f5")
+        await submit_now(pilot, app.active_pane, "first")
+        await press_now(pilot, "ctrl+t")
+        pane = app.active_pane
+        pane.query_one(PromptInput).cursor_blink = False
+        await submit_now(pilot, pane, "second")
+        await wait_for(pilot, lambda: pane.stream is not None and pane.stream.num_completion_tokens > 50)
+        await press_now(pilot, "f1")
+        await wait_for(pilot, lambda: app.screen.query("#help-table"), what="the help screen")
+        await press_now(pilot, "escape")
+        await wait_for(pilot, lambda: not app.screen.query("#help-table"), what="the help screen to close")
+        for chat in app._panes:
+            await idle(pilot, chat)
+        await pilot.press("f5")  # the panel's timer stops: nothing changes any more
+        await pilot.pause()
+        await pilot.pause()
+        assert terminal.differences() == []

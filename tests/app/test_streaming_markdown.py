@@ -39,9 +39,12 @@ async def test_appends_repaint_in_place_and_wrapping_grows_the_paragraph():
         assert "hello world" in shown_text(paragraph)
         assert paragraph._layout_updates == layouts  # repainted, no layout asked for
 
+        around = markdown._layout_updates
         await markdown.append(" and a good deal more text than one line of forty holds")
         await pilot.pause()
+        await pilot.pause()
         assert paragraph.size.height == 2  # laid out again at its new height
+        assert markdown._layout_updates == around + 1  # for the paragraph; its own new size asked for none
         assert "forty holds" in shown_text(paragraph)
         assert markdown.source == "hello world and a good deal more text than one line of forty holds"
 
@@ -55,7 +58,7 @@ class TwoMarkdowns(App):
 
 def blocks(markdown) -> list:
     """Each block as it stands: its kind, where its source lies, and the content it shows."""
-    return [(type(block).__mro__[1 if isinstance(block, GrowingParagraph) else 0].__name__, block.source_range,
+    return [("MarkdownParagraph" if isinstance(block, GrowingParagraph) else type(block).__name__, block.source_range,
              str(block._content), [(s.start, s.end, str(s.style)) for s in block._content.spans])
             for block in markdown.query(MarkdownBlock)]
 
