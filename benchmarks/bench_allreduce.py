@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `engine`
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import graph_replay_ms, print_table, write_json
 from engine import parallel
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -45,15 +45,8 @@ def _time_us(group, reduce, x, calls: int, replays: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             reduce(x)  # x holds zeros, so NCCL's in-place sums stay zero
-    graph.replay()
     _barrier(group, device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    us = torch.tensor([start.elapsed_time(end) * 1e3 / (replays * calls)], dtype=torch.float64, device=device)
+    us = torch.tensor([graph_replay_ms(graph, replays) * 1e3 / calls], dtype=torch.float64, device=device)
     del graph
     return group.backend_all_reduce(us, dist.ReduceOp.MAX).item()
 

@@ -119,19 +119,18 @@ class GpuTimeline:
         event.record()
         events.append(event)
 
-    def wrap_inputs(self, fn):
+    def _recording_after(self, fn, events):
         def recorded(*args, **kwargs):
             out = fn(*args, **kwargs)
-            self._record(self.starts)
+            self._record(events)
             return out
         return recorded
 
+    def wrap_inputs(self, fn):
+        return self._recording_after(fn, self.starts)
+
     def wrap_execute(self, fn):
-        def recorded(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            self._record(self.ends)
-            return out
-        return recorded
+        return self._recording_after(fn, self.ends)
 
     def busy_and_gaps_us(self) -> tuple[list[float], list[float]]:
         torch.cuda.synchronize()

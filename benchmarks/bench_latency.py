@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import CONFIGS, decode_floor_ms, model_bytes_and_kv, print_table, write_json
+from benchmarks.common import CONFIGS, decode_floor_ms, graph_replay_ms, model_bytes_and_kv, print_table, write_json
 from engine import LLM, SamplingParams
 
 
@@ -36,15 +36,7 @@ def decode_graph_ms(llm: LLM, batch: int = 1, replays: int = 200) -> float | Non
     graphs = getattr(llm.runner, "decode_graphs", None)
     if graphs is None or batch not in graphs.graphs:
         return None
-    graph = graphs.graphs[batch]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
+    return graph_replay_ms(graphs.graphs[batch], replays)
 
 
 def time_to_first_token_ms(llm: LLM, prompt: list[int]) -> float:

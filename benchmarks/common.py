@@ -13,6 +13,20 @@ COPY_BANDWIDTH = 4.25e12
 GEMM_FLOPS = 790e12
 
 
+def graph_replay_ms(graph, replays: int) -> float:
+    """Mean GPU time of one replay of a captured CUDA graph, by events around back-to-back replays
+    (after one untimed replay)."""
+    import torch
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def nano_vllm_workload(num_seqs: int = 256, seed: int = 0):
     """nano-vllm's bench.py recipe: prompt lengths then output lengths uniform in 100..1024."""
     random.seed(seed)

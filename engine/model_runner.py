@@ -1,4 +1,5 @@
 """Holds the model and its KV cache on one device (one tensor-parallel rank) and runs step plans."""
+import bisect
 from array import array
 
 import torch
@@ -201,7 +202,7 @@ class ModelRunner:
         ladder = self._logits_ladder
         if ladder is None or rows > ladder[-1]:
             return rows
-        return next(r for r in ladder if r >= rows)
+        return ladder[bisect.bisect_left(ladder, rows)]
 
     # --- running a step --------------------------------------------------------------------------
 

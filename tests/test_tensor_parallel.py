@@ -163,30 +163,37 @@ def test_two_engines_in_one_process(tiny_qwen3, tiny_qwen3_tied):
 # --- failures ---------------------------------------------------------------------------------------------
 
 
+def kill_worker_mid_decode(llm: LLM, pid: int, seq, timeout: float) -> WorkerError:
+    """Steps llm on a thread until seq has decoded a few tokens, kills worker `pid`, and returns
+    the WorkerError the stepping thread got, checking it names the killed rank."""
+    outcome = {}
+
+    def run():
+        try:
+            while llm.has_unfinished():
+                llm.step()
+        except BaseException as e:
+            outcome["error"] = e
+
+    stepper = threading.Thread(target=run, daemon=True)
+    stepper.start()
+    _wait_until(lambda: seq.num_completion_tokens >= 3 or not stepper.is_alive(), timeout, "decoding to start")
+    os.kill(pid, signal.SIGKILL)
+    stepper.join(timeout=timeout)
+    assert not stepper.is_alive(), "the caller hung after its worker died"
+    error = outcome.get("error")
+    assert isinstance(error, WorkerError), f"expected a WorkerError, got {error!r}"
+    assert f"rank 1 (pid {pid}) was killed by SIGKILL" in str(error)
+    return error
+
+
 def test_worker_killed_mid_run_raises_in_caller(tiny_qwen3):
     with leaves_nothing_behind():
         with LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2) as llm:
             [pid] = llm.runner.worker_pids
             seq = llm.add_request(random_prompts([8])[0], SamplingParams(temperature=0, max_tokens=900,
                                                                          ignore_eos=True))
-            outcome = {}
-
-            def run():
-                try:
-                    while llm.has_unfinished():
-                        llm.step()
-                except BaseException as e:
-                    outcome["error"] = e
-
-            stepper = threading.Thread(target=run, daemon=True)
-            stepper.start()
-            _wait_until(lambda: seq.num_completion_tokens >= 3 or not stepper.is_alive(), 30, "decoding to start")
-            os.kill(pid, signal.SIGKILL)
-            stepper.join(timeout=30)
-            assert not stepper.is_alive(), "the caller hung after its worker died"
-            error = outcome.get("error")
-            assert isinstance(error, WorkerError), f"expected a WorkerError, got {error!r}"
-            assert f"rank 1 (pid {pid}) was killed by SIGKILL" in str(error)
+            error = kill_worker_mid_decode(llm, pid, seq, timeout=30)
             assert error.pids == [pid]
             assert llm.runner.broken
             with pytest.raises(RuntimeError, match="earlier failure"):

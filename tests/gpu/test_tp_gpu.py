@@ -5,7 +5,6 @@ Skipped with fewer than two CUDA devices."""
 import contextlib
 import multiprocessing
 import os
-import signal
 import threading
 import time
 import traceback
@@ -17,9 +16,8 @@ import torch
 import torch.distributed as dist
 
 from engine import LLM, SamplingParams, parallel, symm_allreduce
-from engine.tp_group import WorkerError
 from tests.conftest import random_prompts
-from tests.test_tensor_parallel import _children, _wait_until
+from tests.test_tensor_parallel import _children, kill_worker_mid_decode
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
@@ -277,25 +275,7 @@ def test_worker_killed_mid_decode_raises_and_leaves_the_gpu_usable(tiny_qwen3, e
             assert llm.runner.fast_all_reduce
             [pid] = llm.runner.worker_pids
             seqs = [llm.add_request(p, long) for p in prompts]
-            outcome = {}
-
-            def run():
-                try:
-                    while llm.has_unfinished():
-                        llm.step()
-                except BaseException as e:
-                    outcome["error"] = e
-
-            stepper = threading.Thread(target=run, daemon=True)
-            stepper.start()
-            _wait_until(lambda: seqs[0].num_completion_tokens >= 3 or not stepper.is_alive(), 60,
-                        "decoding to start")
-            os.kill(pid, signal.SIGKILL)
-            stepper.join(timeout=60)
-            assert not stepper.is_alive(), "the caller hung after its worker died"
-            error = outcome.get("error")
-            assert isinstance(error, WorkerError), f"expected a WorkerError, got {error!r}"
-            assert f"rank 1 (pid {pid}) was killed by SIGKILL" in str(error)
+            kill_worker_mid_decode(llm, pid, seqs[0], timeout=60)
             assert llm.runner.broken
     assert _finishes(lambda: torch.cuda.synchronize(0), 30), "cuda:0 still runs a kernel waiting on the dead rank"
     assert symm_allreduce._stranded == []
