@@ -5,7 +5,8 @@ tensor-parallel size, on random weights in a real model's shapes (no checkpoint 
 
 Every size runs in this process, one engine after another; rank 0 is cuda:0, rank r is cuda:r.
 Small all-reduces go over NVLink peer memory where it sets up (engine/symm_allreduce.py), the rest
-over NCCL (gloo on CPU); `--allreduce auto nccl` runs each size above 1 both ways.
+over NCCL (gloo on CPU), each one fused with the RMSNorm after it where it can be;
+`--allreduce auto unfused nccl` runs each size above 1 each way.
 """
 import argparse
 import gc
@@ -105,8 +106,9 @@ def main():
     p.add_argument("--num-seqs", type=int, default=256, help="sequences in the throughput workload")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", default=None)
-    p.add_argument("--allreduce", nargs="+", default=["auto"], choices=["auto", "nccl"],
-                   help="auto: symmetric memory for small all-reduces where it sets up; nccl: NCCL only")
+    p.add_argument("--allreduce", nargs="+", default=["auto"], choices=["auto", "unfused", "nccl"],
+                   help="auto: symmetric memory for small all-reduces where it sets up, fused with the "
+                        "RMSNorm after them; unfused: the same, but the all-reduce and norm apart; nccl: NCCL only")
     p.add_argument("--overlap", nargs="+", default=["on"], choices=["on", "off"],
                    help="async_scheduling: each step's host work overlapped with the GPUs (on), or not")
     args = p.parse_args()
@@ -124,7 +126,8 @@ def main():
     for r in results:
         ms = r["decode"]["ms_per_token"]
         base = bases.get(r["overlap"])
-        path = "-" if r["tp"] == 1 else "symm+nccl" if r["fast_all_reduce"] else "nccl"
+        path = "-" if r["tp"] == 1 else "nccl" if not r["fast_all_reduce"] else \
+            "symm+nccl, unfused" if r["allreduce"] == "unfused" else "symm+nccl"
         row = [r["tp"], path, r["overlap"], f"{ms:.3f}", f"{ms / base['decode']['ms_per_token']:.2f}x" if base else "-"]
         if "throughput" in r:
             t = r["throughput"]

@@ -92,6 +92,8 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(type(module), "fused"):
                     module.fused = True
+        if self.tp_group.size > 1:
+            self.model.defer_row_parallel_sums()
         self.sampler = Sampler(self.device) if rank == 0 else None
         self._sampled: torch.Tensor | None = None  # the last step's tokens, for the next one's feed_rows
         self.decode_graphs = self.prefill_graphs = None  # the warmup below runs eagerly

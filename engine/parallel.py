@@ -45,6 +45,19 @@ class TPGroup:
             return fast(x)
         return self.backend_all_reduce(x, op)
 
+    def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sum over ranks of x, then the residual add and RMSNorm, in one kernel over peer
+        memory: (normed, new residual). None where the fast path does not take these tensors;
+        the caller then all-reduces and normalizes separately. See SymmAllReduce.all_reduce_rms_norm
+        for slot."""
+        fast = self.fast
+        if fast is None or not fast.fuses(x, residual):
+            return None
+        if fast.aborted:
+            raise CollectiveError("this tensor-parallel group was aborted: a peer has gone")
+        return fast.all_reduce_rms_norm(x, residual, weight, eps, slot)
+
     def backend_all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """The process-group backend's all-reduce (NCCL or gloo), in place; returns x."""
         if self.size > 1:

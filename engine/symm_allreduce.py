@@ -32,11 +32,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kernels.allreduce_rmsnorm import MAX_PROGRAMS as _FUSED_PROGRAMS, all_reduce_rms_norm
+
 log = logging.getLogger(__name__)
 
 # Tensors up to this size take this path; larger ones (prefill) stay on NCCL, whose ring is
 # bandwidth-optimal for them. A decode step of batch 256 at hidden size 8192 is 4 MiB.
 BUFFER_BYTES = 8 << 20
+# Past torch's region: the two slots of the all-reduce fused with the add and RMSNorm
+# (kernels/allreduce_rmsnorm.py), then its flags. It takes what one-shot takes (one_shot_max).
+_FUSED_SLOT_BYTES = 512 << 10
+_FLAGS_OFFSET = BUFFER_BYTES + 2 * _FUSED_SLOT_BYTES
+_FUSED_MAX_HIDDEN = 16384  # a row is one program's registers
 # One-shot reads every peer's whole tensor, two-shot a 1/N share twice with one more sync: one-shot
 # wins while latency dominates. benchmarks/bench_allreduce.py measures where they cross.
 ONE_SHOT_MAX_BYTES = {2: 512 << 10}
@@ -51,7 +58,9 @@ _RENDEZVOUS_TIMEOUT = timedelta(seconds=60)
 _DRAIN_TIMEOUT_S = 30.0
 _RELEASE_POLL_S = 0.002
 _KEY = "nvchat-symm/"
-DISABLE_ENV = "NVCHAT_TP_ALLREDUCE"  # "nccl" keeps every all-reduce on NCCL
+# "nccl" keeps every all-reduce on NCCL; "unfused" keeps the fast all-reduce apart from the RMSNorm
+# after it (two kernels, as before the fused one: for comparisons)
+DISABLE_ENV = "NVCHAT_TP_ALLREDUCE"
 
 _lock = threading.Lock()  # one rendezvous at a time per process: they share torch's counter
 _rendezvous_made = 0  # rendezvous this process has made, catch-ups included
@@ -75,7 +84,14 @@ class SymmAllReduce:
         self._copy_in = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
         self._signals = [handle.get_signal_pad(r, [_SIGNAL_BLOCKS * size], torch.int32).view(_SIGNAL_BLOCKS, size)
                          for r in range(size)]
+        self._fused_flags = [handle.get_buffer(r, [_FUSED_PROGRAMS, size], torch.int32, _FLAGS_OFFSET // 4)
+                             for r in range(size)]
+        with torch.cuda.device(device):
+            self._fused_flags[rank].zero_()  # before the self-test, whose barrier every peer's first signal follows
+            self._buffer_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+            self._flag_ptrs = self._buffer_ptrs + _FLAGS_OFFSET
         self._side = torch.cuda.Stream(device)
+        self.fuse_norm = os.environ.get(DISABLE_ENV, "").lower() != "unfused"
         self.aborted = False
         self._closed = False
         self._stop = threading.Event()
@@ -90,6 +106,23 @@ class SymmAllReduce:
         if x.numel() * x.element_size() <= self.one_shot_max:
             return self.one_shot(x)
         return self.two_shot(x)
+
+    def fuses(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether all_reduce_rms_norm takes x (with this residual)."""
+        return (self.fuse_norm and x.dtype in _DTYPES and x.dim() == 2 and x.device == self.device and x.is_contiguous()
+                and 0 < x.numel() * x.element_size() <= min(self.one_shot_max, _FUSED_SLOT_BYTES)
+                and x.shape[1] <= _FUSED_MAX_HIDDEN and residual.shape == x.shape
+                and residual.dtype == x.dtype and residual.is_contiguous())
+
+    def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(sum + residual) * weight, sum + residual), the sum over ranks of x, in one kernel
+        (see fuses()). Collective; each call site keeps to its own slot, and consecutive sites
+        alternate between slots 0 and 1."""
+        with self._on_device():
+            return all_reduce_rms_norm(x, residual, weight, eps, buffer_ptrs=self._buffer_ptrs,
+                                       flag_ptrs=self._flag_ptrs, rank=self.rank,
+                                       slot_offset=(BUFFER_BYTES + slot * _FUSED_SLOT_BYTES) // x.element_size())
 
     def one_shot(self, x: torch.Tensor) -> torch.Tensor:
         flat, buf, out = self._operands(x)
@@ -130,6 +163,9 @@ class SymmAllReduce:
         Every kernel runs before any check raises: a rank that left early would strand its peers."""
         x = torch.full((_ALIGN // 4,), float(self.rank + 1), dtype=torch.float32, device=self.device)
         outs = [self.one_shot(x)] + ([self.two_shot(x)] if self.max_bytes > self.one_shot_max else [])
+        for slot in (0, 1):
+            rows = x.view(1, -1)
+            outs.append(self.all_reduce_rms_norm(rows, torch.zeros_like(rows), torch.ones_like(x), 1e-6, slot)[1])
         expected = self.size * (self.size + 1) / 2
         for out in outs:
             got = out.tolist()
@@ -155,11 +191,12 @@ class SymmAllReduce:
         """Sets every flag this rank's kernels wait on as if each peer had arrived, and clears the
         flags it sets at its peers, so that its next arrival does not wait for them to be taken."""
         with torch.cuda.device(self.device), torch.cuda.stream(self._side):
-            mine = self._signals[self.rank]
-            for peer in range(self.size):
-                if peer != self.rank:
-                    mine[:, peer].fill_(1)
-                    self._signals[peer][:, self.rank].fill_(0)
+            for flags in (self._signals, self._fused_flags):
+                mine = flags[self.rank]
+                for peer in range(self.size):
+                    if peer != self.rank:
+                        mine[:, peer].fill_(1)
+                        flags[peer][:, self.rank].fill_(0)
             self._side.synchronize()
 
     def _release_until_closed(self) -> None:
@@ -198,8 +235,8 @@ class SymmAllReduce:
             drained = False
         if not drained:
             # Freeing syncs the device (and raises in a destructor if it cannot): keep it instead.
-            _stranded.append((self._buffer, self._handle, self._signals))
-        self._buffer = self._handle = self._signals = None
+            _stranded.append((self._buffer, self._handle, self._signals, self._fused_flags))
+        self._buffer = self._handle = self._signals = self._fused_flags = None
         _unregister(self.name)
         self._pg = None
 
@@ -293,7 +330,8 @@ def _rendezvous(rank: int, size: int, backend, store, device: torch.device) -> S
         registered = True
         # Allocated directly, not from torch's symmetric-memory pool: freed, it is unmapped at once
         # instead of staying mapped to peers that are gone.
-        buffer = _SymmetricMemory.empty_strided_p2p((BUFFER_BYTES,), (1,), torch.uint8, device)
+        nbytes = _FLAGS_OFFSET + _FUSED_PROGRAMS * size * 4
+        buffer = _SymmetricMemory.empty_strided_p2p((nbytes,), (1,), torch.uint8, device)
         _rendezvous_made += 1
         handle = symm_mem.rendezvous(buffer, name)
     except BaseException:

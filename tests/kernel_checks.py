@@ -87,3 +87,28 @@ def capture(step):
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+class AllReduceRanks:
+    """Ranks of kernels/allreduce_rmsnorm.py within one process: each rank's buffer (two slots of
+    rows x hidden, NaN-filled) and flags, and the pointer tables every rank shares."""
+
+    def __init__(self, kernels, world: int, rows: int, hidden: int, dtype, device="cpu"):
+        self.kernels = kernels  # kernels.allreduce_rmsnorm, interpreted or compiled
+        self.world, self.slot_elems = world, rows * hidden
+        self.buffers = [torch.full((2 * rows * hidden,), float("nan"), dtype=dtype, device=device)
+                        for _ in range(world)]
+        self.flags = [torch.zeros(kernels.MAX_PROGRAMS, world, dtype=torch.int32, device=device) for _ in range(world)]
+        self.buffer_ptrs = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64, device=device)
+
+    def call(self, rank: int, x, residual, norm, slot: int):
+        return self.kernels.all_reduce_rms_norm(x, residual, norm.weight, norm.eps, buffer_ptrs=self.buffer_ptrs,
+                                                flag_ptrs=self.flag_ptrs, rank=rank,
+                                                slot_offset=slot * self.slot_elems)
+
+
+def all_reduce_reference(xs, residual, norm):
+    """The unfused path: an all-reduce's output (the sum rounded to the dtype), then the norm."""
+    total = torch.stack([x.float() for x in xs]).sum(0).to(xs[0].dtype)
+    return norm(total, residual)

@@ -97,6 +97,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_Linear):
+    # False where the next layer sums the ranks' partial outputs itself (RMSNorm.reduce_slot).
+    reduce = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         tp = parallel.current_group().size
         super().__init__(_divide(in_features, tp, "input features"), out_features, bias, tp_dim=1)
@@ -104,4 +107,5 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, so the all-reduce does not count it tp_size times.
         bias = self.bias if self.tp_rank == 0 else None
-        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        y = F.linear(x, self.weight, bias)
+        return self.tp.all_reduce(y) if self.reduce else y

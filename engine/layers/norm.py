@@ -1,13 +1,20 @@
 import torch
 from torch import nn
 
+from engine import parallel
+
 
 class RMSNorm(nn.Module):
     # Set by the runner when the Triton backend is in use: one fused kernel instead of ~6 ops.
     fused = False
+    # Set on a norm whose input is a row-parallel layer's partial sum, left unreduced (see
+    # CausalLM.defer_row_parallel_sums): the norm sums it over the ranks, fused with its residual
+    # add where the group's fast path can. Consecutive such norms alternate between slots 0 and 1.
+    reduce_slot: int | None = None
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
+        self.tp = parallel.current_group()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
@@ -20,6 +27,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With a residual, adds it first and returns (normed, new residual), the pre-norm
         transformer's pattern, so the sum is formed once."""
+        if self.reduce_slot is not None:
+            summed = self.tp.all_reduce_rms_norm(x, residual, self.weight, self.eps, self.reduce_slot)
+            if summed is not None:
+                return summed
+            x = self.tp.all_reduce(x)
         if self.fused:
             from kernels.rmsnorm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
