@@ -62,6 +62,7 @@ def main():
     p.add_argument("--warm-tokens", type=int, default=64, help="tokens per stream before the long prompt")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="run prefill and mixed steps eagerly (decode steps still use graphs)")
+    p.add_argument("--block-size", type=int, default=None, help="kvcache_block_size (default: the engine's)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for the run, in seconds (the chat app sets 0.0005)")
     p.add_argument("--full-chunk-context", type=int, default=None,
@@ -78,7 +79,7 @@ def main():
         model, extra = args.config, {"load_format": "random", "dtype": "bfloat16"}
     engine = EngineThread(model, device=args.device, max_model_len=args.long_prompt + 1024, max_num_seqs=64,
                           max_prefill_chunk=args.prefill_chunk, prefill_cuda_graphs=args.prefill_cuda_graphs,
-                          **extra).start()
+                          kvcache_block_size=args.block_size, **extra).start()
     if args.full_chunk_context is not None:
         engine.llm.scheduler.full_chunk_context = args.full_chunk_context
     steps = record_steps(engine.llm)

@@ -165,7 +165,7 @@ class SymmAllReduce:
         outs = [self.one_shot(x)] + ([self.two_shot(x)] if self.max_bytes > self.one_shot_max else [])
         for slot in (0, 1):
             rows = x.view(1, -1)
-            outs.append(self.all_reduce_rms_norm(rows, torch.zeros_like(rows), torch.ones_like(x), 1e-6, slot)[1])
+            outs.append(self.all_reduce_rms_norm(rows, torch.zeros_like(rows), torch.ones_like(x), 1e-6, slot)[1].view(-1))
         expected = self.size * (self.size + 1) / 2
         for out in outs:
             got = out.tolist()
