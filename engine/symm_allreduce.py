@@ -44,6 +44,7 @@ BUFFER_BYTES = 8 << 20
 _FUSED_SLOT_BYTES = 512 << 10
 _FLAGS_OFFSET = BUFFER_BYTES + 2 * _FUSED_SLOT_BYTES
 _FUSED_MAX_HIDDEN = 16384  # a row is one program's registers
+_FUSED_SIZES = (2,)
 # One-shot reads every peer's whole tensor, two-shot a 1/N share twice with one more sync: one-shot
 # wins while latency dominates. benchmarks/bench_allreduce.py measures where they cross.
 ONE_SHOT_MAX_BYTES = {2: 512 << 10}
@@ -91,7 +92,9 @@ class SymmAllReduce:
             self._buffer_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
             self._flag_ptrs = self._buffer_ptrs + _FLAGS_OFFSET
         self._side = torch.cuda.Stream(device)
-        self.fuse_norm = os.environ.get(DISABLE_ENV, "").lower() != "unfused"
+        # Measured on the 32B shape (RESULTS.md): fused, TP=2's decode step is 4% faster; at TP=4
+        # the one program of a batch-1 row reads three peers in turn, and torch's kernel wins by 1.5%.
+        self.fuse_norm = size in _FUSED_SIZES and os.environ.get(DISABLE_ENV, "").lower() != "unfused"
         self.aborted = False
         self._closed = False
         self._stop = threading.Event()
