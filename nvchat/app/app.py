@@ -28,7 +28,7 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.content import Content
 from textual.screen import ModalScreen
-from textual.widgets import Footer, Header, TabbedContent, TabPane
+from textual.widgets import Header, TabbedContent, TabPane
 
 from engine import EngineThread, RequestStream
 from engine.demo_model import GIBBERISH_NOTE
@@ -39,6 +39,7 @@ from nvchat.app.chat_screen import ChatScreen
 from nvchat.app.commands import ChatCommands
 from nvchat.app.conversations_screen import ConversationsScreen
 from nvchat.export import export_markdown
+from nvchat.app.footer import ChatFooter
 from nvchat.app.frame_stats import FrameStats
 from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import BlockOwner, KVPanel, PanelData
@@ -121,7 +122,7 @@ class NvchatApp(App[None]):
         with Horizontal(id="main"):
             yield TabbedContent(id="chats")
             yield KVPanel(id="kv-panel")
-        yield Footer()
+        yield ChatFooter()
 
     def on_mount(self) -> None:
         self._switch_interval = sys.getswitchinterval()
@@ -286,7 +287,7 @@ class NvchatApp(App[None]):
         if not self.screen_stack:
             return  # a reply that ended as the app closed: no screen is left to redraw
         pane = event.pane
-        # The footer's keys depend on the active chat alone; refreshing them rebuilds the footer.
+        # The footer's keys depend on the active chat alone.
         if pane is self.active_pane:
             self.refresh_bindings()
         if pane.parent is not None and pane.parent.id:
