@@ -12,15 +12,24 @@ the rows of each that the regions cover, and no widget behind one that already c
 region it overlaps. The update it sends is Textual's: it writes only the dirty spans, and each
 cell of a span shows the frontmost widget there, which overlaps the span and so is rendered.
 Full updates (resizes, screenshots) are Textual's own.
+
+ChatScreen also ignores the layout requests of hidden widgets that the last layout did not place
+(everything in background tabs, the KV panel while it is off): Textual lays out the whole screen
+for each, and 8 chats starting their replies at once asked for dozens of layouts that could change
+nothing shown. A widget has already cleared its containers' cached arrangements when it asks, and
+showing a container asks for a layout of its own, so it is laid out afresh when it is shown; a
+widget that hides itself was placed by the last layout, so its request still counts.
 """
 from __future__ import annotations
 
 from typing import Iterable
 
+from textual import messages
 from textual._compositor import Compositor
 from textual.geometry import Region
 from textual.screen import Screen
 from textual.strip import Strip
+from textual.widget import Widget
 
 
 class UpdateCompositor(Compositor):
@@ -72,3 +81,21 @@ class ChatScreen(Screen):
         super().__init__(name=name, id=id, classes=classes)
         if _overridable(self._compositor):
             self._compositor = UpdateCompositor()
+
+    async def _on_layout(self, message: messages.Layout) -> None:
+        widget = message.widget
+        if isinstance(widget, Widget) and widget not in self._compositor and not _displayed(widget):
+            message.stop()
+            message.prevent_default()
+            return
+        await super()._on_layout(message)
+
+
+def _displayed(widget: Widget) -> bool:
+    """Neither the widget nor a container of it has display: none."""
+    node = widget
+    while isinstance(node, Widget):
+        if not node.display:
+            return False
+        node = node.parent
+    return True

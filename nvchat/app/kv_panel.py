@@ -71,11 +71,15 @@ def fold_blocks(snapshot: EngineSnapshot, num_cells: int) -> FoldedBlocks:
     ranks = snapshot.block_states.translate(_RANK)
     per_cell = blocks_per_cell(len(ranks), num_cells)
     if per_cell > 1:
-        ranks = bytes(max(ranks[i:i + per_cell]) for i in range(0, len(ranks), per_cell))
+        # Each cell's blocks side by side as one tuple (zip of strided slices, the last cell
+        # padded with free blocks): map and zip keep the per-block loop out of Python bytecode.
+        ranks += bytes(-len(ranks) % per_cell)
+        ranks = bytes(map(max, zip(*(ranks[k::per_cell] for k in range(per_cell)))))
     owners: dict[int, int] = {}
     most: dict[int, int] = {}
+    cell_of = per_cell.__rfloordiv__
     for request_id, blocks in snapshot.block_holders.items():
-        for cell, count in Counter(b // per_cell for b in blocks).items():
+        for cell, count in Counter(map(cell_of, blocks) if per_cell > 1 else blocks).items():
             if count > most.get(cell, 0):
                 most[cell], owners[cell] = count, request_id
     return FoldedBlocks(ranks, owners, per_cell)
@@ -187,6 +191,9 @@ class ThroughputSparkline(Sparkline):
     def __init__(self, data, *, id: str | None = None) -> None:
         super().__init__(data, id=id)
         self._rows: list[Strip] | None = None
+        # A column's style by its colour: building a Style was most of a column's cost, and the
+        # same samples come back refresh after refresh as the history shifts by one.
+        self._styles: dict[tuple, Style] = {}
 
     def watch_data(self) -> None:
         self._rows = None
@@ -211,10 +218,16 @@ class ThroughputSparkline(Sparkline):
         extent = maximum - minimum or 1
         buckets = tuple(SparklineRenderable._buckets(data, num_buckets=width))
         columns, index, step = [], 0.0, len(buckets) / width
+        if len(self._styles) > 4 * width:
+            self._styles.clear()
         for _ in range(width):
             ratio = (max(buckets[int(index)]) - minimum) / extent
             bar = int(ratio * (levels * height - 1))
-            columns.append((bar, base + Style.from_color(blend_colors(low, high, ratio))))
+            key = (base, blend_colors(low, high, ratio))
+            style = self._styles.get(key)
+            if style is None:
+                style = self._styles[key] = base + Style.from_color(key[1])
+            columns.append((bar, style))
             index += step  # accumulated, not multiplied: the float rounding picks the same buckets
         rows = []
         for row in reversed(range(height)):

@@ -210,7 +210,67 @@ async def test_the_visible_reply_streams_whole_while_other_chats_stream(make_app
         for other in app._panes[:2]:
             await idle(pilot, other)
         await wait_for(pilot, lambda: not app._streaming, what="the pump to stop")
-        assert gc.get_threshold() == gc_threshold  # full collections deferred only while streaming
+        # Full collections are deferred only while chats are busy.
+        await wait_for(pilot, lambda: gc.get_threshold() == gc_threshold, what="full collections to be let through")
+
+
+def footer_keys(app) -> dict[str, bool]:
+    """The footer's keys by action: enabled or not."""
+    from textual.widgets._footer import FooterKey
+    return {key.action: not key.has_class("-disabled") for key in app.query(FooterKey)}
+
+
+async def test_the_footer_enables_the_keys_a_reply_needs_and_keeps_its_keys_otherwise(make_app):
+    from textual.widgets._footer import FooterKey
+    app = make_app(max_tokens=200)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "first")
+        await idle(pilot, pane)
+        await pilot.pause()
+        assert footer_keys(app)["stop_reply"] is False and footer_keys(app)["regenerate"] is True
+        keys = set(app.query(FooterKey))
+        await submit_now(pilot, pane, "second")
+        await wait_for(pilot, lambda: footer_keys(app)["stop_reply"], what="Esc to be enabled")
+        assert footer_keys(app)["regenerate"] is False
+        app.refresh_bindings()  # nothing changed: the same keys stay
+        await pilot.pause()
+        assert set(app.query(FooterKey)) == keys
+        await press_now(pilot, "escape")
+        await idle(pilot, pane)
+        await wait_for(pilot, lambda: not footer_keys(app)["stop_reply"], what="Esc to be disabled")
+        assert footer_keys(app)["regenerate"] is True
+        assert set(app.query(FooterKey)) == keys
+        await press_now(pilot, "ctrl+t")  # another chat: still the same keys, enabled as it needs
+        await pilot.pause()
+        assert footer_keys(app)["regenerate"] is False and footer_keys(app)["stop_reply"] is False
+
+
+class DeferralAtReplyStart(NvchatApp):
+    """Notes whether full collections were already held back when a reply's stream started
+    (this handler runs before NvchatApp's own)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.deferring_at_reply_start: list[bool] = []
+
+    def on_reply_started(self, event) -> None:
+        self.deferring_at_reply_start.append(self._gc_deferral.deferring)
+
+
+async def test_full_collections_wait_from_the_start_of_a_turn_until_its_reply_is_stored(shared_engine):
+    app = DeferralAtReplyStart(app_settings(max_tokens=40), engine=shared_engine)
+    gc_threshold = gc.get_threshold()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "hello")
+        await wait_for(pilot, lambda: app.deferring_at_reply_start, what="the reply to start")
+        assert app.deferring_at_reply_start == [True]  # building the turn's views is deferred too
+        await idle(pilot, pane)
+        await wait_for(pilot, lambda: not app._gc_deferral.deferring, what="the deferral to end")
+        assert gc.get_threshold() == gc_threshold
 
 
 @pytest.mark.parametrize("drawn_first", [True, False], ids=["hidden-mid-reply", "hidden-throughout"])

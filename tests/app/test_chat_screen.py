@@ -116,3 +116,40 @@ async def test_the_chat_app_sends_what_it_draws(make_app):
         await pilot.pause()
         await pilot.pause()
         assert terminal.differences() == []
+
+
+class HiddenPanel(App):
+    CSS = "#hidden { display: none; height: auto; } #hidden Static { height: auto; }"
+
+    def get_default_screen(self) -> Screen:
+        return ChatScreen(id="_default")
+
+    def compose(self) -> ComposeResult:
+        yield Static("always shown", id="shown")
+        with Vertical(id="hidden"):
+            yield Static("one line", id="text")
+        yield Footer()
+
+
+async def test_changes_inside_a_hidden_container_lay_out_nothing_until_it_is_shown():
+    app = HiddenPanel()
+    terminal = RecordingTerminal(app)
+    async with app.run_test(size=(40, 16)) as pilot:
+        await pilot.pause()
+        reflows = []
+        compositor = app.screen._compositor
+        reflow = compositor.reflow
+        compositor.reflow = lambda *args: reflows.append(args) or reflow(*args)
+        hidden = app.query_one("#hidden", Vertical)
+        for i in range(5):
+            app.query_one("#text", Static).update("\n".join(f"line {n}" for n in range(i + 2)))
+            await hidden.mount(Static(f"mounted {i}"))
+            await pilot.pause()
+        assert reflows == []
+        hidden.display = True
+        await pilot.pause()
+        assert len(reflows) >= 1
+        assert app.query_one("#text", Static).region.height == 6
+        assert hidden.region.height == 6 + 5
+        assert terminal.differences() == []
+        assert "mounted 4" in "\n".join(terminal.shown())
