@@ -39,6 +39,8 @@ class ChatPane(Vertical):
         self.editing = False
         self._reply_view: ReplyView | None = None  # the reply being generated, until it is stored
         self._last_reply: ReplyView | None = None  # the latest live reply, which may not be drawn in full yet
+        # A turn started in a hidden tab mounts its views when the tab is first shown (catch_up).
+        self._views_pending = False
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -100,15 +102,21 @@ class ChatPane(Vertical):
         self._set_status("generating… Esc stops" if busy else "")
         self.post_message(ChatStateChanged(self))
 
-    async def _sync_views(self) -> None:
-        """Makes the transcript show exactly conversation.messages (after a turn dropped or added some)."""
+    async def _sync_views(self, reply: ReplyView | None = None) -> None:
+        """Makes the transcript show exactly conversation.messages (after a turn dropped or added some),
+        then `reply`, the turn's reply view, not mounted yet: it goes last, live or standing for the
+        stored message it holds."""
         kept = {id(m) for m in self.conversation.messages}
         views = [v for v in self.transcript.children if isinstance(v, (UserMessageView, ReplyView))]
         stale = [v for v in views if v.message is None or id(v.message) not in kept]
         if stale:
             await self.transcript.remove_children(stale)
         shown = {id(v.message) for v in views if v not in stale}
+        if reply is not None and reply.message is not None:
+            shown.add(id(reply.message))
         new = [self._view_for(m) for m in self.conversation.messages if id(m) not in shown]
+        if reply is not None and (reply is self._reply_view or id(reply.message) in kept):
+            new.append(reply)
         if new:
             await self.transcript.mount_all(new)
 
@@ -178,10 +186,14 @@ class ChatPane(Vertical):
                     self._set_status("editing your last message: Enter resends, Esc cancels")
             self.notify(str(e), title="Could not send", severity="error", timeout=8)
             return
-        await self._sync_views()
         self._reply_view = self._last_reply = ReplyView()
         self._refresh_hint()
-        await self.transcript.mount(self._reply_view)
+        if self.app.active_pane is self:
+            await self._sync_views(self._reply_view)
+        else:
+            # Eight tabs mounting and laying out their views at once held the UI thread for about
+            # half a second, and through the GIL the engine; a hidden tab has nothing to show yet.
+            self._views_pending = True
         self.stream = stream
         self.post_message(ReplyStarted(self))
         if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
@@ -217,6 +229,9 @@ class ChatPane(Vertical):
     async def catch_up(self) -> None:
         """Draws what the reply received while the tab was hidden (its tab was just shown)."""
         view = self._last_reply
+        if self._views_pending:
+            self._views_pending = False
+            await self._sync_views(view)
         if view is not None and view.behind and view.is_attached:
             await view.catch_up()
 
@@ -226,7 +241,7 @@ class ChatPane(Vertical):
         except Exception as e:  # the reply stays on screen; Ctrl+S can still export it
             self.notify(f"The reply could not be stored: {e}", title="Storage error", severity="error", timeout=10)
         else:
-            if message is None:  # failed before producing anything: nothing to keep
+            if message is None and view.is_attached:  # failed before producing anything: nothing to keep
                 await view.remove()
             view.message = message
         self._reply_view = None

@@ -9,7 +9,7 @@ from nvchat import paths
 from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.loading_screen import LoadingScreen
-from nvchat.app.messages import ChatStateChanged
+from nvchat.app.messages import ChatStateChanged, PromptSubmitted
 from nvchat.app.message_view import ReplyView, ThinkSplitter, UserMessageView
 from nvchat.conversation import Message
 from nvchat.store import ChatStore
@@ -170,6 +170,45 @@ async def test_background_tab_keeps_receiving_tokens(make_app):
         await idle(pilot, second)
         assert first.conversation.messages[-1].stats["tokens"] == 400
         assert len(view.text) == len(first.conversation.messages[-1].content)
+
+
+async def test_a_turn_started_in_a_hidden_tab_mounts_its_views_when_shown(make_app):
+    """The benchmark's way of starting turns in background tabs (a PromptSubmitted posted to a hidden
+    pane): nothing is mounted there until the tab is shown, then the transcript shows each message
+    once, whether the reply was stored meanwhile or is still streaming."""
+    app = make_app(max_tokens=300)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        hidden = app.active_pane
+        await press_now(pilot, "ctrl+t")
+        assert app.active_pane is not hidden
+
+        def views():
+            return [(type(v).__name__, v.message.content if v.message else None)
+                    for v in hidden.transcript.children if isinstance(v, (UserMessageView, ReplyView))]
+
+        hidden.post_message(PromptSubmitted("first question"))
+        await wait_for(pilot, lambda: hidden.stream is not None, what="the hidden tab's reply")
+        assert views() == []
+        await idle(pilot, hidden)
+        assert views() == []
+        await press_now(pilot, "ctrl+pageup")
+        assert app.active_pane is hidden
+        first_reply = hidden.conversation.messages[-1]
+        assert views() == [("UserMessageView", "first question"), ("ReplyView", first_reply.content)]
+        assert hidden.query(ReplyView).last().text == first_reply.content
+
+        await press_now(pilot, "ctrl+pagedown")
+        hidden.post_message(PromptSubmitted("second question"))
+        await wait_for(pilot, lambda: hidden.stream is not None, what="the second reply")
+        await press_now(pilot, "ctrl+pageup")
+        live = hidden.query(ReplyView).last()
+        assert views()[:3] == [("UserMessageView", "first question"), ("ReplyView", first_reply.content),
+                               ("UserMessageView", "second question")]
+        assert len(views()) == 4  # the reply's view, live or already stored, mounted once
+        await idle(pilot, hidden)
+        assert views()[3] == ("ReplyView", hidden.conversation.messages[-1].content)
+        assert live.text == hidden.conversation.messages[-1].content
 
 
 def drawn_and_received(view: ReplyView) -> tuple[tuple[str, str], tuple[str, str]]:
