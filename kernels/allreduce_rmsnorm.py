@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.rmsnorm import add_rms_norm_row
+
 MAX_PROGRAMS = 32  # each owns one row of flags; rows are shared out among them
 
 
@@ -61,15 +63,8 @@ def _all_reduce_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf
             theirs = tl.load(buffer_ptrs + peer).to(tl.pointer_type(dtype)) + slot_offset
             total += tl.load(theirs + row * n_cols + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
         # Rounded as the all-reduce's output would be, then the add and norm of kernels/rmsnorm.py.
-        reduced = total.to(dtype).to(tl.float32)
-        h = (reduced + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)) \
-            .to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_ro + cols, h, mask=mask)
-        hf = h.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
-        normed = (hf * rstd).to(h.dtype).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        add_rms_norm_row(total.to(dtype), res_ptr + row * stride_r, w_ptr, out_ptr + row * stride_o,
+                         res_out_ptr + row * stride_ro, cols, mask, n_cols, eps, True)
 
 
 def all_reduce_rms_norm(x, residual, weight, eps, *, buffer_ptrs, flag_ptrs, rank, slot_offset):

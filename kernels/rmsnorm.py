@@ -5,18 +5,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+def add_rms_norm_row(x, res_ptr, w_ptr, out_ptr, res_out_ptr, cols, mask, n_cols, eps, HAS_RESIDUAL: tl.constexpr):
+    """One row: with a residual, stores x + residual at res_out_ptr; stores RMSNorm of that (or
+    of x) times the weight at out_ptr. Pointers are the row's starts."""
     if HAS_RESIDUAL:
         # Rounded to the residual stream's dtype before use, as torch's `x + residual` is.
-        h = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-             .to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_ro + cols, h, mask=mask)
+        h = (x.to(tl.float32) + tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)) \
+            .to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + cols, h, mask=mask)
     else:
         h = x
     hf = h.to(tl.float32)
@@ -24,7 +20,19 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     # Normalized x is cast back to its dtype before the weight multiply, like the torch module.
     normed = (hf * rstd).to(h.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    add_rms_norm_row(x, res_ptr + row * stride_r, w_ptr, out_ptr + row * stride_o, res_out_ptr + row * stride_ro,
+                     cols, mask, n_cols, eps, HAS_RESIDUAL)
 
 
 def rms_norm(x, weight, eps, residual=None):

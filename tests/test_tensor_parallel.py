@@ -131,6 +131,16 @@ def test_an_engine_frees_its_model_when_it_ends(tiny_qwen3, tp):
     assert not [w for w in weights if w() is not None]
 
 
+def step_in_turn(engines: list[LLM], prompts, params=GREEDY) -> list[list[list[int]]]:
+    """Each engine's completions of the prompts, with the engines stepped one after another."""
+    seqs = [[llm.add_request(p, params) for p in prompts] for llm in engines]
+    while any(llm.has_unfinished() for llm in engines):
+        for llm in engines:
+            if llm.has_unfinished():
+                llm.step()
+    return [[s.completion_token_ids for s in per_engine] for per_engine in seqs]
+
+
 def test_two_engines_in_one_process(tiny_qwen3, tiny_qwen3_tied):
     """Each has its own store, group and workers; stepping them in turn must not cross wires.
     One also prefills in chunks beside decodes, one ends on an exception, one is shut down twice."""
@@ -142,13 +152,7 @@ def test_two_engines_in_one_process(tiny_qwen3, tiny_qwen3_tied):
         with pytest.raises(KeyError, match="on purpose"):
             with LLM(tiny_qwen3_tied, device="cpu", tensor_parallel_size=2) as b:
                 assert not set(a.runner.worker_pids) & set(b.runner.worker_pids)
-                seqs = {llm: [llm.add_request(p, GREEDY) for p in prompts] for llm in (a, b)}
-                while a.has_unfinished() or b.has_unfinished():
-                    for llm in (a, b):
-                        if llm.has_unfinished():
-                            llm.step()
-                assert [s.completion_token_ids for s in seqs[a]] == expected[tiny_qwen3]
-                assert [s.completion_token_ids for s in seqs[b]] == expected[tiny_qwen3_tied]
+                assert step_in_turn([a, b], prompts) == [expected[tiny_qwen3], expected[tiny_qwen3_tied]]
                 b_workers = b.runner.worker_pids
                 raise KeyError("on purpose")
         assert not any(_running(pid) for pid in b_workers)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from engine import LLM, SamplingParams, parallel, symm_allreduce
 from tests.conftest import random_prompts
-from tests.test_tensor_parallel import _children, kill_worker_mid_decode
+from tests.test_tensor_parallel import _children, kill_worker_mid_decode, step_in_turn
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
@@ -237,13 +237,7 @@ def test_engines_at_once_and_after_each_other(tiny_qwen3, tiny_qwen3_tied):
         a = stack.enter_context(LLM(tiny_qwen3, tensor_parallel_size=2, **ENGINE))
         with LLM(tiny_qwen3_tied, tensor_parallel_size=2, **ENGINE) as b:
             assert a.runner.fast_all_reduce and b.runner.fast_all_reduce
-            seqs = {llm: [llm.add_request(p, GREEDY) for p in prompts] for llm in (a, b)}
-            while a.has_unfinished() or b.has_unfinished():
-                for llm in (a, b):
-                    if llm.has_unfinished():
-                        llm.step()
-            assert [s.completion_token_ids for s in seqs[a]] == expected[tiny_qwen3]
-            assert [s.completion_token_ids for s in seqs[b]] == expected[tiny_qwen3_tied]
+            assert step_in_turn([a, b], prompts, GREEDY) == [expected[tiny_qwen3], expected[tiny_qwen3_tied]]
         assert _tokens(a, prompts) == expected[tiny_qwen3]  # untouched by b's end
         a.shutdown()
         with LLM(tiny_qwen3, tensor_parallel_size=2, **ENGINE) as c:
