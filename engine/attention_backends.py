@@ -42,15 +42,16 @@ class TritonBackend:
         self._work = prefill_attention  # its work-list planner and format
 
     def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
-        """Fixes the prefill kernel's tile and program count for this model, so the runner can plan
-        each step's work list on the host."""
-        self._block_q, self._programs = self._work.launch_shape(dtype, head_dim, num_heads // kv_heads, device)
+        """Keeps the model's attention shapes, so the runner can plan each step's work list on the
+        host for the prefill kernel's launch."""
+        self._shape = (dtype, head_dim, num_heads // kv_heads, device)
         self._kv_heads = kv_heads
 
     def plan_prefill(self, q_lens, context_lens, bucket_tokens):
         """(items, token_splits, max_splits) of a prefill step; bucket_tokens is the token count of
-        the CUDA graph it replays in (or its own), which fixes the split cap."""
-        return self._work.plan_work(q_lens, context_lens, self._block_q, self._kv_heads, self._programs,
+        the CUDA graph it replays in (or its own), which fixes the kernel's tiles and split cap."""
+        block_q, programs = self._work.launch_shape(*self._shape, bucket_tokens)
+        return self._work.plan_work(q_lens, context_lens, block_q, self._kv_heads, programs,
                                     cap=self._work.split_cap(bucket_tokens))
 
     def prefill_inputs(self, planned) -> list[tuple[str, list[int], torch.dtype]]:

@@ -28,6 +28,8 @@ MIN_SPLIT_KEYS = 128
 # to fill the GPU unsplit, so its split cap shrinks to keep the partials near this many token rows.
 PARTIAL_TOKEN_ROWS = 2048
 ITEM_FIELDS = 4  # a work item: (sequence, query tile, split, splits of that tile)
+# Steps of at most this many query tokens get the small-step launch config (see _config).
+SMALL_STEP_TOKENS = 128
 
 
 def split_cap(tokens: int) -> int:
@@ -52,13 +54,16 @@ def plan_work(q_lens: list[int], context_lens: list[int], block_q: int, kv_heads
               cap: int | None = None, num_splits: int | None = None) -> tuple[list[int], list[int], int]:
     """The units of one step, on the host: (items flattened, token_splits, max splits used).
 
-    Without num_splits, a tile gets one split per whole even share of the step's keys per program
-    (at least one, at most cap, by default split_cap of the step's tokens; no share shorter than
-    MIN_SPLIT_KEYS). Rounding down keeps the units within one pass of the programs where it can:
-    on an H200 a 120-query chunk over 8K keys took 46 us in 8 splits (128 units on 132 programs)
-    and 78 us in 9, whose last 12 units ran as a second pass. num_splits forces every tile's count
-    (tests and sweeps). Items run heaviest first, so the programs that walk the list in strides
-    finish close together."""
+    Without num_splits, a tile gets one split per whole share of keys (at least one, at most cap,
+    by default split_cap of the step's tokens; no share shorter than MIN_SPLIT_KEYS). The share is
+    sized so that the units fit one pass of the programs where they can: on an H200 a 120-query
+    chunk over 8K keys took 46 us in 8 splits (128 units on 132 programs) and 78 us in 9, whose
+    last 12 units ran as a second pass. Tiles shorter than a share (decode tokens mixed into the
+    step) still take a unit each, so the share is spread over the rest of the programs: counted
+    in the share instead, 8 decode tokens beside a 56-query chunk at 8K keys pushed 28 of 160
+    units into a second pass and the call took 50 us against 31 for the chunk alone. num_splits
+    forces every tile's count (tests and sweeps). Items run heaviest first, so the programs that
+    walk the list in strides finish close together."""
     tiles = []  # (keys the tile's last query sees, sequence, query tile, first token, tokens)
     first = 0
     for seq, (q_len, ctx) in enumerate(zip(q_lens, context_lens)):
@@ -67,7 +72,7 @@ def plan_work(q_lens: list[int], context_lens: list[int], block_q: int, kv_heads
             tiles.append((ctx - q_len + end, seq, t, first + t * block_q, end - t * block_q))
         first += q_len
     cap = cap or split_cap(first)
-    share = max(kv_heads * sum(t[0] for t in tiles) / max(num_programs, 1), MIN_SPLIT_KEYS)
+    share = _split_share([t[0] for t in tiles], max(num_programs // kv_heads, 1))
     tiles = [(num_splits or max(1, min(cap, int(t[0] // share))), *t) for t in tiles]
     tiles.sort(key=lambda t: -t[1] / t[0])  # keys per unit
     items, token_splits, most = [], [0] * first, 1
@@ -79,23 +84,49 @@ def plan_work(q_lens: list[int], context_lens: list[int], block_q: int, kv_heads
     return items, token_splits, most
 
 
-def _config(dtype: torch.dtype, head_dim: int, on_gpu: bool):
-    """(rows per tile, BLOCK_N, num_warps, num_stages, programs per SM); rows are queries x padded
-    group. From `benchmarks/bench_kernels.py --sweep-prefill-only` on an H200 (bf16, head_dim 128):
-    128 x 128 tiles were best or within 7% for a 120-query chunk over 2K and 8K keys and a 50-query
-    turn after 2K cached keys. Such a program fills an SM's shared memory, hence one per SM."""
+def _split_share(keys: list[int], slots: int) -> float:
+    """Keys per split such that the tiles' units, one at least per tile, fit `slots` (units per KV
+    head in one pass) where the tile count allows. Each round gives the tiles found shorter than
+    the share their one unit and spreads the rest over the slots left; the share only grows."""
+    total = sum(keys)
+    share = max(total / slots, MIN_SPLIT_KEYS)
+    while True:
+        light = [k for k in keys if k < share]
+        left = slots - len(light)
+        if left <= 0:
+            return share
+        wider = max((total - sum(light)) / left, MIN_SPLIT_KEYS)
+        if wider <= share:
+            return share
+        share = wider
+
+
+def _config(dtype: torch.dtype, head_dim: int, on_gpu: bool, tokens: int):
+    """(rows per tile, BLOCK_N, num_warps, num_stages, programs per SM) for a step of `tokens` query
+    tokens (a CUDA graph's bucket size, or the eager step's own count); rows are queries x padded
+    group. From sweeps on an H200 (bf16, head_dim 128, 16/8 heads):
+    - Big steps: 128 x 128 tiles were best or within 7% for a 120-query chunk over 2K and 8K keys
+      and a 50-query turn after 2K cached keys (`benchmarks/bench_kernels.py --sweep-prefill-only`).
+      Such a program fills an SM's shared memory, hence one per SM.
+    - Steps of at most SMALL_STEP_TOKENS, a prompt chunk beside decoding streams or a short turn:
+      64 x 64 tiles at two programs per SM hide more of the paged loads' latency, and a decode
+      token's tile wastes half as many rows. A 56-query chunk beside 8 decode tokens took 26 us
+      instead of 44 at 4K keys; a 32-query one 30 instead of 53 at 8K (both with decode tokens at
+      300 keys); a 50-query turn after 2K cached keys 19 instead of 20."""
     if not on_gpu:
         return 32, 32, 1, 1, 1
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2, 2
+    if tokens <= SMALL_STEP_TOKENS:
+        return 64, 64, 4, 3, 2
     return 128, 128, 8, 2, 1
 
 
-def launch_shape(dtype: torch.dtype, head_dim: int, group: int, device: torch.device,
+def launch_shape(dtype: torch.dtype, head_dim: int, group: int, device: torch.device, tokens: int,
                  block_m: int | None = None) -> tuple[int, int]:
-    """(queries per tile, programs) that paged_prefill_attention uses for these shapes: what the
-    host needs to plan a step's work list."""
-    rows, _, _, _, per_sm = _config(dtype, head_dim, device.type == "cuda")
+    """(queries per tile, programs) that paged_prefill_attention uses for a step of `tokens` query
+    tokens: what the host needs to plan the step's work list."""
+    rows, _, _, _, per_sm = _config(dtype, head_dim, device.type == "cuda", tokens)
     group_pad = triton.next_power_of_2(group)
     block_q = max(16 // group_pad, (block_m or rows) // group_pad, 1)  # tl.dot wants >= 16 rows
     programs = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * per_sm \
@@ -215,7 +246,7 @@ def plan_on_device(q, k_cache, cu_seqlens_q, context_lens, *, num_splits=None, b
     count and the split cap, for sweeps)."""
     num_heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
-    block_q, programs = launch_shape(q.dtype, head_dim, num_heads // kv_heads, q.device, block_m)
+    block_q, programs = launch_shape(q.dtype, head_dim, num_heads // kv_heads, q.device, q.shape[0], block_m)
     cu = cu_seqlens_q.tolist()
     items, token_splits, most = plan_work([b - a for a, b in zip(cu, cu[1:])], context_lens.tolist(), block_q,
                                           kv_heads, num_programs or programs, cap=cap, num_splits=num_splits)
@@ -231,9 +262,9 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     """q [tokens, heads, head_dim] (sequences packed by cu_seqlens_q) -> [tokens, heads, head_dim] in
     q's dtype. context_lens[i] >= q_len_i.
 
-    work: the step's work list, planned on the host by plan_work with launch_shape's block_q (the
-    engine builds it from its step plan: no sync, and a CUDA graph replays whatever list its buffers
-    hold). Without it the list is planned here from cu_seqlens_q and context_lens, which reads them
+    work: the step's work list, planned on the host by plan_work with launch_shape's block_q and
+    programs for q's token count (the engine builds it from its step plan: no sync, and a CUDA
+    graph replays whatever list its buffers hold). Without it the list is planned here from cu_seqlens_q and context_lens, which reads them
     on the host (a sync); num_splits then forces every tile's split count. block_m / block_n /
     num_warps / num_stages / num_programs override the tuned launch config (tests and benchmarks;
     with work given, block_m must match the one it was planned with)."""
@@ -247,8 +278,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         return out
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
-    _, cfg_n, cfg_warps, cfg_stages, _ = _config(q.dtype, head_dim, q.is_cuda)
-    block_q, programs = launch_shape(q.dtype, head_dim, group, q.device, block_m)
+    _, cfg_n, cfg_warps, cfg_stages, _ = _config(q.dtype, head_dim, q.is_cuda, tokens)
+    block_q, programs = launch_shape(q.dtype, head_dim, group, q.device, tokens, block_m)
     if work is None:
         work = plan_on_device(q, k_cache, cu_seqlens_q, context_lens, num_splits=num_splits, block_m=block_m)
     # Eagerly the list is exact; in a graph its buffer is the bucket's bound and every program runs.

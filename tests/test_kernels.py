@@ -146,23 +146,42 @@ def _units(items):
     return [tuple(items[i:i + prefill_attention.ITEM_FIELDS]) for i in range(0, len(items), prefill_attention.ITEM_FIELDS)]
 
 
-def test_prefill_work_covers_every_tile_once_and_splits_only_long_keys():
-    # A 120-token chunk of a long prompt mixed with 8 decode tokens, 132 programs, 64 queries a tile.
-    q_lens, ctx = [1] * 8 + [120], [random.randint(50, 400) for _ in range(8)] + [8192]
+def _tile_splits(units):
+    """{(sequence, query tile): splits}, after checking each tile lists its splits 0..n-1 once."""
+    tiles = {}
+    for seq, t, split, n in units:
+        tiles.setdefault((seq, t, n), []).append(split)
+    assert len({(seq, t) for seq, t, _ in tiles}) == len(tiles), "a tile with two split counts"
+    for (seq, t, n), splits in tiles.items():
+        assert sorted(splits) == list(range(n))
+    return {(seq, t): n for seq, t, n in tiles}
+
+
+@pytest.mark.parametrize("chunk", [120, 56])
+def test_prefill_work_covers_every_tile_once_and_fits_one_pass(chunk):
+    # A chunk of a long prompt mixed with 8 decode tokens, 132 programs, 64 queries a tile.
+    q_lens, ctx = [1] * 8 + [chunk], [random.randint(50, 400) for _ in range(8)] + [8192]
     items, token_splits, most = prefill_attention.plan_work(q_lens, ctx, 64, 8, 132)
     units = _units(items)
-    tiles = {(seq, t) for seq, t, _, _ in units}
-    assert tiles == {(s, 0) for s in range(8)} | {(8, 0), (8, 1)}
-    for seq, t in tiles:
-        splits = sorted(split for s, tt, split, _ in units if (s, tt) == (seq, t))
-        n = next(n for s, tt, _, n in units if (s, tt) == (seq, t))
-        assert splits == list(range(n))
-    assert all(n == 1 for seq, _, _, n in units if seq < 8)  # a few hundred keys: never split
-    chunk_splits = {n for seq, _, _, n in units if seq == 8}
-    assert len(chunk_splits) == 1 and 4 <= most == chunk_splits.pop() <= prefill_attention.MAX_SPLITS
-    assert token_splits == [1] * 8 + [most] * 120
-    # Heaviest first: the chunk's later tile (more keys) leads the list.
-    assert units[0][:2] == (8, 1)
+    splits = _tile_splits(units)
+    assert set(splits) == {(s, 0) for s in range(8)} | {(8, t) for t in range(-(-chunk // 64))}
+    assert all(splits[s, 0] == 1 for s in range(8))  # a few hundred keys: never split
+    # The decode tokens' units count against the programs: every unit runs in one pass...
+    assert len(units) * 8 <= 132
+    # ...and the chunk takes the programs they leave.
+    assert min(n for (seq, _), n in splits.items() if seq == 8) >= 3
+    assert most == max(splits.values()) <= prefill_attention.MAX_SPLITS
+    assert token_splits == [1] * 8 + [splits[8, i // 64] for i in range(chunk)]
+    # Heaviest first: the first unit has the most keys per split.
+    keys = {(s, t): min(ctx[s], ctx[s] - q_lens[s] + (t + 1) * 64) for s, t in splits}
+    assert keys[units[0][:2]] / units[0][3] == max(keys[k] / n for k, n in splits.items())
+
+
+def test_prefill_work_with_more_tiles_than_programs_splits_nothing():
+    q_lens = [1] * 40
+    items, token_splits, most = prefill_attention.plan_work(q_lens, [random.randint(500, 5000) for _ in q_lens],
+                                                            64, 8, 132)
+    assert most == 1 and token_splits == [1] * 40 and len(_units(items)) == 40
 
 
 def test_prefill_work_split_cap_and_forced_splits():
@@ -225,7 +244,7 @@ def test_prefill_attention_replays_a_padded_work_list(poison):
     padded_tokens = sum(q_lens) + 6
     cu = torch.tensor([0] + [sum(q_lens[:i + 1]) for i in range(len(shapes))], dtype=torch.int32)
     q = torch.randn(padded_tokens, kv_heads * group, HEAD_DIM, device=DEVICE).to(dtype)
-    block_q, programs = prefill_attention.launch_shape(dtype, HEAD_DIM, group, torch.device(DEVICE))
+    block_q, programs = prefill_attention.launch_shape(dtype, HEAD_DIM, group, torch.device(DEVICE), padded_tokens)
     items, token_splits, _ = prefill_attention.plan_work(q_lens, lens, block_q, kv_heads, programs, num_splits=3)
     n = len(items) // prefill_attention.ITEM_FIELDS
     rows = torch.randint(0, 4, (n + 7, prefill_attention.ITEM_FIELDS), dtype=torch.int32)
