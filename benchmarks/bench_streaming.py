@@ -58,7 +58,7 @@ def main():
     p.add_argument("--device", default=None)
     p.add_argument("--long-prompt", type=int, default=8192)
     p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--prefill-chunk", type=int, default=128, help="max_prefill_chunk (the app's default)")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="max_prefill_chunk (the app's default)")
     p.add_argument("--warm-tokens", type=int, default=64, help="tokens per stream before the long prompt")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="run prefill and mixed steps eagerly (decode steps still use graphs)")
@@ -67,6 +67,8 @@ def main():
                    help="sys.setswitchinterval for the run, in seconds (the chat app sets 0.0005)")
     p.add_argument("--full-chunk-context", type=int, default=None,
                    help="the scheduler's full_chunk_context (chunks shrink past it while streams decode)")
+    p.add_argument("--min-chunk", type=int, default=None,
+                   help="the scheduler's min_chunk (the smallest chunk it shrinks to while streams decode)")
     p.add_argument("--out", default="benchmarks/out/streaming.json")
     args = p.parse_args()
     if args.switch_interval is not None:
@@ -82,6 +84,8 @@ def main():
                           kvcache_block_size=args.block_size, **extra).start()
     if args.full_chunk_context is not None:
         engine.llm.scheduler.full_chunk_context = args.full_chunk_context
+    if args.min_chunk is not None:
+        engine.llm.scheduler.min_chunk = args.min_chunk
     steps = record_steps(engine.llm)
     gc_pauses = record_gc()
     vocab = engine.llm.config.hf_config.vocab_size
@@ -145,7 +149,8 @@ def main():
                                     for start, end, prefill, decode in steps],
                           "gc_pauses": [(at - submitted, ms) for at, ms in gc_pauses], "prefill_chunk": args.prefill_chunk,
                           "switch_interval_s": sys.getswitchinterval(),
-                          "full_chunk_context": engine.llm.scheduler.full_chunk_context, "config": args.config,
+                          "full_chunk_context": engine.llm.scheduler.full_chunk_context,
+                          "min_chunk": engine.llm.scheduler.min_chunk, "config": args.config,
                           "median_before": statistics.median(before) if before else None})
 
 

@@ -18,6 +18,11 @@ from engine.stream import RequestStream
 BLOCK_STATE_NAMES = {FREE: "free", CACHED: "cached", USED: "used", SHARED: "shared"}
 _RATE_WINDOW_S = 2.0
 _SNAPSHOT_EVERY_S = 0.05
+# A chat engine serves streams that someone is reading, so a long prompt is prefilled in chunks of
+# this many tokens (decode tokens included) between their tokens. On an H200 (0.6B shape, 8
+# streams, an 8192-token prompt) chunks of 64 kept the streams' p99 inter-token latency at 1.9x
+# their p50 before the prompt, against 2.2x with 128, for a prefill of about 0.3 s instead of 0.2.
+CHAT_PREFILL_CHUNK = 64
 
 
 @dataclass
@@ -69,6 +74,7 @@ class EngineThread:
                 raise ValueError("pass either an LLM or the arguments to build one, not both")
             self.llm, self._owns_llm = llm_or_model, False
         else:
+            llm_kwargs.setdefault("max_prefill_chunk", CHAT_PREFILL_CHUNK)
             self.llm, self._owns_llm = LLM(llm_or_model, **llm_kwargs), True
         self._cv = threading.Condition()
         self._inbox: deque = deque()

@@ -23,10 +23,10 @@ class Scheduler:
     # the streams' step time, stays about what a full chunk costs here. On the H200 (0.6B shape) a
     # 120-token chunk's attention went from ~22 us per layer over 2K keys to ~46 over 8K.
     full_chunk_context = 4096
-    # But not below one query tile of the prefill kernel (64 queries for Qwen3's GQA group of 2):
-    # a tile costs about the same however few of its rows are used (over 8K keys, 32 queries took
-    # 28 us per layer against 32 for 64), so a smaller chunk only stretches the prefill (by 15% in
-    # bench_streaming with 64-token chunks) for no shorter step.
+    # But not below 64 tokens: a query tile costs about the same however few of its rows are used,
+    # so a smaller chunk mostly stretches the prefill. With the prefill kernel's small-step tiles
+    # (32 queries for Qwen3's GQA group of 2), 32-token chunks left the streams' p99 where 64 had
+    # it (2.54 ms against 2.55 in bench_streaming on an H200) and took 340 ms to prefill against 289.
     min_chunk = 64
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,

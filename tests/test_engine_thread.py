@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from engine import LLM, EngineThread, SamplingParams
+from engine.engine_thread import CHAT_PREFILL_CHUNK
 from engine.detokenizer import IncrementalDetokenizer
 
 
@@ -217,3 +218,9 @@ def test_shutdown_aborts_open_requests_and_frees_their_blocks(llm):
     assert not llm.has_unfinished() and stats.num_free_blocks == stats.num_blocks
     with pytest.raises(RuntimeError, match="shut down"):
         engine.submit("again")
+
+
+@pytest.mark.parametrize("given, expected", [({}, CHAT_PREFILL_CHUNK), ({"max_prefill_chunk": 200}, 200)])
+def test_an_engine_built_from_arguments_prefills_in_chat_sized_chunks(demo_model_path, given, expected):
+    with EngineThread(demo_model_path, device="cpu", max_model_len=256, **given) as engine:
+        assert engine.llm.scheduler.max_prefill_chunk == expected
