@@ -82,7 +82,11 @@ class BlockManager:
         writing its K/V into a block other sequences share would change what they read."""
         num_full = (seq.num_tokens - 1) // self.block_size
         hits = []
-        for i, h in enumerate(self._hashes_up_to(seq, num_full)):
+        # Hashed one block at a time up to the first miss: a new 8K-token prompt would otherwise
+        # hash all its blocks (~0.6 ms) inside the step that admits it, while other streams wait.
+        # The rest are hashed as they fill.
+        for i in range(num_full):
+            h = self._hashes_up_to(seq, i + 1)[i]
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break

@@ -92,3 +92,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_prefix_lookup_hashes_a_new_prompt_only_up_to_its_first_miss():
+    bm = BlockManager(NUM_BLOCKS, BLOCK)
+    cached = Sequence(list(range(9)), SamplingParams(), BLOCK)
+    bm.allocate(cached, bm.lookup_prefix(cached), cached.num_tokens)
+    bm.commit_full_blocks(cached, cached.num_tokens)
+    longer = Sequence(list(range(8)) + [99] * 33, SamplingParams(), BLOCK)
+    hits = bm.lookup_prefix(longer)
+    assert hits == list(cached.block_table[:2])
+    assert len(longer.block_hashes) == 3  # the two hits and the miss, not all ten full blocks
+    bm.allocate(longer, hits, longer.num_tokens)
+    bm.commit_full_blocks(longer, longer.num_tokens)
+    assert len(longer.block_hashes) == 10
