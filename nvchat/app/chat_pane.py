@@ -218,12 +218,17 @@ class ChatPane(Vertical):
             self.stream = None
             stored = self.background(self.conversation.finish_reply, stream)
             view.end(reply_stats(stream))
-        if shown and (draw or ended):
-            await view.catch_up()
-        if ended:
-            if stream.finish_reason == "error":
-                self.notify(stream.error or "generation failed", title="Engine error", severity="error", timeout=10)
-            self.run_worker(self._store_reply(stored, view), exit_on_error=False)
+        try:
+            if shown and (draw or ended):
+                await view.catch_up()
+        finally:
+            # Even when drawing failed: the pump drops this chat after its last tick, and only
+            # _store_reply ends the turn.
+            if ended:
+                if stream.finish_reason == "error":
+                    self.notify(stream.error or "generation failed", title="Engine error", severity="error",
+                                timeout=10)
+                self.run_worker(self._store_reply(stored, view), exit_on_error=False)
         return ended
 
     async def catch_up(self) -> None:

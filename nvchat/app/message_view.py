@@ -99,6 +99,9 @@ class ReplyView(QuietResize, Vertical):
 
     def compose(self) -> ComposeResult:
         if self.message is not None:
+            # Built whole from the stored message. A live reply that was stored before its hidden
+            # tab was shown is composed here too, and what it received is all in the message.
+            self._unrendered, self._end_stats = "", None
             thinking, answer = split_thinking(self.message.content)
             if thinking:
                 yield Collapsible(Markdown(thinking), title="Thinking", collapsed=True)
@@ -130,6 +133,11 @@ class ReplyView(QuietResize, Vertical):
     async def catch_up(self) -> None:
         """Draws what arrived since the last call: appends it to the Markdown as one update and,
         once the reply has ended, flushes the Markdown streams and shows the footer."""
+        if self._answer_md is None:
+            # Not composed yet: a hidden tab's turn mounts its view only when the tab is shown, and a
+            # pump tick can land between the switch and that mount. Everything stays behind for the
+            # catch-up that follows the mount.
+            return
         async with self._drawing:
             # Both taken before any await: the ending is only drawn with the last text it came after.
             text, self._unrendered = self._unrendered, ""

@@ -196,7 +196,11 @@ async def test_a_turn_started_in_a_hidden_tab_mounts_its_views_when_shown(make_a
         assert app.active_pane is hidden
         first_reply = hidden.conversation.messages[-1]
         assert views() == [("UserMessageView", "first question"), ("ReplyView", first_reply.content)]
-        assert hidden.query(ReplyView).last().text == first_reply.content
+        shown_reply = hidden.query(ReplyView).last()
+        assert shown_reply.text == first_reply.content
+        await wait_for(pilot, lambda: not shown_reply.behind, what="the stored reply to be drawn")
+        drawn, received = drawn_and_received(shown_reply)
+        assert drawn == received  # drawn once: the stored message, not it and the text received live
 
         await press_now(pilot, "ctrl+pagedown")
         hidden.post_message(PromptSubmitted("second question"))
@@ -209,6 +213,32 @@ async def test_a_turn_started_in_a_hidden_tab_mounts_its_views_when_shown(make_a
         await idle(pilot, hidden)
         assert views()[3] == ("ReplyView", hidden.conversation.messages[-1].content)
         assert live.text == hidden.conversation.messages[-1].content
+
+
+async def test_a_pump_tick_that_sees_a_tab_shown_before_its_views_mount_loses_nothing(make_app):
+    """The app's pump reads the active tab on each tick, so one tick can treat a tab as shown after
+    the switch but before its TabActivated handler mounted the turn's views. That tick, even the
+    one that ends the reply, must neither draw into the unmounted view nor drop the turn."""
+    app = make_app(max_tokens=40)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        hidden = app.active_pane
+        await press_now(pilot, "ctrl+t")
+        hidden.post_message(PromptSubmitted("a question"))
+        await wait_for(pilot, lambda: hidden in app._streaming, what="the hidden tab's reply")
+        app._pump_timer.pause()  # this test plays the pump's ticks itself
+        await wait_for(pilot, lambda: hidden.stream.finished, what="the reply's last token")
+        assert await hidden.pump(shown=True, draw=True)
+        await idle(pilot, hidden)
+        app._pump_timer.resume()
+        reply = hidden.conversation.messages[-1]
+        assert reply.role == "assistant" and reply.stats["tokens"] == 40
+        await press_now(pilot, "ctrl+pageup")
+        await wait_for(pilot, lambda: len(hidden.query(ReplyView)) == 1, what="the reply's view")
+        view = hidden.query(ReplyView).last()
+        await wait_for(pilot, lambda: not view.behind, what="the reply to be drawn")
+        assert view.text == reply.content
+        assert view.query_one("#answer", Markdown).source == reply.content
 
 
 def drawn_and_received(view: ReplyView) -> tuple[tuple[str, str], tuple[str, str]]:
