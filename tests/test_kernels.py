@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.layers import paged_attention_torch as ref  # noqa: E402
-from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, silu_mul  # noqa: E402
+from kernels import decode_attention, gemv, kv_store, prefill_attention, rmsnorm, silu_mul  # noqa: E402
 from tests.kernel_checks import assert_close, poison, seed  # noqa: E402,F401 (fixtures)
 
 
@@ -28,7 +28,7 @@ def _interpreted() -> bool:
 
 if not _interpreted() and not torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "1":
     # Imported before TRITON_INTERPRET was set, by an earlier test module: decorate them again.
-    for _module in (kv_store, decode_attention, prefill_attention, rmsnorm, silu_mul):
+    for _module in (kv_store, decode_attention, gemv, prefill_attention, rmsnorm, silu_mul):
         importlib.reload(_module)
 if _interpreted():
     DEVICE = "cpu"
@@ -302,3 +302,24 @@ def test_package_is_lazy_and_not_hf_kernels():
     import kernels
     assert not hasattr(kernels, "__version__")
     assert kernels.silu_and_mul is silu_mul.silu_and_mul
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("N, K", [(48, 64), (37, 100), (300, 96)])
+def test_gemv(dtype, N, K, poison):
+    """Both launch shapes (a row per program up to 2048 rows; tested here by forcing each), with rows
+    and K that are not multiples of the blocks."""
+    x = torch.randn(1, K, device=DEVICE).to(dtype)
+    weight = (torch.randn(N, K, device=DEVICE) / K ** 0.5).to(dtype)
+    want = (x.float() @ weight.float().T).to(dtype)
+    for block_n, block_k in ((1, 64), (4, 32)):
+        with poison():
+            out = gemv.gemv(x, weight, block_n=block_n, block_k=block_k)
+        assert_close(out, want, dtype)
+    with poison():
+        assert_close(gemv.gemv(x, weight), want, dtype)
+
+
+def test_gemv_takes_one_row_only():
+    with pytest.raises(ValueError, match="x \\[1, K\\]"):
+        gemv.gemv(torch.randn(2, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE))

@@ -19,7 +19,19 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
+    # One row (a batch-1 decode step) of a small weight: cuBLAS ran these at a quarter of the copy
+    # bandwidth, the Triton GEMV at 2-5x that (kernels/gemv.py).
+    if fused and bias is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+        from kernels import gemv
+        if weight.numel() <= gemv.MAX_WEIGHT_ELEMENTS:
+            return gemv.gemv(x, weight)
+    return F.linear(x, weight, bias)
+
+
 class _Linear(nn.Module):
+    fused = False  # set by the runner with the Triton backend
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp = parallel.current_group()
@@ -38,7 +50,7 @@ class _Linear(nn.Module):
         copy_into(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _project(x, self.weight, self.bias, self.fused)
 
 
 class ReplicatedLinear(_Linear):
@@ -107,5 +119,5 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, so the all-reduce does not count it tp_size times.
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = _project(x, self.weight, bias, self.fused)
         return self.tp.all_reduce(y) if self.reduce else y

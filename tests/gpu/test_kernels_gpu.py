@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from engine.layers import paged_attention_torch as ref  # noqa: E402
-from kernels import decode_attention, kv_store, prefill_attention, rmsnorm, silu_mul  # noqa: E402
+from kernels import decode_attention, gemv, kv_store, prefill_attention, rmsnorm, silu_mul  # noqa: E402
 from tests.kernel_checks import assert_close, capture, poison, seed  # noqa: E402,F401 (fixtures)
 
 if type(decode_attention._decode_split_kernel).__name__ == "InterpretedFunction":
@@ -170,3 +170,13 @@ def test_silu_and_mul(poison):
         out = silu_mul.silu_and_mul(x)
     gate, up = x.float().chunk(2, -1)
     assert_close(out, (torch.nn.functional.silu(gate) * up).to(BF16), BF16)
+
+
+@pytest.mark.parametrize("N, K", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (2048, 2048)])
+def test_gemv(N, K, poison):
+    """Qwen3-0.6B's decode projections at batch 1, in each launch shape."""
+    x = torch.randn(1, K, device="cuda").to(BF16)
+    weight = (torch.randn(N, K, device="cuda") / K ** 0.5).to(BF16)
+    with poison():
+        out = gemv.gemv(x, weight)
+    assert_close(out, (x.float() @ weight.float().T).to(BF16), BF16)

@@ -1,0 +1,60 @@
+"""y = x @ W.T for one row of x: a batch-1 decode step's projections.
+
+At batch 1 a small model's projections read 4-13 MB of weights each, too little for cuBLAS's
+kernels to reach the copy bandwidth: in a CUDA graph on the H200 they ran Qwen3-0.6B's four
+projections at 5.2-12.6 us each (0.33-2.1 TB/s; the 1024-row o projection was the worst). Here each
+program owns a band of only a few of W's rows and streams it once along K, so even the 1024-row
+projections spread over every SM with many loads in flight. With more rows, cuBLAS's tiles reuse
+each weight load across the rows and win (RESULTS.md), so this kernel takes one row only.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        k_ok = kk < K
+        w = tl.load(w_ptr + n[:, None] * stride_w + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+# The largest weight (in elements) the kernel is used for: as far as it was measured to beat cuBLAS
+# on the H200. Bigger weights keep cuBLAS busy enough to near the copy bandwidth on its own.
+MAX_WEIGHT_ELEMENTS = 8 << 20
+
+
+def launch_config(N: int, K: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, num_warps, num_stages), from a sweep of Qwen3-0.6B's projections (RESULTS.md):
+    a row band per program for the 1024-row ones, so that they too fill the GPU; four rows beyond."""
+    if N <= 2048:
+        return 1, 1024, 8, 3
+    return 4, 512, 4, 3
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int | None = None,
+         block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x: [1, K]; weight: [N, K], contiguous along K. Returns [1, N] in x's dtype (or fills out).
+    Without block_n, the launch comes from launch_config."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv takes x [1, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError("gemv needs x and weight contiguous along K")
+    N, K = weight.shape
+    if block_n is None:
+        block_n, block_k, num_warps, num_stages = launch_config(N, K)
+    if out is None:
+        out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, out, N, K, weight.stride(0), BLOCK_N=block_n,
+                                             BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return out
