@@ -70,7 +70,10 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.down_proj.takes_gate_up(gate_up):
+            return self.down_proj.forward_gate_up(gate_up)
+        return self.down_proj(self.act(gate_up))
 
 
 class DecoderLayer(nn.Module):
