@@ -7,7 +7,8 @@ program owns a band of only a few of W's rows and streams it once along K, so ev
 projections spread over every SM with many loads in flight. It also beat cuBLAS, or tied it within
 6%, on every projection of the 1.7B, 4B and 8B shapes (for 8B: 105 against 110 us per layer). With
 more rows, cuBLAS's tiles reuse each weight load across the rows and win (RESULTS.md), so this
-kernel takes one row only.
+kernel takes one row only. Taking the MLP's SiLU-mul into the down projection's GEMV saved its
+launch but slowed the GEMV more (each program applied it to the whole row): dropped.
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     k = tl.arange(0, BLOCK_K)
@@ -28,11 +28,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, SILU_MUL: tl.constexpr, BL
         k_ok = kk < K
         w = tl.load(w_ptr + n[:, None] * stride_w + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
-        if SILU_MUL:
-            # x holds gate | up: the input is silu(gate) * up, rounded as kernels.silu_mul rounds it.
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
@@ -45,16 +40,12 @@ def launch_config(N: int, K: int) -> tuple[int, int, int, int]:
     return 4, 512, 4, 3
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, silu_mul: bool = False,
-         block_n: int | None = None, block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int | None = None,
+         block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """x: [1, K]; weight: [N, K], contiguous along K. Returns [1, N] in x's dtype (or fills out).
-    silu_mul: x is [1, 2K], gate then up, and the product is taken with silu(gate) * up: the MLP's
-    activation, without its own launch and round trip. Without block_n, the launch comes from
-    launch_config."""
-    width = 2 * weight.shape[1] if silu_mul else weight.shape[1]
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != width:
-        wanted = "[1, 2K]" if silu_mul else "[1, K]"
-        raise ValueError(f"gemv takes x {wanted} and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
+    Without block_n, the launch comes from launch_config."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv takes x [1, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("gemv needs x and weight contiguous along K")
     N, K = weight.shape
@@ -62,6 +53,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         block_n, block_k, num_warps, num_stages = launch_config(N, K)
     if out is None:
         out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, out, N, K, weight.stride(0), SILU_MUL=silu_mul, BLOCK_N=block_n,
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, out, N, K, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -320,22 +320,6 @@ def test_gemv(dtype, N, K, poison):
         assert_close(gemv.gemv(x, weight), want, dtype)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_gemv_of_silu_mul(dtype, poison):
-    """The MLP's down projection fed gate | up: the same as the GEMV of kernels.silu_mul's output."""
-    K, N = 100, 40
-    gate_up = torch.randn(1, 2 * K, device=DEVICE).to(dtype)
-    weight = (torch.randn(N, K, device=DEVICE) / K ** 0.5).to(dtype)
-    gate, up = gate_up.float().chunk(2, -1)
-    activated = (torch.nn.functional.silu(gate) * up).to(dtype)
-    for block_n, block_k in ((1, 64), (4, 32)):
-        with poison():
-            out = gemv.gemv(gate_up, weight, silu_mul=True, block_n=block_n, block_k=block_k)
-        assert_close(out, (activated.float() @ weight.float().T).to(dtype), dtype)
-
-
 def test_gemv_takes_one_row_only():
     with pytest.raises(ValueError, match="x \\[1, K\\]"):
         gemv.gemv(torch.randn(2, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE))
-    with pytest.raises(ValueError, match="x \\[1, 2K\\]"):  # silu_mul's input is gate | up, twice K
-        gemv.gemv(torch.randn(1, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE), silu_mul=True)

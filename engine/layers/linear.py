@@ -19,13 +19,9 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def _one_row_gemv(x: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> bool:
-    # One row, a batch-1 decode step: the Triton GEMV beats cuBLAS there (kernels/gemv.py).
-    return fused and bias is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
-
-
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
-    if _one_row_gemv(x, bias, fused):
+    # One row, a batch-1 decode step: the Triton GEMV beats cuBLAS there (kernels/gemv.py).
+    if fused and bias is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
         from kernels.gemv import gemv
         return gemv(x, weight)
     return F.linear(x, weight, bias)
@@ -122,14 +118,4 @@ class RowParallelLinear(_Linear):
         # The bias is added once, on rank 0, so the all-reduce does not count it tp_size times.
         bias = self.bias if self.tp_rank == 0 else None
         y = _project(x, self.weight, bias, self.fused)
-        return self.tp.all_reduce(y) if self.reduce else y
-
-    def takes_gate_up(self, gate_up: torch.Tensor) -> bool:
-        """Whether forward_gate_up can take this MLP input: one row, through the GEMV."""
-        return _one_row_gemv(gate_up, self.bias if self.tp_rank == 0 else None, self.fused)
-
-    def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu(gate) * up), the activation taken inside the GEMV."""
-        from kernels.gemv import gemv
-        y = gemv(gate_up, self.weight, silu_mul=True)
         return self.tp.all_reduce(y) if self.reduce else y

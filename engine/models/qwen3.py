@@ -70,10 +70,7 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        if self.down_proj.takes_gate_up(gate_up):
-            return self.down_proj.forward_gate_up(gate_up)
-        return self.down_proj(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
