@@ -34,10 +34,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLO
 
 def launch_config(N: int, K: int) -> tuple[int, int, int, int]:
     """(block_n, block_k, num_warps, num_stages), from a sweep of Qwen3-0.6B's projections (RESULTS.md):
-    a row band per program for the 1024-row ones, so that they too fill the GPU; four rows beyond."""
+    a row per program for the 1024-row ones, so that they too fill the GPU; two rows beyond."""
     if N <= 2048:
         return 1, 1024, 8, 3
-    return 4, 512, 4, 3
+    return 2, 512, 2, 3
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int | None = None,
