@@ -4,8 +4,8 @@ At batch 1 a small model's projections read 4-13 MB of weights each, too little 
 kernels to reach the copy bandwidth: in a CUDA graph on the H200 they ran Qwen3-0.6B's four
 projections at 5.2-12.6 us each (0.33-2.1 TB/s; the 1024-row o projection was the worst). Here each
 program owns a band of only a few of W's rows and streams it once along K, so even the 1024-row
-projections spread over every SM with many loads in flight. It also beat cuBLAS, or tied it within
-6%, on every projection of the 1.7B, 4B and 8B shapes (for 8B: 105 against 110 us per layer). With
+projections spread over every SM with many loads in flight. It also beat or tied cuBLAS on every
+projection of the 1.7B, 4B and 8B shapes (8B: 99 against 108 us per layer; bench_gemv). With
 more rows, cuBLAS's tiles reuse each weight load across the rows and win (RESULTS.md), so this
 kernel takes one row only. Taking the MLP's SiLU-mul into the down projection's GEMV saved its
 launch but slowed the GEMV more (each program applied it to the whole row): dropped.
