@@ -1,6 +1,7 @@
 """The one-row Triton GEMV (kernels/gemv.py) against cuBLAS (F.linear) for the decode projections of
-Qwen3 shapes at batch 1, as the engine's decode graph runs them: each call replayed in a CUDA graph
-over enough distinct weight copies (>= 400 MB) that the weights stream from HBM, not the 50 MB L2.
+Qwen3 shapes at batch 1, as the engine's decode graph runs them: a CUDA graph of calls over enough
+distinct weight copies (>= 400 MB) that the weights stream from HBM, not the 50 MB L2; median µs
+per call (bench_kernels.time_graph).
 
     python -m benchmarks.bench_gemv [--sweep] [--out benchmarks/out/gemv.json]
 
@@ -14,6 +15,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_kernels import time_graph
 from kernels.gemv import gemv, launch_config
 
 # (N, K) of each projection, one tensor-parallel rank.
@@ -25,28 +27,6 @@ SHAPES = {
 }
 
 
-def graph_us(calls, reps: int = 30) -> float:
-    """Best of five: mean µs per replay of a CUDA graph of calls()."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
-
-
 def weight_copies(n: int, k: int) -> list[torch.Tensor]:
     copies = max(2, int(400e6 // (n * k * 2)))
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
@@ -56,8 +36,8 @@ def compare(x: torch.Tensor, weights: list[torch.Tensor], **launch) -> tuple[flo
     """(cuBLAS µs, GEMV µs) per call, after checking the GEMV against a float32 product."""
     want = F.linear(x.float(), weights[0].float())
     torch.testing.assert_close(gemv(x, weights[0], **launch).float(), want, rtol=2e-2, atol=2e-2)
-    cublas = graph_us(lambda: [F.linear(x, w) for w in weights]) / len(weights)
-    ours = graph_us(lambda: [gemv(x, w, **launch) for w in weights]) / len(weights)
+    cublas = time_graph(lambda: [F.linear(x, w) for w in weights], len(weights)) * 1000
+    ours = time_graph(lambda: [gemv(x, w, **launch) for w in weights], len(weights)) * 1000
     return cublas, ours
 
 
@@ -93,7 +73,7 @@ def main() -> None:
             timed = []
             for block_n, block_k, warps, stages in configs:
                 launch = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
-                us = graph_us(lambda: [gemv(x, w, **launch) for w in weights]) / len(weights)
+                us = time_graph(lambda: [gemv(x, w, **launch) for w in weights], len(weights)) * 1000
                 timed.append((us, (block_n, block_k, warps, stages)))
             timed.sort()
             sweep.append({"proj": name, "best": timed[:8]})
