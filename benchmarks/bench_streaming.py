@@ -12,6 +12,7 @@ from pathlib import Path
 
 from benchmarks.common import CONFIGS, print_table, write_json
 from engine import EngineThread, SamplingParams
+from engine.engine_thread import CHAT_PREFILL_CHUNK
 
 
 def percentile(values, q):
@@ -58,7 +59,8 @@ def main():
     p.add_argument("--device", default=None)
     p.add_argument("--long-prompt", type=int, default=8192)
     p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--prefill-chunk", type=int, default=64, help="max_prefill_chunk (the app's default)")
+    p.add_argument("--prefill-chunk", type=int, default=CHAT_PREFILL_CHUNK,
+                   help="max_prefill_chunk (the chat default)")
     p.add_argument("--warm-tokens", type=int, default=64, help="tokens per stream before the long prompt")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="run prefill and mixed steps eagerly (decode steps still use graphs)")

@@ -40,19 +40,18 @@ def launch_config(N: int, K: int) -> tuple[int, int, int, int]:
     return 2, 512, 2, 3
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, block_n: int | None = None,
-         block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """x: [1, K]; weight: [N, K], contiguous along K. Returns [1, N] in x's dtype (or fills out).
-    Without block_n, the launch comes from launch_config."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int | None = None, block_k: int | None = None,
+         num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """x: [1, K]; weight: [N, K], contiguous along K. Returns [1, N] in x's dtype. A launch knob left
+    None comes from launch_config (the others are for tests and sweeps)."""
     if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"gemv takes x [1, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("gemv needs x and weight contiguous along K")
     N, K = weight.shape
-    if block_n is None:
-        block_n, block_k, num_warps, num_stages = launch_config(N, K)
-    if out is None:
-        out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    given = (block_n, block_k, num_warps, num_stages)
+    block_n, block_k, num_warps, num_stages = (g or c for g, c in zip(given, launch_config(N, K)))
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, out, N, K, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -264,8 +264,9 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
 
     work: the step's work list, planned on the host by plan_work with launch_shape's block_q and
     programs for q's token count (the engine builds it from its step plan: no sync, and a CUDA
-    graph replays whatever list its buffers hold). Without it the list is planned here from cu_seqlens_q and context_lens, which reads them
-    on the host (a sync); num_splits then forces every tile's split count. block_m / block_n /
+    graph replays whatever list its buffers hold). Without it the list is planned here from
+    cu_seqlens_q and context_lens, which reads them on the host (a sync); num_splits then forces
+    every tile's split count. block_m / block_n /
     num_warps / num_stages / num_programs override the tuned launch config (tests and benchmarks;
     with work given, block_m must match the one it was planned with)."""
     tokens, num_heads, head_dim = q.shape

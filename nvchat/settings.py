@@ -4,6 +4,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from engine import SamplingParams
+from engine.engine_thread import CHAT_PREFILL_CHUNK
 from nvchat import paths
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer concisely."
@@ -27,9 +28,8 @@ class Settings:
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    # A long prompt is prefilled this many tokens per step, between other conversations' tokens
-    # (engine.engine_thread.CHAT_PREFILL_CHUNK says why 64).
-    max_prefill_chunk: int = 64
+    # A long prompt is prefilled this many tokens per step, between other conversations' tokens.
+    max_prefill_chunk: int = CHAT_PREFILL_CHUNK
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     temperature: float = 0.7
     top_p: float = 0.95

@@ -307,8 +307,8 @@ def test_package_is_lazy_and_not_hf_kernels():
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("N, K", [(48, 64), (37, 100), (300, 96)])
 def test_gemv(dtype, N, K, poison):
-    """Both launch shapes (a row per program up to 2048 rows; tested here by forcing each), with rows
-    and K that are not multiples of the blocks."""
+    """One and several weight rows per program (forced), and the default launch, with rows and K
+    that are not multiples of the blocks."""
     x = torch.randn(1, K, device=DEVICE).to(dtype)
     weight = (torch.randn(N, K, device=DEVICE) / K ** 0.5).to(dtype)
     want = (x.float() @ weight.float().T).to(dtype)

@@ -1,6 +1,6 @@
-"""The Triton backend (attention plus the fused norm, RoPE and SiLU kernels and the one-row GEMV) gives the same greedy
-tokens as the torch reference backend
-(on CPU through TRITON_INTERPRET=1, which tests/conftest.py sets when there is no GPU)."""
+"""The Triton backend (attention plus the fused norm, RoPE and SiLU kernels and the one-row GEMV)
+gives the same greedy tokens as the torch reference backend (on CPU through TRITON_INTERPRET=1,
+which tests/conftest.py sets when there is no GPU)."""
 import pytest
 
 from engine import LLM, SamplingParams
