@@ -6,9 +6,9 @@ step sizes over static input buffers, and a step runs in the smallest bucket tha
 padding tokens write no K/V (slot -1), padding sequences have no queries, and their outputs are
 ignored.
 
-Two families: decode steps (one query per sequence, bucketed by batch size up to max_num_seqs)
-and small prefill or mixed steps (bucketed by token count), which is what a chat turn after a
-cached prefix and a prompt chunk mixed into decoding streams look like.
+StepGraphs holds the small prefill or mixed steps (bucketed by token count), which is what a chat
+turn after a cached prefix and a prompt chunk mixed into decoding streams look like. Decode steps
+(one query per sequence, bucketed by batch size) have their own, leaner feed: engine.decode_graphs.
 """
 import torch
 
@@ -26,10 +26,9 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, model, *, decode: bool, token_buckets: list[int], max_seqs: int, max_blocks_per_seq: int,
+    def __init__(self, model, *, token_buckets: list[int], max_seqs: int, max_blocks_per_seq: int,
                  hidden_size: int, device, dtype):
         self.model = model
-        self.decode = decode
         self.buckets = token_buckets
         self.max_seqs = max_seqs
         tokens = token_buckets[-1]
@@ -39,34 +38,31 @@ class StepGraphs:
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = (torch.arange(seqs + 1, dtype=torch.int32, device=device) if decode
-                             else torch.zeros(seqs + 1, dtype=torch.int32, device=device))
-        if not decode:
-            # The prefill kernel's work list (kernels.prefill_attention), refilled every replay: the
-            # captured kernel runs the step's own tiles and splits, whatever the bucket. Rows bound
-            # any step's items: at most a tile per query token or sequence, times the split cap.
-            self.work_items = torch.zeros((tokens + seqs) * split_cap(token_buckets[0]), ITEM_FIELDS,
-                                          dtype=torch.int32, device=device)
-            self.work_count = torch.zeros(1, dtype=torch.int32, device=device)
-            self.token_splits = torch.zeros(tokens, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
+        # The prefill kernel's work list (kernels.prefill_attention), refilled every replay: the
+        # captured kernel runs the step's own tiles and splits, whatever the bucket. Rows bound any
+        # step's items: at most a tile per query token or sequence, times the split cap.
+        self.work_items = torch.zeros((tokens + seqs) * split_cap(token_buckets[0]), ITEM_FIELDS,
+                                      dtype=torch.int32, device=device)
+        self.work_count = torch.zeros(1, dtype=torch.int32, device=device)
+        self.token_splits = torch.zeros(tokens, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def seqs_in(self, tokens: int) -> int:
-        """Sequences a bucket holds: one per token for decode; a capped number for prefill, since
-        every sequence slot costs attention programs that exit at once."""
-        return tokens if self.decode else min(tokens, self.max_seqs)
+        """Sequences a bucket holds: a capped number, since every sequence slot costs attention
+        programs that exit at once."""
+        return min(tokens, self.max_seqs)
 
     def bucket_for(self, tokens: int, seqs: int) -> int | None:
         return next((t for t in self.buckets if t >= tokens and self.seqs_in(t) >= seqs), None)
 
     def _meta(self, tokens: int) -> AttentionMetadata:
         s = self.seqs_in(tokens)
-        work = None if self.decode else PrefillWork(self.work_items, self.work_count, self.token_splits[:tokens],
-                                                    split_cap(tokens))
+        work = PrefillWork(self.work_items, self.work_count, self.token_splits[:tokens], split_cap(tokens))
         return AttentionMetadata(slot_mapping=self.slot_mapping[:tokens], context_lens=self.context_lens[:s],
                                  block_tables=self.block_tables[:s], cu_seqlens_q=self.cu_seqlens_q[:s + 1],
-                                 max_seqlen_q=1 if self.decode else tokens, is_decode=self.decode, prefill_work=work)
+                                 max_seqlen_q=tokens, is_decode=False, prefill_work=work)
 
     def _forward(self, tokens: int) -> None:
         self.hidden[:tokens] = self.model(self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens))
@@ -77,8 +73,7 @@ class StepGraphs:
         the pool, which another StepGraphs may share (steps never run at the same time)."""
         for i, tokens in enumerate(reversed(self.buckets)):
             if progress and i % 8 == 0:
-                kind = "decode" if self.decode else "prefill"
-                progress(f"capturing {kind} CUDA graphs ({i}/{len(self.buckets)})")
+                progress(f"capturing prefill CUDA graphs ({i}/{len(self.buckets)})")
             self._forward(tokens)  # warm up: lazy inits and Triton compiles stay out of the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
@@ -99,8 +94,6 @@ class StepGraphs:
         the step's tokens first, then the padding's (finite, unused) rows."""
         t, b = input_ids.shape[0], meta.context_lens.shape[0]
         s = self.seqs_in(bucket)
-        # A decode step that fills its bucket (8 chat streams in the 8 bucket) has no padding:
-        # skip writing it, two torch calls the host would pay for every step.
         self.input_ids[:t] = input_ids
         self.positions[:t] = positions
         self.slot_mapping[:t] = meta.slot_mapping
@@ -108,18 +101,14 @@ class StepGraphs:
             self.slot_mapping[t:bucket] = -1
         self.context_lens[:b] = meta.context_lens
         self.block_tables[:b, :meta.block_tables.shape[1]] = meta.block_tables
-        if self.decode:
-            if b < s:
-                self.context_lens[b:s] = 1
-        else:
-            self.context_lens[b:s] = 0
-            self.cu_seqlens_q[:b + 1] = meta.cu_seqlens_q
-            self.cu_seqlens_q[b + 1:s + 1] = t  # padding sequences: no queries
-            work = meta.prefill_work
-            if work is not None:
-                self.work_items[:work.items.shape[0]] = work.items
-                self.work_count.copy_(work.count)
-                self.token_splits[:t] = work.token_splits
-                self.token_splits[t:bucket] = 0
+        self.context_lens[b:s] = 0
+        self.cu_seqlens_q[:b + 1] = meta.cu_seqlens_q
+        self.cu_seqlens_q[b + 1:s + 1] = t  # padding sequences: no queries
+        work = meta.prefill_work
+        if work is not None:
+            self.work_items[:work.items.shape[0]] = work.items
+            self.work_count.copy_(work.count)
+            self.token_splits[:t] = work.token_splits
+            self.token_splits[t:bucket] = 0
         self.graphs[bucket].replay()
         return self.hidden[:bucket]

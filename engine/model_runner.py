@@ -24,23 +24,37 @@ _PREFILL_GRAPH_SEQS = 16
 
 
 class SampledTokens:
-    """One step's sampled tokens, one per sampled row. They stay on the device, where the next step
-    takes its pending input ids from them, and are copied to pinned host memory without waiting:
-    tolist() waits for that copy, not for anything queued after it."""
+    """One step's sampled tokens, one per sampled row, as the host will read them. On a GPU their
+    copy to pinned memory is queued without waiting: tolist() waits for that copy, not for
+    anything queued after it."""
 
-    def __init__(self, tokens: torch.Tensor):
-        self.on_device = tokens
-        if tokens.is_cuda:
-            self._host = tokens.to("cpu", non_blocking=True)  # lands in pinned memory
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        else:
-            self._host, self._copied = tokens, None
+    def __init__(self, rows, copied: "torch.cuda.Event | None" = None):
+        self._rows = rows  # anything with tolist(): pinned memory seen through numpy, or a CPU tensor
+        self._copied = copied
 
     def tolist(self) -> list[int]:
         if self._copied is not None:
             self._copied.synchronize()
-        return self._host.tolist()
+        return self._rows.tolist()
+
+
+class _TokenReadback:
+    """Pinned buffers that steps' tokens are copied into, used in turn. Two are enough: a step's
+    tokens are read (LLM._settle) before the step after the next one is launched."""
+
+    def __init__(self, rows: int):
+        self._host = [torch.zeros(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._arrays = [t.numpy() for t in self._host]
+        self._events = [torch.cuda.Event() for _ in range(2)]
+        self._next = 0
+
+    def queue(self, tokens: torch.Tensor) -> SampledTokens:
+        i = self._next
+        self._next ^= 1
+        rows = tokens.shape[0]
+        self._host[i][:rows].copy_(tokens, non_blocking=True)
+        self._events[i].record()
+        return SampledTokens(self._arrays[i][:rows], self._events[i])
 
 
 def _cpu_ram_bytes() -> int:
@@ -95,7 +109,11 @@ class ModelRunner:
         if self.tp_group.size > 1:
             self.model.defer_row_parallel_sums()
         self.sampler = Sampler(self.device) if rank == 0 else None
-        self._sampled: torch.Tensor | None = None  # the last step's tokens, for the next one's feed_rows
+        # Every step's sampled tokens land here, a row each: the next step takes its pending input
+        # ids from it on the device. Every rank keeps them (rank 0 broadcasts its own), so that any
+        # rank can feed the next step without rank 0's host in between, as the overlapped step needs.
+        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self._readback = _TokenReadback(config.max_num_seqs) if self.device.type == "cuda" and rank == 0 else None
         self.decode_graphs = self.prefill_graphs = None  # the warmup below runs eagerly
         if self.device.type == "cuda" and not config.num_kvcache_blocks:
             progress("warming up to size the KV cache")
@@ -170,16 +188,16 @@ class ModelRunner:
 
     def _capture_graphs(self, progress) -> None:
         from engine.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
+        from engine.decode_graphs import DecodeGraphs
         c = self.config
         shared = dict(model=self.model, max_blocks_per_seq=-(-c.max_model_len // self.block_size),
                       hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)
-        max_batch = min(c.max_num_seqs, 512)
-        self.decode_graphs = StepGraphs(decode=True, token_buckets=decode_buckets(max_batch), max_seqs=max_batch,
-                                        **shared)
+        self.decode_graphs = DecodeGraphs(buckets=decode_buckets(min(c.max_num_seqs, 512)), sampled=self.sampled,
+                                          sample=self.tp_group.size == 1, **shared)
         pool = self.decode_graphs.capture(progress=progress)
         buckets = prefill_buckets(c.max_num_batched_tokens) if c.prefill_cuda_graphs else []
         if buckets:
-            self.prefill_graphs = StepGraphs(decode=False, token_buckets=buckets,
+            self.prefill_graphs = StepGraphs(token_buckets=buckets,
                                              max_seqs=min(c.max_num_seqs, _PREFILL_GRAPH_SEQS), **shared)
             self.prefill_graphs.capture(pool, progress)
 
@@ -274,24 +292,27 @@ class ModelRunner:
         # feed_rows increase, so n of them are every row: with feed_from the same rows, a decode
         # batch that kept its order, one copy does what a gather and a scatter would.
         if len(plan.feed_rows) == n and plan.feed_from == plan.feed_rows:
-            sampled = self._sampled
-            inputs["input_ids"].copy_(sampled if len(sampled) == n else sampled[:n])
+            inputs["input_ids"].copy_(self.sampled[:n])
         else:
-            inputs["input_ids"].index_copy_(0, inputs["feed_rows"], self._sampled.index_select(0, inputs["feed_from"]))
+            inputs["input_ids"].index_copy_(0, inputs["feed_rows"], self.sampled.index_select(0, inputs["feed_from"]))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> SampledTokens | None:
         """Queues one step on the device and returns without waiting for it: rank 0 returns the
         tokens it samples, one per sampled row, others None. The plan's feed_rows take their input
         ids from the tokens the step before sampled, on the device."""
-        graphs = self.decode_graphs if plan.is_decode else self.prefill_graphs
+        rows = len(plan.sample_rows)
+        if plan.is_decode and self.decode_graphs is not None and rows == len(plan.input_ids):
+            bucket = self.decode_graphs.bucket_for(rows)
+            if bucket is not None:
+                return self._execute_decode_graph(plan, bucket)
+        graphs = None if plan.is_decode else self.prefill_graphs
         bucket = graphs.bucket_for(len(plan.input_ids), plan.num_seqs) if graphs is not None else None
         work = None
         if not plan.is_decode:
             cu = plan.cu_seqlens_q
             work = self.backend.plan_prefill([b - a for a, b in zip(cu, cu[1:])], plan.context_lens,
                                              bucket or len(plan.input_ids))
-        rows = len(plan.sample_rows)
         padded = self.logits_rows(rows) if rows else 0
         # The padding rows repeat the last sampled row: their logits are computed and never read.
         inputs = self._step_inputs(plan, work, plan.sample_rows + plan.sample_rows[-1:] * (padded - rows))
@@ -302,22 +323,37 @@ class ModelRunner:
             hidden = graphs.run(bucket, inputs["input_ids"], inputs["positions"], meta)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], meta)
-        if plan.sample_rows:
-            # Rows are increasing, so as many rows as tokens means every row (a decode step): no
-            # gather where the hidden states hold the padded row count already (a graph's bucket).
-            if rows < len(plan.input_ids) or hidden.shape[0] != padded:
-                hidden = hidden[inputs["sample_rows"]]
-            logits = self.model.compute_logits(hidden)  # every rank: its vocabulary shard goes to rank 0
-            if self.rank == 0:
-                self._sampled = self.sampler(logits[:rows], plan.sample_params, plan.sample_positions)
-            else:
-                self._sampled = torch.empty(len(plan.sample_rows), dtype=torch.int64, device=self.device)
-            # Every rank keeps the tokens, so that any rank can feed the next step's pending inputs
-            # from its own device, as the overlapped step needs, without rank 0's host in between.
-            self.tp_group.broadcast_from_rank0(self._sampled)
-        else:
-            self._sampled = torch.empty(0, dtype=torch.int64, device=self.device)
-        return SampledTokens(self._sampled) if self.rank == 0 else None
+        if not rows:
+            return SampledTokens(torch.empty(0, dtype=torch.int64)) if self.rank == 0 else None
+        # Rows are increasing, so as many rows as tokens means every row (a decode step): no gather
+        # where the hidden states hold the padded row count already (a graph's bucket).
+        if rows < len(plan.input_ids) or hidden.shape[0] != padded:
+            hidden = hidden[inputs["sample_rows"]]
+        return self._sample(plan, self.model.compute_logits(hidden))
+
+    def _execute_decode_graph(self, plan: StepPlan, bucket: int) -> SampledTokens | None:
+        graphs = self.decode_graphs
+        kind = graphs.stage(plan, bucket)
+        graphs.replay(bucket, kind)
+        if kind is None:
+            # The bucket is a size from the logits ladder: no gather, no new cuBLAS shape.
+            return self._sample(plan, self.model.compute_logits(graphs.hidden[:bucket]))
+        return self._read_back(self.sampled[:len(plan.input_ids)])
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor | None) -> SampledTokens | None:
+        """Samples the plan's rows from logits (every rank computed them: the vocabulary shards
+        meet on rank 0) into self.sampled on every rank; rank 0 returns them."""
+        rows = len(plan.sample_rows)
+        tokens = self.sampled[:rows]
+        if self.rank == 0:
+            tokens.copy_(self.sampler(logits[:rows], plan.sample_params, plan.sample_positions))
+        self.tp_group.broadcast_from_rank0(tokens)
+        return self._read_back(tokens) if self.rank == 0 else None
+
+    def _read_back(self, tokens: torch.Tensor) -> SampledTokens:
+        if self._readback is None:
+            return SampledTokens(tokens.clone())  # the next step overwrites self.sampled before this is read
+        return self._readback.queue(tokens)
 
     def shutdown(self) -> None:
         """Frees the model, KV cache and graphs, so the memory is there for another engine even if

@@ -78,18 +78,28 @@ class Sampler:
         temps, greedy_rows, filters = self._row_settings(params, logits.shape[-1])
         seeded = [(row, (p.seed * _SEED_MIX + positions[row]) % (2**63))
                   for row, p in enumerate(params) if p.seed is not None and p.temperature > 0]
-        greedy_tokens = logits.argmax(-1) if greedy_rows is not None else None
-        # Dividing by float32 temperatures promotes to float32: the values .float() would give,
-        # in one pass over the logits instead of two.
-        logits = logits / temps
-        if filters is not None:
-            logits = _filter_sorted(logits, *filters)
-        probs = logits.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
-        for row, seed in seeded:
-            self.generator.manual_seed(seed)
-            noise[row].exponential_(generator=self.generator)
-        sampled = probs.div_(noise).argmax(-1)
-        if greedy_tokens is None:
-            return sampled
-        return torch.where(greedy_rows, greedy_tokens, sampled)
+        return draw(logits, temps, greedy_rows, filters, seeded, self.generator)
+
+
+def draw(logits: torch.Tensor, temps: torch.Tensor, greedy_rows: torch.Tensor | None, filters, seeded=(),
+         generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row: argmax(p / E), E ~ Exp(1), over the row's softmax at its temperature
+    (temps: a [rows, 1] column), within its top-k and top-p when filters (_beyond_top_k's mask, a
+    top_p column) are given; greedy_rows (bool [rows], or None for none) take the argmax. No host
+    sync, so a CUDA graph can capture it as it is. seeded: (row, seed) pairs whose E comes from
+    generator seeded so, which a graph cannot replay."""
+    greedy_tokens = logits.argmax(-1) if greedy_rows is not None else None
+    # Dividing by float32 temperatures promotes to float32: the values .float() would give,
+    # in one pass over the logits instead of two.
+    logits = logits / temps
+    if filters is not None:
+        logits = _filter_sorted(logits, *filters)
+    probs = logits.softmax(-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, seed in seeded:
+        generator.manual_seed(seed)
+        noise[row].exponential_(generator=generator)
+    sampled = probs.div_(noise).argmax(-1)
+    if greedy_tokens is None:
+        return sampled
+    return torch.where(greedy_rows, greedy_tokens, sampled)

@@ -39,6 +39,29 @@ def test_cuda_graphs_match_eager(tiny_qwen3):
     assert runs[0] == runs[1]
 
 
+def test_sampling_graphs_draw_within_the_settings_and_afresh_each_replay(tiny_qwen3):
+    """The captured sampling: top_k=1 and a tiny temperature must give the greedy tokens, through
+    the filtering and plain sampling graphs, beside greedy rows; identical unseeded requests must
+    differ (the graph's noise is new every replay); seeded ones (sampled outside the graphs) must
+    repeat."""
+    prompts = random_prompts([7, 20, 33, 12, 5, 40], seed=8)
+    force = [SamplingParams(temperature=0.8, top_k=1, max_tokens=24, ignore_eos=True),
+             SamplingParams(temperature=1e-4, max_tokens=24, ignore_eos=True), GREEDY]
+    with LLM(tiny_qwen3, device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8,
+             gpu_memory_utilization=0.3) as llm:
+        graphs = llm.runner.decode_graphs
+        assert {kind for _, kind in graphs.sample_graphs} == {"greedy", "sample", "filter"}
+        greedy = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
+        forced = [o["token_ids"] for o in llm.generate(prompts, [force[i % 3] for i in range(len(prompts))])]
+        assert forced == greedy
+        free = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True)
+        draws = [o["token_ids"] for o in llm.generate([prompts[0]] * 4, free)]
+        assert len({tuple(d) for d in draws}) > 1
+        seeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=3)
+        repeats = [o["token_ids"] for o in llm.generate([prompts[1]] * 3, seeded)]
+        assert repeats[0] == repeats[1] == repeats[2]
+
+
 def test_torch_backend_on_cuda_matches_triton(tiny_qwen3):
     prompts = random_prompts([9, 40, 77], seed=4)
     runs = []
