@@ -8,8 +8,9 @@ synchronization added (host time only):
   schedule   Scheduler.schedule
   plan       plan_step (the scheduler's choice as a StepPlan)
   inputs     ModelRunner.execute minus launch and sample: building and sending the step's inputs
-  launch     queuing the model (or replaying its CUDA graph) and the logits
-  sample     queuing the Sampler's kernels
+  launch     queuing the model (or replaying its CUDA graph) and the logits; a decode step on
+             one GPU replays its sampling graph here too
+  sample     queuing the Sampler's kernels (steps not sampled in a graph)
   wait       SampledTokens.tolist: the host waiting for a step's tokens (the GPU is ahead)
   post       the rest of LLM.step: pending tokens, settling (commits, detokenizing, finish checks)
   host       step wall minus wait: what the host spends per step
@@ -164,12 +165,14 @@ def instrument(llm: LLM, timer: PhaseTimer, timeline: GpuTimeline | None):
              (runner, "execute", "execute"), (runner, "sampler", "sample"), (runner.model, "forward", "launch"),
              (runner.model, "compute_logits", "launch"), (runner_module.SampledTokens, "tolist", "wait")]
     if runner.decode_graphs is not None:
-        timed.append((runner.decode_graphs, "run", "launch"))
+        timed.append((runner.decode_graphs, "replay", "launch"))
     if runner.prefill_graphs is not None:
         timed.append((runner.prefill_graphs, "run", "launch"))
     targets = [(obj, name, lambda fn, phase=phase: timer.wrap(phase, fn)) for obj, name, phase in timed]
     if timeline is not None:
         targets += [(runner, "_step_inputs", timeline.wrap_inputs), (runner, "execute", timeline.wrap_execute)]
+        if runner.decode_graphs is not None:
+            targets.append((runner.decode_graphs, "stage", timeline.wrap_inputs))
     return patch(targets)
 
 
