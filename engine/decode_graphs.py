@@ -31,6 +31,7 @@ _FIELDS = (("input_ids", torch.int64, "q", 0), ("positions", torch.int64, "q", 0
            ("context_lens", torch.int32, "i", 1), ("temperatures", torch.float32, "f", 1.0),
            ("top_p", torch.float32, "f", 1.0), ("top_k", torch.int32, "i", 0), ("greedy", torch.bool, "B", 1))
 SAMPLE_KINDS = ("greedy", "sample", "filter")
+_BLOCK_ZERO = bytes(4)
 # Sampling graphs hold their logits and the sort of top-k/top-p in the graph pool for good; past
 # this many rows a step's GPU time dwarfs the host time they save.
 SAMPLE_GRAPH_ROWS = 64
@@ -131,12 +132,16 @@ class DecodeGraphs:
             if filled < bucket:
                 out[at + filled * size:at + bucket * size] = \
                     memoryview(self._pads[name]).cast("B")[:(bucket - filled) * size]
-        # Each row's block ids; past them the row keeps whatever it held, which no kernel reads.
+        # Each row's block ids; past them the row keeps whatever the buffer held (another bucket's
+        # bytes), which no kernel reads. A padding row reads its first block: block 0.
         row_bytes = 4 * self.width
         for row, table in enumerate(plan.block_tables):
             at = layout.tables + row * row_bytes
             ids = table if isinstance(table, array) else array("i", table)
             out[at:at + 4 * len(ids)] = memoryview(ids).cast("B")
+        for row in range(rows, bucket):
+            at = layout.tables + row * row_bytes
+            out[at:at + 4] = _BLOCK_ZERO
         region, staged = self._copies[(i, bucket)]
         region.copy_(staged, non_blocking=True)
         return kind if self._sampling and bucket <= SAMPLE_GRAPH_ROWS else None

@@ -122,6 +122,8 @@ def test_the_staged_bytes_read_back_as_the_plan():
               SamplingParams(temperature=0.7, top_k=4)]
     plan = _decode_plan(rows, params)
     plan.block_tables = [[7], [1, 2, 3], [4, 5, 6, 8, 9]]
+    for staging in graphs._staging:  # what other buckets' steps may have left there
+        staging.fill_(0xFF)
     plan.feed_rows, plan.feed_from = [0, 2], [1, 0]
     assert graphs.stage(plan, bucket) == "filter"
     v = graphs.views[bucket]
@@ -135,6 +137,7 @@ def test_the_staged_bytes_read_back_as_the_plan():
     assert v["top_k"].tolist() == [0, 0, 4, 0]
     assert v["greedy"].tolist() == [True, False, False, True]
     assert [v["block_tables"][r, :len(t)].tolist() for r, t in enumerate(plan.block_tables)] == plan.block_tables
+    assert v["block_tables"][rows, 0].item() == 0  # the padding row's one cached token is in block 0
     assert SAMPLE_GRAPH_ROWS >= bucket
     # A tensor-parallel worker's plan has no sampling settings: its rows sample nothing.
     plan.sample_params = []
