@@ -36,9 +36,13 @@ _BLOCK_ZERO = bytes(4)
 # this many rows a step's GPU time dwarfs the host time they save.
 SAMPLE_GRAPH_ROWS = 64
 # Pinned input buffers, used in turn. The step before the one being staged may not have copied its
-# inputs yet (the overlapped step); the one before that has: its tokens were read back first.
-# Workers stage without reading tokens back, so one more buffer of margin.
+# inputs yet (the overlapped step), nor, when an error dropped a step in flight unread
+# (LLM._fail_inflight), the one before it; the step three back has: its tokens were read back
+# first. A tensor-parallel worker is as far along: rank 0 sends it a plan only after reading the
+# tokens of the step two back, which needed the worker's part of that step.
 _RING = 3
+# int32 on the device; any top_k from the vocabulary size up keeps every token.
+_TOP_K_MAX = 2**31 - 1
 
 
 def _aligned(n: int) -> int:
@@ -118,8 +122,9 @@ class DecodeGraphs:
         feed_from = [-1] * rows
         for row, src in zip(plan.feed_rows, plan.feed_from):
             feed_from[row] = src
-        # Tensor-parallel workers get plans without sampling settings: they never sample.
-        sampling = len(plan.sample_params) == rows
+        # Sampling settings only where a sampling graph may read them: tensor-parallel workers get
+        # plans without them, and rank 0 samples on the runner.
+        sampling = self._sampling and len(plan.sample_params) == rows
         kind = self._stage_params(plan) if sampling else None
         values = {"input_ids": plan.input_ids, "positions": plan.positions, "slot_mapping": plan.slot_mapping,
                   "feed_from": feed_from, "context_lens": plan.context_lens}
@@ -155,7 +160,7 @@ class DecodeGraphs:
             greedy = [p.temperature == 0 for p in params]
             self._params_bytes = {
                 "temperatures": array("f", [1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-                "top_p": array("f", [p.top_p for p in params]), "top_k": array("i", [p.top_k for p in params]),
+                "top_p": array("f", [p.top_p for p in params]), "top_k": array("i", [min(p.top_k, _TOP_K_MAX) for p in params]),
                 "greedy": array("B", greedy)}
             if any(not g and p.seed is not None for p, g in zip(params, greedy)):
                 self._kind = None

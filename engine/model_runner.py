@@ -28,14 +28,14 @@ class SampledTokens:
     copy to pinned memory is queued without waiting: tolist() waits for that copy, not for
     anything queued after it."""
 
-    def __init__(self, rows, copied: "torch.cuda.Event | None" = None):
-        self._rows = rows  # anything with tolist(): pinned memory seen through numpy, or a CPU tensor
+    def __init__(self, values, copied: "torch.cuda.Event | None" = None):
+        self._values = values  # anything with tolist(): pinned memory seen through numpy, or a CPU tensor
         self._copied = copied
 
     def tolist(self) -> list[int]:
         if self._copied is not None:
             self._copied.synchronize()
-        return self._rows.tolist()
+        return self._values.tolist()
 
 
 class _TokenReadback:

@@ -79,6 +79,12 @@ def test_each_kind_of_sampling_graph_picks_what_the_settings_force(tiny_qwen3):
         counts = count_decode_feed_steps(attach_decode_feed(llm))
         run(llm, PROMPTS, [force[1]] * len(PROMPTS))
     assert counts["kinds"] == {"sample"}
+    # A top_k past int32 (SamplingParams takes any) keeps every token, as on the general path.
+    huge = SamplingParams(temperature=1e-4, top_k=2**40, max_tokens=20, ignore_eos=True)
+    with LLM(tiny_qwen3, **KW) as llm:
+        counts = count_decode_feed_steps(attach_decode_feed(llm))
+        assert completions(run(llm, PROMPTS, [huge] * len(PROMPTS))[0]) == want
+    assert counts["kinds"] == {"filter"}
 
 
 def test_seeded_rows_sample_on_the_runner_and_match(tiny_qwen3):
