@@ -21,6 +21,15 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+def capture_graph(run, pool=None) -> torch.cuda.CUDAGraph:
+    """Captures run() into a graph drawing on pool (a graph's pool() to share one)."""
+    run()  # warm up: lazy inits and Triton compiles stay out of the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool):
+        run()
+    return graph
+
+
 def prefill_buckets(max_tokens: int) -> list[int]:
     return [t for t in (32, 64, 128, 256, 512, 768, 1024) if t <= max_tokens]
 
@@ -74,12 +83,8 @@ class StepGraphs:
         for i, tokens in enumerate(reversed(self.buckets)):
             if progress and i % 8 == 0:
                 progress(f"capturing prefill CUDA graphs ({i}/{len(self.buckets)})")
-            self._forward(tokens)  # warm up: lazy inits and Triton compiles stay out of the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self._forward(tokens)
+            self.graphs[tokens] = graph = capture_graph(lambda: self._forward(tokens), pool)
             pool = graph.pool()
-            self.graphs[tokens] = graph
         # A graph's first launch also uploads it to the device: a prompt's last, small chunk took
         # 6-7 ms instead of ~2.5 in a bucket not yet replayed (H200, bench_streaming). Launch each
         # once now, on the capture's own buffers: every slot is -1, so no K/V is written.

@@ -21,6 +21,7 @@ from array import array
 
 import torch
 
+from engine.cuda_graphs import capture_graph
 from engine.layers.attention import AttentionMetadata
 from engine.sampler import _beyond_top_k, draw
 from engine.step_plan import StepPlan
@@ -82,7 +83,6 @@ class DecodeGraphs:
             raise ValueError(f"a token buffer of {sampled.shape[0]} rows cannot hold a bucket of {buckets[-1]}")
         self.model = model
         self.buckets = buckets
-        self.width = max_blocks_per_seq
         self.sampled = sampled
         self.device = device
         self.layouts = {b: _Layout(b, max_blocks_per_seq) for b in buckets}
@@ -139,7 +139,7 @@ class DecodeGraphs:
                     memoryview(self._pads[name]).cast("B")[:(bucket - filled) * size]
         # Each row's block ids; past them the row keeps whatever the buffer held (another bucket's
         # bytes), which no kernel reads. A padding row reads its first block: block 0.
-        row_bytes = 4 * self.width
+        row_bytes = 4 * layout.width
         for row, table in enumerate(plan.block_tables):
             at = layout.tables + row * row_bytes
             ids = table if isinstance(table, array) else array("i", table)
@@ -209,13 +209,6 @@ class DecodeGraphs:
             tokens = draw(logits, v["temperatures"][:, None], v["greedy"], filters)
         self.sampled[:bucket].copy_(tokens)
 
-    def _capture(self, run, pool):
-        run()  # warm up: lazy inits and Triton compiles stay out of the graph
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool):
-            run()
-        return graph
-
     @torch.inference_mode()
     def capture(self, pool=None, progress=None):
         """Captures every bucket, largest first so the shared memory pool is sized once, then the
@@ -224,11 +217,11 @@ class DecodeGraphs:
             if progress and i % 8 == 0:
                 progress(f"capturing decode CUDA graphs ({i}/{len(self.buckets)})")
             self.stage_padding(bucket)
-            self.graphs[bucket] = graph = self._capture(lambda: self._forward(bucket), pool)
+            self.graphs[bucket] = graph = capture_graph(lambda: self._forward(bucket), pool)
             pool = graph.pool()
             if self._sampling and bucket <= SAMPLE_GRAPH_ROWS:
                 for kind in SAMPLE_KINDS:
-                    self.sample_graphs[(bucket, kind)] = self._capture(lambda: self._sample(bucket, kind), pool)
+                    self.sample_graphs[(bucket, kind)] = capture_graph(lambda: self._sample(bucket, kind), pool)
         # A graph's first launch also uploads it to the device: a prompt's last, small chunk took
         # 6-7 ms instead of ~2.5 in a bucket not yet replayed (H200, bench_streaming). Launch each
         # once now, on padding rows only, which write no K/V.
