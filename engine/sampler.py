@@ -22,8 +22,10 @@ def _filter_sorted(logits: torch.Tensor, beyond_k: torch.Tensor, top_p: torch.Te
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.masked_fill(beyond_k, float("-inf")).softmax(-1)
     # Keep a token when the mass before it is still under top_p; the most likely token always stays.
+    # top_p=1 must keep everything, but a float32 cumsum can round up to 1.0 before the tail's
+    # tiny probabilities are added, so that row would lose them without the top_p < 1 guard.
     mass_before = probs.cumsum(-1) - probs
-    drop = beyond_k | (mass_before >= top_p)
+    drop = beyond_k | ((mass_before >= top_p) & (top_p < 1))
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
