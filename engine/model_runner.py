@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.layers.attention import AttentionMetadata
 from engine.loader import init_random_weights, load_weights
 from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 from engine.step_plan import StepPlan
 
 # On CPU the cache has no free-memory figure to size against: cover this many full-length
@@ -21,6 +22,11 @@ _CPU_KV_MAX_BYTES = 4 << 30
 # kernel programs that find no queries and exit: at 64 slots a 128-token mixed step paid ~2 ms
 # for them on the H200 (RESULTS.md), more than a chat's handful of tabs ever needs.
 _PREFILL_GRAPH_SEQS = 16
+# Decode graphs and the logits ladder stop at this many rows; bigger decode steps run eagerly.
+_DECODE_GRAPH_ROWS = 512
+# The costliest sampling a step can ask for (a sort over the vocabulary for top-k/top-p), which the
+# warmup runs to size the KV cache around its memory.
+_COSTLIEST_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
 
 
 class SampledTokens:
@@ -28,14 +34,19 @@ class SampledTokens:
     copy to pinned memory is queued without waiting: tolist() waits for that copy, not for
     anything queued after it."""
 
-    def __init__(self, values, copied: "torch.cuda.Event | None" = None):
+    def __init__(self, values, copied: "torch.cuda.Event | None" = None, still_mine=None):
         self._values = values  # anything with tolist(): pinned memory seen through numpy, or a CPU tensor
         self._copied = copied
+        self._still_mine = still_mine  # () -> False once a later step was given the same buffer
 
     def tolist(self) -> list[int]:
         if self._copied is not None:
             self._copied.synchronize()
-        return self._values.tolist()
+        values = self._values.tolist()
+        if self._still_mine is not None and not self._still_mine():
+            raise RuntimeError("a step's sampled tokens were read after a later step reused their buffer: "
+                               "read each step's tokens before launching the step after the next")
+        return values
 
 
 class _TokenReadback:
@@ -47,14 +58,17 @@ class _TokenReadback:
         self._arrays = [t.numpy() for t in self._host]
         self._events = [torch.cuda.Event() for _ in range(2)]
         self._next = 0
+        self._queued = 0  # steps queued so far; step n uses buffer n % 2
 
     def queue(self, tokens: torch.Tensor) -> SampledTokens:
         i = self._next
         self._next ^= 1
+        self._queued += 1
+        step = self._queued
         rows = tokens.shape[0]
         self._host[i][:rows].copy_(tokens, non_blocking=True)
         self._events[i].record()
-        return SampledTokens(self._arrays[i][:rows], self._events[i])
+        return SampledTokens(self._arrays[i][:rows], self._events[i], lambda: self._queued <= step + 1)
 
 
 def _cpu_ram_bytes() -> int:
@@ -115,6 +129,11 @@ class ModelRunner:
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._readback = _TokenReadback(config.max_num_seqs) if self.device.type == "cuda" and rank == 0 else None
         self.decode_graphs = self.prefill_graphs = None  # the warmup below runs eagerly
+        self._logits_ladder = None  # logits for exactly the rows sampled, until _warm_logits
+        # On a GPU, how its memory was shared out, in bytes: "total", "used" before the KV cache,
+        # what was set aside for steps ("activations") and for the graphs ("graph_pool"), and what
+        # the graphs took once captured ("graph_pool_captured"). See _blocks_that_fit_on_gpu.
+        self.memory_plan: dict[str, int] = {}
         if self.device.type == "cuda" and not config.num_kvcache_blocks:
             progress("warming up to size the KV cache")
         # Every rank must hold the same blocks: take the smallest cache any GPU has room for.
@@ -123,7 +142,6 @@ class ModelRunner:
         self._allocate_kv_cache(self.num_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(progress)
-        self._logits_ladder = None
         if self.device.type == "cuda":
             self._warm_logits(progress)
 
@@ -142,25 +160,30 @@ class ModelRunner:
         return self._blocks_that_fit_on_gpu()
 
     def _blocks_that_fit_on_gpu(self) -> int:
-        """Runs the largest prefill once to find the activation peak, then gives the KV cache what
-        is left of gpu_memory_utilization."""
+        """Runs the biggest steps once to find the memory they need on top of the weights, then
+        gives the KV cache what is left of gpu_memory_utilization."""
         c = self.config
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._warmup()
+        self.memory_plan = self._warmup()
+        torch.cuda.empty_cache()  # what the warmup freed is not in use: not counted as used below
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        peak = torch.cuda.memory_stats(self.device)["allocated_bytes.all.peak"]
-        current = torch.cuda.memory_stats(self.device)["allocated_bytes.all.current"]
-        num_blocks = int(total * c.gpu_memory_utilization - used - peak + current) // self.block_bytes
+        self.memory_plan.update(total=total, used=used)
+        set_aside = self.memory_plan["activations"] + self.memory_plan["graph_pool"]
+        num_blocks = int(total * c.gpu_memory_utilization - used - set_aside) // self.block_bytes
         if num_blocks < 1:
             raise RuntimeError(
-                f"no GPU memory left for the KV cache: model and activations use {used / 2**30:.1f} GiB of "
-                f"{total / 2**30:.1f} GiB at gpu_memory_utilization={c.gpu_memory_utilization}; lower "
-                "max_num_batched_tokens or raise gpu_memory_utilization")
+                f"no GPU memory left for the KV cache: the model uses {used / 2**30:.1f} GiB and its steps need "
+                f"{set_aside / 2**30:.1f} GiB more, of {total / 2**30:.1f} GiB at gpu_memory_utilization="
+                f"{c.gpu_memory_utilization}; lower max_num_batched_tokens or max_num_seqs, or raise "
+                "gpu_memory_utilization")
         return num_blocks
 
-    def _warmup(self) -> None:
+    def _warmup(self) -> dict[str, int]:
+        """Runs the biggest steps the engine can take, eagerly, over a scratch KV cache. Returns the
+        bytes the costliest needs beyond what stays allocated ("activations": the full prefill, or
+        the most rows sampled with top-k/top-p, whose sort over the vocabulary outweighs a small
+        model's prefill), and what the CUDA graphs to be captured will hold for good in their pool
+        ("graph_pool": the graphs share one, so the largest of them)."""
         c = self.config
         tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         seq_len = min(c.max_model_len, tokens)
@@ -168,16 +191,44 @@ class ModelRunner:
         blocks_per_seq = -(-seq_len // self.block_size)
         self._allocate_kv_cache(num_seqs * blocks_per_seq)
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
-        plan = StepPlan(
+        prefill = StepPlan(
             input_ids=[0] * (num_seqs * seq_len), positions=list(range(seq_len)) * num_seqs,
             slot_mapping=[-1] * (num_seqs * seq_len), cu_seqlens_q=[i * seq_len for i in range(num_seqs + 1)],
             context_lens=[seq_len] * num_seqs, block_tables=tables, sample_rows=[], sample_params=[],
             is_decode=False)
-        self.execute(plan)
-        torch.cuda.synchronize(self.device)
+        activations = max(self._memory_for(prefill), self._memory_for(_decode_plan(c.max_num_seqs, sample=True)))
+        graph_pool = 0
+        if not c.enforce_eager:
+            from engine.cuda_graphs import prefill_buckets
+            from engine.decode_graphs import SAMPLE_GRAPH_ROWS
+            graph_pool = self._memory_for(_decode_plan(min(c.max_num_seqs, _DECODE_GRAPH_ROWS), sample=False))
+            if self.tp_group.size == 1:
+                graph_pool = max(graph_pool, self._memory_for(_decode_plan(min(c.max_num_seqs, SAMPLE_GRAPH_ROWS),
+                                                                           sample=True)))
+            buckets = prefill_buckets(c.max_num_batched_tokens) if c.prefill_cuda_graphs else []
+            if buckets and buckets[-1] <= seq_len:
+                tokens = buckets[-1]
+                graph_pool = max(graph_pool, self._memory_for(StepPlan(
+                    input_ids=[0] * tokens, positions=list(range(tokens)), slot_mapping=[-1] * tokens,
+                    cu_seqlens_q=[0, tokens], context_lens=[tokens], block_tables=tables[:1], sample_rows=[],
+                    sample_params=[], is_decode=False)))
         self.kv_cache = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.empty(0)
+        return {"activations": activations, "graph_pool": graph_pool}
+
+    def _memory_for(self, plan: StepPlan) -> int:
+        """Bytes the device had to give the allocator while running plan: its activations, logits and
+        sampling buffers, together with what the allocator loses to fragmentation."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = self.execute(plan)
+        if tokens is not None:
+            tokens.tolist()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_reserved(self.device) - before
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         attn0 = self.attention_layers[0]
@@ -190,9 +241,12 @@ class ModelRunner:
         from engine.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
         from engine.decode_graphs import DecodeGraphs
         c = self.config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
         shared = dict(model=self.model, max_blocks_per_seq=-(-c.max_model_len // self.block_size),
                       hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)
-        self.decode_graphs = DecodeGraphs(buckets=decode_buckets(min(c.max_num_seqs, 512)), sampled=self.sampled,
+        self.decode_graphs = DecodeGraphs(buckets=decode_buckets(min(c.max_num_seqs, _DECODE_GRAPH_ROWS)), sampled=self.sampled,
                                           sample=self.tp_group.size == 1, **shared)
         pool = self.decode_graphs.capture(progress=progress)
         buckets = prefill_buckets(c.max_num_batched_tokens) if c.prefill_cuda_graphs else []
@@ -200,6 +254,7 @@ class ModelRunner:
             self.prefill_graphs = StepGraphs(token_buckets=buckets,
                                              max_seqs=min(c.max_num_seqs, _PREFILL_GRAPH_SEQS), **shared)
             self.prefill_graphs.capture(pool, progress)
+        self.memory_plan["graph_pool_captured"] = torch.cuda.memory_reserved(self.device) - before
 
     def _warm_logits(self, progress) -> None:
         """The logits GEMM runs outside the graphs, for as many rows as the step samples. cuBLAS
@@ -209,7 +264,7 @@ class ModelRunner:
         sizes), each one met once here. Every rank runs this: the logits gather is a collective."""
         from engine.cuda_graphs import decode_buckets
         progress("warming up the logits")
-        self._logits_ladder = decode_buckets(min(self.config.max_num_seqs, 512))
+        self._logits_ladder = decode_buckets(min(self.config.max_num_seqs, _DECODE_GRAPH_ROWS))
         hidden = torch.zeros(self._logits_ladder[-1], self.config.hf_config.hidden_size, dtype=self.config.dtype,
                              device=self.device)
         with torch.inference_mode():
@@ -366,3 +421,13 @@ class ModelRunner:
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _decode_plan(rows: int, sample: bool) -> StepPlan:
+    """A decode step of `rows` one-token sequences over block 0 that writes no K/V; with sample,
+    every row samples with the costliest settings but the first, which is greedy (its argmax)."""
+    params = [SamplingParams(temperature=0)] + [_COSTLIEST_SAMPLING] * (rows - 1)
+    return StepPlan(input_ids=[0] * rows, positions=[0] * rows, slot_mapping=[-1] * rows,
+                    cu_seqlens_q=list(range(rows + 1)), context_lens=[1] * rows, block_tables=[[0]] * rows,
+                    sample_rows=list(range(rows)) if sample else [], sample_params=params if sample else [],
+                    is_decode=True)

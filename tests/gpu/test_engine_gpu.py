@@ -2,7 +2,10 @@
 import pytest
 import torch
 
+from benchmarks.bench_memory import peak_use
+from benchmarks.common import CONFIGS
 from engine import LLM, SamplingParams
+from engine.model_runner import _TokenReadback
 from tests.conftest import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -83,3 +86,25 @@ def test_preemption_on_gpu(tiny_qwen3):
         outs = tight.generate(prompts, params)
         assert tight.stats().num_preemptions > 0
     assert [o["token_ids"] for o in outs] == expected
+
+
+def test_the_costliest_steps_stay_within_gpu_memory_utilization():
+    """A small model with a large vocabulary: sampling 256 rows with top-k/top-p sorts more bytes
+    than its prefill needs, which the KV cache's sizing once left out."""
+    with LLM(str(CONFIGS / "qwen3-0.6b"), load_format="random", dtype="bfloat16", max_model_len=2048,
+             max_num_seqs=256, gpu_memory_utilization=0.4) as llm:
+        plan = llm.runner.memory_plan
+        assert plan["activations"] > 0 and plan["graph_pool_captured"] <= plan["graph_pool"]
+        use = peak_use(llm, 256, 2048)
+    assert use["peak"] <= use["budget"]
+
+
+def test_reading_tokens_after_a_later_step_reused_their_buffer_raises():
+    readback = _TokenReadback(4)
+    tokens = torch.arange(4, device="cuda")
+    first, second = readback.queue(tokens), readback.queue(tokens + 10)
+    assert first.tolist() == [0, 1, 2, 3]
+    third = readback.queue(tokens + 20)
+    with pytest.raises(RuntimeError, match="reused their buffer"):
+        first.tolist()
+    assert second.tolist() == [10, 11, 12, 13] and third.tolist() == [20, 21, 22, 23]
