@@ -196,7 +196,9 @@ class ModelRunner:
             slot_mapping=[-1] * (num_seqs * seq_len), cu_seqlens_q=[i * seq_len for i in range(num_seqs + 1)],
             context_lens=[seq_len] * num_seqs, block_tables=tables, sample_rows=[], sample_params=[],
             is_decode=False)
-        activations = max(self._memory_for(prefill), self._memory_for(_decode_plan(c.max_num_seqs, sample=True)))
+        # In turn, without emptying the allocator's cache between them: blocks cached for one step's
+        # sizes do not always fit the other's, and the cache keeps both.
+        activations = self._memory_for(prefill, _decode_plan(c.max_num_seqs, sample=True), prefill)
         graph_pool = 0
         if not c.enforce_eager:
             from engine.cuda_graphs import prefill_buckets
@@ -217,16 +219,17 @@ class ModelRunner:
             attn.k_cache = attn.v_cache = torch.empty(0)
         return {"activations": activations, "graph_pool": graph_pool}
 
-    def _memory_for(self, plan: StepPlan) -> int:
-        """Bytes the device had to give the allocator while running plan: its activations, logits and
-        sampling buffers, together with what the allocator loses to fragmentation."""
+    def _memory_for(self, *plans: StepPlan) -> int:
+        """Bytes the device had to give the allocator while running the plans in turn: activations,
+        logits and sampling buffers, and what the allocator loses to fragmentation."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        tokens = self.execute(plan)
-        if tokens is not None:
-            tokens.tolist()
+        for plan in plans:
+            tokens = self.execute(plan)
+            if tokens is not None:
+                tokens.tolist()
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_reserved(self.device) - before
 

@@ -1,7 +1,7 @@
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler, filter_top_k_top_p
+from engine.sampler import SAMPLE_CHUNK_ROWS, Sampler, filter_top_k_top_p
 
 
 def test_top_k_keeps_exactly_k_most_likely():
@@ -60,6 +60,21 @@ def test_seeded_draws_depend_only_on_seed_and_position():
     batched = sampler(logits, batch, [3, 10, 5]).tolist()
     assert batched[1] == alone[0]
     assert batched[2] == int(logits[2].argmax())
+
+
+def test_batches_sampled_in_chunks_keep_each_rows_settings_and_seed():
+    sampler = Sampler(torch.device("cpu"))
+    rows = 3 * SAMPLE_CHUNK_ROWS + 5
+    logits = torch.randn(rows, 50)
+    seeded = SamplingParams(temperature=1.0, top_k=5, seed=7)
+    params = [SamplingParams(temperature=0)] * rows
+    params[-2] = seeded
+    params[2 * SAMPLE_CHUNK_ROWS + 1] = SamplingParams(temperature=1.0, top_k=1)
+    positions = list(range(rows))
+    tokens = sampler(logits, params, positions).tolist()
+    assert tokens[-2] == sampler(logits[-2:-1], [seeded], positions[-2:-1]).tolist()[0]
+    greedy = logits.argmax(-1).tolist()
+    assert tokens[:-2] + tokens[-1:] == greedy[:-2] + greedy[-1:]
 
 
 def test_seeded_generation_is_reproducible_and_varies_with_the_seed(tiny_qwen3):
