@@ -195,7 +195,7 @@ class ModelRunner:
         bytes the costliest needs beyond what stays allocated ("activations": the full prefill, or
         the most rows sampled with top-k/top-p, whose sort over the vocabulary outweighs a small
         model's prefill), and what the CUDA graphs to be captured will hold for good in their pool
-        ("graph_pool": the graphs share one, so the largest of them)."""
+        ("graph_pool")."""
         c = self.config
         tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         seq_len = min(c.max_model_len, tokens)
@@ -211,21 +211,7 @@ class ModelRunner:
         # In turn, without emptying the allocator's cache between them: blocks cached for one step's
         # sizes do not always fit the other's, and the cache keeps both.
         activations = self._memory_for(prefill, _decode_plan(c.max_num_seqs, sample=True), prefill)
-        graph_pool = 0
-        if not c.enforce_eager:
-            from engine.cuda_graphs import prefill_buckets
-            from engine.decode_graphs import SAMPLE_GRAPH_ROWS
-            graph_pool = self._memory_for(_decode_plan(min(c.max_num_seqs, _DECODE_GRAPH_ROWS), sample=False))
-            if self.tp_group.size == 1:
-                graph_pool = max(graph_pool, self._memory_for(_decode_plan(min(c.max_num_seqs, SAMPLE_GRAPH_ROWS),
-                                                                           sample=True)))
-            buckets = prefill_buckets(c.max_num_batched_tokens) if c.prefill_cuda_graphs else []
-            if buckets and buckets[-1] <= seq_len:
-                tokens = buckets[-1]
-                graph_pool = max(graph_pool, self._memory_for(StepPlan(
-                    input_ids=[0] * tokens, positions=list(range(tokens)), slot_mapping=[-1] * tokens,
-                    cu_seqlens_q=[0, tokens], context_lens=[tokens], block_tables=tables[:1], sample_rows=[],
-                    sample_params=[], is_decode=False)))
+        graph_pool = 0 if c.enforce_eager else self._graph_pool_bytes()
         self.kv_cache = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.empty(0)
@@ -252,23 +238,55 @@ class ModelRunner:
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
-    def _capture_graphs(self, progress) -> None:
-        from engine.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
+    def _graph_buckets(self) -> tuple[list[int], list[int]]:
+        """The decode graphs' batch sizes and the prefill graphs' token counts."""
+        from engine.cuda_graphs import decode_buckets, prefill_buckets
+        c = self.config
+        prefill = prefill_buckets(c.max_num_batched_tokens) if c.prefill_cuda_graphs else []
+        return decode_buckets(min(c.max_num_seqs, _DECODE_GRAPH_ROWS)), prefill
+
+    def _make_graphs(self, decode: list[int], prefill: list[int], progress=None):
+        """Captures decode graphs for the batch sizes in decode and prefill graphs for the token
+        counts in prefill (none if empty), all in one memory pool."""
+        from engine.cuda_graphs import StepGraphs
         from engine.decode_graphs import DecodeGraphs
         c = self.config
+        shared = dict(model=self.model, max_blocks_per_seq=-(-c.max_model_len // self.block_size),
+                      hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)
+        decode_graphs = DecodeGraphs(buckets=decode, sampled=self.sampled, sample=self.tp_group.size == 1, **shared)
+        pool = decode_graphs.capture(progress=progress)
+        prefill_graphs = None
+        if prefill:
+            prefill_graphs = StepGraphs(token_buckets=prefill, max_seqs=min(c.max_num_seqs, _PREFILL_GRAPH_SEQS),
+                                        **shared)
+            prefill_graphs.capture(pool, progress)
+        return decode_graphs, prefill_graphs
+
+    def _graph_pool_bytes(self) -> int:
+        """Memory the graphs will hold for good, found by capturing the largest of each kind over
+        the warmup's scratch cache and then dropping them. The graphs share one pool, and what a
+        capture frees the next one reuses, so the largest graphs need about what all of them do."""
+        from engine.decode_graphs import SAMPLE_GRAPH_ROWS
+        decode, prefill = self._graph_buckets()
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
-        shared = dict(model=self.model, max_blocks_per_seq=-(-c.max_model_len // self.block_size),
-                      hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)
-        self.decode_graphs = DecodeGraphs(buckets=decode_buckets(min(c.max_num_seqs, _DECODE_GRAPH_ROWS)), sampled=self.sampled,
-                                          sample=self.tp_group.size == 1, **shared)
-        pool = self.decode_graphs.capture(progress=progress)
-        buckets = prefill_buckets(c.max_num_batched_tokens) if c.prefill_cuda_graphs else []
-        if buckets:
-            self.prefill_graphs = StepGraphs(token_buckets=buckets,
-                                             max_seqs=min(c.max_num_seqs, _PREFILL_GRAPH_SEQS), **shared)
-            self.prefill_graphs.capture(pool, progress)
+        # The largest sampling graph too: the largest decode graph may be past SAMPLE_GRAPH_ROWS.
+        graphs = self._make_graphs(sorted({min(decode[-1], SAMPLE_GRAPH_ROWS), decode[-1]}), prefill[-1:])
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the captures' eager warm-up runs left blocks in the common cache
+        held = torch.cuda.memory_reserved(self.device) - before
+        del graphs
+        torch.cuda.empty_cache()
+        return held
+
+    def _capture_graphs(self, progress) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
+        self.decode_graphs, self.prefill_graphs = self._make_graphs(*self._graph_buckets(), progress)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         self.memory_plan["graph_pool_captured"] = torch.cuda.memory_reserved(self.device) - before
 
     def _warm_logits(self, progress) -> None:
@@ -277,9 +295,8 @@ class ModelRunner:
         which stalled every stream for one step each time a prompt's last chunk sampled beside
         them. So logits are computed for a row count from a fixed ladder (the decode graphs'
         sizes), each one met once here. Every rank runs this: the logits gather is a collective."""
-        from engine.cuda_graphs import decode_buckets
         progress("warming up the logits")
-        self._logits_ladder = decode_buckets(min(self.config.max_num_seqs, _DECODE_GRAPH_ROWS))
+        self._logits_ladder = self._graph_buckets()[0]
         hidden = torch.zeros(self._logits_ladder[-1], self.config.hf_config.hidden_size, dtype=self.config.dtype,
                              device=self.device)
         with torch.inference_mode():
