@@ -233,12 +233,14 @@ class EngineThread:
 
     def _fail_all(self, error: Exception) -> None:
         message = f"{type(error).__name__}: {error}"
+        # Marked stopped before any stream ends: a client woken by its stream's error must find the
+        # engine refusing new requests, not queue one that nothing will run.
+        if getattr(self.llm.runner, "broken", False):
+            self.fatal_error = message
         for seq, stream in self._live.values():
             self.llm.scheduler.finish(seq, "error")
             stream._finish("error", message)
         self._live.clear()
-        if getattr(self.llm.runner, "broken", False):
-            self.fatal_error = message
         self._publish(force=True)
 
     def _publish(self, force: bool = False) -> None:

@@ -47,7 +47,7 @@ def test_sampler_draws_from_the_distribution():
     params = [SamplingParams(temperature=1.0)] * 4000
     tokens = sampler(logits, params, list(range(4000)))
     freq = torch.bincount(tokens, minlength=4).float() / 4000
-    assert torch.allclose(freq, probs, atol=0.04)
+    assert torch.allclose(freq, probs, atol=0.05)  # 6.5 sigma at p=0.6
     assert freq[3] == 0
 
 

@@ -96,7 +96,8 @@ def test_the_costliest_steps_stay_within_gpu_memory_utilization():
         plan = llm.runner.memory_plan
         assert plan["activations"] > 0 and plan["graph_pool"] > 0
         use = peak_use(llm, 256, 2048)
-    assert use["peak"] <= use["budget"]
+    over = (use["peak"] - use["budget"]) / 2**30
+    assert over <= 0, f"peak {over:.3f} GiB past the budget; set aside: {plan}"
 
 
 def test_reading_tokens_after_a_later_step_reused_their_buffer_raises():
