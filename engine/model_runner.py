@@ -58,18 +58,17 @@ class _TokenReadback:
         self._host = [torch.zeros(rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._arrays = [t.numpy() for t in self._host]
         self._events = [torch.cuda.Event() for _ in range(2)]
-        self._next = 0
-        self._queued = 0  # steps queued so far; step n uses buffer n % 2
+        self._queued = 0  # steps queued so far; step n (from 0) uses buffer n % 2
 
     def queue(self, tokens: torch.Tensor) -> SampledTokens:
-        i = self._next
-        self._next ^= 1
-        self._queued += 1
         step = self._queued
+        self._queued += 1
+        i = step % 2
         rows = tokens.shape[0]
         self._host[i][:rows].copy_(tokens, non_blocking=True)
         self._events[i].record()
-        return SampledTokens(self._arrays[i][:rows], self._events[i], lambda: self._queued <= step + 1)
+        # Step n's buffer goes to step n + 2.
+        return SampledTokens(self._arrays[i][:rows], self._events[i], lambda: self._queued <= step + 2)
 
 
 def _use_expandable_segments() -> None:
@@ -217,12 +216,16 @@ class ModelRunner:
             attn.k_cache = attn.v_cache = torch.empty(0)
         return {"activations": activations, "graph_pool": graph_pool}
 
+    def _settled_reserved(self) -> int:
+        """torch's reservation on the device once queued work has ended and unused cache went back."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
+
     def _memory_for(self, *plans: StepPlan) -> int:
         """Bytes the device had to give the allocator while running the plans in turn: activations,
         logits and sampling buffers, and what the allocator loses to fragmentation."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.device)
+        before = self._settled_reserved()
         torch.cuda.reset_peak_memory_stats(self.device)
         for plan in plans:
             tokens = self.execute(plan)
@@ -268,26 +271,19 @@ class ModelRunner:
         capture frees the next one reuses, so the largest graphs need about what all of them do."""
         from engine.decode_graphs import SAMPLE_GRAPH_ROWS
         decode, prefill = self._graph_buckets()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.device)
+        before = self._settled_reserved()
         # The largest sampling graph too: the largest decode graph may be past SAMPLE_GRAPH_ROWS.
         graphs = self._make_graphs(sorted({min(decode[-1], SAMPLE_GRAPH_ROWS), decode[-1]}), prefill[-1:])
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # the captures' eager warm-up runs left blocks in the common cache
-        held = torch.cuda.memory_reserved(self.device) - before
+        # Settled, so the blocks the captures' eager warm-up runs left in the common cache go back.
+        held = self._settled_reserved() - before
         del graphs
         torch.cuda.empty_cache()
         return held
 
     def _capture_graphs(self, progress) -> None:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.device)
+        before = self._settled_reserved()
         self.decode_graphs, self.prefill_graphs = self._make_graphs(*self._graph_buckets(), progress)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        self.memory_plan["graph_pool_captured"] = torch.cuda.memory_reserved(self.device) - before
+        self.memory_plan["graph_pool_captured"] = self._settled_reserved() - before
 
     def _warm_logits(self, progress) -> None:
         """The logits GEMM runs outside the graphs, for as many rows as the step samples. cuBLAS

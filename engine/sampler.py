@@ -6,7 +6,8 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the genera
 # Rows sampled at a time. Sampling holds several float32 copies of each row's logits (and with
 # top-k/top-p a sort with int64 indices): ~2.5 GiB for 512 rows of a 152K vocabulary, more than a
 # small model's whole prefill needs. Chunks halve that at 512 rows. Smaller ones would cost a set
-# of launches each in every big step (with 64-row chunks and 256 streams, bench_throughput lost 2%).
+# of launches each in every big step (with 64-row chunks and 256 streams, bench_throughput lost
+# 1.5-2% on the H200).
 SAMPLE_CHUNK_ROWS = 256
 
 
