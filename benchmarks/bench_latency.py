@@ -1,5 +1,6 @@
-"""Single-stream latency: ms per output token at batch 1 (512- and 4096-token contexts), and time
-to first token for a 50-token message after a 2048-token system prompt, cached vs uncached."""
+"""Chat-sized decode latency: ms per step at batches 1, 2, 4 and 8 (a chat app's handful of streams;
+at batch 1 that is ms per output token) at 512- and 4096-token contexts, and time to first token
+for a 50-token message after a 2048-token system prompt, cached vs uncached."""
 import argparse
 import random
 import statistics
@@ -17,17 +18,21 @@ def sync():
         torch.cuda.synchronize()
 
 
-def decode_ms_per_token(llm: LLM, context: int, new_tokens: int = 128) -> float:
-    """Mean context equals `context`: the prompt stops half the generated tokens short of it."""
-    prompt = [random.randint(0, 10000) for _ in range(context - new_tokens // 2)]
-    seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-    llm.step()  # prefill and first token
+def decode_ms_per_step(llm: LLM, context: int, batch: int = 1, new_tokens: int = 128) -> float:
+    """`batch` streams decoding together, each with a mean context of `context`: a prompt stops
+    half the generated tokens short of it. The prompts differ, so no prefix is shared."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    seqs = [llm.add_request([random.randint(0, 10000) for _ in range(context - new_tokens // 2)], params)
+            for _ in range(batch)]
+    while any(s.num_completion_tokens < 1 for s in seqs):
+        llm.step()  # prefill and first tokens
     sync()
-    start = time.perf_counter()
-    while not seq.is_finished:
+    steps, start = 0, time.perf_counter()
+    while not all(s.is_finished for s in seqs):
         llm.step()
+        steps += 1
     sync()
-    return (time.perf_counter() - start) * 1e3 / (new_tokens - 1)
+    return (time.perf_counter() - start) * 1e3 / steps
 
 
 def decode_graph_ms(llm: LLM, batch: int = 1, replays: int = 200) -> float | None:
@@ -36,6 +41,7 @@ def decode_graph_ms(llm: LLM, batch: int = 1, replays: int = 200) -> float | Non
     graphs = getattr(llm.runner, "decode_graphs", None)
     if graphs is None or batch not in graphs.graphs:
         return None
+    graphs.stage_padding(batch)  # the bucket's own inputs: padding rows, which write no K/V
     return graph_replay_ms(graphs.graphs[batch], replays)
 
 
@@ -53,6 +59,7 @@ def main():
     p.add_argument("--config", default=str(CONFIGS / "qwen3-0.6b"))
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default=None)
@@ -68,17 +75,24 @@ def main():
               max_num_seqs=64, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               prefill_cuda_graphs=args.prefill_cuda_graphs)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-    rows, result = [], {"decode": {}, "ttft": {}}
+    rows, result = [], {"decode": {}, "decode_graph_gpu_ms": {}, "ttft": {}}
     for ctx in args.contexts:
-        runs = [decode_ms_per_token(llm, ctx) for _ in range(args.repeats)]
-        ms = statistics.median(runs)
-        floor = decode_floor_ms(weight_bytes, kv_per_token // args.tp * args.tp, ctx)
-        result["decode"][ctx] = {"ms_per_token": ms, "runs": runs, "floor_ms": floor}
-        rows.append((f"batch-1 decode, {ctx} ctx", f"{ms:.3f} ms/token", f"floor {floor:.3f} ms", f"{floor / ms:.0%}"))
-    graph_ms = decode_graph_ms(llm) if torch.cuda.is_available() else None
-    if graph_ms is not None:
-        result["decode_graph_gpu_ms"] = graph_ms
-        rows.append(("  of which GPU (graph replay)", f"{graph_ms:.3f} ms", "", ""))
+        for batch in args.batches:
+            runs = [decode_ms_per_step(llm, ctx, batch) for _ in range(args.repeats)]
+            ms = statistics.median(runs)
+            floor = decode_floor_ms(weight_bytes, kv_per_token // args.tp * args.tp, ctx, batch)
+            result["decode"][f"{ctx}x{batch}"] = {"context": ctx, "batch": batch, "ms_per_step": ms, "runs": runs,
+                                                  "floor_ms": floor}
+            vs1 = ms / result["decode"][f"{ctx}x1"]["ms_per_step"] if f"{ctx}x1" in result["decode"] else None
+            rows.append((f"batch-{batch} decode, {ctx} ctx", f"{ms:.3f} ms/step", f"floor {floor:.3f} ms",
+                         f"{floor / ms:.0%}" + (f", {vs1:.2f}x batch 1" if batch > 1 and vs1 else "")))
+            print(*rows[-1], flush=True)
+    for batch in args.batches if torch.cuda.is_available() else []:
+        graph_ms = decode_graph_ms(llm, batch)
+        if graph_ms is not None:
+            result["decode_graph_gpu_ms"][batch] = graph_ms
+            rows.append((f"  batch-{batch} GPU (graph replay)", f"{graph_ms:.3f} ms", "", ""))
+            print(*rows[-1], flush=True)
     if not args.skip_ttft:
         uncached, cached = [], []
         for _ in range(args.repeats):

@@ -191,10 +191,10 @@ class ModelRunner:
 
     def _warmup(self) -> dict[str, int]:
         """Runs the biggest steps the engine can take, eagerly, over a scratch KV cache. Returns the
-        bytes the costliest needs beyond what stays allocated ("activations": the full prefill, or
-        the most rows sampled with top-k/top-p, whose sort over the vocabulary outweighs a small
-        model's prefill), and what the CUDA graphs to be captured will hold for good in their pool
-        ("graph_pool")."""
+        bytes the costliest needs beyond what stays allocated ("activations": the full prefill, the
+        most rows sampled with top-k/top-p, whose sort over the vocabulary outweighs a small model's
+        prefill, or a full batch of prompts' last chunks that does both in one step), and what the
+        CUDA graphs to be captured will hold for good ("graph_pool")."""
         c = self.config
         tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         seq_len = min(c.max_model_len, tokens)
@@ -207,9 +207,10 @@ class ModelRunner:
             slot_mapping=[-1] * (num_seqs * seq_len), cu_seqlens_q=[i * seq_len for i in range(num_seqs + 1)],
             context_lens=[seq_len] * num_seqs, block_tables=tables, sample_rows=[], sample_params=[],
             is_decode=False)
+        mixed = _sampled_prefill_plan(tokens, min(c.max_num_seqs, tokens), self.block_size, num_seqs * blocks_per_seq)
         # In turn, without emptying the allocator's cache between them: blocks cached for one step's
         # sizes do not always fit the other's, and the cache keeps both.
-        activations = self._memory_for(prefill, _decode_plan(c.max_num_seqs, sample=True), prefill)
+        activations = self._memory_for(prefill, _decode_plan(c.max_num_seqs, sample=True), mixed, prefill)
         graph_pool = 0 if c.enforce_eager else self._graph_pool_bytes()
         self.kv_cache = None
         for attn in self.attention_layers:
@@ -221,6 +222,13 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(self.device)
+
+    def _settled_use(self) -> int:
+        """What the device has given this process (and any other on it), torch's reservation or
+        not, once queued work has ended and torch's unused cache went back."""
+        self._settled_reserved()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
 
     def _memory_for(self, *plans: StepPlan) -> int:
         """Bytes the device had to give the allocator while running the plans in turn: activations,
@@ -266,24 +274,22 @@ class ModelRunner:
         return decode_graphs, prefill_graphs
 
     def _graph_pool_bytes(self) -> int:
-        """Memory the graphs will hold for good, found by capturing the largest of each kind over
-        the warmup's scratch cache and then dropping them. The graphs share one pool, and what a
-        capture frees the next one reuses, so the largest graphs need about what all of them do."""
-        from engine.decode_graphs import SAMPLE_GRAPH_ROWS
-        decode, prefill = self._graph_buckets()
-        before = self._settled_reserved()
-        # The largest sampling graph too: the largest decode graph may be past SAMPLE_GRAPH_ROWS.
-        graphs = self._make_graphs(sorted({min(decode[-1], SAMPLE_GRAPH_ROWS), decode[-1]}), prefill[-1:])
+        """Memory the graphs will hold for good, found by capturing them all over the warmup's
+        scratch cache and then dropping them. Counted at the device, not in torch's allocator: an
+        instantiated graph also holds device memory of its own (uploaded at its first launch),
+        outside torch's pool (RESULTS.md, tenth session)."""
+        before = self._settled_use()
+        graphs = self._make_graphs(*self._graph_buckets())
         # Settled, so the blocks the captures' eager warm-up runs left in the common cache go back.
-        held = self._settled_reserved() - before
+        held = self._settled_use() - before
         del graphs
         torch.cuda.empty_cache()
         return held
 
     def _capture_graphs(self, progress) -> None:
-        before = self._settled_reserved()
+        before = self._settled_use()
         self.decode_graphs, self.prefill_graphs = self._make_graphs(*self._graph_buckets(), progress)
-        self.memory_plan["graph_pool_captured"] = self._settled_reserved() - before
+        self.memory_plan["graph_pool_captured"] = self._settled_use() - before
 
     def _warm_logits(self, progress) -> None:
         """The logits GEMM runs outside the graphs, for as many rows as the step samples. cuBLAS
@@ -449,6 +455,20 @@ class ModelRunner:
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _sampled_prefill_plan(tokens: int, rows: int, block_size: int, num_blocks: int) -> StepPlan:
+    """A prefill step of `tokens` tokens over `rows` sequences that each sample their next token,
+    as a batch of prompts' last chunks does: the forward pass's activations and the sort of
+    top-k/top-p in one step. It reads the scratch cache's blocks round and round and writes none."""
+    per_seq = tokens // rows
+    blocks = -(-per_seq // block_size)
+    params = [SamplingParams(temperature=0)] + [_COSTLIEST_SAMPLING] * (rows - 1)
+    return StepPlan(input_ids=[0] * (rows * per_seq), positions=list(range(per_seq)) * rows,
+                    slot_mapping=[-1] * (rows * per_seq), cu_seqlens_q=[i * per_seq for i in range(rows + 1)],
+                    context_lens=[per_seq] * rows,
+                    block_tables=[[(i * blocks + j) % num_blocks for j in range(blocks)] for i in range(rows)],
+                    sample_rows=[(i + 1) * per_seq - 1 for i in range(rows)], sample_params=params, is_decode=False)
 
 
 def _decode_plan(rows: int, sample: bool) -> StepPlan:

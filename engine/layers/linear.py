@@ -20,8 +20,8 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
-    # One row, a batch-1 decode step: the Triton GEMV beats cuBLAS there (kernels/gemv.py).
-    if fused and bias is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+    # A chat-sized decode step (1-8 rows): the Triton GEMV beats cuBLAS there (kernels/gemv.py).
+    if fused and bias is None and x.dim() == 2 and 1 <= x.shape[0] <= 8 and x.stride(1) == 1:
         from kernels.gemv import gemv
         return gemv(x, weight)
     return F.linear(x, weight, bias)

@@ -24,6 +24,20 @@ def test_triton_backend_with_cuda_graphs_matches_hf_in_float32(tiny_qwen3, block
     assert [o["token_ids"] for o in outs] == expected
 
 
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+def test_chat_sized_batches_match_hf_in_float32_with_graphs_and_eagerly(tiny_qwen3, batch):
+    """1-8 streams decoding together run the Triton GEMV's row kernels (padded to a graph's bucket
+    with graphs, at their own count eagerly)."""
+    prompts = random_prompts([5 + 11 * i for i in range(batch)], seed=100 + batch)
+    expected = hf_greedy(tiny_qwen3, prompts, 24)
+    for eager in (False, True):
+        with LLM(tiny_qwen3, device="cuda", dtype="float32", enforce_eager=eager, max_model_len=512,
+                 max_num_seqs=8, gpu_memory_utilization=0.3) as llm:
+            assert (llm.runner.decode_graphs is None) == eager
+            outs = llm.generate(prompts, GREEDY)
+        assert [o["token_ids"] for o in outs] == expected, f"enforce_eager={eager}"
+
+
 def test_cuda_graphs_match_eager(tiny_qwen3):
     """Decode graphs, and prefill graphs for small and mixed steps: chunked prompts mixed into
     decoding, and a second round that hits the prefix cache."""
@@ -88,15 +102,19 @@ def test_preemption_on_gpu(tiny_qwen3):
     assert [o["token_ids"] for o in outs] == expected
 
 
-def test_the_costliest_steps_stay_within_gpu_memory_utilization():
+@pytest.mark.parametrize("shape, utilization", [("qwen3-0.6b", 0.4), ("qwen3-0.6b", 0.9), ("qwen3-8b", 0.4),
+                                                ("qwen3-8b", 0.9)])
+def test_the_costliest_steps_stay_within_gpu_memory_utilization(shape, utilization):
     """A small model with a large vocabulary: sampling 256 rows with top-k/top-p sorts more bytes
-    than its prefill needs, which the KV cache's sizing once left out."""
-    with LLM(str(CONFIGS / "qwen3-0.6b"), load_format="random", dtype="bfloat16", max_model_len=2048,
-             max_num_seqs=256, gpu_memory_utilization=0.4) as llm:
+    than its prefill needs, which the KV cache's sizing once left out. And an 8B model, whose
+    prefill needs more."""
+    with LLM(str(CONFIGS / shape), load_format="random", dtype="bfloat16", max_model_len=2048,
+             max_num_seqs=256, gpu_memory_utilization=utilization) as llm:
         plan = llm.runner.memory_plan
         assert plan["activations"] > 0 and plan["graph_pool"] > 0
         use = peak_use(llm, 256, 2048)
     over = (use["peak"] - use["budget"]) / 2**30
+    print(f"{shape} at {utilization}: peak {use['peak'] / 2**30:.3f} GiB, {-over:.3f} GiB within the budget; {plan}")
     assert over <= 0, f"peak {over:.3f} GiB past the budget; set aside: {plan}"
 
 

@@ -172,10 +172,11 @@ def test_silu_and_mul(poison):
     assert_close(out, (torch.nn.functional.silu(gate) * up).to(BF16), BF16)
 
 
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("N, K", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (2048, 2048)])
-def test_gemv(N, K, poison):
-    """Qwen3-0.6B's decode projections at batch 1, in each launch shape."""
-    x = torch.randn(1, K, device="cuda").to(BF16)
+def test_gemv(M, N, K, poison):
+    """Qwen3-0.6B's decode projections at batches 1-8, in each launch shape (both row kernels)."""
+    x = torch.randn(M, K, device="cuda").to(BF16)
     weight = (torch.randn(N, K, device="cuda") / K ** 0.5).to(BF16)
     with poison():
         out = gemv.gemv(x, weight)
