@@ -275,9 +275,14 @@ class ModelRunner:
 
     def _graph_pool_bytes(self) -> int:
         """Memory the graphs will hold for good, found by capturing them all over the warmup's
-        scratch cache and then dropping them. Counted at the device, not in torch's allocator: an
-        instantiated graph also holds device memory of its own (uploaded at its first launch),
-        outside torch's pool (RESULTS.md, tenth session)."""
+        scratch cache and then dropping them. Counted at the device, not in torch's allocator:
+        capturing the graphs of every batch size first runs kernels that only some sizes use (the
+        one-row GEMV, for one), and the device memory they first take (CUDA loads code lazily)
+        lies outside torch's allocator and stays after the graphs are dropped. Capturing only the largest graphs and counting torch's pool
+        missed 0.027 GiB of it (H100, Qwen3-0.6B shape), which took the GPU memory test past its
+        budget (RESULTS.md, tenth session). What this first capture loads stays loaded, so it is
+        also in the "used" figure measured after it: counted twice, up to ~0.13 GiB the first time
+        a process builds an engine."""
         before = self._settled_use()
         graphs = self._make_graphs(*self._graph_buckets())
         # Settled, so the blocks the captures' eager warm-up runs left in the common cache go back.
