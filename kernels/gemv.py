@@ -87,8 +87,9 @@ _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 
 
 def launch_config(N: int, K: int, rows: int = 1) -> tuple[str, int, int, int, int]:
-    """(kernel, block_n, block_k, num_warps, num_stages) from sweeps of Qwen3-0.6B's projections on
-    an H100 and H200 (RESULTS.md): "one" (the one-row kernel), "fma" or "dot" (the row kernels)."""
+    """(kernel, block_n, block_k, num_warps, num_stages) from sweeps of Qwen3-0.6B's projections
+    (one row on an H200, 2-8 rows on an H100; RESULTS.md): "one" (the one-row kernel), "fma" or
+    "dot" (the row kernels)."""
     if rows == 1:
         # A weight row per program for the 1024-row projections, so that they too fill the GPU.
         return ("one", 1, 1024, 8, 3) if N <= 2048 else ("one", 2, 512, 2, 3)
