@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -151,6 +152,25 @@ def test_concurrent_streams_with_disconnects(server, engine):
     assert not state.open_streams
 
 
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server, engine):
+    url, state, submitted = server
+    submitted.clear()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    body = json.dumps({"model": "demo", "prompt": "x", "max_tokens": 220, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while not (submitted and submitted[0].num_completion_tokens):
+            assert time.monotonic() < deadline, "the request never started generating"
+            time.sleep(0.01)
+    # The connection is closed while the reply is far from done.
+    assert submitted[0].wait(30) and submitted[0].finish_reason == "abort"
+    assert submitted[0].num_completion_tokens < 220
+    wait_idle(engine)
+    assert not state.open_streams
+
+
 def _post(url, path, body, **kwargs):
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
     return httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60,
@@ -231,16 +251,19 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads child processes from /proc")
-def test_sigterm_mid_stream_ends_it_and_leaves_no_process(demo_model_path, tmp_path):
+@pytest.mark.parametrize("sig,tp", [(signal.SIGTERM, 2), (signal.SIGINT, 1)], ids=["sigterm-tp2", "ctrl-c"])
+def test_a_signal_mid_stream_ends_it_and_leaves_no_process(demo_model_path, tmp_path, sig, tp):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "nvchat").symlink_to(demo_model_path.parent, target_is_directory=True)
     env = {**os.environ, "XDG_CACHE_HOME": str(cache), "XDG_CONFIG_HOME": str(tmp_path / "config"),
            "OMP_NUM_THREADS": "1"}
-    # Two tensor-parallel ranks over gloo: one worker process, which must go too.
+    # With two tensor-parallel ranks over gloo, one worker process, which must go too.
+    # A child of a non-interactive shell may start with SIGINT ignored; give it the default back.
     proc = subprocess.Popen([sys.executable, "-m", "nvchat.cli", "serve", "--port", "0", "--device", "cpu",
-                             "--tp", "2", "--max-model-len", "512"],
-                            cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+                             "--tp", str(tp), "--max-model-len", "512"],
+                            cwd=REPO, env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         url = None
         for line in proc.stderr:
@@ -249,7 +272,7 @@ def test_sigterm_mid_stream_ends_it_and_leaves_no_process(demo_model_path, tmp_p
                 break
         assert url, "the server never said it was ready"
         workers = _children(proc.pid)
-        assert workers, "expected a tensor-parallel worker process"
+        assert len(workers) >= tp - 1, "expected a tensor-parallel worker process"
         body = {"model": "demo", "prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
         events = []
         with httpx.stream("POST", url + "/completions", json=body, timeout=60) as response:
@@ -258,7 +281,7 @@ def test_sigterm_mid_stream_ends_it_and_leaves_no_process(demo_model_path, tmp_p
                 if line.startswith("data:"):
                     events.append(line)
                     break
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             events += [line for line in lines if line.startswith("data:")]
         assert proc.wait(timeout=60) == 0
         assert "data: [DONE]" not in events
