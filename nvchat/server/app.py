@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import EngineThread, RequestStream
 from nvchat.server.schemas import ChatCompletionRequest, CompletionRequest
-from nvchat.server.sse import EventStreamResponse, sse_event
+from nvchat.server.sse import TEXT_SLOT, EventStreamResponse, sse_event, text_events
 
 DONE = "data: [DONE]\n\n"
 
@@ -214,18 +214,23 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
                                  "logprobs": None, "finish_reason": stream.finish_reason}],
                     "usage": _usage(stream)}
 
-        def chunk(delta: dict, finish_reason=None, usage=None, choices=True) -> str:
+        def payload(delta: dict, finish_reason=None, usage=None, choices=True) -> dict:
             event = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                      "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
                      if choices else []}
             if usage is not None:
                 event["usage"] = usage
-            return sse_event(event)
+            return event
+
+        def chunk(*args, **kwargs) -> str:
+            return sse_event(payload(*args, **kwargs))
+
+        content_event = text_events(payload({"content": TEXT_SLOT}))
 
         async def events():
             yield chunk({"role": "assistant", "content": ""})
             async for text in _texts(stream):
-                yield chunk({"content": text})
+                yield content_event(text)
             error = stream_error(stream)
             if error:
                 yield error
@@ -255,9 +260,11 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
             await complete(stream, request)
             return payload(stream.text, stream.finish_reason, _usage(stream))
 
+        text_event = text_events(payload(TEXT_SLOT))
+
         async def events():
             async for text in _texts(stream):
-                yield sse_event(payload(text))
+                yield text_event(text)
             error = stream_error(stream)
             if error:
                 yield error

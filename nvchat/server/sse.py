@@ -4,8 +4,22 @@ import json
 from starlette.responses import StreamingResponse
 
 
+_SEPARATORS = (",", ":")
+_SLOT = "\x00text\x00"
+
+
 def sse_event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(payload, separators=_SEPARATORS)}\n\n"
+
+
+def text_events(payload: dict):
+    """A maker of the events that differ only in their text: payload holds TEXT_SLOT where the text
+    goes. Only the text is encoded per event (the rest, dumped once, is the bulk of each chunk)."""
+    head, tail = json.dumps(payload, separators=_SEPARATORS).split(json.dumps(_SLOT))
+    return lambda text: f"data: {head}{json.dumps(text)}{tail}\n\n"
+
+
+TEXT_SLOT = _SLOT
 
 
 class EventStreamResponse(StreamingResponse):
