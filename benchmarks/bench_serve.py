@@ -13,10 +13,12 @@ token), TTFT and inter-chunk latency percentiles, and the server's share of the 
   GPU:  python -m benchmarks.bench_serve --streams 64
   CPU:  python -m benchmarks.bench_serve --config demo --device cpu --streams 8 --prompt-len 64 --max-tokens 32
 
-Imports only the engine, the server's app, uvicorn and httpx (no textual, no prompt_toolkit).
+Imports only the engine, the server's app, uvicorn and httpx (no textual, no prompt_toolkit); uvicorn
+uses httptools and uvloop where they are installed (--http/--loop choose), and says which it ran.
 """
 import argparse
 import asyncio
+import importlib.util
 import json
 import multiprocessing as mp
 import random
@@ -116,7 +118,7 @@ def client_process(url: str, prompts, max_tokens: int, go, results) -> None:
         results.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def run_over_http(engine, prompts, max_tokens: int, client_procs: int) -> list[dict]:
+def run_over_http(engine, prompts, max_tokens: int, client_procs: int, stack: dict) -> list[dict]:
     import uvicorn
     from nvchat.server.app import ServerState, create_app
 
@@ -125,7 +127,7 @@ def run_over_http(engine, prompts, max_tokens: int, client_procs: int) -> list[d
     sock.listen(1024)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
     server = uvicorn.Server(uvicorn.Config(create_app(ServerState(SERVED_NAME, engine)), log_level="warning",
-                                           access_log=False))
+                                           access_log=False, **stack))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bench-server", daemon=True)
     thread.start()
     ctx = mp.get_context("spawn")
@@ -169,9 +171,16 @@ def main():
     p.add_argument("--client-procs", type=int, default=4, help="processes the HTTP clients are spread over")
     p.add_argument("--switch-interval", type=float, default=0.0005,
                    help="sys.setswitchinterval for both phases (nvchat serve sets 0.0005)")
+    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"], help="uvicorn's HTTP parser")
+    p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"], help="uvicorn's event loop")
     p.add_argument("--out", default="benchmarks/out/serve.json")
     args = p.parse_args()
     sys.setswitchinterval(args.switch_interval)
+    # uvicorn's "auto" picks httptools and uvloop when installed; without them, h11 and asyncio.
+    stack = {"http": args.http if args.http != "auto" else
+             "httptools" if importlib.util.find_spec("httptools") else "h11",
+             "loop": args.loop if args.loop != "auto" else
+             "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"}
 
     if args.config == "demo":
         from engine.demo_model import ensure_demo_model
@@ -185,20 +194,22 @@ def main():
         engine.submit(workload(1, 32, vocab, 99)[0], SamplingParams(max_tokens=4)).wait()  # warm-up
         local = summarize(run_in_process(engine, workload(args.streams, args.prompt_len, vocab, 1), args.max_tokens))
         served = summarize(run_over_http(engine, workload(args.streams, args.prompt_len, vocab, 2), args.max_tokens,
-                                         max(1, min(args.client_procs, args.streams))))
+                                         max(1, min(args.client_procs, args.streams)), stack))
     finally:
         engine.shutdown()
 
     share = served["tok_per_s"] / local["tok_per_s"]
+
     rows = [(name, r["requests"], r["tokens"], f"{r['tok_per_s']:.0f}", f"{r['ttft_ms']['p50']:.1f}",
              f"{r['ttft_ms']['p99']:.1f}", f"{r['itl_ms']['p50']:.2f}", f"{r['itl_ms']['p99']:.2f}")
             for name, r in (("in-process", local), ("nvchat serve", served))]
-    print(f"{args.streams} streams, {args.prompt_len}-token prompts, {args.max_tokens} tokens each")
+    print(f"{args.streams} streams, {args.prompt_len}-token prompts, {args.max_tokens} tokens each; "
+          f"server on uvicorn with {stack['http']} and {stack['loop']}")
     print_table(rows, ("path", "requests", "tokens", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
                        "ITL p99 ms"))
     print(f"server keeps {share:.1%} of in-process throughput")
     write_json(args.out, {"streams": args.streams, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-                          "client_procs": args.client_procs, "switch_interval": args.switch_interval,
+                          "client_procs": args.client_procs, "switch_interval": args.switch_interval, **stack,
                           "in_process": local, "served": served, "served_share": share})
 
 
