@@ -104,12 +104,14 @@ async def _client(http: httpx.AsyncClient, prompt, max_tokens: int) -> dict:
     return {"start": start, "arrivals": arrivals, "tokens": tokens}
 
 
-def client_process(url: str, prompts, max_tokens: int, go, results) -> None:
-    """One client process: its share of the streams, all opened when `go` is set."""
+def client_process(url: str, prompts, max_tokens: int, start_line, results) -> None:
+    """One client process: its share of the streams, all opened once every process is at the start
+    line. A first request beforehand loads what httpx imports lazily, which would count as TTFT."""
     async def run():
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as http:
-            await asyncio.to_thread(go.wait)
+            (await http.get("/models")).raise_for_status()
+            await asyncio.to_thread(start_line.wait)
             return await asyncio.gather(*(_client(http, p, max_tokens) for p in prompts))
 
     try:
@@ -120,6 +122,7 @@ def client_process(url: str, prompts, max_tokens: int, go, results) -> None:
 
 def run_over_http(engine, prompts, max_tokens: int, client_procs: int, stack: dict) -> list[dict]:
     import uvicorn
+    from benchmarks import bench_serve  # the client processes find client_process by this name
     from nvchat.server.app import ServerState, create_app
 
     sock = socket.socket()
@@ -131,18 +134,17 @@ def run_over_http(engine, prompts, max_tokens: int, client_procs: int, stack: di
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bench-server", daemon=True)
     thread.start()
     ctx = mp.get_context("spawn")
-    go, results = ctx.Event(), ctx.Queue()
-    shares = [prompts[i::client_procs] for i in range(client_procs)]
-    procs = [ctx.Process(target=client_process, args=(url, share, max_tokens, go, results), daemon=True)
-             for share in shares if share]
+    shares = [share for share in (prompts[i::client_procs] for i in range(client_procs)) if share]
+    start_line, results = ctx.Barrier(len(shares) + 1, timeout=600), ctx.Queue()
+    procs = [ctx.Process(target=bench_serve.client_process, args=(url, share, max_tokens, start_line, results),
+                         daemon=True) for share in shares]
     try:
         for p in procs:
             p.start()
-        # Every process has its client ready (imports done) before the streams open together.
         warm = httpx.post(url + "/completions", json={"model": SERVED_NAME, "prompt": prompts[0][:8],
                                                       "max_tokens": 2}, timeout=600)
         warm.raise_for_status()
-        go.set()
+        start_line.wait()
         combined = []
         for _ in procs:
             status, payload = results.get()
@@ -152,7 +154,8 @@ def run_over_http(engine, prompts, max_tokens: int, client_procs: int, stack: di
         return combined
     finally:
         for p in procs:
-            p.join(30)
+            if p.pid is not None:
+                p.join(30)
         server.should_exit = True
         thread.join(30)
         sock.close()
