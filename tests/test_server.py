@@ -112,6 +112,9 @@ def test_stop_and_greedy(client):
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["demo"]
     assert httpx.get(server[0].removesuffix("/v1") + "/health").json() == {"status": "ok"}
+    # OpenAI requires "model"; like vLLM, this server takes its absence to mean the model it serves.
+    reply = _post(server[0], "/completions", {"prompt": "x", "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["model"] == "demo"
 
 
 def test_concurrent_streams_with_disconnects(server, engine):

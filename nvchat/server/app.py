@@ -134,7 +134,6 @@ async def _until_disconnect(request: Request) -> None:
 
 def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="nvchat", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.nvchat = state
     v1 = APIRouter(prefix="/v1")
 
     @app.exception_handler(APIError)
@@ -157,7 +156,7 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
 
     def start(body, prompt) -> RequestStream:
         engine = state.ready_engine()
-        if body.model != state.model_name:
+        if body.model not in (None, state.model_name):
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
         try:

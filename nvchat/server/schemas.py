@@ -35,7 +35,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: StrictStr
+    model: StrictStr | None = None  # OpenAI requires it; left out, it means the one model served
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     temperature: StrictFloat | StrictInt | None = None
