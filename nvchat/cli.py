@@ -5,9 +5,7 @@ import sys
 from nvchat.settings import Settings, SettingsError, load_settings
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # Flags default to None so that only the ones given override config.toml.
-    p = argparse.ArgumentParser(prog="nvchat", description="Chat with a local LLM from the terminal.")
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory, or a Hugging Face repo id already in the local cache "
                                    "(default: the built-in demo model, which answers gibberish)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
@@ -17,6 +15,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, help="most requests batched together (default 64)")
     p.add_argument("--gpu-memory-utilization", type=float, help="share of GPU memory to use (default 0.9)")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Flags default to None so that only the ones given override config.toml.
+    p = argparse.ArgumentParser(prog="nvchat", description="Chat with a local LLM from the terminal.",
+                                epilog="`nvchat serve --help`: serve the engine over the OpenAI API.")
+    add_engine_flags(p)
     p.add_argument("--max-tokens", type=int, help="longest reply in tokens (default 1024)")
     p.add_argument("--temperature", type=float, help="sampling temperature, 0 for greedy (default 0.7)")
     p.add_argument("--theme", help="colour theme for the app (default nvchat-dark)")
@@ -24,10 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true", help="a plain line-based REPL instead of the full-screen app")
     p.add_argument("-p", "--prompt", metavar="TEXT", help="pipe mode: answer TEXT (- reads stdin), print the reply, exit")
     p.add_argument("--json", action="store_true", help="with -p: print one JSON object with the reply and its stats")
+    p.add_argument("--backend", metavar="URL", help="an OpenAI-compatible server to chat with instead of the local "
+                                                    "engine, e.g. http://127.0.0.1:8000/v1 (--model names its model)")
+    p.add_argument("--api-key", help="with --backend: the server's API key")
     return p
 
 
-_SETTING_FLAGS = ("model", "device", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs",
+_SETTING_FLAGS = ("backend", "api_key", "model", "device", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs",
                   "gpu_memory_utilization", "enforce_eager", "max_tokens", "temperature", "theme", "system_prompt")
 
 
@@ -44,6 +52,10 @@ def run_tui(settings: Settings) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from nvchat.server.serve import main as serve_main
+        return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.json and args.prompt is None:

@@ -44,13 +44,13 @@ def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False) -> i
     try:
         text = read_prompt(prompt)
         settings.sampling_params()  # a bad value fails here, before seconds of model loading
-        from engine import EngineThread
         from engine.demo_model import GIBBERISH_NOTE
+        from nvchat.backend import model_name as backend_model_name
+        from nvchat.backend import open_backend
         from nvchat.conversation import Conversation, reply_stats
 
-        kwargs = settings.engine_kwargs()
-        with EngineThread(kwargs.pop("model"), **kwargs) as engine:
-            model_name = settings.model or "demo"
+        with open_backend(settings) as engine:
+            model_name = backend_model_name(settings, engine)
             conversation = Conversation(engine, None, system_prompt=settings.system_prompt, model_name=model_name,
                                         settings=settings)
             stream = conversation.send(text)

@@ -20,6 +20,7 @@ from prompt_toolkit.keys import Keys
 
 from engine import EngineThread, RequestStream
 from nvchat import paths, slash_commands
+from nvchat.backend import model_name, open_backend
 from nvchat.conversation import Conversation, first_line
 from nvchat.settings import Settings
 from nvchat.store import ChatStore
@@ -206,9 +207,12 @@ def run_repl(settings: Settings) -> int:
         return 2
     try:
         settings.sampling_params()
-        kwargs = settings.engine_kwargs()
-        print(f"nvchat: loading {settings.model or 'the demo model'}...", file=sys.stderr, flush=True)
-        engine = EngineThread(kwargs.pop("model"), **kwargs)
+        if settings.backend:
+            print(f"nvchat: connecting to {settings.backend}...", file=sys.stderr, flush=True)
+        else:
+            print(f"nvchat: loading {settings.model or 'the demo model'}...", file=sys.stderr, flush=True)
+        engine = open_backend(settings)
+        engine.start()
     except (ValueError, RuntimeError, OSError) as e:
         print(f"nvchat: {e}", file=sys.stderr)
         return 1
@@ -220,6 +224,7 @@ def run_repl(settings: Settings) -> int:
     try:
         with engine:
             repl = Repl(engine, settings, store=store, history=FileHistory(str(history_file)),
+                        model_name=model_name(settings, engine),
                         note=GIBBERISH_NOTE if settings.uses_demo_model else None)
             return repl.run()
     finally:

@@ -38,10 +38,14 @@ class Settings:
     enable_thinking: bool | None = None
     theme: str = "nvchat-dark"
     keys: dict[str, str] = field(default_factory=dict)  # binding id -> key, e.g. {"new_tab": "ctrl+n"}
+    # An OpenAI-compatible server's URL (…/v1) to chat with instead of the in-process engine;
+    # `model` then names the server's model (default: the first it lists).
+    backend: str | None = None
+    api_key: str | None = None
 
     @property
     def uses_demo_model(self) -> bool:
-        return self.model is None
+        return self.model is None and self.backend is None
 
     def engine_kwargs(self) -> dict:
         """Arguments for LLM / EngineThread; no model means the built-in demo model."""

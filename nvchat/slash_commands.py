@@ -104,8 +104,11 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+NO_BLOCK_STATS = "KV cache: block statistics are not available from a remote backend"
+
+
 def format_stats(snap, last_stream=None) -> str:
-    lines = [
+    lines = [NO_BLOCK_STATS] if snap is None else [
         f"KV cache: {snap.num_used_blocks}/{snap.num_blocks} blocks in use ({snap.block_size} tokens each), "
         f"{snap.num_cached_blocks} free but cached for reuse; {_mib(snap.kv_bytes_used)} of {_mib(snap.kv_bytes_total)}",
         f"prefix cache: {snap.prefix_hit_tokens}/{snap.prompt_tokens} prompt tokens reused "

@@ -41,6 +41,7 @@ from nvchat.app.conversations_screen import ConversationsScreen
 from nvchat.export import export_markdown
 from nvchat.app.footer import ChatFooter
 from nvchat.app.frame_stats import FrameStats
+from nvchat.backend import model_name, open_backend
 from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import BlockOwner, KVPanel, PanelData
 from nvchat.app.loading_screen import LoadingScreen
@@ -61,6 +62,8 @@ _CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv
 def model_label(settings: Settings) -> str:
     if settings.uses_demo_model:
         return "demo model"
+    if settings.model is None:  # a remote backend's first model, named once it answers
+        return settings.backend
     return Path(settings.model).name or settings.model
 
 
@@ -175,9 +178,8 @@ class NvchatApp(App[None]):
             if engine is None:
                 if self.settings.uses_demo_model:
                     progress("preparing the demo model")
-                kwargs = self.settings.engine_kwargs()
-                engine = EngineThread(kwargs.pop("model"), progress=progress, **kwargs)
-                progress("starting the engine thread")
+                engine = open_backend(self.settings, progress)
+                progress("connecting to the server" if self.settings.backend else "starting the engine thread")
                 engine.start()
             if store is None:
                 progress("opening the conversation store")
@@ -216,7 +218,7 @@ class NvchatApp(App[None]):
 
     def new_conversation(self) -> Conversation:
         return Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
-                            model_name=self.settings.model or "demo", settings=self.settings)
+                            model_name=model_name(self.settings, self.engine), settings=self.settings)
 
     @property
     def tabs(self) -> TabbedContent:
@@ -337,12 +339,12 @@ class NvchatApp(App[None]):
     # --- KV panel ----------------------------------------------------------------------------------
 
     def _panel_data(self) -> PanelData:
-        snapshot = self.engine.stats()
+        snapshot = self.engine.stats()  # None from a remote backend
         # A finished request's owner is kept until the engine's snapshot no longer shows it holding
         # blocks (the snapshot trails the streams by a step).
         live = {p.stream.request_id for p in self._panes if p.stream is not None}
         self._request_owners = {rid: p for rid, p in self._request_owners.items()
-                                if rid in live or rid in snapshot.block_holders}
+                                if rid in live or (snapshot is not None and rid in snapshot.block_holders)}
         owners = {rid: BlockOwner(p.conversation.title, p.color) for rid, p in self._request_owners.items()}
         chats = [BlockOwner(p.conversation.title, p.color) for p in self._panes]
         return PanelData(snapshot, owners, chats)

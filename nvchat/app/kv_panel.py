@@ -30,6 +30,7 @@ from engine import EngineSnapshot
 from engine.block_manager import CACHED, FREE, SHARED, USED
 
 REFRESH_S = 0.25
+NO_BLOCK_STATS = "Block statistics are not\navailable from a remote\nbackend."
 _HISTORY = 80  # sparkline samples: 20 s at REFRESH_S
 _USED, _SHARED, _CACHED, _FREE = "█", "▓", "░", "·"
 # Block states ranked by how much they tell: a cell of several blocks shows its most telling one.
@@ -49,7 +50,7 @@ class BlockOwner:
 
 @dataclass
 class PanelData:
-    snapshot: EngineSnapshot
+    snapshot: EngineSnapshot | None  # None: a remote backend, whose blocks are not visible
     owners: dict[int, BlockOwner]  # request id -> the chat that submitted it
     chats: list[BlockOwner]  # every open chat, for the legend
 
@@ -296,6 +297,9 @@ class KVPanel(Vertical):
             return
         data = self.source()
         snap = data.snapshot
+        if snap is None:
+            self._show_unavailable()
+            return
         self._history.append(snap.prefill_tokens_per_s + snap.decode_tokens_per_s)
         self.query_one(Sparkline).data = list(self._history)
         self.query_one(Counters).show(counters_text(snap))
@@ -310,3 +314,11 @@ class KVPanel(Vertical):
         if legend != self._legend:
             self._legend = legend
             self.query_one("#kv-legend", Static).update(legend)
+
+    def _show_unavailable(self) -> None:
+        if self._grid_key == NO_BLOCK_STATS:
+            return
+        self._grid_key = NO_BLOCK_STATS
+        for part in ("#kv-grid", "#kv-legend", "#kv-spark-label", "#kv-spark"):
+            self.query_one(part).display = False
+        self.query_one(Counters).show(NO_BLOCK_STATS)

@@ -1,0 +1,20 @@
+"""The chat backend the settings ask for: the in-process engine, or a remote OpenAI-compatible
+server (--backend URL). Both have the same surface: start / submit / stats / shutdown."""
+from nvchat.settings import Settings
+
+
+def open_backend(settings: Settings, progress=None):
+    """A backend, not yet started (start() loads the model or reaches the server)."""
+    if settings.backend:
+        from nvchat.remote_backend import RemoteBackend
+        return RemoteBackend(settings.backend, api_key=settings.api_key, model=settings.model)
+    from engine import EngineThread
+    kwargs = settings.engine_kwargs()
+    if progress is not None:
+        kwargs["progress"] = progress
+    return EngineThread(kwargs.pop("model"), **kwargs)
+
+
+def model_name(settings: Settings, backend) -> str:
+    """The name stored with conversations: the remote server's model, the --model given, or demo."""
+    return getattr(backend, "model_name", None) or settings.model or "demo"

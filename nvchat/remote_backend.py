@@ -1,0 +1,235 @@
+"""RemoteBackend: any OpenAI-compatible server (nvchat serve, vLLM, SGLang...) behind the surface the
+app, the REPL and pipe mode use from EngineThread: start / submit / stats / shutdown, and streams
+with RequestStream's interface.
+
+One asyncio loop on a background thread runs every request as a task over one httpx client, so
+tabs stream concurrently; aborting a stream cancels its task, which closes the HTTP stream (the
+server then aborts the request). Failures end the stream with finish_reason "error" and a message
+that says what went wrong, as the engine's own failures do.
+"""
+import asyncio
+import itertools
+import json
+import threading
+import time
+
+import httpx
+
+from engine import SamplingParams
+from engine.stream import Delta, RequestStream
+
+# Long enough for a big server's queue or a long prefill before the first token; the user can stop
+# a reply that waits.
+_READ_TIMEOUT_S = 600.0
+_CONNECT_TIMEOUT_S = 10.0
+
+
+class RemoteStream(RequestStream):
+    """A RequestStream fed from server-sent chunks. The server sends text, not token ids, so until its
+    usage report arrives a chunk counts as one token (as OpenAI-compatible servers stream them)."""
+
+    def __init__(self, request_id: int, abort_fn, tag=None):
+        super().__init__(request_id, 0, abort_fn, tag)
+        self._chunks = 0
+        self._reported_tokens: int | None = None
+
+    def _push_text(self, text: str) -> None:
+        with self._cond:
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self.text += text
+            self._chunks += 1
+            self._pending.append(Delta(text))
+            self._wake()
+
+    def _set_usage(self, usage: dict) -> None:
+        self.num_prompt_tokens = usage.get("prompt_tokens") or 0
+        self.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self._reported_tokens = usage.get("completion_tokens")
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self._chunks if self._reported_tokens is None else self._reported_tokens
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        n = self.num_completion_tokens
+        if self.first_token_at is None or n < 2:
+            return None
+        end = self.finished_at or time.perf_counter()
+        return (n - 1) / max(end - self.first_token_at, 1e-9)
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text.strip()[:200] or response.reason_phrase
+    return f"the server answered {response.status_code}: {message}"
+
+
+class RemoteBackend:
+    tokenizer = None  # prompts are tokenized by the server
+    fatal_error = None
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.model_name = model
+        self._ids = itertools.count(1)
+        self._tasks: dict[int, asyncio.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._closed = False
+
+    # --- lifetime ------------------------------------------------------------------------------------
+
+    def start(self) -> "RemoteBackend":
+        """Starts the client's loop; with no model named, asks the server for its first model
+        (raises RuntimeError if it can't be reached)."""
+        if self._thread is not None:
+            return self
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nvchat-remote", daemon=True)
+        self._thread.start()
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        timeout = httpx.Timeout(_CONNECT_TIMEOUT_S, read=_READ_TIMEOUT_S)
+        self._client = self._call(self._make_client(headers, timeout))
+        if self.model_name is None:
+            try:
+                self.model_name = self._call(self._first_model())
+            except BaseException:
+                self.shutdown()
+                raise
+        return self
+
+    async def _make_client(self, headers, timeout) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _first_model(self) -> str:
+        try:
+            response = await self._client.get("/models")
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"could not reach {self.base_url}: {e or type(e).__name__}") from None
+        if response.status_code >= 400:
+            raise RuntimeError(f"{self.base_url}/models: {_error_message(response)}")
+        try:
+            return response.json()["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise RuntimeError(f"{self.base_url}/models lists no model; name one with --model") from None
+
+    def shutdown(self) -> None:
+        """Stops every open reply (finish_reason "abort") and the client's loop."""
+        if self._closed or self._loop is None:
+            return
+        self._closed = True
+        for future in list(self._tasks.values()):
+            future.cancel()
+        if self._client is not None:
+            self._call(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # --- caller side ---------------------------------------------------------------------------------
+
+    def stats(self):
+        """None: a remote server's KV-cache blocks are not visible through the OpenAI API."""
+        return None
+
+    def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
+               tag=None) -> RemoteStream:
+        """Starts a request and returns its stream at once; chat messages go to /chat/completions,
+        text or token ids to /completions."""
+        if self._closed or self._loop is None:
+            raise RuntimeError("the remote backend is not running")
+        params = sampling_params or SamplingParams()
+        body = {"model": self.model_name, "stream": True, "stream_options": {"include_usage": True},
+                "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens}
+        # Not in OpenAI's own API (which refuses unknown fields): sent only when they change something.
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if params.ignore_eos:
+            body["ignore_eos"] = True
+        if enable_thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
+        if params.stop:
+            body["stop"] = params.stop
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            path, body["messages"] = "/chat/completions", prompt
+        else:
+            path, body["prompt"] = "/completions", prompt
+        stream = RemoteStream(next(self._ids), self._abort, tag)
+        future = asyncio.run_coroutine_threadsafe(self._run(stream, path, body), self._loop)
+        # A task cancelled before it first ran never enters _run: its stream is ended here instead.
+        future.add_done_callback(lambda f: stream._finish("abort") if f.cancelled() else None)
+        self._tasks[stream.request_id] = future
+        return stream
+
+    def _abort(self, stream: RequestStream) -> None:
+        future = self._tasks.get(stream.request_id)
+        if future is not None:
+            future.cancel()
+
+    # --- the client's loop ---------------------------------------------------------------------------
+
+    async def _run(self, stream: RemoteStream, path: str, body: dict) -> None:
+        try:
+            finish_reason = await self._read(stream, path, body)
+            if finish_reason is None:
+                stream._finish("error", "the server closed the stream before the reply ended")
+            else:
+                stream._finish(finish_reason)
+        except asyncio.CancelledError:
+            stream._finish("abort")
+        except httpx.HTTPError as e:
+            stream._finish("error", f"could not reach {self.base_url}: {e or type(e).__name__}")
+        except _StreamError as e:
+            stream._finish("error", str(e))
+        except Exception as e:  # a malformed event: the stream must still end
+            stream._finish("error", f"unreadable answer from {self.base_url}: {type(e).__name__}: {e}")
+        finally:
+            self._tasks.pop(stream.request_id, None)
+
+    async def _read(self, stream: RemoteStream, path: str, body: dict) -> str | None:
+        finish_reason = None
+        async with self._client.stream("POST", path, json=body) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                raise _StreamError(_error_message(response))
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("error"):
+                    error = event["error"]
+                    raise _StreamError(f"the server ended the reply: {error.get('message', error)}"
+                                       if isinstance(error, dict) else f"the server ended the reply: {error}")
+                if event.get("usage"):
+                    stream._set_usage(event["usage"])
+                for choice in event.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                    if text:
+                        stream._push_text(text)
+                    finish_reason = choice.get("finish_reason") or finish_reason
+        return finish_reason
+
+
+class _StreamError(Exception):
+    """The server refused the request or ended its stream with an error event."""

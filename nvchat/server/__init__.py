@@ -1,0 +1,1 @@
+"""`nvchat serve`: the engine behind an OpenAI-compatible HTTP API (FastAPI on uvicorn)."""

@@ -1,0 +1,305 @@
+"""`nvchat serve` over real sockets: the official openai client against the demo model on CPU,
+concurrent and abandoned streams, every bad input's status code, the API key, and a real
+`nvchat serve` process stopped by SIGTERM mid-stream."""
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine import EngineThread
+from nvchat.server.app import ServerState, create_app
+from tests.serving import serving
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINE_ARGS = dict(device="cpu", max_model_len=256, max_num_seqs=16)
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_path):
+    engine = EngineThread(str(demo_model_path), **ENGINE_ARGS).start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """The served app and its URL; `submitted` collects every engine stream the server starts."""
+    state = ServerState("demo", engine)
+    submitted = []
+    submit = engine.submit
+
+    def recording_submit(*args, **kwargs):
+        stream = submit(*args, **kwargs)
+        submitted.append(stream)
+        return stream
+
+    engine.submit = recording_submit
+    with serving(create_app(state)) as url:
+        yield url, state, submitted
+    del engine.submit
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server[0], api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def wait_idle(engine, timeout=30.0):
+    """Until the engine has no request and holds no block (its snapshot trails by a step)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = engine.stats()
+        if snap.num_running == snap.num_waiting == 0 and snap.num_used_blocks == 0:
+            return snap
+        time.sleep(0.02)
+    raise AssertionError(f"the engine is still busy: {engine.stats()}")
+
+
+def test_chat_streamed_equals_non_streamed(client):
+    args = dict(model="demo", messages=CHAT, max_tokens=12, seed=7, temperature=0.9, top_p=0.95,
+                extra_body={"top_k": 40, "ignore_eos": True})
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.content == streamed and streamed
+    assert whole.choices[0].finish_reason == "length"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert whole.usage.completion_tokens == 12
+    assert whole.usage.prompt_tokens > 0
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == 12
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    # The second identical prompt found the first's blocks in the prefix cache.
+    assert usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completion_streamed_equals_non_streamed(client):
+    args = dict(model="demo", prompt="Once upon a time", max_tokens=10, seed=3, temperature=1.0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True))
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks) != ""
+    assert whole.usage.completion_tokens == 10 == chunks[-1].usage.completion_tokens
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_and_greedy(client):
+    greedy = client.completions.create(model="demo", prompt="abc", max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    assert greedy == client.completions.create(model="demo", prompt="abc", max_tokens=16, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].text
+    stop = next((c for c in greedy[3:] if c.strip()), None)
+    if stop is None:
+        pytest.skip("the demo model's greedy text has no visible character to stop on")
+    cut = client.completions.create(model="demo", prompt="abc", max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop"
+    assert greedy.startswith(cut.choices[0].text) and stop not in cut.choices[0].text
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    assert httpx.get(server[0].removesuffix("/v1") + "/health").json() == {"status": "ok"}
+    # OpenAI requires "model"; like vLLM, this server takes its absence to mean the model it serves.
+    reply = _post(server[0], "/completions", {"prompt": "x", "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["model"] == "demo"
+
+
+def test_concurrent_streams_with_disconnects(server, engine):
+    url, state, submitted = server
+    submitted.clear()
+    rng = random.Random(0)
+    # Clients that leave do so after a few chunks, long before their max_tokens could run out.
+    leave_after = [rng.randint(1, 4) if i % 3 == 0 else None for i in range(16)]
+
+    async def one(client, i):
+        stream = await client.chat.completions.create(
+            model="demo", messages=[{"role": "system", "content": "Shared system prompt. " * 4},
+                                    {"role": "user", "content": f"client {i}"}],
+            max_tokens=200 if leave_after[i] else 8, stream=True, extra_body={"ignore_eos": True})
+        text, n = "", 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                n += 1
+                if leave_after[i] and n >= leave_after[i]:
+                    await stream.close()  # the client goes away mid-stream
+                    return None
+        return text
+
+    async def all_clients():
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    texts = asyncio.run(all_clients())
+    assert all(t for t, leaves in zip(texts, leave_after) if not leaves)
+    snap = wait_idle(engine)
+    assert snap.num_free_blocks == snap.num_blocks  # nothing leaked
+    assert len(submitted) == 16 and all(s.finished for s in submitted)
+    reasons = [s.finish_reason for s in submitted]
+    assert reasons.count("abort") == sum(1 for x in leave_after if x) and reasons.count("length") == 16 - reasons.count("abort")
+    assert all(s.num_completion_tokens < 200 for s in submitted)
+    assert sum(s.num_cached_tokens for s in submitted) > 0  # the shared system prompt was reused
+    assert not state.open_streams
+
+
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server, engine):
+    url, state, submitted = server
+    submitted.clear()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    body = json.dumps({"model": "demo", "prompt": "x", "max_tokens": 220, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while not (submitted and submitted[0].num_completion_tokens):
+            assert time.monotonic() < deadline, "the request never started generating"
+            time.sleep(0.01)
+    # The connection is closed while the reply is far from done.
+    assert submitted[0].wait(30) and submitted[0].finish_reason == "abort"
+    assert submitted[0].num_completion_tokens < 220
+    wait_idle(engine)
+    assert not state.open_streams
+
+
+def _post(url, path, body, **kwargs):
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60,
+                      **kwargs)
+
+
+BAD_REQUESTS = [
+    ("bad json", "/chat/completions", b'{"model": "demo", "messages": [', 400),
+    ("not an object", "/chat/completions", b"[1, 2]", 400),
+    ("wrong type", "/chat/completions", {"model": "demo", "messages": CHAT, "temperature": "hot"}, 400),
+    ("messages not a list", "/chat/completions", {"model": "demo", "messages": "hi"}, 400),
+    ("missing messages", "/chat/completions", {"model": "demo"}, 400),
+    ("bad role", "/chat/completions", {"model": "demo", "messages": [{"role": "robot", "content": "x"}]}, 400),
+    ("negative temperature", "/chat/completions", {"model": "demo", "messages": CHAT, "temperature": -1}, 400),
+    ("top_p of 0", "/completions", {"model": "demo", "prompt": "x", "top_p": 0}, 400),
+    ("max_tokens of 0", "/completions", {"model": "demo", "prompt": "x", "max_tokens": 0}, 400),
+    ("negative top_k", "/completions", {"model": "demo", "prompt": "x", "top_k": -2}, 400),
+    ("n of 2", "/completions", {"model": "demo", "prompt": "x", "n": 2}, 400),
+    ("empty prompt", "/completions", {"model": "demo", "prompt": ""}, 400),
+    ("prompt over the context", "/completions", {"model": "demo", "prompt": "word " * 400}, 400),
+    ("chat over the context", "/chat/completions",
+     {"model": "demo", "messages": [{"role": "user", "content": "word " * 400}], "stream": True}, 400),
+    ("unknown model", "/chat/completions", {"model": "gpt-9", "messages": CHAT}, 404),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_its_status_and_the_server_keeps_serving(server, name, path, body, status):
+    url = server[0]
+    response = _post(url, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    ok = _post(url, "/completions", {"model": "demo", "prompt": "still there?", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_openai_client_raises_on_bad_input(client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="demo", messages=CHAT, temperature=-0.5)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT)
+
+
+def test_503_while_loading_and_api_key(engine):
+    loading = ServerState("demo")
+    with serving(create_app(loading)) as url:
+        assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 503
+        response = _post(url, "/chat/completions", {"model": "demo", "messages": CHAT})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "model_loading"
+        loading.engine = engine  # loaded: the same server answers
+        assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200
+
+    with serving(create_app(ServerState("demo", engine), api_key="s3cret")) as url:
+        assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 200
+        assert httpx.get(url + "/models").status_code == 401
+        assert httpx.get(url + "/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert _post(url, "/completions", b"{not json").status_code == 401
+        with openai.OpenAI(base_url=url, api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        with openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0) as good:
+            reply = good.chat.completions.create(model="demo", messages=CHAT, max_tokens=3)
+            assert reply.usage.completion_tokens >= 1
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads child processes from /proc")
+@pytest.mark.parametrize("sig,tp", [(signal.SIGTERM, 2), (signal.SIGINT, 1)], ids=["sigterm-tp2", "ctrl-c"])
+def test_a_signal_mid_stream_ends_it_and_leaves_no_process(demo_model_path, tmp_path, sig, tp):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "nvchat").symlink_to(demo_model_path.parent, target_is_directory=True)
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "XDG_CONFIG_HOME": str(tmp_path / "config"),
+           "OMP_NUM_THREADS": "1"}
+    # With two tensor-parallel ranks over gloo, one worker process, which must go too.
+    # A child of a non-interactive shell may start with SIGINT ignored; give it the default back.
+    proc = subprocess.Popen([sys.executable, "-m", "nvchat.cli", "serve", "--port", "0", "--device", "cpu",
+                             "--tp", str(tp), "--max-model-len", "512"],
+                            cwd=REPO, env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        url = None
+        for line in proc.stderr:
+            if "ready: serving" in line:
+                url = line.rsplit(" at ", 1)[1].strip()
+                break
+        assert url, "the server never said it was ready"
+        workers = _children(proc.pid)
+        assert len(workers) >= tp - 1, "expected a tensor-parallel worker process"
+        body = {"model": "demo", "prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", url + "/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data:"):
+                    events.append(line)
+                    break
+            proc.send_signal(sig)
+            events += [line for line in lines if line.startswith("data:")]
+        assert proc.wait(timeout=60) == 0
+        assert "data: [DONE]" not in events
+        last = json.loads(events[-1].removeprefix("data:"))
+        assert last["error"]["code"] == "shutting_down"
+        assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in workers)
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
