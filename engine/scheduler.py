@@ -7,6 +7,10 @@ step that carries prompt tokens while others decode holds at most max_prefill_ch
 When blocks run out, the most recently admitted sequence is preempted: its blocks are freed and
 it goes back to the front of the queue, to be recomputed from its tokens (no token is lost).
 
+A prompt's full blocks become reusable as soon as a step is scheduled to compute them: prompts
+that share a system prompt and arrive together, or while the first is still being prefilled, take
+its blocks from the prefix cache instead of computing them again, even within the same step.
+
 With the host's work overlapped with the GPU (engine.llm), a step is scheduled while the one
 before it still samples: each sequence that samples there already ends in a pending token, so it
 decodes that token next. A sequence whose pending token is its last by length is not run again.
@@ -14,7 +18,7 @@ decodes that token next. A sequence whose pending token is its last by length is
 from collections import deque
 
 from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -90,8 +94,9 @@ class Scheduler:
                 blocks.grow(seq, seq.num_computed_tokens + n)
             batch.append((seq, n))
             budget -= n
-            if n > 1:
+            if n > 1:  # a decode token's block is registered when its token lands (LLM._settle)
                 prefill_budget -= n
+                self._register(seq, n)
             i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -116,11 +121,27 @@ class Scheduler:
                 self.prefix_hit_tokens += computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._register(seq, n)
             batch.append((seq, n))
             budget -= n
             if n > 1:
                 prefill_budget -= n
         return batch, cut_short
+
+    def _register(self, seq: Sequence, n: int) -> None:
+        """Makes the full blocks this step computes for seq reusable at once, by the prompts admitted
+        after it in this same schedule too (BlockManager.register_scheduled says why that is safe).
+        The blocks past seq's computed tokens were never registered, so no prompt admitted earlier
+        can have taken one: nobody reads a block that no step has computed."""
+        end = seq.num_computed_tokens + n
+        if end == len(seq.token_ids) and seq.token_ids[-1] == PENDING_TOKEN:
+            end -= 1  # still being sampled: its block is hashed once the token lands (LLM._settle)
+        self.blocks.register_scheduled(seq, end)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Sends a running sequence back to wait, to recompute its tokens' K/V from the start."""
+        self.running.remove(seq)
+        self._preempt(seq)
 
     def _chunk_after(self, context: int, decoding: int) -> int:
         """The most prompt tokens a step may run after `context` computed ones while `decoding`
