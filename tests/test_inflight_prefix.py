@@ -125,6 +125,35 @@ def test_a_prompt_sent_while_another_prefills_the_same_prefix_reuses_all_of_it(t
         assert llm.stats().num_free_blocks == llm.stats().num_blocks
 
 
+def test_a_prompt_waits_for_the_shared_blocks_another_prompt_is_about_to_compute(tiny_qwen3):
+    """While a stream decodes, a long prompt's chunks shrink with its context (full_chunk_context),
+    leaving budget for the next prompt in the same step. That prompt shares 150 tokens with it: it
+    is held back while the first one's next chunk computes the next shared block, instead of
+    computing that block too, and it is admitted with all nine full shared blocks."""
+    system = 150
+    prompts = shared_prompts(2, seed=151, system_len=system)
+    other = random_prompts([7], seed=152)[0]
+    expected = hf_greedy(tiny_qwen3, [other] + prompts, 6)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(tiny_qwen3, device="cpu", kvcache_block_size=BLOCK, max_num_batched_tokens=256) as llm:
+        llm.scheduler.full_chunk_context, llm.scheduler.min_chunk = 64, 16
+        KVReadChecker(llm)
+        stream = llm.add_request(other, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        computed = 0
+        while stream.num_completion_tokens == 0:
+            llm.step()
+            computed += llm.last_step_tokens[0]
+        first, second = (llm.add_request(p, params) for p in prompts)
+        llm.step()
+        computed += llm.last_step_tokens[0]
+        assert 0 < first.num_computed_tokens < system and llm.scheduler.waiting[0] is second
+        computed += run_to_end(llm, [stream, first, second])
+        assert [s.completion_token_ids[:6] for s in (stream, first, second)] == expected
+        assert second.num_cached_tokens == system // BLOCK * BLOCK
+        assert computed == len(other) + sum(map(len, prompts)) - system // BLOCK * BLOCK
+        assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
 def test_tabs_sending_at_once_through_the_engine_thread_compute_the_system_prompt_once(tiny_qwen3):
     prompts = shared_prompts(5, seed=121)
     other = random_prompts([11], seed=122)[0]
