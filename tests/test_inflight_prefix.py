@@ -250,3 +250,26 @@ def test_blocks_of_a_step_that_never_launched_are_not_served_from_the_cache(tiny
         assert [first.completion_token_ids, second.completion_token_ids] == expected
         assert checker.cross_reads > 0
         assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
+def test_same_step_sharing_with_the_triton_kernels_in_a_mixed_step(tiny_qwen3):
+    """The Triton path (fused q/k-norm + RoPE + K/V store, then the prefill kernel over the work
+    list; interpreted on CPU): in a step that also decodes a stream, the second prompt attends to
+    the shared blocks that the first prompt's tokens write earlier in each layer of that step."""
+    prompts = shared_prompts(2, seed=161, system_len=32)
+    other = random_prompts([5], seed=162)[0]
+    expected = hf_greedy(tiny_qwen3, [other] + prompts, 2)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with LLM(tiny_qwen3, device="cpu", kvcache_block_size=BLOCK, attention_backend="triton", max_model_len=128,
+             num_kvcache_blocks=32) as llm:
+        checker = KVReadChecker(llm)
+        stream = llm.add_request(other, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        while stream.num_completion_tokens == 0:
+            llm.step()
+        seqs = [llm.add_request(p, params) for p in prompts]
+        llm.step()
+        assert llm.last_step_tokens == (len(prompts[0]) + len(prompts[1]) - 32, 1)
+        run_to_end(llm, [stream, *seqs])
+        assert [s.completion_token_ids[:2] for s in (stream, *seqs)] == expected
+        assert seqs[1].num_cached_tokens == 32 and checker.cross_reads > 0
+        assert llm.stats().num_free_blocks == llm.stats().num_blocks
