@@ -47,6 +47,8 @@ class BlockManager:
         # Insertion-ordered set: O(1) pop of the oldest and O(1) removal of a cached hit.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.states = bytearray(num_blocks)
+        # Blocks hashed by register_scheduled for the step not yet launched.
+        self._unlaunched: list[int] = []
 
     def _update_state(self, block: Block) -> None:
         if block.ref_count == 0:
@@ -97,12 +99,48 @@ class BlockManager:
         return hits
 
     def commit_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
-        """Registers the hashes of blocks that filled since the last call (prefill chunks and decode).
-        num_computed: seq's tokens whose K/V are written or queued on the device ahead of any step
-        that could read them (default seq.num_computed_tokens). Runs for every sequence after every
-        step; a block fills once per block_size decode steps."""
-        if num_computed is None:
-            num_computed = seq.num_computed_tokens
+        """Registers the hashes of blocks that filled since the last call (decode, and whatever a
+        step's scheduling could not hash: see register_scheduled). num_computed: seq's tokens whose
+        K/V are written or queued on the device ahead of any step that could read them (default
+        seq.num_computed_tokens). Runs for every sequence after every step; a block fills once per
+        block_size decode steps."""
+        self._commit(seq, seq.num_computed_tokens if num_computed is None else num_computed, None)
+
+    def register_scheduled(self, seq: Sequence, num_tokens: int) -> None:
+        """Registers the full blocks among seq's first num_tokens as the step being scheduled will
+        leave them, so that a request admitted later in the same schedule, or in any later step,
+        reuses them instead of computing them again.
+
+        Reading them is safe from the moment the step is queued: every layer writes the K/V of all
+        the step's tokens into the cache (store_kv, or the fused norm_rope_store) before that
+        layer's attention reads it, with every backend (torch, triton, flash_attn), in eager and
+        CUDA-graph steps alike, and later steps are queued behind it on the same stream. So a
+        sequence that hits these blocks in the same step reads what this step's earlier kernel in
+        the same layer wrote. Tensor-parallel ranks run the same plan, each over its own heads.
+
+        Until launched() confirms the step was queued, the blocks are remembered: if it never
+        is, forget_unlaunched() takes their hashes back, so K/V nobody wrote is never served."""
+        self._commit(seq, num_tokens, self._unlaunched)
+
+    def launched(self) -> None:
+        """The step scheduled since the last call is queued on the device: its blocks' K/V will be
+        there before anything queued later reads them."""
+        self._unlaunched.clear()
+
+    def forget_unlaunched(self) -> set[int]:
+        """Drops the hashes registered for a step that never launched; returns those blocks' ids.
+        Whoever holds them must recompute them (LLM.step's failure path)."""
+        dropped = set(self._unlaunched)
+        self._unlaunched.clear()
+        for block_id in dropped:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = block.token_ids = None
+            self._update_state(block)
+        return dropped
+
+    def _commit(self, seq: Sequence, num_computed: int, newly_hashed: list[int] | None) -> None:
         num_full = num_computed // self.block_size
         if num_full <= seq.num_committed_blocks:
             return
@@ -113,6 +151,8 @@ class BlockManager:
                 block.hash = hashes[i]
                 block.token_ids = tuple(seq.block_tokens(i))
                 self.hash_to_block[hashes[i]] = block.block_id
+                if newly_hashed is not None:
+                    newly_hashed.append(block.block_id)
         seq.num_committed_blocks = num_full
 
     # --- allocation ----------------------------------------------------------------------------

@@ -12,8 +12,9 @@ step's sampled tokens on the device, in stream order (with tensor parallelism ev
 them: rank 0 broadcasts what it samples). A sequence that step N finishes has already
 been given a row in step N+1: that row's token is dropped, and the blocks it wrote go back to the
 free list, where any later user of them is queued behind step N+1 on the same stream. The row
-writes the K/V of the sequence's last token, whose block is never a committed (cached) one: only
-blocks full of K/V computed up to step N are committed.
+writes the K/V of the sequence's last token, whose block is never a committed (cached) one: a
+block is committed only once all its tokens are known, by the schedule of the step that computes
+it (a prompt's blocks) or when its last token lands (a completion's).
 """
 import atexit
 import gc
@@ -217,6 +218,7 @@ class LLM:
             return outputs
         except BaseException:
             self._fail_inflight()
+            self._forget_unlaunched()
             raise
 
     def _take_inflight(self) -> _Launched:
@@ -229,6 +231,7 @@ class LLM:
         previous = self._inflight
         plan = plan_step(batch, self.block_size, previous.rows if previous is not None else None)
         tokens = self.runner.execute(plan)
+        self.blocks.launched()
         # Runs for every sequence of every step, on the host while the GPU works: keep it lean.
         entries, rows = [], {}
         decode = 0
@@ -274,6 +277,16 @@ class LLM:
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             if seq.token_ids[-1] == PENDING_TOKEN:
                 self.scheduler.finish(seq, "error")
+
+    def _forget_unlaunched(self) -> None:
+        """After a step that failed before it was queued: the blocks its schedule registered hold no
+        K/V. Their hashes go, and the sequences holding them (the one that was to compute them and
+        any that took them from the prefix cache) recompute from their tokens."""
+        dropped = self.blocks.forget_unlaunched()
+        if dropped:
+            for seq in reversed(self.scheduler.running):  # latest first: the queue keeps their order
+                if not dropped.isdisjoint(seq.block_table):
+                    self.scheduler.requeue(seq)
 
     def _finish_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
         if seq.detokenizer is not None and seq.detokenizer.stopped:

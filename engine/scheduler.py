@@ -7,6 +7,11 @@ step that carries prompt tokens while others decode holds at most max_prefill_ch
 When blocks run out, the most recently admitted sequence is preempted: its blocks are freed and
 it goes back to the front of the queue, to be recomputed from its tokens (no token is lost).
 
+A prompt's full blocks become reusable as soon as a step is scheduled to compute them: prompts
+that share a system prompt and arrive together, or while the first is still being prefilled, take
+its blocks from the prefix cache instead of computing them again, even within the same step; a
+prompt whose next shared block another prompt's next chunk will compute waits for that chunk.
+
 With the host's work overlapped with the GPU (engine.llm), a step is scheduled while the one
 before it still samples: each sequence that samples there already ends in a pending token, so it
 decodes that token next. A sequence whose pending token is its last by length is not run again.
@@ -14,7 +19,7 @@ decodes that token next. A sequence whose pending token is its last by length is
 from collections import deque
 
 from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -90,8 +95,9 @@ class Scheduler:
                 blocks.grow(seq, seq.num_computed_tokens + n)
             batch.append((seq, n))
             budget -= n
-            if n > 1:
+            if n > 1:  # a decode token's block is registered when its token lands (LLM._settle)
                 prefill_budget -= n
+                self._register(seq, n)
             i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -99,6 +105,8 @@ class Scheduler:
             if seq.num_tokens >= seq.max_num_tokens:
                 break  # preempted while its last token was sampled: it ends when that token lands
             hits = self.blocks.lookup_prefix(seq)  # never covers the last token, which must run
+            if hits and self._next_block_is_being_prefilled(seq, hits):
+                break
             computed = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - computed, budget)
             if n > 1:
@@ -116,11 +124,46 @@ class Scheduler:
                 self.prefix_hit_tokens += computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._register(seq, n)
             batch.append((seq, n))
             budget -= n
             if n > 1:
                 prefill_budget -= n
         return batch, cut_short
+
+    def _next_block_is_being_prefilled(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether a running prompt that holds seq's cached prefix is still prefilling and will
+        compute seq's next full block itself: then seq waits for it rather than computing it too.
+        That prompt's chunk was cut short by its context (full_chunk_context), leaving budget for
+        seq; it is scheduled ahead of seq every step, so seq waits no longer than it would for
+        budget. Only checked for a prompt at the head of the queue with a cache hit."""
+        k = len(hits)
+        size = self.blocks.block_size
+        if k >= (seq.num_tokens - 1) // size:
+            return False  # the next block is seq's last, which it computes in any case
+        tokens = seq.token_ids[k * size:(k + 1) * size]
+        for other in self.running:
+            # Holding seq's last hit there means the same tokens up to it (the hashes are chained).
+            if (other.num_committed_blocks == k and other.block_table[k - 1] == hits[-1]
+                    and other.num_uncomputed_tokens > 1 and (k + 1) * size <= other.num_tokens
+                    and other.token_ids[k * size:(k + 1) * size] == tokens):
+                return True
+        return False
+
+    def _register(self, seq: Sequence, n: int) -> None:
+        """Makes the full blocks this step computes for seq reusable at once, by the prompts admitted
+        after it in this same schedule too (BlockManager.register_scheduled says why that is safe).
+        The blocks past seq's computed tokens were never registered, so no prompt admitted earlier
+        can have taken one: nobody reads a block that no step has computed."""
+        end = seq.num_computed_tokens + n
+        if end == len(seq.token_ids) and seq.token_ids[-1] == PENDING_TOKEN:
+            end -= 1  # still being sampled: its block is hashed once the token lands (LLM._settle)
+        self.blocks.register_scheduled(seq, end)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Sends a running sequence back to wait, to recompute its tokens' K/V from the start."""
+        self.running.remove(seq)
+        self._preempt(seq)
 
     def _chunk_after(self, context: int, decoding: int) -> int:
         """The most prompt tokens a step may run after `context` computed ones while `decoding`

@@ -16,6 +16,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.bm = BlockManager(NUM_BLOCKS, BLOCK)
         self.live: list[Sequence] = []
+        self.written: dict[int, tuple | None] = {}  # block -> the full block of tokens a queued step wrote
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
           tail=st.lists(st.integers(0, 3), min_size=1, max_size=10))
@@ -31,8 +32,40 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.blocks[b].token_ids == tuple(seq.block_tokens(i))
         seq.num_computed_tokens = seq.num_tokens
         assert computed <= seq.num_computed_tokens
+        self._written_by(seq, len(hits))
         self.bm.commit_full_blocks(seq)
         self.live.append(seq)
+
+    @rule(prompts=st.lists(st.tuples(st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+                                     st.lists(st.integers(0, 3), min_size=1, max_size=10)), min_size=1, max_size=3),
+          launches=st.booleans())
+    def schedule_step(self, prompts, launches):
+        """Prompts admitted in one step, each registering its blocks as it is scheduled (so a later
+        one can hit them in the same step); then the step is queued, or fails before it is."""
+        admitted = []
+        for prefix, tail in prompts:
+            seq = Sequence(prefix + tail, SamplingParams(), BLOCK)
+            hits = self.bm.lookup_prefix(seq)
+            if self.bm.blocks_needed(seq, seq.num_tokens, hits) > self.bm.num_free_blocks:
+                break
+            self.bm.allocate(seq, hits, seq.num_tokens)
+            for b in seq.block_table[len(hits):]:
+                self.written[b] = None  # a fresh block: whatever it held is not this step's K/V
+            self.bm.register_scheduled(seq, seq.num_tokens)
+            admitted.append(seq)
+        if launches:
+            self.bm.launched()
+            for seq in admitted:
+                seq.num_computed_tokens = seq.num_tokens
+                for i in range(seq.num_tokens // BLOCK):
+                    self.written[seq.block_table[i]] = tuple(seq.block_tokens(i))
+            self.live += admitted
+        else:
+            dropped = self.bm.forget_unlaunched()
+            for seq in admitted:  # the engine sends them back to recompute (LLM._forget_unlaunched)
+                assert set(seq.block_table[:seq.num_tokens // BLOCK]) - {
+                    b for b, kv in self.written.items() if kv is not None} <= dropped
+                self.bm.free_blocks_of(seq)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=st.integers(0, 3))
@@ -43,7 +76,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq.token_ids.append(token)
         self.bm.grow(seq, seq.num_tokens)
         seq.num_computed_tokens = seq.num_tokens
+        self._written_by(seq, (seq.num_tokens - 1) // BLOCK)
         self.bm.commit_full_blocks(seq)
+
+    def _written_by(self, seq, first_block):
+        """Records the K/V a step wrote into seq's blocks from first_block on (full ones by tokens)."""
+        for i in range(first_block, len(seq.block_table)):
+            full = (i + 1) * BLOCK <= seq.num_tokens
+            self.written[seq.block_table[i]] = tuple(seq.block_tokens(i)) if full else None
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -51,6 +91,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.live))
         self.live.remove(seq)
         self.bm.free_blocks_of(seq)
+
+    @invariant()
+    def cached_hashes_name_written_kv(self):
+        """A hash is only ever served for a block whose K/V a queued step wrote for those tokens."""
+        for h, b in self.bm.hash_to_block.items():
+            assert self.written.get(b) == self.bm.blocks[b].token_ids
 
     @invariant()
     def ref_counts_match_holders(self):

@@ -81,6 +81,9 @@ def leaves_nothing_behind():
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_matches_one_rank_and_hf(tiny_qwen3, tp):
     prompts = random_prompts([1, 7, 16, 17, 33, 64], seed=tp)
+    # Two that share the 64-token prompt's first 40 tokens, in the same call: its blocks, registered
+    # as its step is scheduled, are theirs in that same step, on every rank.
+    prompts += [prompts[-1][:40] + own for own in random_prompts([3, 9], seed=tp + 10)]
     expected = hf_greedy(tiny_qwen3, prompts, GREEDY.max_tokens)
     with LLM(tiny_qwen3, device="cpu", kvcache_block_size=4) as llm:
         one_rank = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
@@ -92,6 +95,7 @@ def test_tp_matches_one_rank_and_hf(tiny_qwen3, tp):
             assert (qkv.num_heads, qkv.num_kv_heads, qkv.kv_replicas) == (4 // tp, 1, tp // 2)
             outs = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
             assert llm.stats().num_free_blocks == llm.stats().num_blocks
+            assert llm.stats().prefix_hit_tokens == 2 * 40
     assert outs == one_rank == expected
 
 
