@@ -12,11 +12,14 @@ class ModelError(ValueError):
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local directory, or a Hugging Face repo id already in the local HF cache (never fetched)."""
+    """A local directory or GGUF file, or a Hugging Face repo id already in the local HF cache (never fetched)."""
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ModelError(f"model path {path} is a file; give the checkpoint's directory")
+            from engine.gguf_checkpoint import is_gguf
+            if not is_gguf(path):
+                raise ModelError(f"model path {path} is a file but not a GGUF file; give a checkpoint's "
+                                 "directory or a .gguf file")
         return path
     if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/", "~")):
         try:
