@@ -50,12 +50,14 @@ def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False) -> i
 
         kwargs = settings.engine_kwargs()
         with EngineThread(kwargs.pop("model"), **kwargs) as engine:
-            model_name = settings.model or "demo"
+            model_name = settings.model_name
             conversation = Conversation(engine, None, system_prompt=settings.system_prompt, model_name=model_name,
                                         settings=settings)
             stream = conversation.send(text)
             if settings.uses_demo_model:
                 print(f"nvchat: {GIBBERISH_NOTE}", file=sys.stderr, flush=True)
+            elif settings.model is None:  # say which model was chosen for the user
+                print(f"nvchat: model: {model_name}", file=sys.stderr, flush=True)
             for delta in stream:
                 if delta.text and not json_output:
                     sys.stdout.write(delta.text)

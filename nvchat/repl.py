@@ -63,7 +63,7 @@ class Repl:
         self.settings = settings
         self.store = store
         self.out = out or sys.stdout
-        self.model_name = model_name or settings.model or "demo"
+        self.model_name = model_name or settings.model_name
         self.note = note
         self.last_stream: RequestStream | None = None
         self.streaming: RequestStream | None = None
@@ -207,7 +207,7 @@ def run_repl(settings: Settings) -> int:
     try:
         settings.sampling_params()
         kwargs = settings.engine_kwargs()
-        print(f"nvchat: loading {settings.model or 'the demo model'}...", file=sys.stderr, flush=True)
+        print(f"nvchat: loading {settings.model_name}...", file=sys.stderr, flush=True)
         engine = EngineThread(kwargs.pop("model"), **kwargs)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"nvchat: {e}", file=sys.stderr)

@@ -61,7 +61,7 @@ _CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv
 def model_label(settings: Settings) -> str:
     if settings.uses_demo_model:
         return "demo model"
-    return Path(settings.model).name or settings.model
+    return Path(settings.model_name).name or settings.model_name
 
 
 def _store_partial_reply(conversation: Conversation, stream: RequestStream) -> None:
@@ -216,7 +216,7 @@ class NvchatApp(App[None]):
 
     def new_conversation(self) -> Conversation:
         return Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
-                            model_name=self.settings.model or "demo", settings=self.settings)
+                            model_name=self.settings.model_name, settings=self.settings)
 
     @property
     def tabs(self) -> TabbedContent:
