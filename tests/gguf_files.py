@@ -25,26 +25,30 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_K_QUANT_SCALES = {"Q2_K": slice(-4, None), "Q3_K": slice(-2, None), "Q4_K": slice(0, 4),
+                   "Q5_K": slice(0, 4), "Q6_K": slice(-2, None)}
+
+
 def _k_quant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
-    """gguf can't quantize to the k-quants, only read them: random block bytes with sane f16
-    scales make a valid tensor of that type (Q4_K: d, dmin first; Q6_K: d last)."""
+    """gguf can't quantize to the k-quants, only read them: random block bytes with small f16
+    super-block scales (d, and dmin where the type has one) make a valid tensor of that type."""
     import gguf
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
-    scale = np.array([0.002], dtype=np.float16).view(np.uint8)
-    if qtype == gguf.GGMLQuantizationType.Q4_K:
-        blocks[..., 0:2] = scale
-        blocks[..., 2:4] = scale
-    else:
-        blocks[..., -2:] = scale
+    where = _K_QUANT_SCALES[qtype.name]
+    n = len(range(type_size)[where]) // 2
+    blocks[..., where] = np.tile(np.array([0.002], dtype=np.float16).view(np.uint8), n)
     return blocks.reshape(rows, -1)
 
 
-# Tensor type per block tensor, cycled through so every supported type is exercised.
-def _types():
+def _types(layer: int):
+    """Tensor type per block tensor: between the two layers, every supported type."""
     from gguf import GGMLQuantizationType as T
-    return {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q5_0, "attn_output": T.Q5_1,
-            "ffn_gate": T.Q4_K, "ffn_up": T.Q6_K, "ffn_down": T.BF16}
+    if layer == 0:
+        return {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q5_0, "attn_output": T.Q5_1,
+                "ffn_gate": T.Q4_K, "ffn_up": T.Q6_K, "ffn_down": T.BF16}
+    return {"attn_q": T.Q2_K, "attn_k": T.Q3_K, "attn_v": T.Q5_K, "attn_output": T.Q8_0,
+            "ffn_gate": T.F16, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K}
 
 
 def write_tiny_gguf(path, *, arch: str = "llama", tie: bool = False, seed: int = 0, quantized: bool = True):
@@ -84,7 +88,6 @@ def write_tiny_gguf(path, *, arch: str = "llama", tie: bool = False, seed: int =
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_chat_template(CHAT_TEMPLATE)
 
-    types = _types()
     for name, tensor in model.state_dict().items():
         if tie and name == "lm_head.weight":
             continue
@@ -94,12 +97,13 @@ def write_tiny_gguf(path, *, arch: str = "llama", tie: bool = False, seed: int =
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             heads = c.num_attention_heads if kind == "attn_q" else c.num_key_value_heads
             t = _llama_cpp_permute(t, heads)
-        qtype = types.get(kind, T.F32) if quantized and t.ndim == 2 else T.F32
+        layer = int(gguf_name.split(".")[1]) if gguf_name.startswith("blk.") else 0
+        qtype = _types(layer).get(kind, T.F32) if quantized and t.ndim == 2 else T.F32
         if gguf_name == "token_embd.weight" and quantized:
             qtype = T.F16
         if gguf_name == "output.weight" and quantized:
             qtype = T.Q8_0
-        if qtype in (T.Q4_K, T.Q6_K):
+        if qtype.name in _K_QUANT_SCALES:
             w.add_tensor(gguf_name, _k_quant_blocks(*t.shape, qtype, rng), raw_dtype=qtype)
         elif qtype == T.F32:
             w.add_tensor(gguf_name, t)

@@ -20,9 +20,8 @@ def tiny_llama_gguf(tmp_path_factory):
 
 @pytest.mark.parametrize("arch, tie", [("llama", False), ("qwen3", True), ("qwen2", False)])
 def test_greedy_matches_hf_on_the_same_gguf(tmp_path, tiny_llama_gguf, arch, tie):
-    """Every supported tensor type is in these files (F32 norms, F16 embeddings, Q8_0 head, Q4_0,
-    Q4_1, Q5_0, Q5_1, Q4_K, Q6_K and BF16 projections); llama's q/k rows are permuted as
-    llama.cpp writes them."""
+    """Every supported tensor type is in these files (F32 norms, F16 embeddings, Q8_0 head, the
+    projections in all the rest); llama's q/k rows are permuted as llama.cpp writes them."""
     path = tiny_llama_gguf if arch == "llama" else write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch=arch, tie=tie)
     prompts = random_prompts([3, 17, 40, 9], vocab=len(tokenizer_tokens()), seed=5)
     expected = hf_gguf_greedy(path, prompts, NEW_TOKENS)
