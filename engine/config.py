@@ -50,12 +50,12 @@ class EngineConfig:
     def create(cls, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-               load_format="safetensors", prefill_cuda_graphs=None):
+               load_format="safetensors", prefill_cuda_graphs=None, progress=None):
         from transformers import AutoConfig
 
         if load_format not in ("safetensors", "random"):
             raise ValueError(f"load_format must be 'safetensors' or 'random', got {load_format!r}")
-        path = resolve_model_path(model)
+        path = resolve_model_path(model, progress)
         if path.is_file():  # a GGUF file (resolve_model_path refuses other files)
             from engine.gguf_checkpoint import open_gguf
             gguf = open_gguf(path)
