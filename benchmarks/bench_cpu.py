@@ -14,6 +14,7 @@ Decode rates exclude the prefill: the clock starts at each stream's first genera
 engines decode greedily and ignore the end-of-turn token, so every stream makes --new-tokens.
 """
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -101,6 +102,8 @@ def main() -> None:
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
 
+    # The engine leaves torch's thread count alone when OMP_NUM_THREADS is set (model_runner).
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
     torch.set_num_threads(args.threads)
     model = args.model

@@ -4,14 +4,18 @@ layers (which cast them to the engine's dtype), and its tokenizer and chat templ
 metadata through transformers. The `gguf` package reads and dequantizes; nothing here parses the
 format itself."""
 import functools
+import hashlib
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.checkpoint import ModelError
+from engine.demo_model import default_cache_dir
 from engine.models.qwen3 import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 ARCHITECTURES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
@@ -137,12 +141,32 @@ class GGUFCheckpoint:
             w = np.ascontiguousarray(w, dtype=np.float32)
             yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 reads map the file
 
-    def load_tokenizer(self):
+    def load_tokenizer(self, cache_dir: Path | None = None):
+        """transformers builds the tokenizer from the metadata (seconds for a real vocabulary); the
+        result is kept in nvchat's cache, keyed by the file's path, size and time, for later starts."""
         from transformers import AutoTokenizer
+        st = self.path.stat()
+        key = hashlib.sha256(f"{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        cached = (cache_dir or default_cache_dir()) / "gguf-tokenizers" / f"{self.path.stem}-{key}"
+        if (cached / "tokenizer_config.json").exists():
+            try:
+                return AutoTokenizer.from_pretrained(cached)
+            except Exception:  # a damaged cache entry: build it again
+                shutil.rmtree(cached, ignore_errors=True)
         try:
-            return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+            tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except Exception as e:
             raise ModelError(f"{self.path.name}: can't build a tokenizer from its GGUF metadata: {e}") from None
+        tmp = None
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=cached.parent))
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, cached)
+        except OSError:  # a read-only cache, or another process got there first: no harm
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return tokenizer
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,6 +13,13 @@ from tests.gguf_files import CHAT_TEMPLATE, hf_gguf_greedy, tokenizer_tokens, wr
 NEW_TOKENS = 16
 
 
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """GGUF tokenizers are cached under XDG_CACHE_HOME/nvchat: keep the tests' out of the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "nvchat"
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", arch="llama")
@@ -39,6 +46,23 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tiny_llama_gguf):
         ids = llm.encode(text)
         assert ids[0] == tokens.index("<|im_start|>") and tokens.index("in") in ids
         assert tokens.index("<|im_end|>") in llm.eos_ids
+
+
+def test_the_tokenizer_is_cached_for_later_starts(tiny_llama_gguf, cache_dir):
+    from engine.gguf_checkpoint import GGUFCheckpoint
+    checkpoint = GGUFCheckpoint(tiny_llama_gguf)
+    built = checkpoint.load_tokenizer()
+    [entry] = (cache_dir / "gguf-tokenizers").iterdir()
+    cached = checkpoint.load_tokenizer()
+    assert cached.chat_template == built.chat_template and cached.eos_token_id == built.eos_token_id
+    text = "<|im_start|>user\nthe in an<|im_end|>"
+    assert cached.encode(text) == built.encode(text)
+    (entry / "chat_template.jinja").write_text("marked")  # later starts read the cached copy...
+    assert checkpoint.load_tokenizer().chat_template == "marked"
+    (entry / "tokenizer.json").write_text("not json")  # ...and a damaged one is built again
+    rebuilt = checkpoint.load_tokenizer()
+    assert rebuilt.encode(text) == built.encode(text) and rebuilt.chat_template == CHAT_TEMPLATE
+    assert checkpoint.load_tokenizer().chat_template == CHAT_TEMPLATE
 
 
 # --- bad files ---------------------------------------------------------------------------------

