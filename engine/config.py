@@ -39,7 +39,8 @@ class EngineConfig:
     attention_backend: str
     # Prompt tokens one step may prefill while other sequences decode; keeps their tokens flowing.
     max_prefill_chunk: int | None = None
-    # "safetensors" (which reads a GGUF file too), or "random" for benchmarks in real model shapes without weights on disk.
+    # "safetensors" (a GGUF file's weights too), or "random" for benchmarks in real model shapes
+    # without weights on disk.
     load_format: str = "safetensors"
     # CUDA graphs for small prefill and mixed steps too, not only decode: a chat turn after a cached
     # prefix, or a prompt chunk mixed into decoding streams, is otherwise bound by launch cost.

@@ -1,6 +1,7 @@
-"""Loads safetensors checkpoints (and GGUF files, engine/gguf_checkpoint.py) into the model through the weight_loader of the layer that owns
-each parameter, so every tensor-parallel rank reads only its own slices. Pickled formats are never
-opened.
+"""Loads safetensors checkpoints and GGUF files (engine/gguf_checkpoint.py) into the model through
+the weight_loader of the layer that owns each parameter, so every tensor-parallel rank reads only
+its own slices (of safetensors files; a GGUF tensor is dequantized whole). Pickled formats are
+never opened.
 
 The loaders are looked up on the layers, not hung on the parameters: a parameter holding its
 layer's bound method would make a reference cycle of every layer, which only the garbage collector
