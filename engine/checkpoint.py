@@ -11,20 +11,20 @@ class ModelError(ValueError):
     """The model path or checkpoint can't be used; the message says why."""
 
 
-def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local directory, or a Hugging Face repo id already in the local HF cache (never fetched)."""
+def resolve_model_path(model: str | os.PathLike, progress=None) -> Path:
+    """A local directory or GGUF file, or a Hugging Face repo id: from the local HF cache, else
+    downloaded (engine/hub.py; progress is told when a download starts)."""
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ModelError(f"model path {path} is a file; give the checkpoint's directory")
+            from engine.gguf_checkpoint import is_gguf
+            if not is_gguf(path):
+                raise ModelError(f"model path {path} is a file but not a GGUF file; give a checkpoint's "
+                                 "directory or a .gguf file")
         return path
-    if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-            return Path(snapshot_download(model, local_files_only=True))
-        except Exception:
-            raise ModelError(f"model {model!r} is neither a directory nor a repo in the local Hugging Face cache "
-                             "(nvchat never downloads; fetch it first with `hf download`)") from None
+    from engine.hub import fetch_repo, looks_like_repo_id
+    if isinstance(model, str) and looks_like_repo_id(model):
+        return fetch_repo(model, progress)
     raise ModelError(f"model path {path} does not exist")
 
 

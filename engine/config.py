@@ -39,7 +39,8 @@ class EngineConfig:
     attention_backend: str
     # Prompt tokens one step may prefill while other sequences decode; keeps their tokens flowing.
     max_prefill_chunk: int | None = None
-    # "safetensors", or "random" for benchmarks in real model shapes without weights on disk.
+    # "safetensors" (a GGUF file's weights too), or "random" for benchmarks in real model shapes
+    # without weights on disk.
     load_format: str = "safetensors"
     # CUDA graphs for small prefill and mixed steps too, not only decode: a chat turn after a cached
     # prefix, or a prompt chunk mixed into decoding streams, is otherwise bound by launch cost.
@@ -50,17 +51,23 @@ class EngineConfig:
     def create(cls, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-               load_format="safetensors", prefill_cuda_graphs=None):
+               load_format="safetensors", prefill_cuda_graphs=None, progress=None):
         from transformers import AutoConfig
 
         if load_format not in ("safetensors", "random"):
             raise ValueError(f"load_format must be 'safetensors' or 'random', got {load_format!r}")
-        path = resolve_model_path(model)
-        raw = check_checkpoint(path, need_weights=load_format == "safetensors")
-        try:
-            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        except Exception as e:
-            raise ModelError(f"can't read {path / 'config.json'}: {e}") from None
+        path = resolve_model_path(model, progress)
+        if path.is_file():  # a GGUF file (resolve_model_path refuses other files)
+            from engine.gguf_checkpoint import open_gguf
+            gguf = open_gguf(path)
+            raw, hf_config, architecture = {}, gguf.hf_config, gguf.architecture
+        else:
+            raw = check_checkpoint(path, need_weights=load_format == "safetensors")
+            architecture = architecture_of(raw)
+            try:
+                hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+            except Exception as e:
+                raise ModelError(f"can't read {path / 'config.json'}: {e}") from None
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -100,7 +107,7 @@ class EngineConfig:
         if max_prefill_chunk is not None and max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be a positive integer, got {max_prefill_chunk!r}")
 
-        return cls(model_path=path, hf_config=hf_config, architecture=architecture_of(raw), device=device,
+        return cls(model_path=path, hf_config=hf_config, architecture=architecture, device=device,
                    dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                    block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,

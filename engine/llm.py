@@ -96,7 +96,7 @@ class LLM:
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             attention_backend=attention_backend, max_prefill_chunk=max_prefill_chunk, load_format=load_format,
-            prefill_cuda_graphs=prefill_cuda_graphs)
+            prefill_cuda_graphs=prefill_cuda_graphs, progress=self._progress)
         self._progress("loading the tokenizer")
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()

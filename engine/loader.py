@@ -1,6 +1,7 @@
-"""Loads safetensors checkpoints into the model through the weight_loader of the layer that owns
-each parameter, so every tensor-parallel rank reads only its own slices. Pickled formats are never
-opened.
+"""Loads safetensors checkpoints and GGUF files (engine/gguf_checkpoint.py) into the model through
+the weight_loader of the layer that owns each parameter, so every tensor-parallel rank reads only
+its own slices (of safetensors files; a GGUF tensor is dequantized whole). Pickled formats are
+never opened.
 
 The loaders are looked up on the layers, not hung on the parameters: a parameter holding its
 layer's bound method would make a reference cycle of every layer, which only the garbage collector
@@ -19,34 +20,51 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
+    """Weights from a safetensors checkpoint directory or a GGUF file."""
+    from engine.gguf_checkpoint import forget_opened, is_gguf, open_gguf
+    if path.is_file() and is_gguf(path):
+        place_weights(model, ((path.name, name, w) for name, w in open_gguf(path).tensors()), path)
+        forget_opened()  # the parsed metadata is not needed again
+    else:
+        place_weights(model, _safetensors_weights(path), path)
+
+
+def _safetensors_weights(path: Path):
+    for file in weight_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield file.name, name, f.get_slice(name)
+
+
+def place_weights(model: nn.Module, weights, path: Path) -> None:
+    """Hands each (file name, checkpoint name, tensor or lazy slice) to the loader of the layer that
+    owns it, then checks that every parameter was loaded."""
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
-    for file in weight_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                target, shard_id = name, None
-                for ckpt_part, (our_part, shard) in packed.items():
-                    if f".{ckpt_part}." in name:
-                        target, shard_id = name.replace(ckpt_part, our_part), shard
-                        break
-                param = params.get(target)
-                if param is None:
-                    raise ModelError(f"{file.name} has weight {name!r}, which this model has no place for")
-                loader = getattr(model.get_submodule(target.rpartition(".")[0]), "weight_loader", None)
-                try:
-                    if loader is None:
-                        default_weight_loader(param, f.get_slice(name))
-                    elif shard_id is None:
-                        loader(param, f.get_slice(name))
-                    else:
-                        loader(param, f.get_slice(name), shard_id)
-                except ValueError as e:
-                    raise ModelError(f"{file.name}: {name}: {e}") from None
-                loaded.add(target)
+    for source, name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        target, shard_id = name, None
+        for ckpt_part, (our_part, shard) in packed.items():
+            if f".{ckpt_part}." in name:
+                target, shard_id = name.replace(ckpt_part, our_part), shard
+                break
+        param = params.get(target)
+        if param is None:
+            raise ModelError(f"{source} has weight {name!r}, which this model has no place for")
+        loader = getattr(model.get_submodule(target.rpartition(".")[0]), "weight_loader", None)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor)
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ModelError(f"{source}: {name}: {e}") from None
+        loaded.add(target)
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise ModelError(f"checkpoint in {path} lacks weights: {', '.join(missing[:8])}"

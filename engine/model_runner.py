@@ -81,6 +81,18 @@ def _use_expandable_segments() -> None:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
+def _use_cpu_threads() -> None:
+    """On CPU, torch's matmuls use one thread fewer than the cores the process may run on, leaving
+    one to the engine's own Python work and to an app's UI thread. With every core in torch's pool,
+    each op waits at its barrier for whichever worker another thread displaced: on a 2-core box with
+    other work running, batch-1 decode of SmolLM2-135M fell from 9 to 0.6 tok/s (RESULTS.md).
+    OMP_NUM_THREADS, when set, is the user's choice and stands."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores - 1))
+
+
 def _cpu_ram_bytes() -> int:
     try:
         import os
@@ -102,6 +114,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             _use_expandable_segments()
+        elif config.tensor_parallel_size == 1:  # tensor-parallel ranks share the cores out themselves
+            _use_cpu_threads()
         self.tp_group = tp_group or parallel.SINGLE_RANK
         if (self.tp_group.rank, self.tp_group.size) != (rank, config.tensor_parallel_size):
             raise ValueError(f"rank {rank} of tensor_parallel_size={config.tensor_parallel_size} was given the "

@@ -6,6 +6,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 
 def load_tokenizer(path: Path):
     """The checkpoint's tokenizer, or None when it ships none (random-weight benchmark shapes)."""
+    if path.is_file():
+        from engine.gguf_checkpoint import open_gguf
+        return open_gguf(path).load_tokenizer()
     if not any((path / f).exists() for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

@@ -16,5 +16,5 @@ def open_backend(settings: Settings, progress=None):
 
 
 def model_name(settings: Settings, backend) -> str:
-    """The name stored with conversations: the remote server's model, the --model given, or demo."""
-    return getattr(backend, "model_name", None) or settings.model or "demo"
+    """The name stored with conversations: the remote server's model, else the settings' model."""
+    return getattr(backend, "model_name", None) or settings.model_name

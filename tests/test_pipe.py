@@ -12,9 +12,9 @@ import pytest
 from engine.demo_model import GIBBERISH_NOTE
 
 REPO = Path(__file__).resolve().parent.parent
-FAST = ["--device", "cpu", "--max-model-len", "256", "--max-tokens", "16", "--temperature", "0"]
+FAST = ["--model", "demo", "--device", "cpu", "--max-model-len", "256", "--max-tokens", "16", "--temperature", "0"]
 # Greedy on the demo model, "x" runs to max_tokens: seconds of streaming to interrupt.
-LONG = ["-p", "x", "--device", "cpu", "--temperature", "0", "--max-tokens", "3000"]
+LONG = ["-p", "x", "--model", "demo", "--device", "cpu", "--temperature", "0", "--max-tokens", "3000"]
 QUESTION = "What is a paged KV cache?"
 NVCHAT = [sys.executable, "-m", "nvchat.cli"]
 
@@ -55,7 +55,7 @@ def runs(demo_model_path, tmp_path_factory):
         "json": (_run, ["-p", QUESTION, "--json", *FAST]),
         "argument": (_run, ["-p", QUESTION, *FAST]),
         "stdin": (_run, ["-p", "-", *FAST], QUESTION + "\n"),
-        "bad_model": (_run, ["-p", "hi", "--model", str(missing), *FAST]),
+        "bad_model": (_run, ["-p", "hi", *FAST, "--model", str(missing)]),  # the last --model wins
         "too_long": (_run, ["-p", "word " * 100, *FAST, "--max-model-len", "64"]),
         "bad_temperature": (_run, ["-p", "hi", "--temperature", "-1"]),
         "sigint": (_cut_short, "sigint"),

@@ -109,7 +109,7 @@ def drive(engine):
     drivers = []
 
     def start(**settings) -> Driver:
-        driver = Driver(engine, Settings(**{"temperature": 0.0, "max_tokens": 12, **settings}))
+        driver = Driver(engine, Settings(**{"model": "demo", "temperature": 0.0, "max_tokens": 12, **settings}))
         drivers.append(driver)
         return driver
 

