@@ -27,6 +27,7 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -51,6 +52,26 @@ def summarize(results: list[dict]) -> dict:
             "itl_ms": {"p50": percentile(itl, .5), "p90": percentile(itl, .9), "p99": percentile(itl, .99),
                        "mean": statistics.fmean(itl) if itl else float("nan")},
             "chunks": sum(len(r["arrivals"]) for r in results)}
+
+
+def with_word_tokenizer(config_dir: str, vocab_size: int) -> str:
+    """A copy of a random-weight shape's config with a tokenizer of vocab_size one-word tokens, so
+    the server has text to stream (the shapes ship no tokenizer and nothing can be downloaded on
+    the GPU machines). Every token decodes to a short word: text events as many as tokens."""
+    import shutil
+    import tempfile
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0")
+    tokenizer = Tokenizer(words)
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    out = tempfile.mkdtemp(prefix="bench-serve-")
+    shutil.copy(f"{config_dir}/config.json", out)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(out)
+    return out
 
 
 def workload(num: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -189,7 +210,8 @@ def main():
         from engine.demo_model import ensure_demo_model
         model, extra = str(ensure_demo_model()), {}
     else:
-        model, extra = args.config, {"load_format": "random", "dtype": "bfloat16"}
+        vocab_size = json.loads((Path(args.config) / "config.json").read_text())["vocab_size"]
+        model, extra = with_word_tokenizer(args.config, vocab_size), {"load_format": "random", "dtype": "bfloat16"}
     engine = EngineThread(model, device=args.device, max_model_len=args.prompt_len + args.max_tokens + 64,
                           max_num_seqs=max(args.streams, 1), **extra).start()
     try:
