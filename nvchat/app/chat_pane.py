@@ -99,6 +99,7 @@ class ChatPane(Vertical):
 
     def _set_busy(self, busy: bool) -> None:
         self.busy = busy
+        self.prompt.accepting = not busy
         self._set_status("generating… Esc stops" if busy else "")
         self.post_message(ChatStateChanged(self))
 
@@ -130,11 +131,18 @@ class ChatPane(Vertical):
     def on_prompt_submitted(self, event: PromptSubmitted) -> None:
         event.stop()
         if self._refuse_if_busy():
-            self.prompt.text = event.text
+            self._restore_prompt(event.text)
             return
         start = self.conversation.edit_last_user if self.editing else self.conversation.send
+        self._set_busy(True)  # now, not when the worker starts: a second turn must not start meanwhile
         self.run_worker(self._turn(start, event.text, restore=event.text, was_editing=self.editing))
         self.editing = False
+
+    def _restore_prompt(self, text: str) -> None:
+        """Puts a message that was not sent back in the box, before whatever was typed since."""
+        typed = self.prompt.text
+        self.prompt.text = f"{text}\n{typed}" if typed.strip() else text
+        self.prompt.move_cursor(self.prompt.document.end)
 
     def regenerate(self) -> None:
         if self._refuse_if_busy():
@@ -142,6 +150,7 @@ class ChatPane(Vertical):
         if not any(m.role == "user" for m in self.conversation.messages):
             self.notify("Nothing to regenerate yet.", severity="warning")
             return
+        self._set_busy(True)
         self.run_worker(self._turn(self.conversation.regenerate))
 
     def start_edit(self) -> None:
@@ -179,8 +188,8 @@ class ChatPane(Vertical):
             stream = await self.background(start, *args)
         except Exception as e:  # a refused prompt (too long, engine stopped) leaves the conversation as it was
             self._set_busy(False)
-            if restore is not None and not self.prompt.text:
-                self.prompt.text = restore
+            if restore is not None:
+                self._restore_prompt(restore)
                 if was_editing:
                     self.editing = True
                     self._set_status("editing your last message: Enter resends, Esc cancels")
