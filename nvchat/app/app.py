@@ -198,6 +198,9 @@ class NvchatApp(App[None]):
         if self._loading is not None and self.screen is self._loading:
             self.pop_screen()
         self._loading = None
+        if store.moved_aside is not None:
+            self.notify(f"It was moved to {store.moved_aside}; new conversations go to a fresh file.",
+                        title="The conversation store could not be read", severity="error", timeout=30)
         await self.open_chat(self.new_conversation())
         self.ready = True
         self.refresh_bindings()
