@@ -35,6 +35,7 @@ class Message:
     content: str
     stats: dict | None = None
     id: int | None = None
+    interrupted: bool = False  # a reply that did not end on its own: stopped, failed, or cut off
 
 
 def reply_stats(stream: RequestStream) -> dict:
@@ -55,11 +56,13 @@ class Conversation:
         self.title = title
         self.id = conversation_id
         self.messages: list[Message] = messages or []
+        self._reply_id: int | None = None  # the stored row of the reply being generated
 
     @classmethod
     def load(cls, engine: EngineThread, store: ChatStore, conversation_id: int, settings: Settings) -> "Conversation":
         row = store.get_conversation(conversation_id)
-        messages = [Message(m.role, m.content, m.stats, m.id) for m in store.load_messages(conversation_id)]
+        messages = [Message(m.role, m.content, m.stats, m.id, interrupted=not m.complete)
+                    for m in store.load_messages(conversation_id)]
         return cls(engine, store, system_prompt=row.system_prompt, model_name=row.model, settings=settings,
                    title=row.title, conversation_id=row.id, messages=messages)
 
@@ -143,12 +146,37 @@ class Conversation:
         stream = self._submit(self.messages[:last_user] + [Message("user", text)])
         return self._then_store(stream, store_change)
 
+    def save_reply_so_far(self, stream: RequestStream) -> None:
+        """Stores the reply's text so far, marked incomplete, so a kill loses at most what came since."""
+        text = stream.text
+        if not text or self.store is None:
+            return
+        if self._reply_id is None:
+            self._ensure_stored()
+            self._reply_id = self.store.add_message(self.id, "assistant", text, complete=False)
+        else:
+            self.store.update_message(self._reply_id, text, complete=False)
+
     def finish_reply(self, stream: RequestStream) -> Message | None:
-        """Stores a finished reply with its numbers. Aborted replies keep what was generated;
-        a reply that failed with nothing generated is not stored."""
-        if not stream.text and stream.finish_reason == "error":
+        """Stores an ended reply with its numbers. Stopped and failed replies keep what was generated,
+        marked interrupted; a reply that failed with nothing generated is not stored."""
+        saved, self._reply_id = self._reply_id, None
+        text, stats = stream.text, reply_stats(stream)
+        interrupted = stream.finish_reason in ("abort", "error")
+        if not text and stream.finish_reason == "error":
+            if saved is not None:
+                self.store.delete_message(saved)
             return None
-        return self._append(Message("assistant", stream.text, reply_stats(stream)))
+        message = Message("assistant", text, stats, interrupted=interrupted)
+        if saved is None:
+            self._ensure_stored()
+            if self.store is not None:
+                message.id = self.store.add_message(self.id, "assistant", text, stats, complete=not interrupted)
+        else:
+            self.store.update_message(saved, text, stats, complete=not interrupted)
+            message.id = saved
+        self.messages.append(message)
+        return message
 
     @property
     def last_user_text(self) -> str | None:

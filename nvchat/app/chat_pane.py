@@ -7,6 +7,7 @@ conversation.messages once it is idle.
 """
 from __future__ import annotations
 
+import time
 from typing import Awaitable, Callable
 
 from textual.app import ComposeResult
@@ -23,6 +24,8 @@ from nvchat.conversation import Conversation, Message, first_line, reply_stats
 Background = Callable[..., Awaitable]
 _DEFAULT_TITLE = "New chat"
 _AUTO_TITLE_CHARS = 40
+# A streaming reply is stored this often (and when it ends): what a kill of the process can lose.
+SAVE_EVERY_S = 2.0
 
 
 class ChatPane(Vertical):
@@ -41,6 +44,7 @@ class ChatPane(Vertical):
         self._last_reply: ReplyView | None = None  # the latest live reply, which may not be drawn in full yet
         # A turn started in a hidden tab mounts its views when the tab is first shown (catch_up).
         self._views_pending = False
+        self._next_save = 0.0  # when the streaming reply is next stored
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -204,6 +208,7 @@ class ChatPane(Vertical):
             # half a second, and through the GIL the engine; a hidden tab has nothing to show yet.
             self._views_pending = True
         self.stream = stream
+        self._next_save = 0.0  # its first text is stored at once
         self.post_message(ReplyStarted(self))
         if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
             await self.rename(first_line(args[0], _AUTO_TITLE_CHARS))
@@ -221,6 +226,10 @@ class ChatPane(Vertical):
         delta = stream.drain()
         if delta is not None and delta.text:
             view.receive(delta.text)
+            now = time.monotonic()
+            if not ended and now >= self._next_save:
+                self._next_save = now + SAVE_EVERY_S
+                self.background(self.conversation.save_reply_so_far, stream).add_done_callback(self._saved)
         if ended:
             # Claimed and queued before any await: a tab closed or an app quit meanwhile finds no
             # stream to store, so the reply is stored exactly once, and the write already waits.
@@ -239,6 +248,11 @@ class ChatPane(Vertical):
                                 timeout=10)
                 self.run_worker(self._store_reply(stored, view), exit_on_error=False)
         return ended
+
+    def _saved(self, future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self.notify(f"The reply so far could not be stored: {future.exception()}", title="Storage error",
+                        severity="error", timeout=10)
 
     async def catch_up(self) -> None:
         """Draws what the reply received while the tab was hidden (its tab was just shown)."""

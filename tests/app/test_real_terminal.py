@@ -1,4 +1,6 @@
 """The real nvchat process on a pseudo-terminal: bytes in as a terminal sends them."""
+import sqlite3
+
 import pytest
 
 from tests.app.pty_app import PtyApp
@@ -9,7 +11,7 @@ def nvchat_on_a_pty(tmp_path, xdg_cache, app_model_path):
     apps = []
 
     def start(*args: str) -> PtyApp:
-        app = PtyApp(tmp_path, xdg_cache, "--max-model-len", "512", *args)
+        app = PtyApp(tmp_path, xdg_cache, *args)
         apps.append(app)
         return app
 
@@ -19,7 +21,7 @@ def nvchat_on_a_pty(tmp_path, xdg_cache, app_model_path):
 
 
 def test_text_and_enter_in_one_write_are_sent_and_stored(nvchat_on_a_pty):
-    app = nvchat_on_a_pty("--max-tokens", "16")
+    app = nvchat_on_a_pty("--max-tokens", "16", "--max-model-len", "512")
     app.wait_ready()
     app.write(b"hello from a terminal\r")
     assert app.wait_until(app.messages, 30, "the stored message")[0] == ("user", "hello from a terminal")
@@ -29,3 +31,34 @@ def test_text_and_enter_in_one_write_are_sent_and_stored(nvchat_on_a_pty):
     app.wait_until(lambda: len(app.messages()) >= 3, 30, "the pasted message")
     assert app.messages()[2] == ("user", "pasted\nlines")
     assert app.close() == 0
+
+
+def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_on_a_pty):
+    app = nvchat_on_a_pty("--max-tokens", "100000", "--max-model-len", "100000")
+    app.wait_ready()
+    app.write(b"first question\r")
+    # Saved while it streams: the reply's row appears, incomplete, and grows.
+    first = app.wait_until(lambda: app.query("SELECT id, content FROM messages WHERE role = 'assistant'"), 30,
+                           "the reply's first save")[0]
+    app.wait_until(lambda: len(app.query("SELECT content FROM messages WHERE id = ?", first[:1])[0][0]) >
+                   len(first[1]), 30, "a later save of the reply")
+    app.kill()
+
+    db = sqlite3.connect(app.database)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    rows = db.execute("SELECT role, content, complete FROM messages ORDER BY id").fetchall()
+    db.close()
+    assert [(role, complete) for role, _, complete in rows] == [("user", 1), ("assistant", 0)]
+    assert rows[0][1] == "first question" and rows[1][1]
+
+    # Reopened, the cut-off reply is there, marked, and can be regenerated.
+    again = nvchat_on_a_pty("--max-tokens", "8", "--max-model-len", "100000")
+    again.wait_ready()
+    again.write(b"\x0f")  # Ctrl+O: past conversations
+    again.wait_until(lambda: "first question" in again.output, 30, "the list of past conversations")
+    again.write(b"\r")
+    again.wait_until(lambda: "interrupted" in again.output, 30, "the reopened reply, marked interrupted")
+    again.write(b"\x12")  # Ctrl+R
+    again.wait_until(lambda: again.query("SELECT complete FROM messages WHERE role = 'assistant'") == [(1,)], 30,
+                     "the regenerated reply")
+    assert again.close() == 0
