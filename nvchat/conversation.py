@@ -57,6 +57,7 @@ class Conversation:
         self.id = conversation_id
         self.messages: list[Message] = messages or []
         self._reply_id: int | None = None  # the stored row of the reply being generated
+        self.left_out = 0  # the oldest messages that the last turn's prompt left out to fit the model
 
     @classmethod
     def load(cls, engine: EngineThread, store: ChatStore, conversation_id: int, settings: Settings) -> "Conversation":
@@ -101,11 +102,45 @@ class Conversation:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + [{"role": m.role, "content": m.content} for m in (self.messages if messages is None else messages)]
 
+    @property
+    def max_context(self) -> int | None:
+        """The model's context in tokens, where the engine says (a remote one may not)."""
+        return getattr(self.engine, "max_model_len", None)
+
+    def _fit(self, messages: list[Message]) -> int:
+        """How many of the oldest messages to leave out so that the prompt fits max_model_len with
+        room for a reply (a quarter of the context, or max_tokens if less). The system prompt and
+        the last message always go; a turn goes whole, from a user message. With only the last one
+        still too long, the engine's own error says so."""
+        count, limit = getattr(self.engine, "count_chat_tokens", None), self.max_context
+        if count is None or limit is None or len(messages) < 2:
+            return 0
+        budget = limit - min(self.settings.max_tokens, limit // 4)
+
+        def fits(start: int) -> bool:
+            return count(self.engine_messages(messages[start:]), self.settings.enable_thinking) <= budget
+
+        if fits(0):
+            return 0
+        # Later starts give shorter prompts: the earliest turn start that fits.
+        starts = [i for i, m in enumerate(messages) if i > 0 and m.role == "user"] or [len(messages) - 1]
+        low, high = 0, len(starts) - 1
+        while low < high:
+            middle = (low + high) // 2
+            if fits(starts[middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return starts[low]
+
     def _submit(self, messages: list[Message]) -> RequestStream:
-        """Starts a reply to `messages` without changing the conversation: a rejected prompt
-        (ValueError, e.g. too long) leaves it as it was."""
-        return self.engine.submit(self.engine_messages(messages), self.settings.sampling_params(),
-                                  enable_thinking=self.settings.enable_thinking, tag=self)
+        """Starts a reply to `messages` (as many of the latest as fit) without changing the
+        conversation: a rejected prompt (ValueError, e.g. too long) leaves it as it was."""
+        left_out = self._fit(messages)
+        stream = self.engine.submit(self.engine_messages(messages[left_out:]), self.settings.sampling_params(),
+                                    enable_thinking=self.settings.enable_thinking, tag=self)
+        self.left_out = left_out
+        return stream
 
     @staticmethod
     def _then_store(stream: RequestStream, store_change) -> RequestStream:

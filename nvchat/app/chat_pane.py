@@ -45,6 +45,7 @@ class ChatPane(Vertical):
         # A turn started in a hidden tab mounts its views when the tab is first shown (catch_up).
         self._views_pending = False
         self._next_save = 0.0  # when the streaming reply is next stored
+        self._left_out_noted = False  # said once that old turns no longer fit the model
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -207,6 +208,10 @@ class ChatPane(Vertical):
             # Eight tabs mounting and laying out their views at once held the UI thread for about
             # half a second, and through the GIL the engine; a hidden tab has nothing to show yet.
             self._views_pending = True
+        if self.conversation.left_out and not self._left_out_noted:
+            self._left_out_noted = True
+            await self._note_left_out()
+        self._show_context(stream.num_prompt_tokens)
         self.stream = stream
         self._next_save = 0.0  # its first text is stored at once
         self.post_message(ReplyStarted(self))
@@ -231,6 +236,7 @@ class ChatPane(Vertical):
                 self._next_save = now + SAVE_EVERY_S
                 self.background(self.conversation.save_reply_so_far, stream).add_done_callback(self._saved)
         if ended:
+            self._show_context(stream.num_prompt_tokens + stream.num_completion_tokens)
             # Claimed and queued before any await: a tab closed or an app quit meanwhile finds no
             # stream to store, so the reply is stored exactly once, and the write already waits.
             self.stream = None
@@ -248,6 +254,23 @@ class ChatPane(Vertical):
                                 timeout=10)
                 self.run_worker(self._store_reply(stored, view), exit_on_error=False)
         return ended
+
+    async def _note_left_out(self) -> None:
+        limit = self.conversation.max_context
+        note = Static(f"This conversation no longer fits the model's context ({limit} tokens): from now on the "
+                      "oldest turns are left out of what the model sees (the system prompt and your latest "
+                      "message always go).", classes="context-note")
+        reply = self._reply_view
+        if reply is not None and reply.parent is self.transcript:
+            await self.transcript.mount(note, before=reply)
+        else:
+            await self.transcript.mount(note)
+
+    def _show_context(self, tokens: int) -> None:
+        """The context the conversation fills, under the prompt box."""
+        limit = self.conversation.max_context
+        if limit:
+            self.prompt.border_subtitle = f"context {tokens} / {limit} tokens"
 
     def _saved(self, future) -> None:
         if not future.cancelled() and future.exception() is not None:
