@@ -21,7 +21,6 @@ async def test_a_conversation_past_max_model_len_leaves_out_its_oldest_turns(mak
         assert len(conversation.messages) == 12
         assert conversation.left_out > 0 and conversation.messages[conversation.left_out].role == "user"
         prompt_tokens = [m.stats["prompt_tokens"] for m in conversation.messages if m.role == "assistant"]
-        assert any(later < earlier for earlier, later in zip(prompt_tokens, prompt_tokens[1:]))  # turns left out
         assert max(prompt_tokens) <= 512 - 24
         notes = pane.query(".context-note")
         assert len(notes) == 1 and "512 tokens" in str(notes.first(Static).render())
