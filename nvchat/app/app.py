@@ -36,6 +36,7 @@ from nvchat import paths
 from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.chat_screen import ChatScreen
+from nvchat.app.code_block import CopyableFence, copy_code
 from nvchat.app.commands import ChatCommands
 from nvchat.app.conversations_screen import ConversationsScreen
 from nvchat.export import export_markdown
@@ -55,7 +56,8 @@ from themes import load_themes, tab_colors
 
 FALLBACK_THEME = "nvchat-dark"
 # Actions that need a started engine and the chat screen on top.
-_CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv_panel"} | {"default_system_prompt"}
+_CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv_panel"} | {"default_system_prompt",
+                                                                                        "copy_code"}
 
 
 def model_label(settings: Settings) -> str:
@@ -73,7 +75,8 @@ class NvchatApp(App[None]):
     TITLE = "nvchat"
     # Absolute, so subclasses elsewhere (the UI benchmark) still find them.
     CSS_PATH = [Path(__file__).with_name(name) for name in
-                ("app.tcss", "chat_pane.tcss", "message_view.tcss", "prompt_input.tcss", "kv_panel.tcss")]
+                ("app.tcss", "chat_pane.tcss", "message_view.tcss", "prompt_input.tcss", "kv_panel.tcss",
+                 "code_block.tcss")]
     BINDINGS = bindings(APP_KEYS)
     COMMANDS = App.COMMANDS | {ChatCommands}
     PUMP_HZ = 20  # stream pump ticks a second: the most updates a second the visible reply gets
@@ -472,6 +475,17 @@ class NvchatApp(App[None]):
             self.notify(str(e), title="Export failed", severity="error")
             return
         self.notify(str(path), title="Exported to Markdown", timeout=10)
+
+    def action_copy_code(self) -> None:
+        """The focused code block, else the active chat's latest one."""
+        fence = self.focused if isinstance(self.focused, CopyableFence) else None
+        if fence is None and self.active_pane is not None:
+            fences = self.active_pane.query(CopyableFence)
+            fence = fences.last() if fences else None
+        if fence is None:
+            self.notify("No code block in this chat yet.", severity="warning")
+            return
+        copy_code(fence)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.keymap))

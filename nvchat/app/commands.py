@@ -26,6 +26,8 @@ _SKIP = {"quit"}
 _PALETTE_ONLY = (
     ("Default system prompt", "Edit the system prompt new chats start with (saved to config.toml)",
      "default_system_prompt"),
+    ("Copy code block", "Copy the focused code block, or this chat's latest one (c on a focused block)",
+     "copy_code"),
 )
 
 

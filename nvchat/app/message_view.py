@@ -14,6 +14,7 @@ from textual.content import Content
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
+from nvchat.app.code_block import ReplyMarkdown
 from nvchat.app.streaming_markdown import QuietResize, StreamingMarkdown
 from nvchat.conversation import Message, split_thinking
 
@@ -113,10 +114,10 @@ class ReplyView(QuietResize, Vertical):
             self._unrendered, self._end_stats = "", None
             thinking, answer = split_thinking(self.message.content)
             if thinking:
-                thinking_md = Markdown(thinking)
+                thinking_md = ReplyMarkdown(thinking)
                 self._built.append((thinking_md, thinking))
                 yield Collapsible(thinking_md, title="Thinking", collapsed=True)
-            self._answer_md = Markdown(answer, id="answer")
+            self._answer_md = ReplyMarkdown(answer, id="answer")
             self._built.append((self._answer_md, answer))
             yield self._answer_md
             yield self._footer
