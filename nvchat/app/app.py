@@ -450,7 +450,8 @@ class NvchatApp(App[None]):
                     return
             self.run_worker(self._reopen(conversation_id))
 
-        self.push_screen(ConversationsScreen(lambda: self.in_background(self.store.list_conversations)), chosen)
+        self.push_screen(ConversationsScreen(lambda text: self.in_background(self.store.search_conversations, text)),
+                         chosen)
 
     async def _reopen(self, conversation_id: int) -> None:
         try:
