@@ -7,7 +7,7 @@ the repeated part (system prompt, earlier turns) into cache hits, so only new to
 import re
 from dataclasses import dataclass
 
-from engine import EngineThread, RequestStream
+from engine import EngineThread, RequestStream, SamplingParams
 from nvchat.settings import Settings
 from nvchat.store import ChatStore
 
@@ -47,7 +47,7 @@ def reply_stats(stream: RequestStream) -> dict:
 class Conversation:
     def __init__(self, engine: EngineThread, store: ChatStore | None, *, system_prompt: str, model_name: str,
                  settings: Settings, title: str = "New chat", conversation_id: int | None = None,
-                 messages: list[Message] | None = None):
+                 messages: list[Message] | None = None, sampling: dict | None = None):
         self.engine = engine
         self.store = store
         self.system_prompt = system_prompt
@@ -56,6 +56,8 @@ class Conversation:
         self.title = title
         self.id = conversation_id
         self.messages: list[Message] = messages or []
+        # This conversation's own temperature, top_p, top_k, max_tokens, over settings' defaults.
+        self.sampling: dict = dict(sampling or {})
         self._reply_id: int | None = None  # the stored row of the reply being generated
         self.left_out = 0  # the oldest messages that the last turn's prompt left out to fit the model
 
@@ -65,13 +67,15 @@ class Conversation:
         messages = [Message(m.role, m.content, m.stats, m.id, interrupted=not m.complete)
                     for m in store.load_messages(conversation_id)]
         return cls(engine, store, system_prompt=row.system_prompt, model_name=row.model, settings=settings,
-                   title=row.title, conversation_id=row.id, messages=messages)
+                   title=row.title, conversation_id=row.id, messages=messages, sampling=row.sampling)
 
     # --- persistence ---------------------------------------------------------------------------------
 
     def _ensure_stored(self) -> None:
         if self.store is not None and self.id is None:
             self.id = self.store.create_conversation(self.title, self.system_prompt, self.model_name)
+            if self.sampling:
+                self.store.set_sampling(self.id, self.sampling)
 
     def _append(self, message: Message) -> Message:
         self._ensure_stored()
@@ -90,6 +94,17 @@ class Conversation:
         self.title = title
         if self.store is not None and self.id is not None:
             self.store.rename(self.id, title)
+
+    def sampling_params(self) -> SamplingParams:
+        return self.settings.sampling_params(**self.sampling)
+
+    def set_sampling(self, sampling: dict) -> None:
+        """Checks the values (ValueError names a bad one), then keeps and stores them."""
+        self.settings.sampling_params(**sampling)
+        self.sampling = dict(sampling)
+        self._ensure_stored()
+        if self.store is not None:
+            self.store.set_sampling(self.id, self.sampling)
 
     def set_system_prompt(self, text: str) -> None:
         self.system_prompt = text
@@ -115,7 +130,7 @@ class Conversation:
         count, limit = getattr(self.engine, "count_chat_tokens", None), self.max_context
         if count is None or limit is None or len(messages) < 2:
             return 0
-        budget = limit - min(self.settings.max_tokens, limit // 4)
+        budget = limit - min(self.sampling_params().max_tokens, limit // 4)
 
         def fits(start: int) -> bool:
             return count(self.engine_messages(messages[start:]), self.settings.enable_thinking) <= budget
@@ -137,7 +152,7 @@ class Conversation:
         """Starts a reply to `messages` (as many of the latest as fit) without changing the
         conversation: a rejected prompt (ValueError, e.g. too long) leaves it as it was."""
         left_out = self._fit(messages)
-        stream = self.engine.submit(self.engine_messages(messages[left_out:]), self.settings.sampling_params(),
+        stream = self.engine.submit(self.engine_messages(messages[left_out:]), self.sampling_params(),
                                     enable_thinking=self.settings.enable_thinking, tag=self)
         self.left_out = left_out
         return stream

@@ -66,6 +66,8 @@ _MIGRATIONS: tuple[str, ...] = (
     INSERT INTO message_search(message_search) VALUES ('rebuild');
     INSERT INTO title_search(title_search) VALUES ('rebuild');
     """,
+    # 4: a conversation's own sampling settings (JSON; NULL: the defaults of config.toml).
+    "ALTER TABLE conversations ADD COLUMN sampling TEXT;",
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -83,6 +85,7 @@ class ConversationRow:
     created_at: float
     updated_at: float
     num_messages: int
+    sampling: dict | None = None
 
 
 @dataclass
@@ -93,6 +96,11 @@ class MessageRow:
     stats: dict | None
     created_at: float
     complete: bool = True
+
+
+def _conversation_row(row: tuple) -> ConversationRow:
+    *columns, sampling = row
+    return ConversationRow(*columns, json.loads(sampling) if sampling else None)
 
 
 def _fts_query(text: str) -> str:
@@ -201,22 +209,27 @@ class ChatStore:
     def rename(self, conversation_id: int, title: str) -> None:
         self._run("UPDATE conversations SET title = ?, updated_at = ? WHERE id = ?", (title, time.time(), conversation_id))
 
+    def set_sampling(self, conversation_id: int, sampling: dict | None) -> None:
+        self._run("UPDATE conversations SET sampling = ?, updated_at = ? WHERE id = ?",
+                  (json.dumps(sampling) if sampling else None, time.time(), conversation_id))
+
     def set_system_prompt(self, conversation_id: int, text: str) -> None:
         self._run("UPDATE conversations SET system_prompt = ?, updated_at = ? WHERE id = ?",
                   (text, time.time(), conversation_id))
 
     _CONVERSATION_COLUMNS = ("SELECT c.id, c.title, c.model, c.system_prompt, c.created_at, c.updated_at, "
-                             "(SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) FROM conversations c")
+                             "(SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id), c.sampling "
+                             "FROM conversations c")
 
     def list_conversations(self) -> list[ConversationRow]:
         rows = self._run(self._CONVERSATION_COLUMNS + " ORDER BY c.updated_at DESC").fetchall()
-        return [ConversationRow(*r) for r in rows]
+        return [_conversation_row(r) for r in rows]
 
     def get_conversation(self, conversation_id: int) -> ConversationRow:
         row = self._run(self._CONVERSATION_COLUMNS + " WHERE c.id = ?", (conversation_id,)).fetchone()
         if row is None:
             raise KeyError(f"no conversation with id {conversation_id}")
-        return ConversationRow(*row)
+        return _conversation_row(row)
 
     def load_messages(self, conversation_id: int) -> list[MessageRow]:
         rows = self._run("SELECT id, role, content, stats, created_at, complete FROM messages "
@@ -233,7 +246,7 @@ class ChatStore:
             self._CONVERSATION_COLUMNS + " WHERE c.id IN (SELECT rowid FROM title_search WHERE title_search MATCH ?)"
             " OR c.id IN (SELECT m.conversation_id FROM messages m JOIN message_search s ON s.rowid = m.id"
             " WHERE message_search MATCH ?) ORDER BY c.updated_at DESC", (query, query)).fetchall()
-        return [ConversationRow(*r) for r in rows]
+        return [_conversation_row(r) for r in rows]
 
     def delete_conversation(self, conversation_id: int) -> None:
         self._run("DELETE FROM conversations WHERE id = ?", (conversation_id,))

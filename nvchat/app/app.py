@@ -48,6 +48,7 @@ from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.messages import ChatStateChanged, ReplyStarted
 from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
 from nvchat.app.rename_screen import RenameScreen
+from nvchat.app.sampling_screen import FIELDS as SAMPLING_FIELDS, SamplingScreen
 from nvchat.app.system_prompt_screen import SystemPromptScreen
 from nvchat.conversation import Conversation
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, save_setting
@@ -58,6 +59,9 @@ FALLBACK_THEME = "nvchat-dark"
 # Actions that need a started engine and the chat screen on top.
 _CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv_panel"} | {"default_system_prompt",
                                                                                         "copy_code"}
+
+
+_BOUND_ACTIONS = {spec.action for spec in APP_KEYS}
 
 
 def model_label(settings: Settings) -> str:
@@ -358,7 +362,8 @@ class NvchatApp(App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # The app's bindings are priority bindings: stand aside while a modal (a dialog, the
         # command palette, help) is up, so that it gets its own keys (Esc, F1, Ctrl+S...).
-        if isinstance(self.screen, ModalScreen) and action != "quit":
+        # Textual's own app actions (focus_next for Tab, the palette's) stay on: a dialog needs them.
+        if isinstance(self.screen, ModalScreen) and action in _BOUND_ACTIONS and action != "quit":
             return False
         if action in _CHAT_ACTIONS | {"toggle_kv_panel"} and not self.ready:
             return False
@@ -425,6 +430,19 @@ class NvchatApp(App[None]):
 
         self.push_screen(SystemPromptScreen(f"System prompt for “{pane.conversation.title}”",
                                             pane.conversation.system_prompt, self.settings.system_prompt), edited)
+
+    def action_sampling(self) -> None:
+        pane = self.active_pane
+        if pane is None:
+            return
+        defaults = {name: getattr(self.settings, name) for name, _, _ in SAMPLING_FIELDS}
+
+        def chosen(sampling: dict | None) -> None:
+            if sampling is not None:
+                self.run_worker(pane.set_sampling(sampling))
+
+        self.push_screen(SamplingScreen(f"Sampling for “{pane.conversation.title}”",
+                                        defaults | pane.conversation.sampling, defaults), chosen)
 
     def action_default_system_prompt(self) -> None:
         def edited(text: str | None) -> None:

@@ -36,6 +36,7 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("regenerate", "ctrl+r", "regenerate", "Regenerate"),
     KeySpec("edit_last", "f3", "edit_last", "Edit last", show=False),
     KeySpec("system_prompt", "f4", "system_prompt", "System prompt", show=False),
+    KeySpec("sampling", "f7", "sampling", "Sampling", show=False),
     KeySpec("kv_panel", "f5", "toggle_kv_panel", "KV cache"),
     KeySpec("conversations", "ctrl+o", "open_conversations", "History", show=False),
     KeySpec("export", "ctrl+s", "export_markdown", "Export", show=False),

@@ -313,6 +313,12 @@ class ChatPane(Vertical):
         await self._store("title", self.conversation.rename, title)
         self.post_message(ChatStateChanged(self))
 
+    async def set_sampling(self, sampling: dict) -> None:
+        if await self._store("sampling settings", self.conversation.set_sampling, sampling):
+            values = self.conversation.sampling_params()
+            self.notify(f"temperature {values.temperature:g}, top-p {values.top_p:g}, top-k {values.top_k}, "
+                        f"max tokens {values.max_tokens}", title="Sampling for this chat")
+
     async def set_system_prompt(self, text: str) -> None:
         await self._store("system prompt", self.conversation.set_system_prompt, text)
         self.refresh_banner()
