@@ -26,7 +26,8 @@ def test_text_and_enter_in_one_write_are_sent_and_stored(nvchat_on_a_pty):
     app.write(b"hello from a terminal\r")
     assert app.wait_until(app.messages, 30, "the stored message")[0] == ("user", "hello from a terminal")
     # A paste (bracketed, as terminals send one) with Enter after it, once the reply is stored.
-    app.wait_until(lambda: len(app.messages()) == 2, 60, "the reply")
+    app.wait_until(lambda: app.query("SELECT complete FROM messages WHERE role = 'assistant'") == [(1,)], 60,
+                   "the whole reply")
     app.write(b"\x1b[200~pasted\nlines\x1b[201~\r")
     app.wait_until(lambda: len(app.messages()) >= 3, 30, "the pasted message")
     assert app.messages()[2] == ("user", "pasted\nlines")
