@@ -18,6 +18,7 @@ what an update shows, and the full garbage collections held back while chats str
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import threading
 import time
@@ -118,6 +119,7 @@ class NvchatApp(App[None]):
         self._tab_serial = 0
         self._loading: LoadingScreen | None = None
         self._theme_applied = False
+        self._signals_handled: list[int] = []
 
     # --- start-up ------------------------------------------------------------------------------------
 
@@ -150,11 +152,25 @@ class NvchatApp(App[None]):
         self.set_keymap(self.keymap)
         self.sub_title = self.note or model_label(self.settings)
         self._pump_timer = self.set_interval(1 / self.PUMP_HZ, self._pump_replies, pause=True)
+        self._quit_on_signals()
         self.query_one(KVPanel).source = self._panel_data
         if self.engine is None:
             self._loading = LoadingScreen(model_label(self.settings), self.note)
             self.push_screen(self._loading)
         self._start_backend()
+
+    # Asked to end (a shutdown, a closed terminal): quit as Ctrl+Q does, so replies in flight are
+    # stored as far as they got, rather than die with only their last periodic save.
+    _QUIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
+
+    def _quit_on_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for number in self._QUIT_SIGNALS:
+            try:
+                loop.add_signal_handler(number, self.exit)
+            except (NotImplementedError, RuntimeError, ValueError):  # no such handlers here (Windows, a thread)
+                continue
+            self._signals_handled.append(number)
 
     def _to_ui(self, callback, *args) -> None:
         """call_from_thread, skipped once the app is closing (its loop may never run the call)."""
@@ -534,6 +550,9 @@ class NvchatApp(App[None]):
 
     async def on_unmount(self) -> None:
         self.closing = True
+        loop = asyncio.get_running_loop()
+        for number in self._signals_handled:
+            loop.remove_signal_handler(number)
         sys.setswitchinterval(self._switch_interval)
         self._gc_deferral.stop()
         live = [(pane.conversation, pane.stream) for pane in self._panes if pane.stream is not None]

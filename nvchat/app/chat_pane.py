@@ -46,6 +46,7 @@ class ChatPane(Vertical):
         self._views_pending = False
         self._next_save = 0.0  # when the streaming reply is next stored
         self._left_out_noted = False  # said once that old turns no longer fit the model
+        self._stop_requested = False  # Esc before the turn's stream existed
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -104,6 +105,8 @@ class ChatPane(Vertical):
 
     def _set_busy(self, busy: bool) -> None:
         self.busy = busy
+        if not busy:
+            self._stop_requested = False
         self.prompt.accepting = not busy
         self._set_status("generating… Esc stops" if busy else "")
         self.post_message(ChatStateChanged(self))
@@ -182,6 +185,8 @@ class ChatPane(Vertical):
         """Esc: stops the reply, or leaves edit mode."""
         if self.stream is not None:
             self.stream.abort()
+        elif self.busy:
+            self._stop_requested = True  # the turn is starting: its stream is stopped once it has one
         elif self.editing:
             self.cancel_edit()
 
@@ -200,6 +205,11 @@ class ChatPane(Vertical):
                     self._set_status("editing your last message: Enter resends, Esc cancels")
             self.notify(str(e), title="Could not send", severity="error", timeout=8)
             return
+        # Claimed at once: an Esc, a closed tab or a quit while the views below mount finds it.
+        self.stream = stream
+        self._next_save = 0.0  # its first text is stored at once
+        if self._stop_requested:  # Esc came while the turn was starting
+            stream.abort()
         self._reply_view = self._last_reply = ReplyView()
         self._refresh_hint()
         if self.app.active_pane is self:
@@ -212,8 +222,6 @@ class ChatPane(Vertical):
             self._left_out_noted = True
             await self._note_left_out()
         self._show_context(stream.num_prompt_tokens)
-        self.stream = stream
-        self._next_save = 0.0  # its first text is stored at once
         self.post_message(ReplyStarted(self))
         if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
             await self.rename(first_line(args[0], _AUTO_TITLE_CHARS))

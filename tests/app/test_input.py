@@ -1,7 +1,9 @@
 """Keys that arrive together: what a user types is sent or stays in the box, never dropped."""
+import threading
+
 from nvchat import paths
 from nvchat.store import ChatStore
-from tests.app.helpers import burst, idle, started, wait_for
+from tests.app.helpers import burst, idle, press_now, started, wait_for
 
 SIZE = (110, 36)
 
@@ -58,3 +60,21 @@ async def test_keys_typed_while_a_reply_streams_stay_in_the_box_until_it_ends(ma
         assert [m.content for m in pane.conversation.messages if m.role == "user"] == ["first", "second and third"]
         assert pane.prompt.text == ""
         await idle(pilot, pane)
+
+
+async def test_esc_while_a_turn_is_still_starting_stops_its_reply(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        gate = threading.Event()
+        app.in_background(gate.wait, 10)  # holds the conversation thread: the turn waits to start
+        burst(app, "stop me early")
+        await wait_for(pilot, lambda: pane.busy, what="the turn")
+        assert pane.stream is None
+        await press_now(pilot, "escape")
+        gate.set()
+        await idle(pilot, pane)
+        reply = pane.conversation.messages[-1]
+        assert reply.role == "assistant" and reply.interrupted
+        assert reply.stats["finish_reason"] == "abort" and reply.stats["tokens"] < 400

@@ -1,4 +1,6 @@
 """The real nvchat process on a pseudo-terminal: bytes in as a terminal sends them."""
+import json
+import signal
 import sqlite3
 
 import pytest
@@ -20,18 +22,23 @@ def nvchat_on_a_pty(tmp_path, xdg_cache, app_model_path):
         app.close()
 
 
-def test_text_and_enter_in_one_write_are_sent_and_stored(nvchat_on_a_pty):
-    app = nvchat_on_a_pty("--max-tokens", "16", "--max-model-len", "512")
+def test_text_and_enter_in_one_write_are_sent_and_stored_and_sigterm_keeps_the_reply(nvchat_on_a_pty):
+    app = nvchat_on_a_pty("--max-tokens", "3000", "--max-model-len", "4096")
     app.wait_ready()
     app.write(b"hello from a terminal\r")
     assert app.wait_until(app.messages, 30, "the stored message")[0] == ("user", "hello from a terminal")
-    # A paste (bracketed, as terminals send one) with Enter after it, once the reply is stored.
-    app.wait_until(lambda: app.query("SELECT complete FROM messages WHERE role = 'assistant'") == [(1,)], 60,
-                   "the whole reply")
+    app.write(b"\x1b")  # Esc stops the reply
+    app.wait_until(lambda: app.query("SELECT stats FROM messages WHERE role = 'assistant' AND stats IS NOT NULL"),
+                   30, "the stopped reply")
+    # A paste (bracketed, as terminals send one) with Enter after it.
     app.write(b"\x1b[200~pasted\nlines\x1b[201~\r")
-    app.wait_until(lambda: len(app.messages()) >= 3, 30, "the pasted message")
+    app.wait_until(lambda: len(app.messages()) >= 4, 30, "the pasted message and its reply's first save")
     assert app.messages()[2] == ("user", "pasted\nlines")
-    assert app.close() == 0
+    # Asked to end mid-reply, it quits as Ctrl+Q does: the reply is stored as far as it got.
+    app.process.send_signal(signal.SIGTERM)
+    assert app.process.wait(30) == 0
+    [(complete, stats)] = app.query("SELECT complete, stats FROM messages WHERE id = (SELECT MAX(id) FROM messages)")
+    assert complete == 0 and json.loads(stats)["finish_reason"] == "abort"
 
 
 def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_on_a_pty):
