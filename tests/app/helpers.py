@@ -1,6 +1,9 @@
 """Pilot helpers for the app tests."""
 import time
 
+from textual import events
+from textual.keys import _character_to_key
+
 from nvchat.app import NvchatApp
 
 
@@ -48,9 +51,6 @@ def burst(app, text: str = "", *, paste: str | None = None, enter: bool = True) 
     """Delivers a paste and keys as the terminal driver does for one read: every event is queued
     on the app before it handles the first (Pilot.press instead lets the app go idle between keys,
     which hides races between the app's queue and the focused widget's)."""
-    from textual import events
-    from textual.keys import _character_to_key
-
     if paste is not None:
         app.post_message(events.Paste(paste))
     for ch in text:
