@@ -218,9 +218,13 @@ class ChatPane(Vertical):
             # Eight tabs mounting and laying out their views at once held the UI thread for about
             # half a second, and through the GIL the engine; a hidden tab has nothing to show yet.
             self._views_pending = True
+        if self.stream is not stream:  # its tab closed or the app quit meanwhile, and stored the reply
+            return
         if self.conversation.left_out and not self._left_out_noted:
             self._left_out_noted = True
             await self._note_left_out()
+            if self.stream is not stream:
+                return
         self._show_context(stream.num_prompt_tokens)
         self.post_message(ReplyStarted(self))
         if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
