@@ -123,6 +123,13 @@ class EngineThread:
     def tokenizer(self):
         return self.llm.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.config.max_model_len
+
+    def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
+        return self.llm.count_chat_tokens(messages, enable_thinking)
+
     # --- caller side ---------------------------------------------------------------------------------
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,

@@ -166,6 +166,12 @@ class LLM:
         with self._tokenizer_lock:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
+    def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
+        """How many prompt tokens the chat messages make: for fitting a conversation to max_model_len."""
+        text = self.render_chat(messages, enable_thinking)
+        with self._tokenizer_lock:
+            return len(self.tokenizer.encode(text))
+
     def make_sequence(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
         """A checked, tokenized request, not yet queued; safe to call from any thread. With
         stream=True the sequence is detokenized step by step and step() reports its new text."""

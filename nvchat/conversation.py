@@ -7,7 +7,7 @@ the repeated part (system prompt, earlier turns) into cache hits, so only new to
 import re
 from dataclasses import dataclass
 
-from engine import EngineThread, RequestStream
+from engine import EngineThread, RequestStream, SamplingParams
 from nvchat.settings import Settings
 from nvchat.store import ChatStore
 
@@ -35,6 +35,7 @@ class Message:
     content: str
     stats: dict | None = None
     id: int | None = None
+    interrupted: bool = False  # a reply that did not end on its own: stopped, failed, or cut off
 
 
 def reply_stats(stream: RequestStream) -> dict:
@@ -46,7 +47,7 @@ def reply_stats(stream: RequestStream) -> dict:
 class Conversation:
     def __init__(self, engine: EngineThread, store: ChatStore | None, *, system_prompt: str, model_name: str,
                  settings: Settings, title: str = "New chat", conversation_id: int | None = None,
-                 messages: list[Message] | None = None):
+                 messages: list[Message] | None = None, sampling: dict | None = None):
         self.engine = engine
         self.store = store
         self.system_prompt = system_prompt
@@ -55,19 +56,26 @@ class Conversation:
         self.title = title
         self.id = conversation_id
         self.messages: list[Message] = messages or []
+        # This conversation's own temperature, top_p, top_k, max_tokens, over settings' defaults.
+        self.sampling: dict = dict(sampling or {})
+        self._reply_id: int | None = None  # the stored row of the reply being generated
+        self.left_out = 0  # the oldest messages that the last turn's prompt left out to fit the model
 
     @classmethod
     def load(cls, engine: EngineThread, store: ChatStore, conversation_id: int, settings: Settings) -> "Conversation":
         row = store.get_conversation(conversation_id)
-        messages = [Message(m.role, m.content, m.stats, m.id) for m in store.load_messages(conversation_id)]
+        messages = [Message(m.role, m.content, m.stats, m.id, interrupted=not m.complete)
+                    for m in store.load_messages(conversation_id)]
         return cls(engine, store, system_prompt=row.system_prompt, model_name=row.model, settings=settings,
-                   title=row.title, conversation_id=row.id, messages=messages)
+                   title=row.title, conversation_id=row.id, messages=messages, sampling=row.sampling)
 
     # --- persistence ---------------------------------------------------------------------------------
 
     def _ensure_stored(self) -> None:
         if self.store is not None and self.id is None:
             self.id = self.store.create_conversation(self.title, self.system_prompt, self.model_name)
+            if self.sampling:
+                self.store.set_sampling(self.id, self.sampling)
 
     def _append(self, message: Message) -> Message:
         self._ensure_stored()
@@ -87,6 +95,17 @@ class Conversation:
         if self.store is not None and self.id is not None:
             self.store.rename(self.id, title)
 
+    def sampling_params(self) -> SamplingParams:
+        return self.settings.sampling_params(**self.sampling)
+
+    def set_sampling(self, sampling: dict) -> None:
+        """Checks the values (ValueError names a bad one), then keeps and stores them."""
+        self.settings.sampling_params(**sampling)
+        self.sampling = dict(sampling)
+        self._ensure_stored()
+        if self.store is not None:
+            self.store.set_sampling(self.id, self.sampling)
+
     def set_system_prompt(self, text: str) -> None:
         self.system_prompt = text
         if self.store is not None and self.id is not None:
@@ -98,11 +117,45 @@ class Conversation:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + [{"role": m.role, "content": m.content} for m in (self.messages if messages is None else messages)]
 
+    @property
+    def max_context(self) -> int | None:
+        """The model's context in tokens, where the engine says (a remote one may not)."""
+        return getattr(self.engine, "max_model_len", None)
+
+    def _fit(self, messages: list[Message]) -> int:
+        """How many of the oldest messages to leave out so that the prompt fits max_model_len with
+        room for a reply (a quarter of the context, or max_tokens if less). The system prompt and
+        the last message always go; a turn goes whole, from a user message. With only the last one
+        still too long, the engine's own error says so."""
+        count, limit = getattr(self.engine, "count_chat_tokens", None), self.max_context
+        if count is None or limit is None or len(messages) < 2:
+            return 0
+        budget = limit - min(self.sampling_params().max_tokens, limit // 4)
+
+        def fits(start: int) -> bool:
+            return count(self.engine_messages(messages[start:]), self.settings.enable_thinking) <= budget
+
+        if fits(0):
+            return 0
+        # Later starts give shorter prompts: the earliest turn start that fits.
+        starts = [i for i, m in enumerate(messages) if i > 0 and m.role == "user"] or [len(messages) - 1]
+        low, high = 0, len(starts) - 1
+        while low < high:
+            middle = (low + high) // 2
+            if fits(starts[middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return starts[low]
+
     def _submit(self, messages: list[Message]) -> RequestStream:
-        """Starts a reply to `messages` without changing the conversation: a rejected prompt
-        (ValueError, e.g. too long) leaves it as it was."""
-        return self.engine.submit(self.engine_messages(messages), self.settings.sampling_params(),
-                                  enable_thinking=self.settings.enable_thinking, tag=self)
+        """Starts a reply to `messages` (as many of the latest as fit) without changing the
+        conversation: a rejected prompt (ValueError, e.g. too long) leaves it as it was."""
+        left_out = self._fit(messages)
+        stream = self.engine.submit(self.engine_messages(messages[left_out:]), self.sampling_params(),
+                                    enable_thinking=self.settings.enable_thinking, tag=self)
+        self.left_out = left_out
+        return stream
 
     @staticmethod
     def _then_store(stream: RequestStream, store_change) -> RequestStream:
@@ -143,12 +196,37 @@ class Conversation:
         stream = self._submit(self.messages[:last_user] + [Message("user", text)])
         return self._then_store(stream, store_change)
 
+    def save_reply_so_far(self, stream: RequestStream) -> None:
+        """Stores the reply's text so far, marked incomplete, so a kill loses at most what came since."""
+        text = stream.text
+        if not text or self.store is None:
+            return
+        if self._reply_id is None:
+            self._ensure_stored()
+            self._reply_id = self.store.add_message(self.id, "assistant", text, complete=False)
+        else:
+            self.store.update_message(self._reply_id, text, complete=False)
+
     def finish_reply(self, stream: RequestStream) -> Message | None:
-        """Stores a finished reply with its numbers. Aborted replies keep what was generated;
-        a reply that failed with nothing generated is not stored."""
-        if not stream.text and stream.finish_reason == "error":
+        """Stores an ended reply with its numbers. Stopped and failed replies keep what was generated,
+        marked interrupted; a reply that failed with nothing generated is not stored."""
+        saved, self._reply_id = self._reply_id, None
+        text, stats = stream.text, reply_stats(stream)
+        interrupted = stream.finish_reason in ("abort", "error")
+        if not text and stream.finish_reason == "error":
+            if saved is not None:
+                self.store.delete_message(saved)
             return None
-        return self._append(Message("assistant", stream.text, reply_stats(stream)))
+        message = Message("assistant", text, stats, interrupted=interrupted)
+        if saved is None:
+            self._ensure_stored()
+            if self.store is not None:
+                message.id = self.store.add_message(self.id, "assistant", text, stats, complete=not interrupted)
+        else:
+            self.store.update_message(saved, text, stats, complete=not interrupted)
+            message.id = saved
+        self.messages.append(message)
+        return message
 
     @property
     def last_user_text(self) -> str | None:

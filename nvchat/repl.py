@@ -219,6 +219,9 @@ def run_repl(settings: Settings) -> int:
     history_file = paths.repl_history_file()
     history_file.parent.mkdir(parents=True, exist_ok=True)
     store = ChatStore()
+    if store.moved_aside is not None:
+        print(f"nvchat: the conversation store could not be read; it was moved to {store.moved_aside}",
+              file=sys.stderr)
     try:
         with engine:
             repl = Repl(engine, settings, store=store, history=FileHistory(str(history_file)),

@@ -18,6 +18,7 @@ what an update shows, and the full garbage collections held back while chats str
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ from nvchat import paths
 from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.chat_screen import ChatScreen
+from nvchat.app.code_block import CopyableFence, copy_code
 from nvchat.app.commands import ChatCommands
 from nvchat.app.conversations_screen import ConversationsScreen
 from nvchat.export import export_markdown
@@ -48,6 +50,7 @@ from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.messages import ChatStateChanged, ReplyStarted
 from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
 from nvchat.app.rename_screen import RenameScreen
+from nvchat.app.sampling_screen import FIELDS as SAMPLING_FIELDS, SamplingScreen
 from nvchat.app.system_prompt_screen import SystemPromptScreen
 from nvchat.conversation import Conversation
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, save_setting
@@ -56,7 +59,11 @@ from themes import load_themes, tab_colors
 
 FALLBACK_THEME = "nvchat-dark"
 # Actions that need a started engine and the chat screen on top.
-_CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv_panel"} | {"default_system_prompt"}
+_CHAT_ACTIONS = {spec.action for spec in APP_KEYS} - {"help", "quit", "toggle_kv_panel"} | {"default_system_prompt",
+                                                                                        "copy_code"}
+
+
+_BOUND_ACTIONS = {spec.action for spec in APP_KEYS}
 
 
 def model_label(settings: Settings) -> str:
@@ -74,7 +81,8 @@ class NvchatApp(App[None]):
     TITLE = "nvchat"
     # Absolute, so subclasses elsewhere (the UI benchmark) still find them.
     CSS_PATH = [Path(__file__).with_name(name) for name in
-                ("app.tcss", "chat_pane.tcss", "message_view.tcss", "prompt_input.tcss", "kv_panel.tcss")]
+                ("app.tcss", "chat_pane.tcss", "message_view.tcss", "prompt_input.tcss", "kv_panel.tcss",
+                 "code_block.tcss")]
     BINDINGS = bindings(APP_KEYS)
     COMMANDS = App.COMMANDS | {ChatCommands}
     PUMP_HZ = 20  # stream pump ticks a second: the most updates a second the visible reply gets
@@ -112,6 +120,7 @@ class NvchatApp(App[None]):
         self._tab_serial = 0
         self._loading: LoadingScreen | None = None
         self._theme_applied = False
+        self._signals_handled: list[int] = []
 
     # --- start-up ------------------------------------------------------------------------------------
 
@@ -144,11 +153,25 @@ class NvchatApp(App[None]):
         self.set_keymap(self.keymap)
         self.sub_title = self.note or model_label(self.settings)
         self._pump_timer = self.set_interval(1 / self.PUMP_HZ, self._pump_replies, pause=True)
+        self._quit_on_signals()
         self.query_one(KVPanel).source = self._panel_data
         if self.engine is None:
             self._loading = LoadingScreen(model_label(self.settings), self.note)
             self.push_screen(self._loading)
         self._start_backend()
+
+    # Asked to end (a shutdown, a closed terminal): quit as Ctrl+Q does, so replies in flight are
+    # stored as far as they got, rather than die with only their last periodic save.
+    _QUIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
+
+    def _quit_on_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for number in self._QUIT_SIGNALS:
+            try:
+                loop.add_signal_handler(number, self.exit)
+            except (NotImplementedError, RuntimeError, ValueError):  # no such handlers here (Windows, a thread)
+                continue
+            self._signals_handled.append(number)
 
     def _to_ui(self, callback, *args) -> None:
         """call_from_thread, skipped once the app is closing (its loop may never run the call)."""
@@ -198,6 +221,9 @@ class NvchatApp(App[None]):
         if self._loading is not None and self.screen is self._loading:
             self.pop_screen()
         self._loading = None
+        if store.moved_aside is not None:
+            self.notify(f"It was moved to {store.moved_aside}; new conversations go to a fresh file.",
+                        title="The conversation store could not be read", severity="error", timeout=30)
         await self.open_chat(self.new_conversation())
         self.ready = True
         self.refresh_bindings()
@@ -352,7 +378,8 @@ class NvchatApp(App[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # The app's bindings are priority bindings: stand aside while a modal (a dialog, the
         # command palette, help) is up, so that it gets its own keys (Esc, F1, Ctrl+S...).
-        if isinstance(self.screen, ModalScreen) and action != "quit":
+        # Textual's own app actions (focus_next for Tab, the palette's) stay on: a dialog needs them.
+        if isinstance(self.screen, ModalScreen) and action in _BOUND_ACTIONS and action != "quit":
             return False
         if action in _CHAT_ACTIONS | {"toggle_kv_panel"} and not self.ready:
             return False
@@ -420,6 +447,19 @@ class NvchatApp(App[None]):
         self.push_screen(SystemPromptScreen(f"System prompt for “{pane.conversation.title}”",
                                             pane.conversation.system_prompt, self.settings.system_prompt), edited)
 
+    def action_sampling(self) -> None:
+        pane = self.active_pane
+        if pane is None:
+            return
+        defaults = {name: getattr(self.settings, name) for name, _, _ in SAMPLING_FIELDS}
+
+        def chosen(sampling: dict | None) -> None:
+            if sampling is not None:
+                self.run_worker(pane.set_sampling(sampling))
+
+        self.push_screen(SamplingScreen(f"Sampling for “{pane.conversation.title}”",
+                                        defaults | pane.conversation.sampling, defaults), chosen)
+
     def action_default_system_prompt(self) -> None:
         def edited(text: str | None) -> None:
             if text is not None:
@@ -444,7 +484,8 @@ class NvchatApp(App[None]):
                     return
             self.run_worker(self._reopen(conversation_id))
 
-        self.push_screen(ConversationsScreen(lambda: self.in_background(self.store.list_conversations)), chosen)
+        self.push_screen(ConversationsScreen(lambda text: self.in_background(self.store.search_conversations, text)),
+                         chosen)
 
     async def _reopen(self, conversation_id: int) -> None:
         try:
@@ -469,6 +510,17 @@ class NvchatApp(App[None]):
             self.notify(str(e), title="Export failed", severity="error")
             return
         self.notify(str(path), title="Exported to Markdown", timeout=10)
+
+    def action_copy_code(self) -> None:
+        """The focused code block, else the active chat's latest one."""
+        fence = self.focused if isinstance(self.focused, CopyableFence) else None
+        if fence is None and self.active_pane is not None:
+            fences = self.active_pane.query(CopyableFence)
+            fence = fences.last() if fences else None
+        if fence is None:
+            self.notify("No code block in this chat yet.", severity="warning")
+            return
+        copy_code(fence)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.keymap))
@@ -498,6 +550,9 @@ class NvchatApp(App[None]):
 
     async def on_unmount(self) -> None:
         self.closing = True
+        loop = asyncio.get_running_loop()
+        for number in self._signals_handled:
+            loop.remove_signal_handler(number)
         sys.setswitchinterval(self._switch_interval)
         self._gc_deferral.stop()
         live = [(pane.conversation, pane.stream) for pane in self._panes if pane.stream is not None]

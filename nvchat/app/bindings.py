@@ -15,7 +15,7 @@ class KeySpec:
     action: str
     description: str
     show: bool = True  # in the footer
-    # Priority bindings fire before the focused widget sees the key. All of nvchat's are: the
+    # Priority bindings fire before the focused widget sees the key. The app's are: the
     # prompt box (a TextArea) binds many keys itself (ctrl+w deletes a word, f6 selects a line),
     # and a key remapped in config.toml should work wherever the focus is. The app turns its
     # chat actions off while a modal screen is up (App.check_action), so modals keep their keys.
@@ -36,6 +36,7 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("regenerate", "ctrl+r", "regenerate", "Regenerate"),
     KeySpec("edit_last", "f3", "edit_last", "Edit last", show=False),
     KeySpec("system_prompt", "f4", "system_prompt", "System prompt", show=False),
+    KeySpec("sampling", "f7", "sampling", "Sampling", show=False),
     KeySpec("kv_panel", "f5", "toggle_kv_panel", "KV cache"),
     KeySpec("conversations", "ctrl+o", "open_conversations", "History", show=False),
     KeySpec("export", "ctrl+s", "export_markdown", "Export", show=False),
@@ -43,9 +44,10 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("quit", "ctrl+q", "quit", "Quit", show=False),
 )
 
+# The prompt box runs its keys itself, in order with the text typed before them (PromptInput).
 PROMPT_KEYS: tuple[KeySpec, ...] = (
-    KeySpec("send", "enter", "send", "Send", show=False),
-    KeySpec("newline", "shift+enter,ctrl+j", "newline", "New line", show=False),
+    KeySpec("send", "enter", "send", "Send", show=False, priority=False),
+    KeySpec("newline", "shift+enter,ctrl+j", "newline", "New line", show=False, priority=False),
 )
 
 ALL_KEYS = APP_KEYS + PROMPT_KEYS

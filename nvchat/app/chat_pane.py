@@ -7,6 +7,7 @@ conversation.messages once it is idle.
 """
 from __future__ import annotations
 
+import time
 from typing import Awaitable, Callable
 
 from textual.app import ComposeResult
@@ -23,6 +24,8 @@ from nvchat.conversation import Conversation, Message, first_line, reply_stats
 Background = Callable[..., Awaitable]
 _DEFAULT_TITLE = "New chat"
 _AUTO_TITLE_CHARS = 40
+# A streaming reply is stored this often (and when it ends): what a kill of the process can lose.
+SAVE_EVERY_S = 2.0
 
 
 class ChatPane(Vertical):
@@ -41,6 +44,9 @@ class ChatPane(Vertical):
         self._last_reply: ReplyView | None = None  # the latest live reply, which may not be drawn in full yet
         # A turn started in a hidden tab mounts its views when the tab is first shown (catch_up).
         self._views_pending = False
+        self._next_save = 0.0  # when the streaming reply is next stored
+        self._left_out_noted = False  # said once that old turns no longer fit the model
+        self._stop_requested = False  # Esc before the turn's stream existed
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -99,6 +105,9 @@ class ChatPane(Vertical):
 
     def _set_busy(self, busy: bool) -> None:
         self.busy = busy
+        if not busy:
+            self._stop_requested = False
+        self.prompt.accepting = not busy
         self._set_status("generating… Esc stops" if busy else "")
         self.post_message(ChatStateChanged(self))
 
@@ -130,11 +139,18 @@ class ChatPane(Vertical):
     def on_prompt_submitted(self, event: PromptSubmitted) -> None:
         event.stop()
         if self._refuse_if_busy():
-            self.prompt.text = event.text
+            self._restore_prompt(event.text)
             return
         start = self.conversation.edit_last_user if self.editing else self.conversation.send
+        self._set_busy(True)  # now, not when the worker starts: a second turn must not start meanwhile
         self.run_worker(self._turn(start, event.text, restore=event.text, was_editing=self.editing))
         self.editing = False
+
+    def _restore_prompt(self, text: str) -> None:
+        """Puts a message that was not sent back in the box, before whatever was typed since."""
+        typed = self.prompt.text
+        self.prompt.text = f"{text}\n{typed}" if typed.strip() else text
+        self.prompt.move_cursor(self.prompt.document.end)
 
     def regenerate(self) -> None:
         if self._refuse_if_busy():
@@ -142,6 +158,7 @@ class ChatPane(Vertical):
         if not any(m.role == "user" for m in self.conversation.messages):
             self.notify("Nothing to regenerate yet.", severity="warning")
             return
+        self._set_busy(True)
         self.run_worker(self._turn(self.conversation.regenerate))
 
     def start_edit(self) -> None:
@@ -168,6 +185,8 @@ class ChatPane(Vertical):
         """Esc: stops the reply, or leaves edit mode."""
         if self.stream is not None:
             self.stream.abort()
+        elif self.busy:
+            self._stop_requested = True  # the turn is starting: its stream is stopped once it has one
         elif self.editing:
             self.cancel_edit()
 
@@ -179,13 +198,18 @@ class ChatPane(Vertical):
             stream = await self.background(start, *args)
         except Exception as e:  # a refused prompt (too long, engine stopped) leaves the conversation as it was
             self._set_busy(False)
-            if restore is not None and not self.prompt.text:
-                self.prompt.text = restore
+            if restore is not None:
+                self._restore_prompt(restore)
                 if was_editing:
                     self.editing = True
                     self._set_status("editing your last message: Enter resends, Esc cancels")
             self.notify(str(e), title="Could not send", severity="error", timeout=8)
             return
+        # Claimed at once: an Esc, a closed tab or a quit while the views below mount finds it.
+        self.stream = stream
+        self._next_save = 0.0  # its first text is stored at once
+        if self._stop_requested:  # Esc came while the turn was starting
+            stream.abort()
         self._reply_view = self._last_reply = ReplyView()
         self._refresh_hint()
         if self.app.active_pane is self:
@@ -194,7 +218,14 @@ class ChatPane(Vertical):
             # Eight tabs mounting and laying out their views at once held the UI thread for about
             # half a second, and through the GIL the engine; a hidden tab has nothing to show yet.
             self._views_pending = True
-        self.stream = stream
+        if self.stream is not stream:  # its tab closed or the app quit meanwhile, and stored the reply
+            return
+        if self.conversation.left_out and not self._left_out_noted:
+            self._left_out_noted = True
+            await self._note_left_out()
+            if self.stream is not stream:
+                return
+        self._show_context(stream.num_prompt_tokens)
         self.post_message(ReplyStarted(self))
         if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
             await self.rename(first_line(args[0], _AUTO_TITLE_CHARS))
@@ -212,7 +243,12 @@ class ChatPane(Vertical):
         delta = stream.drain()
         if delta is not None and delta.text:
             view.receive(delta.text)
+            now = time.monotonic()
+            if not ended and now >= self._next_save:
+                self._next_save = now + SAVE_EVERY_S
+                self.background(self.conversation.save_reply_so_far, stream).add_done_callback(self._saved)
         if ended:
+            self._show_context(stream.num_prompt_tokens + stream.num_completion_tokens)
             # Claimed and queued before any await: a tab closed or an app quit meanwhile finds no
             # stream to store, so the reply is stored exactly once, and the write already waits.
             self.stream = None
@@ -230,6 +266,28 @@ class ChatPane(Vertical):
                                 timeout=10)
                 self.run_worker(self._store_reply(stored, view), exit_on_error=False)
         return ended
+
+    async def _note_left_out(self) -> None:
+        limit = self.conversation.max_context
+        note = Static(f"This conversation no longer fits the model's context ({limit} tokens): from now on the "
+                      "oldest turns are left out of what the model sees (the system prompt and your latest "
+                      "message always go).", classes="context-note")
+        reply = self._reply_view
+        if reply is not None and reply.parent is self.transcript:
+            await self.transcript.mount(note, before=reply)
+        else:
+            await self.transcript.mount(note)
+
+    def _show_context(self, tokens: int) -> None:
+        """The context the conversation fills, under the prompt box."""
+        limit = self.conversation.max_context
+        if limit:
+            self.prompt.border_subtitle = f"context {tokens} / {limit} tokens"
+
+    def _saved(self, future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self.notify(f"The reply so far could not be stored: {future.exception()}", title="Storage error",
+                        severity="error", timeout=10)
 
     async def catch_up(self) -> None:
         """Draws what the reply received while the tab was hidden (its tab was just shown)."""
@@ -266,6 +324,12 @@ class ChatPane(Vertical):
     async def rename(self, title: str) -> None:
         await self._store("title", self.conversation.rename, title)
         self.post_message(ChatStateChanged(self))
+
+    async def set_sampling(self, sampling: dict) -> None:
+        if await self._store("sampling settings", self.conversation.set_sampling, sampling):
+            values = self.conversation.sampling_params()
+            self.notify(f"temperature {values.temperature:g}, top-p {values.top_p:g}, top-k {values.top_k}, "
+                        f"max tokens {values.max_tokens}", title="Sampling for this chat")
 
     async def set_system_prompt(self, text: str) -> None:
         await self._store("system prompt", self.conversation.set_system_prompt, text)

@@ -16,6 +16,7 @@ _HELP = {
     "regenerate": "Drop the last reply and generate it again",
     "edit_last": "Edit your last message and resend it",
     "system_prompt": "Edit this chat's system prompt",
+    "sampling": "This chat's temperature, top-p, top-k and max tokens",
     "toggle_kv_panel": "Show or hide the live KV-cache block map",
     "open_conversations": "Reopen a past conversation",
     "export_markdown": "Export this chat to a Markdown file",
@@ -26,6 +27,8 @@ _SKIP = {"quit"}
 _PALETTE_ONLY = (
     ("Default system prompt", "Edit the system prompt new chats start with (saved to config.toml)",
      "default_system_prompt"),
+    ("Copy code block", "Copy the focused code block, or this chat's latest one (c on a focused block)",
+     "copy_code"),
 )
 
 

@@ -1,4 +1,5 @@
-"""Past conversations, newest first; Enter reopens one in a tab."""
+"""Past conversations, newest first, filtered by the words typed above them (titles and messages,
+through the store's full-text index); Enter reopens the highlighted one in a tab."""
 import time
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -8,7 +9,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
-from textual.widgets import DataTable, Label
+from textual.widgets import DataTable, Input, Label
 
 from nvchat.store import ConversationRow
 
@@ -21,37 +22,52 @@ class ConversationsScreen(ModalScreen[int | None]):
     """Dismisses with the chosen conversation's id, or None."""
 
     CSS_PATH = Path(__file__).with_name("conversations_screen.tcss")
-    BINDINGS = [Binding("escape", "cancel", "Close")]
+    BINDINGS = [Binding("escape", "cancel", "Close"), Binding("down", "to_table", show=False)]
 
-    def __init__(self, list_conversations: Callable[[], Awaitable[list[ConversationRow]]]) -> None:
+    def __init__(self, search: Callable[[str], Awaitable[list[ConversationRow]]]) -> None:
         super().__init__()
-        self.list_conversations = list_conversations  # runs off the UI thread
+        self.search = search  # runs off the UI thread; "" lists them all
 
     def compose(self) -> ComposeResult:
         with Vertical(id="conversations-box"):
-            yield Label("Past conversations  (Enter opens, Esc closes)", id="conversations-heading")
+            yield Label("Past conversations  (type to search, ↓ and Enter open, Esc closes)",
+                        id="conversations-heading")
+            yield Input(placeholder="Search titles and messages…", id="conversations-search")
             yield Label("loading…", id="conversations-empty")
             yield DataTable(id="conversations-table", cursor_type="row", zebra_stripes=True)
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         table.add_columns("Title", "Messages", "Model", "Updated")
-        self.run_worker(self._load(), exclusive=True)
+        self.query_one(Input).focus()
+        self.run_worker(self._load(""), exclusive=True)
 
-    async def _load(self) -> None:
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self.run_worker(self._load(event.value), exclusive=True)  # a newer search replaces an older one
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        table = self.query_one(DataTable)
+        if table.row_count:
+            self.dismiss(int(table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value))
+
+    def action_to_table(self) -> None:
+        self.query_one(DataTable).focus()
+
+    async def _load(self, text: str) -> None:
         try:
-            rows = await self.list_conversations()
+            rows = await self.search(text)
         except Exception as e:
             self.query_one("#conversations-empty", Label).update(f"Could not read the conversations: {e}")
             return
         table = self.query_one(DataTable)
+        table.clear()
         for row in rows:
             table.add_row(Text(row.title), str(row.num_messages), Text(row.model), _when(row.updated_at),
                           key=str(row.id))
         empty = self.query_one("#conversations-empty", Label)
-        empty.update("No saved conversations yet." if not rows else "")
+        empty.update("" if rows else f"No conversation has “{text.strip()}”." if text.strip()
+                     else "No saved conversations yet.")
         empty.display = not rows
-        table.focus()
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.dismiss(int(event.row_key.value))

@@ -14,14 +14,19 @@ from textual.content import Content
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
+from nvchat.app.code_block import ReplyMarkdown
 from nvchat.app.streaming_markdown import QuietResize, StreamingMarkdown
 from nvchat.conversation import Message, split_thinking
 
 _FINISH_NOTES = {"abort": "stopped", "length": "hit max tokens", "error": "failed"}
+_INTERRUPTED_REASONS = ("abort", "error")
 
 
-def footer_text(stats: dict) -> str:
-    """A reply's numbers in one line, from Conversation's stats dict (live or stored)."""
+def footer_text(stats: dict | None, interrupted: bool = False) -> str:
+    """A reply's numbers in one line, from Conversation's stats dict (live or stored). A reply saved
+    mid-stream whose app never stored its end has no numbers."""
+    if stats is None:
+        return "interrupted: nvchat stopped before this reply ended (Ctrl+R regenerates)" if interrupted else ""
     parts = [f"{stats.get('tokens') or 0} tokens"]
     if stats.get("tokens_per_s"):
         parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
@@ -32,6 +37,8 @@ def footer_text(stats: dict) -> str:
     note = _FINISH_NOTES.get(stats.get("finish_reason") or "")
     if note:
         parts.append(note)
+    if interrupted:
+        parts.append("interrupted (Ctrl+R regenerates)")
     return " · ".join(parts)
 
 
@@ -94,6 +101,9 @@ class ReplyView(QuietResize, Vertical):
         self.text = ""
         self._unrendered = ""
         self._end_stats: dict | None = None  # the reply's numbers once it ended, until drawn
+        # Built from a stored message: each Markdown widget and the text it must hold. A Markdown
+        # takes its text when it mounts, some time after compose.
+        self._built: list[tuple[Markdown, str]] = []
         # The pump and a tab switch can both catch up; one at a time keeps the pieces in order.
         self._drawing = asyncio.Lock()
 
@@ -104,12 +114,16 @@ class ReplyView(QuietResize, Vertical):
             self._unrendered, self._end_stats = "", None
             thinking, answer = split_thinking(self.message.content)
             if thinking:
-                yield Collapsible(Markdown(thinking), title="Thinking", collapsed=True)
-            self._answer_md = Markdown(answer, id="answer")
+                thinking_md = ReplyMarkdown(thinking)
+                self._built.append((thinking_md, thinking))
+                yield Collapsible(thinking_md, title="Thinking", collapsed=True)
+            self._answer_md = ReplyMarkdown(answer, id="answer")
+            self._built.append((self._answer_md, answer))
             yield self._answer_md
             yield self._footer
-            if self.message.stats:
-                self._footer.update(footer_text(self.message.stats))
+            if self.message.interrupted:
+                self._mark_interrupted()
+            self._footer.update(footer_text(self.message.stats, self.message.interrupted))
         else:
             self.add_class("-live")
             self._answer_md = StreamingMarkdown(id="answer")
@@ -127,8 +141,15 @@ class ReplyView(QuietResize, Vertical):
 
     @property
     def behind(self) -> bool:
-        """Received text or an ending that is not drawn yet."""
-        return bool(self._unrendered) or self._end_stats is not None
+        """Received text or an ending that is not drawn yet, or a stored message's text that its
+        Markdown widgets have not taken yet."""
+        if self._unrendered or self._end_stats is not None:
+            return True
+        if self._built:
+            if any(md.source != text for md, text in self._built):
+                return True
+            self._built = []
+        return False
 
     async def catch_up(self) -> None:
         """Draws what arrived since the last call: appends it to the Markdown as one update and,
@@ -152,7 +173,14 @@ class ReplyView(QuietResize, Vertical):
                 await stream.stop()
             self._streams.clear()
             self.remove_class("-live")
-            self._footer.update(footer_text(stats))
+            interrupted = stats.get("finish_reason") in _INTERRUPTED_REASONS
+            if interrupted:
+                self._mark_interrupted()
+            self._footer.update(footer_text(stats, interrupted))
+
+    def _mark_interrupted(self) -> None:
+        self.add_class("-interrupted")
+        self.border_title = "assistant · interrupted"
 
     async def _write_piece(self, thinking: bool, piece: str) -> None:
         if thinking and self._thinking_md is None:

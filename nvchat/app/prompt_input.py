@@ -1,23 +1,53 @@
 """The message box under each transcript: a TextArea where the send key sends and the newline
 keys (shift+enter, ctrl+j) break lines."""
+from textual import events
 from textual.widgets import TextArea
 
-from nvchat.app.bindings import PROMPT_KEYS, bindings
+from nvchat.app.bindings import PROMPT_KEYS, bindings, effective_key
 from nvchat.app.messages import PromptSubmitted
 
 
 class PromptInput(TextArea):
+    # Not priority bindings: the box's own key handler runs them (_on_key). A priority binding runs
+    # on the app's queue the moment the app reads the key, while the keys before it still wait in
+    # this widget's queue: text and Enter arriving in one terminal read (a paste, a fast typist,
+    # tmux send-keys, keys typed while the UI thread is busy) sent an empty box and then filled it.
     BINDINGS = bindings(PROMPT_KEYS)
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
                          placeholder="Message…  (Enter sends, Shift+Enter or Ctrl+J for a new line)")
+        self._key_actions: dict[str, str] | None = None
+        # False from a send until the chat can take another turn (its pane sets it back). Decided
+        # here, in key order: Enter, more text, Enter in one burst keeps the second text in the box.
+        self.accepting = True
+
+    def _action_for(self, key: str) -> str | None:
+        if self._key_actions is None:
+            keymap = getattr(self.app, "keymap", None) or {}
+            self._key_actions = {k.strip(): spec.action for spec in PROMPT_KEYS
+                                 for k in effective_key(spec, keymap).split(",") if k.strip()}
+        return self._key_actions.get(key)
+
+    async def _on_key(self, event: events.Key) -> None:
+        # In this widget's queue, so after every key and paste that arrived before it.
+        action = self._action_for(event.key)
+        if action is None:
+            return  # TextArea's own handler inserts it
+        event.stop()
+        event.prevent_default()
+        await self.run_action(action)
 
     def action_send(self) -> None:
         text = self.text.strip()
-        if text:
-            self.post_message(PromptSubmitted(text))
-            self.clear()
+        if not text:
+            return
+        if not self.accepting:
+            self.notify("This chat is still replying: wait, or press Esc to stop it.", severity="warning")
+            return
+        self.accepting = False
+        self.post_message(PromptSubmitted(text))
+        self.clear()
 
     def action_newline(self) -> None:
         self.insert("\n")

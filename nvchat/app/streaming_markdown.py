@@ -16,6 +16,8 @@ from textual.content import Content
 from textual.widgets import Markdown
 from textual.widgets._markdown import MarkdownBlock
 
+from nvchat.app.code_block import COPYABLE_BLOCKS
+
 _Paragraph = Markdown.BLOCKS["paragraph_open"]  # MarkdownParagraph, which textual does not export
 
 
@@ -45,7 +47,7 @@ class GrowingParagraph(QuietResize, _Paragraph):
 
 
 class StreamingMarkdown(QuietResize, Markdown):
-    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": GrowingParagraph}
+    BLOCKS = {**COPYABLE_BLOCKS, "paragraph_open": GrowingParagraph}
 
     def __init__(self, markdown: str | None = None, **kwargs) -> None:
         self._parser = MarkdownIt("gfm-like")  # Markdown's own choice, built once instead of per append

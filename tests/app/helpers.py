@@ -1,6 +1,9 @@
 """Pilot helpers for the app tests."""
 import time
 
+from textual import events
+from textual.keys import _character_to_key
+
 from nvchat.app import NvchatApp
 
 
@@ -42,3 +45,15 @@ async def press_now(pilot, *keys: str) -> None:
 async def submit_now(pilot, pane, text: str) -> None:
     pane.prompt.text = text
     await press_now(pilot, "enter")
+
+
+def burst(app, text: str = "", *, paste: str | None = None, enter: bool = True) -> None:
+    """Delivers a paste and keys as the terminal driver does for one read: every event is queued
+    on the app before it handles the first (Pilot.press instead lets the app go idle between keys,
+    which hides races between the app's queue and the focused widget's)."""
+    if paste is not None:
+        app.post_message(events.Paste(paste))
+    for ch in text:
+        app.post_message(events.Key(_character_to_key(ch), ch))
+    if enter:
+        app.post_message(events.Key("enter", "\r"))

@@ -10,6 +10,7 @@ from textual.geometry import Region
 from textual.widgets import Markdown
 from textual.widgets._markdown import MarkdownBlock
 
+from nvchat.app.code_block import CopyableFence
 from nvchat.app.streaming_markdown import GrowingParagraph, StreamingMarkdown
 
 
@@ -56,9 +57,13 @@ class TwoMarkdowns(App):
             yield StreamingMarkdown(id="streaming")
 
 
+# nvchat's block classes, by the Textual kind they stand for.
+_KINDS = {GrowingParagraph: "MarkdownParagraph", CopyableFence: "MarkdownFence"}
+
+
 def blocks(markdown) -> list:
     """Each block as it stands: its kind, where its source lies, and the content it shows."""
-    return [("MarkdownParagraph" if isinstance(block, GrowingParagraph) else type(block).__name__, block.source_range,
+    return [(_KINDS.get(type(block), type(block).__name__), block.source_range,
              str(block._content), [(s.start, s.end, str(s.style)) for s in block._content.spans])
             for block in markdown.query(MarkdownBlock)]
 

@@ -1,0 +1,77 @@
+"""A small dialog for one chat's sampling: temperature, top-p, top-k and max tokens. It starts from
+the chat's values; "Defaults" puts back config.toml's."""
+from pathlib import Path
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label
+
+from engine import SamplingParams
+
+# (field, label, Input type)
+FIELDS = (("temperature", "Temperature (0 is greedy)", "number"), ("top_p", "Top-p (0 < p ≤ 1)", "number"),
+          ("top_k", "Top-k (0 is off)", "integer"), ("max_tokens", "Max tokens per reply", "integer"))
+
+
+class SamplingScreen(ModalScreen[dict | None]):
+    """Dismisses with the values that differ from the defaults (a chat that changed none follows
+    config.toml), or None when cancelled."""
+
+    CSS_PATH = Path(__file__).with_name("sampling_screen.tcss")
+    BINDINGS = [Binding("ctrl+s", "save", "Save"), Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, heading: str, values: dict, defaults: dict) -> None:
+        super().__init__()
+        self.heading = heading
+        self.values = values
+        self.defaults = defaults
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="sampling-box"):
+            yield Label(self.heading, id="sampling-heading")
+            for name, label, kind in FIELDS:
+                with Horizontal(classes="sampling-row"):
+                    yield Label(label, classes="sampling-label")
+                    yield Input(str(self.values[name]), type=kind, id=f"sampling-{name}", select_on_focus=True)
+            yield Label("", id="sampling-error")
+            with Horizontal(id="sampling-buttons"):
+                yield Button("Save  ^s", id="save", variant="primary")
+                yield Button("Defaults", id="defaults")
+                yield Button("Cancel  esc", id="cancel")
+
+    def _read(self) -> dict:
+        """The four values, checked as the engine checks them (ValueError names a bad one)."""
+        values = {}
+        for name, label, kind in FIELDS:
+            text = self.query_one(f"#sampling-{name}", Input).value.strip()
+            try:
+                values[name] = int(text) if kind == "integer" else float(text)
+            except ValueError:
+                raise ValueError(f"{label.split(' (')[0]}: {text!r} is not a number") from None
+        SamplingParams(**values)
+        return values
+
+    def on_input_submitted(self) -> None:
+        self.action_save()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "save":
+            self.action_save()
+        elif event.button.id == "defaults":
+            for name, _, _ in FIELDS:
+                self.query_one(f"#sampling-{name}", Input).value = str(self.defaults[name])
+        else:
+            self.action_cancel()
+
+    def action_save(self) -> None:
+        try:
+            values = self._read()
+        except ValueError as e:
+            self.query_one("#sampling-error", Label).update(str(e))
+            return
+        self.dismiss({name: value for name, value in values.items() if value != self.defaults[name]})
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,61 @@
+"""Replies are stored while they stream; one that does not end on its own is kept, marked
+interrupted, shown as such when reopened, and can be regenerated."""
+from nvchat import paths
+from nvchat.app.chat_pane import ChatPane
+from nvchat.app.message_view import ReplyView
+from nvchat.store import ChatStore
+from tests.app.helpers import burst, idle, press_now, started, wait_for
+
+SIZE = (110, 36)
+
+
+def stored(conversation_id):
+    store = ChatStore(paths.database_file())
+    try:
+        return store.load_messages(conversation_id)
+    finally:
+        store.close()
+
+
+async def test_a_reply_is_stored_as_it_streams_and_a_stopped_one_reopens_marked_interrupted(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        burst(app, "keep this")
+        await wait_for(pilot, lambda: pane.stream is not None, what="the reply")
+        # Stored while it streams: an incomplete row, before the reply ends.
+        await wait_for(pilot, lambda: len(stored(pane.conversation.id)) == 2, what="the reply's first save")
+        partial = stored(pane.conversation.id)[1]
+        assert pane.stream is not None and not pane.stream.finished
+        assert partial.role == "assistant" and partial.content and not partial.complete
+        await press_now(pilot, "escape")
+        await idle(pilot, pane)
+        reply = pane.conversation.messages[-1]
+        assert reply.interrupted and reply.stats["finish_reason"] == "abort"
+        rows = stored(pane.conversation.id)
+        assert len(rows) == 2 and rows[1].id == partial.id  # the saved row, finished in place
+        assert rows[1].content == reply.content and rows[1].content.startswith(partial.content)
+        assert not rows[1].complete
+        view = pane.query(ReplyView).last()
+        assert view.has_class("-interrupted") and "interrupted" in str(view.query_one("#reply-footer").render())
+        conversation_id = pane.conversation.id
+
+    fresh = make_app(max_tokens=8)
+    async with fresh.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: fresh.screen.query("#conversations-table")
+                       and fresh.screen.query_one("#conversations-table").row_count == 1)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(fresh.query(ChatPane)) == 2, what="the conversation's tab")
+        pane = fresh.active_pane
+        assert pane.conversation.id == conversation_id and pane.conversation.messages[-1].interrupted
+        view = pane.query_one(ReplyView)
+        assert view.has_class("-interrupted") and "interrupted" in view.border_title
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: not pane.busy and not pane.conversation.messages[-1].interrupted,
+                       what="the regenerated reply")
+        rows = stored(conversation_id)
+        assert [(r.role, r.complete) for r in rows] == [("user", True), ("assistant", True)]
+        assert not pane.query(ReplyView).last().has_class("-interrupted")

@@ -1,0 +1,80 @@
+"""Keys that arrive together: what a user types is sent or stays in the box, never dropped."""
+import threading
+
+from nvchat import paths
+from nvchat.store import ChatStore
+from tests.app.helpers import burst, idle, press_now, started, wait_for
+
+SIZE = (110, 36)
+
+
+def stored_texts(conversation_id) -> list[tuple[str, str]]:
+    store = ChatStore(paths.database_file())
+    try:
+        return [(m.role, m.content) for m in store.load_messages(conversation_id)]
+    finally:
+        store.close()
+
+
+async def test_text_and_enter_in_one_read_send_the_text(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        burst(app, "hello there")
+        await wait_for(pilot, lambda: pane.conversation.messages, what="the message")
+        assert pane.conversation.messages[0].content == "hello there"
+        assert pane.prompt.text == ""
+        assert stored_texts(pane.conversation.id)[0] == ("user", "hello there")
+        await idle(pilot, pane)
+
+
+async def test_a_bracketed_paste_then_enter_sends_the_paste(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        burst(app, " and more", paste="pasted\nlines")
+        await wait_for(pilot, lambda: pane.conversation.messages, what="the message")
+        assert pane.conversation.messages[0].content == "pasted\nlines and more"
+        assert pane.prompt.text == ""
+        await idle(pilot, pane)
+
+
+async def test_keys_typed_while_a_reply_streams_stay_in_the_box_until_it_ends(make_app):
+    app = make_app(max_tokens=150)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        # Two messages in one burst: the first is sent, the second waits in the box.
+        burst(app, "first")
+        burst(app, "second")
+        await wait_for(pilot, lambda: pane.stream is not None, what="the reply to start")
+        burst(app, " and third")  # while it streams
+        await wait_for(pilot, lambda: pane.prompt.text == "second and third", what="the typed text")
+        assert [m.content for m in pane.conversation.messages] == ["first"]
+        assert any("still replying" in n.message for n in app._notifications)
+        await idle(pilot, pane)
+        burst(app)  # Enter alone, once the reply is stored
+        await wait_for(pilot, lambda: len(pane.conversation.messages) >= 3, what="the second turn")
+        assert [m.content for m in pane.conversation.messages if m.role == "user"] == ["first", "second and third"]
+        assert pane.prompt.text == ""
+        await idle(pilot, pane)
+
+
+async def test_esc_while_a_turn_is_still_starting_stops_its_reply(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        gate = threading.Event()
+        app.in_background(gate.wait, 10)  # holds the conversation thread: the turn waits to start
+        burst(app, "stop me early")
+        await wait_for(pilot, lambda: pane.busy, what="the turn")
+        assert pane.stream is None
+        await press_now(pilot, "escape")
+        gate.set()
+        await idle(pilot, pane)
+        reply = pane.conversation.messages[-1]
+        assert reply.role == "assistant" and reply.interrupted
+        assert reply.stats["finish_reason"] == "abort" and reply.stats["tokens"] < 400

@@ -1,0 +1,72 @@
+"""The real nvchat process on a pseudo-terminal: bytes in as a terminal sends them."""
+import json
+import signal
+import sqlite3
+
+import pytest
+
+from tests.app.pty_app import PtyApp
+
+
+@pytest.fixture
+def nvchat_on_a_pty(tmp_path, xdg_cache, app_model_path):
+    apps = []
+
+    def start(*args: str) -> PtyApp:
+        app = PtyApp(tmp_path, xdg_cache, *args)
+        apps.append(app)
+        return app
+
+    yield start
+    for app in apps:
+        app.close()
+
+
+def test_text_and_enter_in_one_write_are_sent_and_stored_and_sigterm_keeps_the_reply(nvchat_on_a_pty):
+    app = nvchat_on_a_pty("--max-tokens", "3000", "--max-model-len", "4096")
+    app.wait_ready()
+    app.write(b"hello from a terminal\r")
+    assert app.wait_until(app.messages, 30, "the stored message")[0] == ("user", "hello from a terminal")
+    app.write(b"\x1b")  # Esc stops the reply
+    app.wait_until(lambda: app.query("SELECT stats FROM messages WHERE role = 'assistant' AND stats IS NOT NULL"),
+                   30, "the stopped reply")
+    # A paste (bracketed, as terminals send one) with Enter after it.
+    app.write(b"\x1b[200~pasted\nlines\x1b[201~\r")
+    app.wait_until(lambda: len(app.messages()) >= 4, 30, "the pasted message and its reply's first save")
+    assert app.messages()[2] == ("user", "pasted\nlines")
+    # Asked to end mid-reply, it quits as Ctrl+Q does: the reply is stored as far as it got.
+    app.process.send_signal(signal.SIGTERM)
+    assert app.process.wait(30) == 0
+    [(complete, stats)] = app.query("SELECT complete, stats FROM messages WHERE id = (SELECT MAX(id) FROM messages)")
+    assert complete == 0 and json.loads(stats)["finish_reason"] == "abort"
+
+
+def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_on_a_pty):
+    # Greedy: the demo model's reply to this runs for hundreds of tokens before its end-of-turn token.
+    app = nvchat_on_a_pty("--temperature", "0", "--max-tokens", "3000", "--max-model-len", "4096")
+    app.wait_ready()
+    app.write(b"first question\r")
+    # Saved while it streams: the reply's row appears, incomplete.
+    [(saved, complete)] = app.wait_until(
+        lambda: app.query("SELECT content, complete FROM messages WHERE role = 'assistant'"), 30, "the reply's first save")
+    assert complete == 0
+    app.kill()
+
+    db = sqlite3.connect(app.database)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    rows = db.execute("SELECT role, content, complete FROM messages ORDER BY id").fetchall()
+    db.close()
+    assert [(role, complete) for role, _, complete in rows] == [("user", 1), ("assistant", 0)]
+    assert rows[0][1] == "first question" and rows[1][1].startswith(saved) and saved
+
+    # Reopened, the cut-off reply is there, marked, and can be regenerated.
+    again = nvchat_on_a_pty("--max-tokens", "8", "--max-model-len", "4096")
+    again.wait_ready()
+    again.write(b"\x0f")  # Ctrl+O: past conversations
+    again.wait_until(lambda: "first question" in again.output, 30, "the list of past conversations")
+    again.write(b"\r")
+    again.wait_until(lambda: "interrupted" in again.output, 30, "the reopened reply, marked interrupted")
+    again.write(b"\x12")  # Ctrl+R
+    again.wait_until(lambda: again.query("SELECT complete FROM messages WHERE role = 'assistant'") == [(1,)], 30,
+                     "the regenerated reply")
+    assert again.close() == 0
