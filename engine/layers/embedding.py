@@ -3,6 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
+from engine.layers.int8 import int8_linear, quantize_rows
 from engine.layers.weights import copy_into, narrow, shape_of
 
 
@@ -37,9 +38,21 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    qweight = scales = None  # int8 rows and their scales, after quantize_int8
+
+    def quantize_int8(self, tied: bool) -> None:
+        """An int8 copy of the head for the logits; a tied table stays float for the embedding's
+        lookups (one row a token, so its bytes barely count)."""
+        self.qweight, self.scales = quantize_rows(self.weight.data)
+        if not tied:
+            self.weight = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on rank 0 (None elsewhere)."""
-        logits = F.linear(hidden, self.weight)
+        if self.qweight is not None:
+            logits = int8_linear(hidden, self.qweight, self.scales)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = self.tp.gather_to_rank0(logits, dim=-1)
             if logits is None:
