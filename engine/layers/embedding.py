@@ -3,7 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
-from engine.layers.int8 import int8_linear, quantize_rows
+from engine.layers.quantized import quantize
 from engine.layers.weights import copy_into, narrow, shape_of
 
 
@@ -38,19 +38,19 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    qweight = scales = None  # int8 rows and their scales, after quantize_int8
+    quantized = None  # the head in fewer bits, after quantize (engine/layers/quantized.py)
 
-    def quantize_int8(self, tied: bool) -> None:
-        """An int8 copy of the head for the logits; a tied table stays float for the embedding's
-        lookups (one row a token, so its bytes barely count)."""
-        self.qweight, self.scales = quantize_rows(self.weight.data)
+    def quantize(self, method: str, tied: bool) -> None:
+        """A quantized copy of the head for the logits; a tied table stays float for the
+        embedding's lookups (one row a token, so its bytes barely count)."""
+        self.quantized = quantize(self.weight.data, method)
         if not tied:
             self.weight = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on rank 0 (None elsewhere)."""
-        if self.qweight is not None:
-            logits = int8_linear(hidden, self.qweight, self.scales)
+        if self.quantized is not None:
+            logits = self.quantized(hidden)
         else:
             logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:

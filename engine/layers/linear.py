@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
-from engine.layers.int8 import int8_linear, quantize_rows
+from engine.layers.quantized import quantize
 from engine.layers.weights import copy_into, narrow, shape_of
 
 
@@ -30,7 +30,7 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, f
 
 class _Linear(nn.Module):
     fused = False  # set by the runner with the Triton backend
-    qweight = scales = None  # int8 weights and their per-row scales, after quantize_int8
+    quantized = None  # the weight in fewer bits, after quantize (engine/layers/quantized.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -49,14 +49,14 @@ class _Linear(nn.Module):
             loaded = narrow(loaded, self.tp_dim, self.tp_rank * size, size)
         copy_into(param, loaded)
 
-    def quantize_int8(self) -> None:
-        """Swaps the float weight for int8 rows and scales (engine/layers/int8.py)."""
-        self.qweight, self.scales = quantize_rows(self.weight.data)
+    def quantize(self, method: str) -> None:
+        """Swaps the float weight for its quantized form."""
+        self.quantized = quantize(self.weight.data, method)
         self.weight = None
 
     def _multiply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.qweight is not None:
-            y = int8_linear(x, self.qweight, self.scales)
+        if self.quantized is not None:
+            y = self.quantized(x)
             return y if bias is None else y + bias
         return _project(x, self.weight, bias, self.fused)
 

@@ -147,12 +147,12 @@ class CausalLM(nn.Module):
         for i, norm in enumerate(norms):
             norm.reduce_slot = i % 2
 
-    def quantize_int8(self) -> None:
-        """Every projection and the LM head to int8 weights (engine/layers/int8.py)."""
+    def quantize(self, method: str) -> None:
+        """Every projection and the LM head to `method`'s weights (engine/layers/quantized.py)."""
         for module in self.modules():
-            if hasattr(module, "quantize_int8") and module is not self and module is not self.lm_head:
-                module.quantize_int8()
-        self.lm_head.quantize_int8(tied=self.tie_word_embeddings)
+            if hasattr(module, "quantize") and module is not self and module is not self.lm_head:
+                module.quantize(method)
+        self.lm_head.quantize(method, tied=self.tie_word_embeddings)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
