@@ -1,8 +1,8 @@
-"""Weight-only quantization for CPU (`LLM(..., quantization="int8" | "int4")`): the projections and
-the LM head keep their weights in fewer bits and multiply through torch's CPU kernels for them,
-with bf16 activations. A batch-1 decode step is bound by the bytes of weight it reads, a quarter
-(int8) or an eighth (int4) of float32's. The logits move away from the float model's by the
-rounding: not bit-exact against HF.
+"""Weight-only quantization for CPU (`LLM(..., quantization="int8" | "int4")`): the projections
+(and the LM head, in int8: CausalLM.quantize) keep their weights in fewer bits and multiply
+through torch's CPU kernels for them, with bf16 activations. A batch-1 decode step is bound by the
+bytes of weight it reads, a quarter (int8) or an eighth (int4) of float32's. The logits move away
+from the float model's by the rounding: not bit-exact against HF.
 
 - int8: symmetric, one scale per output row.
 - int4: asymmetric, a scale and a minimum per 32 weights of a row, as GGUF's Q4_1 stores them, so
