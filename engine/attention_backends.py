@@ -26,7 +26,7 @@ class TorchBackend:
         return torch_ref.paged_prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale)
 
-    decode = staticmethod(torch_ref.paged_decode_attention)
+    decode = staticmethod(torch_ref.sdpa_decode_attention)
 
 
 class TritonBackend:

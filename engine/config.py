@@ -46,12 +46,15 @@ class EngineConfig:
     # prefix, or a prompt chunk mixed into decoding streams, is otherwise bound by launch cost.
     # On by default, except with flash-attn (see create).
     prefill_cuda_graphs: bool = True
+    # "int8" or "int4": weight-only quantized projections and LM head on CPU
+    # (engine/layers/quantized.py); None: the weights in `dtype`, as HF computes them.
+    quantization: str | None = None
 
     @classmethod
     def create(cls, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-               load_format="safetensors", prefill_cuda_graphs=None, progress=None):
+               load_format="safetensors", prefill_cuda_graphs=None, quantization=None, progress=None):
         from transformers import AutoConfig
 
         if load_format not in ("safetensors", "random"):
@@ -74,6 +77,13 @@ class EngineConfig:
             raise ValueError("device='cuda' asked for, but no CUDA device is available")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        if quantization is not None:
+            from engine.layers.quantized import QUANTIZATIONS
+            if quantization not in QUANTIZATIONS:
+                raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)} or none")
+            if device.type != "cpu":
+                raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's quantized weight kernels); "
+                                 f"on {device.type} leave it unset")
         if prefill_cuda_graphs is None:
             prefill_cuda_graphs = attention_backend != "flash_attn"
         if prefill_cuda_graphs and attention_backend == "flash_attn":
@@ -113,7 +123,8 @@ class EngineConfig:
                    block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
                    gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                    attention_backend=backend, max_prefill_chunk=max_prefill_chunk,
-                   load_format=load_format, prefill_cuda_graphs=bool(prefill_cuda_graphs))
+                   load_format=load_format, prefill_cuda_graphs=bool(prefill_cuda_graphs),
+                   quantization=quantization)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -84,7 +84,8 @@ class LLM:
     def __init__(self, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
                  max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                  gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-                 load_format="safetensors", prefill_cuda_graphs=None, async_scheduling=None, progress=None):
+                 load_format="safetensors", prefill_cuda_graphs=None, quantization=None, async_scheduling=None,
+                 progress=None):
         """progress: optional callable taking one string, told each start-up stage (for a UI).
         async_scheduling: overlap each step's host work with the GPU (see the module docstring); on
         by default. It can be turned off (set the attribute) between steps."""
@@ -96,7 +97,7 @@ class LLM:
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             attention_backend=attention_backend, max_prefill_chunk=max_prefill_chunk, load_format=load_format,
-            prefill_cuda_graphs=prefill_cuda_graphs, progress=self._progress)
+            prefill_cuda_graphs=prefill_cuda_graphs, quantization=quantization, progress=self._progress)
         self._progress("loading the tokenizer")
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()

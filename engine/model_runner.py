@@ -133,6 +133,8 @@ class ModelRunner:
             init_random_weights(self.model)
         else:
             load_weights(self.model, config.model_path)
+        if config.quantization is not None:
+            self.model.quantize(config.quantization)
         self.model.eval()
         self.backend = make_backend(config.attention_backend, self.device.type, config.block_size)
         self.attention_layers = self.model.attention_layers()

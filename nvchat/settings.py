@@ -13,7 +13,7 @@ DEMO_MODEL = "demo"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer concisely."
 
 # Settings a user may put in config.toml, with the type each must have.
-_ENGINE_KEYS = ("model", "device", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs",
+_ENGINE_KEYS = ("model", "device", "dtype", "quantization", "tensor_parallel_size", "max_model_len", "max_num_seqs",
                 "gpu_memory_utilization", "enforce_eager", "max_prefill_chunk")
 
 
@@ -26,6 +26,7 @@ class Settings:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
+    quantization: str | None = None  # "int8" or "int4" on CPU: faster, not bit-exact
     tensor_parallel_size: int = 1
     max_model_len: int = 4096
     max_num_seqs: int = 64

@@ -3,6 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
+from engine.layers.quantized import quantize
 from engine.layers.weights import copy_into, narrow, shape_of
 
 
@@ -37,9 +38,21 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    quantized = None  # the head in fewer bits, after quantize (engine/layers/quantized.py)
+
+    def quantize(self, method: str, tied: bool) -> None:
+        """A quantized copy of the head for the logits; a tied table stays float for the
+        embedding's lookups (one row a token, so its bytes barely count)."""
+        self.quantized = quantize(self.weight.data, method)
+        if not tied:
+            self.weight = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on rank 0 (None elsewhere)."""
-        logits = F.linear(hidden, self.weight)
+        if self.quantized is not None:
+            logits = self.quantized(hidden)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = self.tp.gather_to_rank0(logits, dim=-1)
             if logits is None:

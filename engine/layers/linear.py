@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
+from engine.layers.quantized import quantize
 from engine.layers.weights import copy_into, narrow, shape_of
 
 
@@ -29,6 +30,7 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, f
 
 class _Linear(nn.Module):
     fused = False  # set by the runner with the Triton backend
+    quantized = None  # the weight in fewer bits, after quantize (engine/layers/quantized.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -47,8 +49,19 @@ class _Linear(nn.Module):
             loaded = narrow(loaded, self.tp_dim, self.tp_rank * size, size)
         copy_into(param, loaded)
 
+    def quantize(self, method: str) -> None:
+        """Swaps the float weight for its quantized form."""
+        self.quantized = quantize(self.weight.data, method)
+        self.weight = None
+
+    def _multiply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized is not None:
+            y = self.quantized(x)
+            return y if bias is None else y + bias
+        return _project(x, self.weight, bias, self.fused)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _project(x, self.weight, self.bias, self.fused)
+        return self._multiply(x, self.bias)
 
 
 class ReplicatedLinear(_Linear):
@@ -117,5 +130,5 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, so the all-reduce does not count it tp_size times.
         bias = self.bias if self.tp_rank == 0 else None
-        y = _project(x, self.weight, bias, self.fused)
+        y = self._multiply(x, bias)
         return self.tp.all_reduce(y) if self.reduce else y

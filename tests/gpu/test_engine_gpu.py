@@ -127,3 +127,8 @@ def test_reading_tokens_after_a_later_step_reused_their_buffer_raises():
     with pytest.raises(RuntimeError, match="reused their buffer"):
         first.tolist()
     assert second.tolist() == [10, 11, 12, 13] and third.tolist() == [20, 21, 22, 23]
+
+
+def test_quantization_on_cuda_is_refused_by_name(tiny_qwen3):
+    with pytest.raises(ValueError, match="quantization='int4' runs on CPU only"):
+        LLM(tiny_qwen3, device="cuda", quantization="int4")
