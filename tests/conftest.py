@@ -58,10 +58,11 @@ def random_prompts(lengths, vocab=211, seed=0):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_greedy(path, prompts, max_new_tokens):
-    """HF transformers' own greedy completions, one prompt at a time (no padding in play)."""
+def hf_greedy(path, prompts, max_new_tokens, **load_kwargs):
+    """HF transformers' own greedy completions, one prompt at a time (no padding in play).
+    load_kwargs go to from_pretrained (gguf_file=... loads a GGUF file, dequantized by HF)."""
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs).eval()
     outs = []
     with torch.no_grad():
         for p in prompts:

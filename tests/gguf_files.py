@@ -4,7 +4,7 @@ types, with a byte-level BPE tokenizer and a ChatML template in the metadata."""
 import numpy as np
 import torch
 
-from tests.conftest import save_tiny_hf_model
+from tests.conftest import hf_greedy, save_tiny_hf_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "a n"]
@@ -138,15 +138,4 @@ def _gguf_name(hf_name: str) -> str:
 
 def hf_gguf_greedy(path, prompts, max_new_tokens):
     """HF transformers' greedy completions from the same GGUF file (it dequantizes it itself)."""
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 pad_token_id=0, eos_token_id=None)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
+    return hf_greedy(path.parent, prompts, max_new_tokens, gguf_file=path.name)
