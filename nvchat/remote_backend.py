@@ -60,6 +60,10 @@ class RemoteStream(RequestStream):
         return (n - 1) / max(end - self.first_token_at, 1e-9)
 
 
+# Request fields past OpenAI's own API that vLLM, SGLang and `nvchat serve` understand.
+EXTENSION_FIELDS = ("top_k", "ignore_eos", "chat_template_kwargs")
+
+
 def _error_message(response: httpx.Response) -> str:
     try:
         message = response.json()["error"]["message"]
@@ -82,6 +86,7 @@ class RemoteBackend:
         self._thread: threading.Thread | None = None
         self._client: httpx.AsyncClient | None = None
         self._closed = False
+        self._openai_fields_only = False  # the server refused a field of EXTENSION_FIELDS
 
     # --- lifetime ------------------------------------------------------------------------------------
 
@@ -157,13 +162,15 @@ class RemoteBackend:
         params = sampling_params or SamplingParams()
         body = {"model": self.model_name, "stream": True, "stream_options": {"include_usage": True},
                 "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens}
-        # Not in OpenAI's own API (which refuses unknown fields): sent only when they change something.
-        if params.top_k:
-            body["top_k"] = params.top_k
-        if params.ignore_eos:
-            body["ignore_eos"] = True
-        if enable_thinking is not None:
-            body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
+        # Not in OpenAI's own API (which refuses unknown fields): sent only when they change
+        # something, and no longer once the server has refused one (see _run).
+        if not self._openai_fields_only:
+            if params.top_k:
+                body["top_k"] = params.top_k
+            if params.ignore_eos:
+                body["ignore_eos"] = True
+            if enable_thinking is not None:
+                body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
         if params.stop:
             body["stop"] = params.stop
         if params.seed is not None:
@@ -188,7 +195,14 @@ class RemoteBackend:
 
     async def _run(self, stream: RemoteStream, path: str, body: dict) -> None:
         try:
-            finish_reason = await self._read(stream, path, body)
+            try:
+                finish_reason = await self._read(stream, path, body)
+            except _RefusedExtension:
+                # vLLM and SGLang take top_k and the rest; OpenAI's own API refuses them (400). The
+                # request goes again without them, and later ones leave them out.
+                self._openai_fields_only = True
+                finish_reason = await self._read(stream, path, {k: v for k, v in body.items()
+                                                                if k not in EXTENSION_FIELDS})
             if finish_reason is None:
                 stream._finish("error", "the server closed the stream before the reply ended")
             else:
@@ -209,7 +223,10 @@ class RemoteBackend:
         async with self._client.stream("POST", path, json=body) as response:
             if response.status_code >= 400:
                 await response.aread()
-                raise _StreamError(_error_message(response))
+                message = _error_message(response)
+                if response.status_code == 400 and any(f in body and f in message for f in EXTENSION_FIELDS):
+                    raise _RefusedExtension(message)
+                raise _StreamError(message)
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -233,3 +250,7 @@ class RemoteBackend:
 
 class _StreamError(Exception):
     """The server refused the request or ended its stream with an error event."""
+
+
+class _RefusedExtension(_StreamError):
+    """The server refused a field past OpenAI's own API (a 400 that names it)."""

@@ -124,3 +124,46 @@ def test_pipe_mode_on_a_backend(url):
     assert refused.returncode == 1 and refused.stdout == ""
     assert refused.stderr.startswith("nvchat: generation failed: could not reach")
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def _strict_openai_app(bodies: list):
+    """A stand-in for OpenAI's own API, which can't run here: it refuses fields it doesn't know
+    (as OpenAI answers top_k) and otherwise streams a fixed reply."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "gpt-x", "object": "model"}]})
+
+    async def chat(request):
+        body = await request.json()
+        bodies.append(body)
+        unknown = [f for f in body if f not in ("model", "messages", "stream", "stream_options", "temperature",
+                                                "top_p", "max_tokens", "stop", "seed")]
+        if unknown:
+            return JSONResponse({"error": {"message": f"Unrecognized request argument supplied: {unknown[0]}",
+                                           "type": "invalid_request_error", "param": None, "code": None}},
+                                status_code=400)
+
+        def events():
+            for text, finish in (("Hi", None), (" there", "stop")):
+                chunk = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def test_a_server_that_refuses_top_k_gets_the_request_again_without_it():
+    bodies = []
+    with serving(_strict_openai_app(bodies)) as url, RemoteBackend(url) as backend:
+        params = SamplingParams(temperature=0.7, top_k=20, max_tokens=8)
+        first = backend.submit(CHAT, params)
+        first.wait()
+        assert (first.text, first.finish_reason) == ("Hi there", "stop")
+        assert [("top_k" in b) for b in bodies] == [True, False]
+        second = backend.submit(CHAT, params)
+        second.wait()
+        assert second.text == "Hi there" and len(bodies) == 3 and "top_k" not in bodies[2]
