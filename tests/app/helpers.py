@@ -5,6 +5,7 @@ from textual import events
 from textual.keys import _character_to_key
 
 from nvchat.app import NvchatApp
+from nvchat.app.chat_pane import ChatPane
 
 
 async def wait_for(pilot, condition, timeout: float = 20.0, what: str = "condition") -> None:
@@ -57,3 +58,14 @@ def burst(app, text: str = "", *, paste: str | None = None, enter: bool = True) 
         app.post_message(events.Key(_character_to_key(ch), ch))
     if enter:
         app.post_message(events.Key("enter", "\r"))
+
+
+async def reopen_the_only_past_conversation(pilot, app):
+    """Ctrl+O, then Enter on the one stored conversation; returns the tab it opens in (beside the
+    new chat the app starts with)."""
+    await pilot.press("ctrl+o")
+    await wait_for(pilot, lambda: app.screen.query("#conversations-table")
+                   and app.screen.query_one("#conversations-table").row_count == 1)
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: len(app.query(ChatPane)) == 2, what="the conversation's tab")
+    return app.active_pane

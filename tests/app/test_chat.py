@@ -15,7 +15,7 @@ from nvchat.app.message_view import ReplyView, ThinkSplitter, UserMessageView
 from nvchat.conversation import Message
 from nvchat.store import ChatStore
 from tests.app.conftest import app_settings
-from tests.app.helpers import idle, press_now, send, started, submit_now, wait_for
+from tests.app.helpers import idle, press_now, reopen_the_only_past_conversation, send, started, submit_now, wait_for
 
 SIZE = (110, 36)
 
@@ -498,12 +498,7 @@ async def test_reopen_a_past_conversation_in_a_fresh_app(make_app):
     fresh = make_app()
     async with fresh.run_test(size=SIZE) as pilot:
         await started(pilot)
-        await pilot.press("ctrl+o")
-        await wait_for(pilot, lambda: fresh.screen.query("#conversations-table")
-                       and fresh.screen.query_one("#conversations-table").row_count == 1)
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: len(fresh.query(ChatPane)) == 2, what="the conversation's tab")
-        reopened = fresh.active_pane
+        reopened = await reopen_the_only_past_conversation(pilot, fresh)
         assert reopened.conversation.id == conversation_id
         assert [(m.role, m.content) for m in reopened.conversation.messages] == written
         assert str(reopened.query_one(UserMessageView).render()) == "remember me"

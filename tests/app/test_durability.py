@@ -1,10 +1,9 @@
 """Replies are stored while they stream; one that does not end on its own is kept, marked
 interrupted, shown as such when reopened, and can be regenerated."""
 from nvchat import paths
-from nvchat.app.chat_pane import ChatPane
 from nvchat.app.message_view import ReplyView
 from nvchat.store import ChatStore
-from tests.app.helpers import burst, idle, press_now, started, wait_for
+from tests.app.helpers import burst, idle, press_now, reopen_the_only_past_conversation, started, wait_for
 
 SIZE = (110, 36)
 
@@ -44,12 +43,7 @@ async def test_a_reply_is_stored_as_it_streams_and_a_stopped_one_reopens_marked_
     fresh = make_app(max_tokens=8)
     async with fresh.run_test(size=SIZE) as pilot:
         await started(pilot)
-        await pilot.press("ctrl+o")
-        await wait_for(pilot, lambda: fresh.screen.query("#conversations-table")
-                       and fresh.screen.query_one("#conversations-table").row_count == 1)
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: len(fresh.query(ChatPane)) == 2, what="the conversation's tab")
-        pane = fresh.active_pane
+        pane = await reopen_the_only_past_conversation(pilot, fresh)
         assert pane.conversation.id == conversation_id and pane.conversation.messages[-1].interrupted
         view = pane.query_one(ReplyView)
         assert view.has_class("-interrupted") and "interrupted" in view.border_title
