@@ -1,0 +1,34 @@
+"""Programmatic dependent launch (PDL): on Hopper and newer, a kernel launched with it may start
+while the kernel before it in the stream is still finishing, so its launch, and any loads that do
+not depend on that kernel, overlap the other's tail. A chat-sized decode step is ~250 kernels of a
+few µs each, so that overlap is a large part of a step.
+
+The contract every kernel launched with `launch_pdl=True` keeps (a kernel that breaks it races):
+- Before `tl.extra.cuda.gdc_wait()` it may only read what no kernel writes: weights. Every other
+  load, and every store, comes after the wait (a store before it could overwrite what the kernel
+  before is still reading).
+- Every program calls the wait, even one with nothing to do: the kernel after relies on this one
+  having waited, so that waiting on it also means waiting on the ones before it.
+- `tl.extra.cuda.gdc_launch_dependents()` may come right after the wait: the next kernel's
+  programs then launch once every program of this one has started, and spin in their own wait.
+
+Kernels take a `PDL: tl.constexpr` and launch with `launch_pdl=PDL`, where PDL is `enabled(...)`.
+"""
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def _capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: a CUDA device of compute capability 9.0 or
+    more, compiled kernels (not Triton's CPU interpreter), and not turned off with NVCHAT_PDL=0
+    (which benchmarks use to measure what it is worth)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NVCHAT_PDL") == "0":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
