@@ -171,6 +171,10 @@ class ModelRunner:
             self._capture_graphs(progress)
         if self.device.type == "cuda":
             self._warm_logits(progress)
+            # The warmup measured the steps' needs from an allocator holding no unused blocks. Start
+            # them from one too: what start-up left cached (the logits just warmed, the captures'
+            # eager runs) would otherwise count on top of those needs.
+            self._settled_reserved()
 
     # --- KV cache --------------------------------------------------------------------------------
 
