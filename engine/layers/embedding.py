@@ -39,6 +39,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     quantized = None  # the head in fewer bits, after quantize (engine/layers/quantized.py)
+    # Set by the runner with the Triton backend: chat-sized steps take the Triton GEMV, which read
+    # Qwen3-0.6B's 311 MB head in 100 µs against cuBLAS's 111 at one row (H100, RESULTS.md).
+    fused = False
 
     def quantize(self, method: str, tied: bool) -> None:
         """A quantized copy of the head for the logits; a tied table stays float for the
@@ -51,6 +54,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Full-vocabulary logits on rank 0 (None elsewhere)."""
         if self.quantized is not None:
             logits = self.quantized(hidden)
+        elif self.fused and hidden.dim() == 2 and 1 <= hidden.shape[0] <= 8 and hidden.stride(1) == 1:
+            from kernels.gemv import gemv
+            logits = gemv(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
