@@ -12,14 +12,11 @@ import pytest
 import torch
 
 from engine.layers import paged_attention_torch as ref
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from tests.kernel_checks import assert_close, norm_rope_store_reference, poison, seed  # noqa: F401 (fixtures)
+from tests.kernel_checks import DecodeStep, assert_close, poison, seed  # noqa: F401 (fixtures)
 from tests.test_kernels import DEVICE, make_paged_kv, random_contexts
 from kernels import decode_attention  # noqa: E402 (after test_kernels chose the interpreter)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-MAX_POS = 1024
 
 
 def _counters():
@@ -88,48 +85,18 @@ FROM_QKV_CASES = [
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n",
                          FROM_QKV_CASES)
 def test_decode_from_qkv(heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n, poison):
-    """Against norm_rope_store's unfused reference followed by the reference attention. Each real
-    sequence's newest slot is NaN beforehand, so attending before storing the new K/V shows up;
-    padding rows (slot -1, context 1) store nothing and read their one cached token."""
+    """Against norm_rope_store's unfused reference followed by the reference attention, with
+    padding rows (slot -1, context 1: they store nothing and read their one cached token)."""
     lens = [random.randint(2, 5 * 16) for _ in range(3)] + [1, 1] + [block_size + 1]
     random.shuffle(lens)
-    batch = len(lens)
     k_cache, v_cache, tables = make_paged_kv(lens, block_size, kv_heads, dtype, head_dim)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    positions = (context_lens - 1).long()
-    last = context_lens.long() - 1
-    slots = tables.long().gather(1, (last // block_size)[:, None])[:, 0] * block_size + last % block_size
-    pad = [i for i, n in enumerate(lens) if n == 1][0]
-    slots[pad] = -1
-    for i in range(batch):
-        if i != pad:
-            k_cache.view(-1, kv_heads, head_dim)[slots[i]] = float("nan")
-            v_cache.view(-1, kv_heads, head_dim)[slots[i]] = float("nan")
-    width = (heads + 2 * kv_heads) * head_dim
-    qkv = torch.randn(batch, width + 2 * head_dim, device=DEVICE).to(dtype)[:, head_dim:head_dim + width]
-    qkv_before = qkv.clone()
-    rope = RotaryEmbedding(head_dim, MAX_POS, 1e6).to(DEVICE)
-    q_norm = k_norm = None
-    if with_norm:
-        q_norm, k_norm = (RMSNorm(head_dim, 1e-6).to(DEVICE) for _ in range(2))
-        for n in (q_norm, k_norm):
-            n.weight.data = (1 + 0.1 * torch.randn(head_dim)).to(dtype).to(DEVICE)
-    scale = head_dim ** -0.5
-
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    with torch.no_grad():
-        want_q = norm_rope_store_reference(qkv.clone(), positions, rope, want_k, want_v, slots, heads, kv_heads,
-                                           q_norm, k_norm)
-    want = ref.paged_decode_attention(want_q, want_k, want_v, tables, context_lens, scale)
+    step = DecodeStep(k_cache, v_cache, tables, context_lens, heads, dtype, with_norm, padding=[lens.index(1)])
+    qkv_before = step.qkv.clone()
+    want = step.reference()
     counters = _counters()
-    weights = (q_norm.weight, k_norm.weight) if with_norm else (None, None)
     with poison():
-        out = decode_attention.paged_decode_attention_from_qkv(
-            qkv, positions, rope.cos, rope.sin, *weights, 1e-6, k_cache, v_cache, slots, tables, context_lens,
-            scale, num_splits, counters=counters, block_n=block_n)
-    assert_close(out, want, dtype)
-    assert torch.equal(qkv, qkv_before), "qkv is only read"
+        out = step.run(decode_attention, num_splits=num_splits, counters=counters, block_n=block_n)
+    step.check(out, want)
+    assert torch.equal(step.qkv, qkv_before), "qkv is only read"
     assert (counters == 0).all()
-    rtol, atol = {F32: (1e-4, 1e-5), F16: (3e-3, 3e-3), BF16: (3e-2, 3e-2)}[dtype]
-    torch.testing.assert_close(k_cache, want_k, rtol=rtol, atol=atol, equal_nan=True)
-    torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0, equal_nan=True)
