@@ -11,7 +11,8 @@ bytes of K/V read / graph time, against the H200's 4.25 TB/s.
     python benchmarks/bench_kernels.py [--out benchmarks/out/kernels.json] [--sweep]
 
 --sweep also times the decode and prefill kernels over launch configs (tile size, warps, stages,
-split count), which is how their defaults were chosen. Without CUDA (TRITON_INTERPRET=1) it runs
+split count), which is how their defaults were chosen. --decode-launches only compares the ways a
+decode step's attention can launch (see run_decode_launches), with PDL on and off. Without CUDA (TRITON_INTERPRET=1) it runs
 tiny shapes once, as a smoke test of this script, and times nothing meaningful.
 """
 import argparse
@@ -19,6 +20,7 @@ import datetime
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -33,7 +35,8 @@ from engine.layers.activation import SiluAndMul  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
-from kernels.decode_attention import paged_decode_attention  # noqa: E402
+from kernels.decode_attention import (  # noqa: E402
+    paged_decode_attention, paged_decode_attention_from_qkv, split_counters)
 from kernels.norm_rope_store import norm_rope_store  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention, plan_on_device  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
@@ -389,6 +392,68 @@ def sweep_prefill_occupancy(block_size):
     return out
 
 
+def run_decode_launches(block_sizes):
+    """A decode step's attention part at batch 1..8 and contexts 512 and 4096, in a CUDA graph of 28
+    layers rotating over 4 layer caches, three ways: 'split+merge' (norm_rope_store, the split
+    kernel, a merge kernel: three launches a layer, as before), 'one-launch' (norm_rope_store, then
+    the split kernel whose last split merges: two) and 'from-qkv' (one kernel does it all: one);
+    'attn' rows time the attention kernel(s) alone. Each with PDL on and off (NVCHAT_PDL)."""
+    layers, rotate = 28, 4
+    rope = RotaryEmbedding(HEAD_DIM, 8192, 1e6).to(DEVICE)
+    q_norm, k_norm = RMSNorm(HEAD_DIM).to(DEVICE).to(DTYPE), RMSNorm(HEAD_DIM).to(DEVICE).to(DTYPE)
+    norms = (q_norm.weight, k_norm.weight, q_norm.eps)
+    counters = split_counters(torch.device(DEVICE))
+    scale = HEAD_DIM ** -0.5
+    rows = []
+    for bs, ctx, batch in itertools.product(block_sizes, [64, 128] if SMOKE else [512, 4096],
+                                            [1, 2] if SMOKE else [1, 2, 4, 8]):
+        lens = [ctx] * batch
+        cache, tables = paged_cache(lens, bs, rotate)
+        context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        positions = (context_lens - 1).long()
+        slots = tables.long().gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=DEVICE).to(DTYPE)
+        q = torch.randn(batch, HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+
+        def norm_rope(i):
+            return norm_rope_store(qkv, positions, rope.cos, rope.sin, cache[0, i], cache[1, i], slots, HEADS,
+                                   KV_HEADS, *norms)
+
+        variants = {
+            "split+merge": lambda i: paged_decode_attention(norm_rope(i), cache[0, i], cache[1, i], tables,
+                                                            context_lens, scale, merge_kernel=True),
+            "one-launch": lambda i: paged_decode_attention(norm_rope(i), cache[0, i], cache[1, i], tables,
+                                                           context_lens, scale, counters=counters),
+            "from-qkv": lambda i: paged_decode_attention_from_qkv(
+                qkv, positions, rope.cos, rope.sin, *norms, cache[0, i], cache[1, i], slots, tables, context_lens,
+                scale, counters=counters),
+            "attn split+merge": lambda i: paged_decode_attention(q, cache[0, i], cache[1, i], tables, context_lens,
+                                                                 scale, merge_kernel=True),
+            "attn one-launch": lambda i: paged_decode_attention(q, cache[0, i], cache[1, i], tables, context_lens,
+                                                                scale, counters=counters),
+        }
+        qkv_in, outs = qkv.clone(), {}
+        for name, fn in variants.items():
+            qkv.copy_(qkv_in)  # norm_rope_store rotates q in place
+            outs[name] = fn(0).float()
+        case = f"b{batch}_ctx{ctx} bs={bs}"
+        for pdl_on in ("1", "0"):
+            os.environ["NVCHAT_PDL"] = pdl_on
+            for name, fn in variants.items():
+                t = time_graph(lambda fn=fn: [fn(i % rotate) for i in range(layers)], layers)
+                base = "attn split+merge" if name.startswith("attn") else "split+merge"
+                note = f"max|diff| vs {base} {max_diff(outs[name], outs[base]):.1e}"
+                if t is not None:
+                    note += f"; x28 layers {28 * t * 1e3:.1f} us"
+                r = dict(kernel=f"decode {name}", case=f"{case} pdl={pdl_on}", triton_us=None, torch_us=None,
+                         speedup=None, triton_graph_us=us(t), torch_graph_us=None, graph_speedup=None, note=note)
+                rows.append(r)
+                print_row(r)
+        os.environ.pop("NVCHAT_PDL")
+        del cache
+    return rows
+
+
 def timed_graph(fn, calls):
     try:
         return time_graph(fn, calls) if CUDA else time_eager(fn, calls)
@@ -419,6 +484,8 @@ def main():
                         help="only the prefill occupancy sweep (programs per SM x split cap), then exit")
     parser.add_argument("--sweep-prefill-only", action="store_true",
                         help="only the prefill sweep (few queries over many keys), then exit")
+    parser.add_argument("--decode-launches", action="store_true",
+                        help="only the decode launch comparison (split+merge, one-launch, from-qkv; PDL on/off), then exit")
     parser.add_argument("--block-sizes", default="16,256", help="KV cache block sizes for the attention cases")
     args = parser.parse_args()
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
@@ -437,6 +504,11 @@ def main():
     def save():
         out_path.write_text(json.dumps(result, indent=1))
 
+    if args.decode_launches:
+        print_header()
+        result["rows"] = run_decode_launches(block_sizes)
+        save()
+        return
     if args.sweep_occupancy_only:
         result["sweep_occupancy"] = sweep_prefill_occupancy(block_sizes[0])
         save()

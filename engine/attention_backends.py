@@ -33,19 +33,35 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self):
-        from kernels.decode_attention import paged_decode_attention
+        from kernels import decode_attention, prefill_attention
         from kernels.kv_store import store_kv
-        from kernels import prefill_attention
+        from kernels.norm_rope_store import norm_rope_store
         self.store_kv = store_kv
-        self.decode = paged_decode_attention
+        self.norm_rope_store = norm_rope_store
+        self._decode = decode_attention
         self._prefill = prefill_attention.paged_prefill_attention
         self._work = prefill_attention  # its work-list planner and format
+        self._counters = None
 
     def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
         """Keeps the model's attention shapes, so the runner can plan each step's work list on the
-        host for the prefill kernel's launch."""
+        host for the prefill kernel's launch, and allocates the decode kernel's split counters:
+        once, before any graph capture, shared by every layer (each call leaves them zeroed)."""
         self._shape = (dtype, head_dim, num_heads // kv_heads, device)
         self._kv_heads = kv_heads
+        self._counters = self._decode.split_counters(torch.device(device))
+
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        return self._decode.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                   counters=self._counters)
+
+    def decode_from_qkv(self, qkv, positions, cos, sin, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
+                        slot_mapping, block_tables, context_lens, scale):
+        """A decode step's q/k norm, RoPE, K/V store and attention in one kernel, from the fused
+        qkv projection; [batch, heads, head_dim]."""
+        return self._decode.paged_decode_attention_from_qkv(
+            qkv, positions, cos, sin, q_norm_weight, k_norm_weight, eps, k_cache, v_cache, slot_mapping,
+            block_tables, context_lens, scale, counters=self._counters)
 
     def plan_prefill(self, q_lens, context_lens, bucket_tokens):
         """(items, token_splits, max_splits) of a prefill step; bucket_tokens is the token count of

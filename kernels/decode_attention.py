@@ -1,11 +1,15 @@
-"""Decode attention over the paged KV cache: one query token per sequence, split-K.
+"""Decode attention over the paged KV cache: one query token per sequence, split-K, one launch.
 
 Each program owns one (sequence, KV head, split): it loads that KV head's K/V tiles once and
 attends with every query head of the GQA group at the same time (the group is the M dimension of
 the dot products). The context is cut into `num_splits` pieces so that batch 1 with a long context
-still puts work on every SM; a second kernel merges the splits' partial results by their
-log-sum-exp. Nothing depends on context_lens on the host: the grid is fixed by shapes and
-num_splits, which keeps the whole thing CUDA-graph capturable.
+still puts work on every SM; the split that finishes last merges every split's partial result by
+its log-sum-exp, in the same kernel (a batch-1 decode step is launch-bound: a separate merge
+kernel cost a launch and a tail per layer). Nothing depends on context_lens on the host: the grid
+is fixed by shapes and num_splits, which keeps the whole thing CUDA-graph capturable.
+
+`paged_decode_attention_from_qkv` also does what kernels/norm_rope_store.py does for a decode
+step (q/k RMSNorm, RoPE, the K/V store) inside the same kernel, from the raw qkv projection.
 """
 import functools
 import os
@@ -14,10 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 LOG2E = 1.4426950408889634
 # A split shorter than this spends more on its fixed cost (load q, write a partial) than it saves.
 MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
+# Partials the last split merges at a time; bounds its registers whatever num_splits is.
+MERGE_TILE = 16
 
 
 @triton.jit
@@ -43,39 +51,25 @@ def _kv_offsets(block_table_row, pos, valid, stride_b, stride_t, BLOCK_SIZE: tl.
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    qk_scale,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_bt, stride_ob, stride_oh,
-    num_heads, group, head_dim, num_splits,
-    BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    ctx = tl.load(context_lens_ptr + seq)
-    # Splits share the context evenly, in whole tiles; those past its end run no iteration and
-    # leave a neutral partial (lse = -inf, o = 0).
+def _split_range(ctx, split, num_splits, BLOCK_N: tl.constexpr):
+    """[start, end) of this split's share of the context, in whole tiles, and how many splits
+    have a share at all (the same for every split of a sequence). Splits past the end get none."""
     chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, ctx)
+    used = tl.cdiv(ctx, tl.maximum(chunk, 1))
+    return start, end, used
 
-    g = tl.arange(0, GROUP_PAD)
+
+@triton.jit
+def _attend(q, table, k_head, v_head, start, end, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, head_dim,
+            BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The group's queries against positions [start, end): (normalized output, max, sum), base 2."""
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
-    head = kv_head * group + g
-    g_mask = g < group
     d_mask = d < head_dim
-    seq64 = seq.to(tl.int64)
-    q = tl.load(q_ptr + seq64 * stride_qb + head[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-
-    table = block_tables_ptr + seq64 * stride_bt
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -95,28 +89,238 @@ def _decode_split_kernel(
         v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    mask = g_mask[:, None] & d_mask[None, :]
+
+@triton.jit
+def _merge(part_o_ptr, part_lse_ptr, first_row, group, head_dim, num_splits, used,
+           GROUP_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_TILE: tl.constexpr):
+    """The group's output from the first `used` splits' partials: each split's output weighted by
+    its share of the softmax mass, 2**lse. [GROUP_M, BLOCK_D] fp32."""
+    gm = tl.arange(0, GROUP_M)
+    st = tl.arange(0, SPLIT_TILE)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = gm < group
+    d_mask = d < head_dim
+    m = tl.full([GROUP_M], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_M], tl.float32)
+    acc = tl.zeros([GROUP_M, BLOCK_D], tl.float32)
+    for s0 in range(0, used, SPLIT_TILE):
+        s = s0 + st
+        mask = g_mask[:, None] & (s < used)[None, :]
+        rows = (first_row + gm)[:, None] * num_splits + s[None, :]
+        # .cg: other SMs wrote these during this kernel; read them from L2, never a stale L1 line.
+        lse = tl.load(part_lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + rows[:, :, None] * head_dim + d[None, None, :],
+                    mask=mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        # All-empty so far (-inf): weigh against 0 instead, so no -inf - -inf.
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - ref)
+        w = tl.exp2(lse - ref[:, None])
+        total = total * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        m = m_new
+    return acc / tl.where(total > 0, total, 1.0)[:, None]
+
+
+@triton.jit
+def _store_out(x, out_ptr, seq64, first_head, group, head_dim, stride_ob, stride_oh,
+               ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    mask = (r < group)[:, None] & (d < head_dim)[None, :]
+    tl.store(out_ptr + seq64 * stride_ob + (first_head + r)[:, None] * stride_oh + d[None, :],
+             x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_partial(o, m_i, l_i, part_o_ptr, part_lse_ptr, first_row, split, group, head_dim, num_splits,
+                   GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Partials are rows of [batch, heads, num_splits] (lse) and [..., head_dim] (o)."""
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < group
+    row = (first_row + g) * num_splits + split
+    tl.store(part_o_ptr + row[:, None] * head_dim + d[None, :], o, mask=g_mask[:, None] & (d < head_dim)[None, :])
+    tl.store(part_lse_ptr + row, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g_mask)
+
+
+@triton.jit
+def _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+            stride_ob, stride_oh, num_heads, group, head_dim, num_splits,
+            GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_TILE: tl.constexpr,
+            SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr):
+    """Writes the group's output: straight to out when one split holds the whole context, else as
+    a partial that the last split to finish merges (MERGE_HERE) or the merge kernel does."""
+    first_head = kv_head * group
+    first_row = seq64 * num_heads + first_head
     if not SPLIT:
-        tl.store(out_ptr + seq64 * stride_ob + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        # Partials are rows of [batch, heads, num_splits] (lse) and [..., head_dim] (o).
-        row = (seq64 * num_heads + head) * num_splits + split
-        tl.store(part_o_ptr + row[:, None] * head_dim + d[None, :], o, mask=mask)
-        tl.store(part_lse_ptr + row, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g_mask)
+        _store_out(o, out_ptr, seq64, first_head, group, head_dim, stride_ob, stride_oh, GROUP_PAD, BLOCK_D)
+    elif not MERGE_HERE:
+        _store_partial(o, m_i, l_i, part_o_ptr, part_lse_ptr, first_row, split, group, head_dim, num_splits,
+                       GROUP_PAD, BLOCK_D)
+    elif used <= 1:
+        # The whole context is split 0's (or empty: a padding row, whose output is then 0).
+        if split == 0:
+            _store_out(o, out_ptr, seq64, first_head, group, head_dim, stride_ob, stride_oh, GROUP_PAD, BLOCK_D)
+    elif split < used:
+        _store_partial(o, m_i, l_i, part_o_ptr, part_lse_ptr, first_row, split, group, head_dim, num_splits,
+                       GROUP_PAD, BLOCK_D)
+        # Which split merges must not depend on timing. Each of the `used` splits with a share
+        # adds 1 to its (sequence, KV head)'s counter exactly once, so exactly one of them gets
+        # used - 1 back, whatever order they run in, and only once every other one has stored its
+        # partial. The barrier before the add orders all of this program's threads' partial stores
+        # before it; the add's release publishes them at GPU scope, its acquire (seen by the last
+        # one) makes every other split's partials visible, and the barrier after it extends that
+        # to all of the last one's threads. Splits without a share (`used` is the same for all of
+        # a sequence's splits) neither count nor get merged.
+        # The last one resets the counter, which nothing else in this launch touches again, so
+        # the next launch (the next layer, the next graph replay) starts from zero: launches on a
+        # stream run in order, and with PDL the next one's accesses come after its wait, which
+        # holds until this grid has finished.
+        counter = counters_ptr + seq64 * tl.num_programs(1) + kv_head
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if arrived == used - 1:
+            merged = _merge(part_o_ptr, part_lse_ptr, first_row, group, head_dim, num_splits, used,
+                            GROUP_M, BLOCK_D, SPLIT_TILE)
+            _store_out(merged, out_ptr, seq64, first_head, group, head_dim, stride_ob, stride_oh, GROUP_M, BLOCK_D)
+            tl.store(counter, 0)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_ob, stride_oh,
+    num_heads, group, head_dim, num_splits,
+    BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_TILE: tl.constexpr, SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    seq64 = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if PDL:  # everything below reads or writes what earlier kernels write
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    ctx = tl.load(context_lens_ptr + seq64)
+    start, end, used = _split_range(ctx, split, num_splits, BLOCK_N)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + seq64 * stride_qb + (kv_head * group + g)[:, None] * stride_qh + d[None, :],
+                mask=(g < group)[:, None] & (d < head_dim)[None, :], other=0.0)
+    o, m_i, l_i = _attend(q, block_tables_ptr + seq64 * stride_bt, k_ptr + kv_head * stride_kh,
+                          v_ptr + kv_head * stride_vh, start, end, qk_scale,
+                          stride_kb, stride_kt, stride_vb, stride_vt, head_dim,
+                          BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST)
+    _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+            stride_ob, stride_oh, num_heads, group, head_dim, num_splits,
+            GROUP_PAD, GROUP_M, BLOCK_D, SPLIT_TILE, SPLIT, MERGE_HERE)
+
+
+@triton.jit
+def _norm_rope_rows(rows_ptr, mask, w_ptr, d, partner, d_mask, cos, sin, head_dim, eps, HAS_NORM: tl.constexpr):
+    """Rows of heads at rows_ptr ([rows, 1] pointers) RMSNorm'd and rotated (neox), in fp32, rounded
+    where kernels/norm_rope_store.py rounds (its docstring says why)."""
+    dtype = rows_ptr.dtype.element_ty
+    x = tl.load(rows_ptr + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / head_dim + eps)[:, None]
+        w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w_partner = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+        x_partner = ((x_partner * rstd).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
+    # rotate_half(x) = [-x2, x1]: the first half takes minus its partner in the second.
+    sign = tl.where(d < head_dim // 2, -1.0, 1.0)[None, :]
+    return x * cos[None, :] + sign * x_partner * sin[None, :]
+
+
+@triton.jit
+def _decode_from_qkv_kernel(
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr,
+    k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+    qk_scale, eps,
+    stride_t, stride_cos, stride_sin, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_ob, stride_oh,
+    num_heads, num_kv_heads, group, head_dim, num_splits,
+    BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_TILE: tl.constexpr, SPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    seq64 = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if PDL:  # everything below reads or writes what earlier kernels write
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    ctx = tl.load(context_lens_ptr + seq64)
+    start, end, used = _split_range(ctx, split, num_splits, BLOCK_N)
+    row = qkv_ptr + seq64 * stride_t
+    pos = tl.load(pos_ptr + seq64).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    half = head_dim // 2
+    partner = tl.where(d < half, d + half, d - half)
+    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0)
+
+    # Every split norms and rotates the group's q heads itself: a few hundred bytes, cheaper than
+    # a launch that would do it once.
+    g = tl.arange(0, GROUP_PAD)[:, None]
+    q = _norm_rope_rows(row + (kv_head * group + g) * head_dim, (g < group) & d_mask[None, :], qw_ptr, d, partner,
+                        d_mask, cos, sin, head_dim, eps, HAS_NORM).to(qkv_ptr.dtype.element_ty)
+
+    table = block_tables_ptr + seq64 * stride_bt
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    # The new token is the context's last position: only the split whose range holds it reads it,
+    # so that split alone stores its K/V (a padding row has slot -1 and stores nothing, reading
+    # whatever its table points at, as with the separate store), and the barrier makes the stores
+    # visible to all of its own threads before they read the cache. No other program reads that
+    # slot in a decode step: it lies in the sequence's own last block, which no other sequence
+    # holds until it is full.
+    if (start <= ctx - 1) & (ctx - 1 < end):
+        slot = tl.load(slot_ptr + seq64).to(tl.int64)
+        if slot >= 0:
+            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            k_row = row + (num_heads + kv_head) * head_dim + tl.zeros([1, 1], tl.int32)  # one row of heads
+            k_new = _norm_rope_rows(k_row, d_mask[None, :], kw_ptr, d, partner, d_mask, cos, sin, head_dim, eps,
+                                    HAS_NORM)
+            # Via qkv's dtype first, so a cache of another dtype sees what the unfused path stored.
+            k_new = k_new.to(qkv_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
+            tl.store(k_head + block * stride_kb + offset * stride_kt + d[None, :], k_new, mask=d_mask[None, :])
+            v_new = tl.load(row + (num_heads + num_kv_heads + kv_head) * head_dim + d, mask=d_mask)
+            tl.store(v_head + block * stride_vb + offset * stride_vt + d, v_new.to(v_ptr.dtype.element_ty),
+                     mask=d_mask)
+        tl.debug_barrier()
+
+    o, m_i, l_i = _attend(q, table, k_head, v_head, start, end, qk_scale,
+                          stride_kb, stride_kt, stride_vb, stride_vt, head_dim,
+                          BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST)
+    _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+            stride_ob, stride_oh, num_heads, group, head_dim, num_splits,
+            GROUP_PAD, GROUP_M, BLOCK_D, SPLIT_TILE, SPLIT, True)
 
 
 @triton.jit
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, row_splits_ptr, stride_ob, stride_oh, num_heads,
                          head_dim, num_splits, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PER_ROW: tl.constexpr):
+                         PER_ROW: tl.constexpr, PDL: tl.constexpr):
     """Program (i, head) merges output row i: a sequence here, a query token in split prefill.
     num_splits is the partials' split dimension; with PER_ROW, row i used row_splits[i] of them,
     and a row of one split (written straight to out) or none (padding) is left alone."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     used = num_splits
     if PER_ROW:
         used = tl.load(row_splits_ptr + seq)
@@ -153,6 +357,15 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torc
     return max(1, min(want, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
+def split_counters(device: torch.device) -> torch.Tensor:
+    """A zeroed counter buffer big enough for every call that default_num_splits splits (those
+    have batch * kv_heads < 2 * SMs) on `device`. Every call leaves it zeroed again, so one buffer
+    serves all layers and steps of an engine: allocate it once, outside any graph capture."""
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 16
+    return torch.zeros(max(4096, 2 * sms), dtype=torch.int32, device=device)
+
+
 def _config(dtype: torch.dtype, head_dim: int, on_gpu: bool):
     """(BLOCK_N, num_warps, num_stages). From `benchmarks/bench_kernels.py --sweep` on an H200
     (bf16, head_dim 128): within 10% of the best of 27 configs at batch 1 (ctx 512, 4096) and
@@ -164,44 +377,107 @@ def _config(dtype: torch.dtype, head_dim: int, on_gpu: bool):
     return 64, 4, 2
 
 
+def _launch_args(batch, num_heads, kv_heads, head_dim, block_size, block_tables, dtype, device, num_splits,
+                 counters, block_n, num_warps, num_stages, merge_kernel=False):
+    """(num_splits, partial buffers, counters, constexprs and launch options) shared by both entry points."""
+    if num_splits is None:
+        num_splits = default_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, device)
+    cfg_n, cfg_warps, cfg_stages = _config(dtype, head_dim, device.type == "cuda")
+    group = num_heads // kv_heads
+    if num_splits > 1:
+        part_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
+        if merge_kernel:
+            counters = part_lse  # unused
+        elif counters is None:
+            counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+        else:
+            assert counters.dtype == torch.int32 and counters.numel() >= batch * kv_heads, \
+                "counters: int32, one per (sequence, KV head)"
+    else:
+        part_o = part_lse = counters = block_tables  # unused
+    meta = dict(BLOCK_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+                GROUP_M=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(head_dim),
+                BLOCK_N=block_n or cfg_n, SPLIT_TILE=min(MERGE_TILE, triton.next_power_of_2(num_splits)),
+                SPLIT=num_splits > 1, **dot_flags(dtype), PDL=pdl.enabled(device),
+                num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
+    return num_splits, part_o, part_lse, counters, meta
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
-                           *, block_n=None, num_warps=None, num_stages=None):
+                           *, counters=None, merge_kernel=False, block_n=None, num_warps=None, num_stages=None):
     """q [batch, heads, head_dim] -> [batch, heads, head_dim] in q's dtype: each sequence's query
     attends to all context_lens[i] tokens of its context, read through block_tables[i].
+
+    counters: int32 zeros, at least batch * kv_heads of them (split_counters makes one), which
+    the call leaves zeroed; None allocates them per call. merge_kernel merges the splits in a
+    second kernel instead, as before they merged in the first (for benchmarks to compare).
     block_n / num_warps / num_stages override the tuned launch config (tests and benchmarks)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert num_heads % kv_heads == 0, "query heads must be a multiple of KV heads"
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size: power of two >= 16"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    group = num_heads // kv_heads
-    if num_splits is None:
-        num_splits = default_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, q.device)
-    cfg_n, cfg_warps, cfg_stages = _config(q.dtype, head_dim, q.is_cuda)
-    block_n = block_n or cfg_n
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
-    block_d = triton.next_power_of_2(head_dim)
-    if num_splits > 1:
-        part_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse,
+    num_splits, part_o, part_lse, counters, meta = _launch_args(
+        batch, num_heads, kv_heads, head_dim, block_size, block_tables, q.dtype, q.device, num_splits, counters,
+        block_n, num_warps, num_stages, merge_kernel)
+    _decode_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, counters,
         scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        num_heads, group, head_dim, num_splits,
-        BLOCK_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, SPLIT=num_splits > 1,
-        **dot_flags(q.dtype),
-        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
-    if num_splits > 1:
+        num_heads, num_heads // kv_heads, head_dim, num_splits,
+        MERGE_HERE=not merge_kernel, launch_pdl=meta["PDL"], **meta)
+    if num_splits > 1 and merge_kernel:
         _merge_splits_kernel[(batch, num_heads)](
             part_o, part_lse, out, context_lens, out.stride(0), out.stride(1), num_heads, head_dim,
-            num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PER_ROW=False,
-            num_warps=2 if q.is_cuda else 1)
+            num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=meta["BLOCK_D"], PER_ROW=False,
+            PDL=meta["PDL"], num_warps=2 if q.is_cuda else 1, launch_pdl=meta["PDL"])
+    return out
+
+
+def paged_decode_attention_from_qkv(qkv, positions, cos, sin, q_norm_weight, k_norm_weight, eps,
+                                    k_cache, v_cache, slot_mapping, block_tables, context_lens, scale,
+                                    num_splits=None, *, counters=None, block_n=None, num_warps=None,
+                                    num_stages=None):
+    """A decode step's attention from the fused qkv projection [batch, (heads + 2 * kv_heads) *
+    head_dim] (rows may be strided): what norm_rope_store and then paged_decode_attention do, in
+    one launch. q/k are RMSNorm'd by q_norm_weight/k_norm_weight [head_dim] (None: no norm) and
+    rotated by cos/sin [max_pos, head_dim] at positions [batch]; the new k and v are stored into
+    the caches at slot_mapping (-1: not stored), which must be the slot of each sequence's last
+    context position, context_lens[i] - 1. qkv is only read (q is not written back).
+    Returns [batch, heads, head_dim] in qkv's dtype. counters: as for paged_decode_attention."""
+    assert (q_norm_weight is None) == (k_norm_weight is None), "q and k norms come together"
+    batch, width = qkv.shape
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    num_heads = width // head_dim - 2 * kv_heads
+    assert num_heads > 0 and width == (num_heads + 2 * kv_heads) * head_dim and num_heads % kv_heads == 0
+    assert head_dim % 2 == 0 and block_size >= 16 and block_size & (block_size - 1) == 0
+    for t in (qkv, cos, sin, k_cache, v_cache):
+        assert t.stride(-1) == 1, "the last dimension must be contiguous"
+    has_norm = q_norm_weight is not None
+    if has_norm:
+        assert q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()
+        assert q_norm_weight.numel() == head_dim == k_norm_weight.numel()
+    out = torch.empty((batch, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if batch == 0:
+        return out
+    num_splits, part_o, part_lse, counters, meta = _launch_args(
+        batch, num_heads, kv_heads, head_dim, block_size, block_tables, qkv.dtype, qkv.device, num_splits,
+        counters, block_n, num_warps, num_stages)
+    qw, kw = (q_norm_weight, k_norm_weight) if has_norm else (cos, cos)  # placeholders, never read
+    _decode_from_qkv_kernel[(batch, kv_heads, num_splits)](
+        qkv, positions, cos, sin, qw, kw, slot_mapping,
+        k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, counters,
+        scale * LOG2E, eps,
+        qkv.stride(0), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        num_heads, kv_heads, num_heads // kv_heads, head_dim, num_splits,
+        HAS_NORM=has_norm, launch_pdl=meta["PDL"], **meta)
     return out

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.decode_attention import LOG2E, _dot, _kv_offsets, _merge_splits_kernel, _sm_count, dot_flags
 
 MAX_SPLITS = 16
@@ -178,8 +179,11 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # it reads only what earlier kernels write (q, the caches, the work list)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
@@ -292,6 +296,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     else:
         part_o = part_lse = out  # unused
     block_d = triton.next_power_of_2(head_dim)
+    use_pdl = pdl.enabled(q.device)
     _prefill_kernel[(programs,)](
         q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, context_lens, block_tables,
         work.items, work.count, scale * LOG2E,
@@ -301,11 +306,12 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         num_heads, kv_heads, work.max_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         BLOCK_M=block_q * group_pad, BLOCK_D=block_d, BLOCK_N=block_n or cfg_n,
-        **dot_flags(q.dtype), num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
+        **dot_flags(q.dtype), PDL=use_pdl, num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
+        launch_pdl=use_pdl)
     if split:
         # Rows of tokens instead of sequences, each merging the splits of its own tile.
         _merge_splits_kernel[(tokens, num_heads)](
             part_o, part_lse, out, work.token_splits, out.stride(0), out.stride(1), num_heads, head_dim,
             work.max_splits, SPLITS_PAD=triton.next_power_of_2(work.max_splits), BLOCK_D=block_d, PER_ROW=True,
-            num_warps=2 if q.is_cuda else 1)
+            PDL=use_pdl, num_warps=2 if q.is_cuda else 1, launch_pdl=use_pdl)
     return out

@@ -112,3 +112,63 @@ def all_reduce_reference(xs, residual, norm):
     """The unfused path: an all-reduce's output (the sum rounded to the dtype), then the norm."""
     total = torch.stack([x.float() for x in xs]).sum(0).to(xs[0].dtype)
     return norm(total, residual)
+
+
+class DecodeStep:
+    """One decode step's inputs for kernels/decode_attention.py's from-qkv kernel, over paged caches
+    that hold every sequence's context: qkv rows (a column slice of a wider tensor), positions
+    (the last of each context), the slot of that position, and the norms and rotary tables. Rows in
+    `padding` get slot -1; every other row's newest slot is NaN, so attending before storing the
+    new K/V shows up."""
+
+    def __init__(self, k_cache, v_cache, tables, context_lens, heads, dtype, with_norm, padding=(), max_pos=1024):
+        from engine.layers.norm import RMSNorm
+        from engine.layers.rotary import RotaryEmbedding
+        device = k_cache.device
+        _, block_size, kv_heads, head_dim = k_cache.shape
+        self.k_cache, self.v_cache, self.tables, self.context_lens = k_cache, v_cache, tables, context_lens
+        self.heads, self.kv_heads, self.dtype = heads, kv_heads, dtype
+        last = context_lens.long() - 1
+        self.positions = last.clone()
+        self.slots = tables.long().gather(1, (last // block_size)[:, None])[:, 0] * block_size + last % block_size
+        for i in range(len(context_lens)):
+            if i in padding:
+                self.slots[i] = -1
+            else:
+                k_cache.view(-1, kv_heads, head_dim)[self.slots[i]] = float("nan")
+                v_cache.view(-1, kv_heads, head_dim)[self.slots[i]] = float("nan")
+        width = (heads + 2 * kv_heads) * head_dim
+        wide = torch.randn(len(context_lens), width + 2 * head_dim, device=device).to(dtype)
+        self.qkv = wide[:, head_dim:head_dim + width]
+        self.rope = RotaryEmbedding(head_dim, max_pos, 1e6).to(device)
+        self.q_norm = self.k_norm = None
+        if with_norm:
+            self.q_norm, self.k_norm = (RMSNorm(head_dim, 1e-6).to(device) for _ in range(2))
+            for n in (self.q_norm, self.k_norm):
+                n.weight.data = (1 + 0.1 * torch.randn(head_dim, device=device)).to(dtype)
+        self.scale = head_dim ** -0.5
+
+    def run(self, kernels, **kw):
+        """The kernel's output (kernels: the decode_attention module); stores into the caches."""
+        weights = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        return kernels.paged_decode_attention_from_qkv(
+            self.qkv, self.positions, self.rope.cos, self.rope.sin, *weights, 1e-6, self.k_cache, self.v_cache,
+            self.slots, self.tables, self.context_lens, self.scale, **kw)
+
+    def reference(self):
+        """(output, k cache, v cache) of norm_rope_store's unfused reference and the reference
+        attention, on copies of the caches."""
+        from engine.layers import paged_attention_torch as ref
+        k, v = self.k_cache.clone(), self.v_cache.clone()
+        with torch.no_grad():
+            q = norm_rope_store_reference(self.qkv.clone(), self.positions, self.rope, k, v, self.slots, self.heads,
+                                          self.kv_heads, self.q_norm, self.k_norm)
+        return ref.paged_decode_attention(q, k, v, self.tables, self.context_lens, self.scale), k, v
+
+    def check(self, out, want):
+        """out against reference()'s (output, k cache, v cache)."""
+        want_out, want_k, want_v = want
+        assert_close(out, want_out, self.dtype)
+        rtol, atol = TOL[self.dtype]
+        torch.testing.assert_close(self.k_cache, want_k, rtol=rtol, atol=atol, equal_nan=True)
+        torch.testing.assert_close(self.v_cache, want_v, rtol=0, atol=0, equal_nan=True)

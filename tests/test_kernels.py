@@ -23,7 +23,7 @@ from tests.kernel_checks import assert_close, poison, seed  # noqa: E402,F401 (f
 
 
 def _interpreted() -> bool:
-    return type(decode_attention._decode_split_kernel).__name__ == "InterpretedFunction"
+    return type(decode_attention._decode_kernel).__name__ == "InterpretedFunction"
 
 
 if not _interpreted() and not torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "1":

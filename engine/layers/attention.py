@@ -37,6 +37,20 @@ class Attention(nn.Module):
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.attend(q, meta)
 
+    def forward_qkv(self, qkv, positions, rotary, q_norm, k_norm, meta: AttentionMetadata) -> torch.Tensor:
+        """From the fused qkv projection, with a backend that has the fused kernels (triton): q/k
+        RMSNorm (if the model has them), RoPE, the K/V store, and attention. A decode step does it
+        all in the attention kernel; any other step runs norm_rope_store, then attention."""
+        norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 0.0)
+        b = self.backend
+        if meta.is_decode:
+            o = b.decode_from_qkv(qkv, positions, rotary.cos, rotary.sin, *norms, self.k_cache, self.v_cache,
+                                  meta.slot_mapping, meta.block_tables, meta.context_lens, self.scale)
+            return o.reshape(-1, self.num_heads * self.head_dim)
+        q = b.norm_rope_store(qkv, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
+                              self.num_heads, self.num_kv_heads, *norms)
+        return self.attend(q, meta)
+
     def attend(self, q, meta: AttentionMetadata) -> torch.Tensor:
         """Attention over the cache, which already holds this step's K/V."""
         q = q.view(-1, self.num_heads, self.head_dim)

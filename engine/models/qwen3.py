@@ -46,12 +46,7 @@ class DecoderAttention(nn.Module):
     def forward(self, positions, x, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         if self.fused:
-            from kernels.norm_rope_store import norm_rope_store
-            has_norm = self.q_norm is not None
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if has_norm else (None, None, 0.0)
-            q = norm_rope_store(qkv, positions, self.rotary.cos, self.rotary.sin, self.attn.k_cache,
-                                self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads, *norms)
-            return self.o_proj(self.attn.attend(q, meta))
+            return self.o_proj(self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm, meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)

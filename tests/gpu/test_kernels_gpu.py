@@ -19,7 +19,7 @@ from engine.layers import paged_attention_torch as ref  # noqa: E402
 from kernels import decode_attention, gemv, kv_store, prefill_attention, rmsnorm, silu_mul  # noqa: E402
 from tests.kernel_checks import assert_close, capture, poison, seed  # noqa: E402,F401 (fixtures)
 
-if type(decode_attention._decode_split_kernel).__name__ == "InterpretedFunction":
+if type(decode_attention._decode_kernel).__name__ == "InterpretedFunction":
     pytest.skip("kernels were imported under TRITON_INTERPRET=1", allow_module_level=True)
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

@@ -1,0 +1,102 @@
+"""kernels/decode_attention.py's one-launch decode (the last split to finish merges the others) and
+its variant that norms, rotates and stores the new token's K/V itself, against the torch
+reference, on CPU through Triton's interpreter.
+
+Inputs are fresh random numbers each run; outputs are allocated NaN-filled, so an element left
+unwritten fails. Every call shares one counter buffer, checked zeroed after each call, so a
+second call in a row would see a counter the first left behind.
+"""
+import random
+
+import pytest
+import torch
+
+from engine.layers import paged_attention_torch as ref
+from tests.kernel_checks import DecodeStep, assert_close, poison, seed  # noqa: F401 (fixtures)
+from tests.test_kernels import DEVICE, make_paged_kv, random_contexts
+from kernels import decode_attention  # noqa: E402 (after test_kernels chose the interpreter)
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _counters():
+    return decode_attention.split_counters(torch.device(DEVICE))
+
+
+CASES = [
+    # block_size, group, dtype, num_splits, block_n, head_dim
+    (16, 2, BF16, 12, 16, 32),   # more splits than a merge tile holds; short contexts use few
+    (16, 1, F32, 5, 16, 32),
+    (256, 4, F32, 3, 16, 64),    # several splits inside one block
+    (32, 3, F16, 4, 16, 32),     # a group that is not a power of two
+    (16, 8, BF16, 2, 32, 32),
+]
+
+
+@pytest.mark.parametrize("block_size, group, dtype, num_splits, block_n, head_dim", CASES)
+def test_one_launch_decode_twice(block_size, group, dtype, num_splits, block_n, head_dim, poison):
+    """Two calls in a row on the same counters, with other queries and contexts, and the
+    two-kernel form (merge_kernel) on the same inputs."""
+    kv_heads, counters = 2, _counters()
+    for _ in range(2):
+        lens = random_contexts(4, block_size, max_blocks=2 if block_size == 256 else 4)
+        k_cache, v_cache, tables = make_paged_kv(lens, block_size, kv_heads, dtype, head_dim)
+        q = torch.randn(len(lens), kv_heads * group, head_dim, device=DEVICE).to(dtype)
+        context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        scale = head_dim ** -0.5
+        want = ref.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
+        with poison():
+            out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale,
+                                                          num_splits, counters=counters, block_n=block_n)
+        assert_close(out, want, dtype)
+        assert (counters == 0).all(), "a counter was left set"
+    with poison():
+        two = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale,
+                                                      num_splits, merge_kernel=True, block_n=block_n)
+    assert_close(two, want, dtype)
+
+
+def test_padding_rows(poison):
+    """A CUDA-graph padding row reads one cached token (context 1) or none (context 0, output 0),
+    between sequences long enough to use every split."""
+    dtype, block_size, kv_heads, group, head_dim = BF16, 16, 2, 2, 32
+    lens = [1, 100, 0, 1, 64]
+    k_cache, v_cache, tables = make_paged_kv(lens, block_size, kv_heads, dtype, head_dim)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, device=DEVICE).to(dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    counters = _counters()
+    with poison():
+        out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, 0.2, 6,
+                                                      counters=counters, block_n=16)
+    assert_close(out, ref.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, 0.2), dtype)
+    assert (out[2] == 0).all() and (counters == 0).all()
+
+
+FROM_QKV_CASES = [
+    # heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n
+    (4, 2, 32, 16, BF16, True, 6, 16),    # the new token's split is any of several
+    (4, 4, 64, 16, F32, True, 1, None),   # group 1, one split
+    (8, 2, 32, 32, BF16, False, 3, 16),   # Qwen2/Llama: no q/k norm
+    (6, 2, 32, 256, F16, True, 4, 16),    # group 3, a block bigger than the context
+    (16, 8, 128, 16, BF16, True, 2, 32),  # Qwen3-0.6B's heads
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n",
+                         FROM_QKV_CASES)
+def test_decode_from_qkv(heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n, poison):
+    """Against norm_rope_store's unfused reference followed by the reference attention, with
+    padding rows (slot -1, context 1: they store nothing and read their one cached token)."""
+    lens = [random.randint(2, 5 * 16) for _ in range(3)] + [1, 1] + [block_size + 1]
+    random.shuffle(lens)
+    k_cache, v_cache, tables = make_paged_kv(lens, block_size, kv_heads, dtype, head_dim)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    step = DecodeStep(k_cache, v_cache, tables, context_lens, heads, dtype, with_norm, padding=[lens.index(1)])
+    qkv_before = step.qkv.clone()
+    want = step.reference()
+    counters = _counters()
+    with poison():
+        out = step.run(decode_attention, num_splits=num_splits, counters=counters, block_n=block_n)
+    step.check(out, want)
+    assert torch.equal(step.qkv, qkv_before), "qkv is only read"
+    assert (counters == 0).all()
