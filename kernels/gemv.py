@@ -62,7 +62,7 @@ def _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r,
         tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.full([ROWS], 1.0, tl.float32)
     if NORM:
-        store_h = tl.program_id(0) == 0
+        k_stored = tl.where(tl.program_id(0) == 0, K, 0)  # program 0 stores h
         k = tl.arange(0, BLOCK_K)
         sum_sq = tl.zeros([ROWS], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -70,7 +70,7 @@ def _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r,
             mask = r_ok[:, None] & (kk < K)[None, :]
             h = _h_tile(x_ptr, res_ptr, r[:, None], kk[None, :], mask, stride_x, stride_r, RESIDUAL)
             if RESIDUAL:
-                tl.store(res_out_ptr + r[:, None] * K + kk[None, :], h, mask=mask & store_h)
+                tl.store(res_out_ptr + r[:, None] * K + kk[None, :], h, mask=r_ok[:, None] & (kk < k_stored)[None, :])
             hf = h.to(tl.float32)
             sum_sq += tl.sum(hf * hf, 1)
         rstd = tl.rsqrt(sum_sq / K + eps)
@@ -199,7 +199,7 @@ def _gemv_rows_dot_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, 
     acc = _dot(w, xt, tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), IEEE)
     acc_up = acc
     if SILU:
-        acc_up = _dot(w_up, xt, acc_up, IEEE)
+        acc_up = _dot(w_up, xt, tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), IEEE)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + kt
         mask = n_ok[:, None] & (k0 + k < K)[None, :]
