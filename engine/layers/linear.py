@@ -74,9 +74,7 @@ class _Linear(nn.Module):
         """act(self(norm(x + residual))) and the new residual x + residual (x itself without one):
         a pre-norm sublayer's first projection. On a Triton decode step of 1-8 rows it is one kernel,
         the norm in the GEMV's prologue and SiLU-mul in its epilogue (kernels.gemv.rms_norm_gemv)."""
-        if (self.fused and norm.fused and (act is None or act.fused) and self.quantized is None
-                and self.bias is None and norm.reduce_slot is None and _decode_rows(x)
-                and x.dtype == norm.weight.dtype and (residual is None or residual.stride(1) == 1)):
+        if self._fuses_norm(norm, x, residual, act):
             from kernels.gemv import rms_norm_gemv
             return rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, silu=act is not None)
         if residual is None:
@@ -85,6 +83,15 @@ class _Linear(nn.Module):
             x, residual = norm(x, residual)
         y = self(x)
         return (y if act is None else act(y)), residual
+
+    def _fuses_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                    act: SiluAndMul | None) -> bool:
+        # Not with a quantized weight or a bias (Qwen2's qkv), nor where the norm also sums the
+        # ranks' partial outputs (tensor parallel, reduce_slot).
+        return (self.fused and norm.fused and (act is None or act.fused) and self.quantized is None
+                and self.bias is None and norm.reduce_slot is None and _decode_rows(x)
+                and x.dtype == norm.weight.dtype
+                and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1))
 
 
 class ReplicatedLinear(_Linear):
