@@ -4,20 +4,32 @@ a CUDA graph of calls over enough distinct weight copies (>= 400 MB) that the we
 HBM, not the 50 MB L2; median µs per call (bench_kernels.time_graph).
 
     python -m benchmarks.bench_gemv [--rows 1 2 4 8] [--sweep] [--rows-sweep 2 4 8] [--out FILE]
+    python -m benchmarks.bench_gemv --fused [--rows 1 2 4 8] [--fused-sweep] [--out FILE]
 
 --sweep also times the 0.6B shapes at one row over launch configs (rows per program, K tile,
 warps, stages), and --rows-sweep at several rows over both row kernels' configs: that is how
 kernels.gemv.launch_config was chosen. Needs CUDA.
+
+--fused times, instead, a decode step's projections over Qwen3-0.6B's 28 layers (840 MB of
+weights, so they stream from HBM) in one CUDA graph: unfused (RMSNorm kernel + qkv GEMV, o GEMV,
+RMSNorm + gate_up GEMV + SiLU-mul kernel, down GEMV) against fused (kernels.gemv.rms_norm_gemv
+for qkv and for gate_up with SiLU-mul), each with programmatic dependent launch on and off
+(kernels/pdl.py); µs per layer. --fused-sweep adds the fused qkv and gate_up kernels alone over
+launch configs. Without CUDA (TRITON_INTERPRET=1) --fused runs a 2-layer toy model once as a
+smoke test and times nothing.
 """
 import argparse
 import itertools
 import json
+import os
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_kernels import time_graph
-from kernels.gemv import gemv, launch_config
+from kernels.gemv import gemv, launch_config, rms_norm_gemv
+from kernels.rmsnorm import rms_norm
+from kernels.silu_mul import silu_and_mul
 
 # (N, K) of each projection, one tensor-parallel rank.
 SHAPES = {
@@ -51,17 +63,119 @@ def rows_configs(m: int):
             yield "fma", bn, bk, warps, stages
 
 
+class Layer:
+    """One decoder layer's projections and norms (attention left out: q stands in for its output)."""
+
+    def __init__(self, hidden: int, qkv: int, q: int, inter: int, device: str, dtype: torch.dtype):
+        def w(n, k):
+            return torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5
+
+        def norm():
+            return (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
+
+        self.q = q
+        self.n1, self.qkv, self.o, self.n2 = norm(), w(qkv, hidden), w(hidden, q), norm()
+        self.gate_up, self.down = w(2 * inter, hidden), w(hidden, inter)
+
+    def unfused(self, x, residual):
+        h, residual = rms_norm(x, self.n1, 1e-6, residual)
+        x = gemv(gemv(h, self.qkv)[:, :self.q], self.o)
+        h, residual = rms_norm(x, self.n2, 1e-6, residual)
+        return gemv(silu_and_mul(gemv(h, self.gate_up)), self.down), residual
+
+    def fused(self, x, residual):
+        qkv, residual = rms_norm_gemv(x, residual, self.n1, 1e-6, self.qkv)
+        x = gemv(qkv[:, :self.q], self.o)
+        h, residual = rms_norm_gemv(x, residual, self.n2, 1e-6, self.gate_up, silu=True)
+        return gemv(h, self.down), residual
+
+
+def fused_chains(rows_list: list[int], sweep: bool) -> list[dict]:
+    cuda = torch.cuda.is_available()
+    hidden, qkv, q, inter, layers = (1024, 4096, 2048, 3072, 28) if cuda else (64, 128, 64, 96, 2)
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    model = [Layer(hidden, qkv, q, inter, device, dtype) for _ in range(layers)]
+    results = []
+    print(f"{'rows':>4s} {'chain':8s} {'PDL':>3s} {'us/layer':>9s}")
+    for m in rows_list:
+        x0 = torch.randn(m, hidden, device=device, dtype=dtype)
+        r0 = torch.randn(m, hidden, device=device, dtype=dtype)
+        # The two chains agree on one layer (28 random layers drift apart in bf16).
+        want, got = model[0].unfused(x0, r0), model[0].fused(x0, r0)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+        for chain, pdl_on in itertools.product(("unfused", "fused"), ("1", "0")):
+            os.environ["NVCHAT_PDL"] = pdl_on
+
+            def step():
+                x, residual = x0, r0
+                for layer in model:
+                    x, residual = getattr(layer, chain)(x, residual)
+                return x
+
+            if cuda:
+                us = round(time_graph(step, layers) * 1000, 2)
+            else:
+                step()
+                us = None
+            results.append({"rows": m, "chain": chain, "pdl": pdl_on == "1", "us_per_layer": us})
+            print(f"{m:4d} {chain:8s} {'on' if pdl_on == '1' else 'off':>3s} {us if us is not None else '-':>9}",
+                  flush=True)
+    os.environ.pop("NVCHAT_PDL", None)
+    if sweep and cuda:
+        results += fused_sweep(model, rows_list, hidden)
+    return results
+
+
+def fused_sweep(model: list[Layer], rows_list: list[int], hidden: int) -> list[dict]:
+    """The fused qkv and gate_up kernels alone, over launch configs, weights of all 28 layers rotated."""
+    out = []
+    for m in rows_list:
+        x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        for name, silu in (("qkv", False), ("gate_up", True)):
+            kernels = ("one",) if m == 1 else ("fma", "dot")
+            configs = [(kern, bn, bk, warps, stages)
+                       for kern in kernels
+                       for bn in ((16, 32) if kern == "dot" else (1, 2, 4))
+                       for bk in (256, 512, 1024) for warps in (2, 4, 8) for stages in (2, 3)
+                       if kern != "fma" or m * bn * bk // (32 * warps) <= 128]
+            timed = []
+            for kern, bn, bk, warps, stages in configs:
+                launch = dict(kernel=kern, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                try:
+                    us = time_graph(lambda: [rms_norm_gemv(x, r, layer.n1, 1e-6, getattr(layer, name), silu=silu,
+                                                           **launch) for layer in model], len(model)) * 1000
+                except Exception as e:  # noqa: BLE001 (a sweep: report and go on)
+                    print(f"  {launch} failed: {str(e)[:100]}", flush=True)
+                    continue
+                timed.append((round(us, 2), (kern, bn, bk, warps, stages)))
+            timed.sort()
+            default = launch_config(getattr(model[0], name).shape[0], hidden, m, silu)
+            out.append({"rows": m, "proj": name, "default": default, "best": timed[:8]})
+            print(f"fused sweep rows {m} {name:8s} default {default}; best {timed[:4]}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1])
+    parser.add_argument("--rows", type=int, nargs="+", default=None, help="default: 1; with --fused 1 2 4 8")
     parser.add_argument("--rows-sweep", type=int, nargs="*", default=[])
+    parser.add_argument("--fused", action="store_true")
+    parser.add_argument("--fused-sweep", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.fused or args.fused_sweep:
+        results = fused_chains(args.rows or [1, 2, 4, 8], args.fused_sweep)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"fused": results}, f, indent=1)
+        return
     rows = []
     print(f"{'model':5s} {'rows':>4s} {'proj':8s} {'MB':>6s}  {'cuBLAS us':>9s} {'TB/s':>5s}  {'gemv us':>8s} {'TB/s':>5s}  launch")
-    for m in args.rows:
+    for m in args.rows or [1]:
         for model, shapes in SHAPES.items():
             total = [0.0, 0.0]
             for name, (n, k) in shapes.items():

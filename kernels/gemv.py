@@ -1,13 +1,13 @@
-"""y = x @ W.T for 1 to 8 rows of x: the projections of a chat-sized decode step.
+"""y = x @ W.T for 1 to 8 rows of x: the projections of a chat-sized decode step, optionally with
+the pre-norm RMSNorm (and its residual add) taken into the prologue and SwiGLU's SiLU-mul into the
+epilogue.
 
 At batch 1 a small model's projections read 4-13 MB of weights each, too little for cuBLAS's
 kernels to reach the copy bandwidth: in a CUDA graph on the H200 they ran Qwen3-0.6B's four
 projections at 5.2-12.6 us each (0.33-2.1 TB/s; the 1024-row o projection was the worst). Here each
 program owns a band of only a few of W's rows and streams it once along K, so even the 1024-row
 projections spread over every SM with many loads in flight. It also beat or tied cuBLAS on every
-projection of the 1.7B, 4B and 8B shapes (8B: 99 against 108 us per layer; bench_gemv). Taking
-the MLP's SiLU-mul into the down projection's GEMV saved its launch but slowed the GEMV more (each
-program applied it to the whole row): dropped.
+projection of the 1.7B, 4B and 8B shapes (8B: 99 against 108 us per layer; bench_gemv).
 
 Two to eight rows (two to eight chat streams) must load each weight tile once and use it for every
 row. Two kernels do that, each best somewhere (bench_gemv --rows-sweep, RESULTS.md tenth session):
@@ -17,115 +17,287 @@ row. Two kernels do that, each best somewhere (bench_gemv --rows-sweep, RESULTS.
 - _gemv_rows_fma_kernel is the one-row kernel with a row axis: 1-2 weight rows per program, so
   the 1024-row projections fill the GPU, but every row costs FMAs and an x tile from L1. It wins
   there for up to 4 rows.
+
+A batch-1 decode step is ~300 kernels of a few us each, so launches, not bytes, set its time. Two
+fusions and PDL cut that:
+- NORM: every program reads all of x's row(s) anyway (K is the hidden size), so each forms
+  h = x + residual, its RMS and the normalized, weighted input itself, rounding where the RMSNorm
+  kernel (kernels/rmsnorm.py) rounds; program 0 also stores h as the new residual. The pre-norm
+  RMSNorm kernel before the qkv and gate_up projections goes.
+- SILU: a program computes gate row n and up row N + n of a merged [2N, K] weight and stores
+  silu(gate) * up at column n, gate and up rounded to the output's dtype first as the unfused
+  GEMV's output is, then in fp32 and rounded once (kernels/silu_mul.py). Only its own two rows:
+  an earlier try that put SiLU-mul into the down projection's prologue had every program apply it
+  to the whole row, and lost more than the launch it saved.
+- PDL (kernels/pdl.py): a program loads its first weight tile(s), which no kernel writes, before
+  waiting on the kernel before, so they stream in while that one finishes.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _h_tile(x_ptr, res_ptr, rows, cols, mask, stride_x, stride_r, RESIDUAL: tl.constexpr):
+    """x (+ residual) at [rows, cols], rounded to x's dtype as torch's `x + residual` is."""
+    h = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0)
+    if RESIDUAL:
+        r = tl.load(res_ptr + rows * stride_r + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return h
+
+
+@triton.jit
+def _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r, eps,
+                    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                    PDL: tl.constexpr):
+    """Waits for the kernel before (with PDL); then, with NORM, returns 1/RMS of each row r of
+    h = x (+ residual), program 0 storing h at res_out_ptr ([M, K] contiguous)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    rstd = tl.full([ROWS], 1.0, tl.float32)
+    if NORM:
+        k_stored = tl.where(tl.program_id(0) == 0, K, 0)  # program 0 stores h
+        k = tl.arange(0, BLOCK_K)
+        sum_sq = tl.zeros([ROWS], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + k
+            mask = r_ok[:, None] & (kk < K)[None, :]
+            h = _h_tile(x_ptr, res_ptr, r[:, None], kk[None, :], mask, stride_x, stride_r, RESIDUAL)
+            if RESIDUAL:
+                tl.store(res_out_ptr + r[:, None] * K + kk[None, :], h, mask=r_ok[:, None] & (kk < k_stored)[None, :])
+            hf = h.to(tl.float32)
+            sum_sq += tl.sum(hf * hf, 1)
+        rstd = tl.rsqrt(sum_sq / K + eps)
+    return rstd
+
+
+@triton.jit
+def _input_tile(x_ptr, res_ptr, nw_ptr, rows, cols, mask, k_ok, rstd, stride_x, stride_r,
+                NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The GEMV's input at [rows, cols] in x's dtype: x, or with NORM the RMSNorm of h = x
+    (+ residual) times the norm's weight (rstd broadcast like rows)."""
+    h = _h_tile(x_ptr, res_ptr, rows, cols, mask, stride_x, stride_r, RESIDUAL)
+    if NORM:
+        # Normalized h is cast back to its dtype before the weight multiply, like the torch module.
+        normed = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
+        nw = tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        h = (normed * nw).to(h.dtype)
+    return h
+
+
+@triton.jit
+def _store(y_ptr, offsets, mask, y, y_up, SILU: tl.constexpr):
+    """Stores y, or with SILU silu(y) * y_up, each rounded to y's dtype first (the unfused GEMV's
+    output), then computed in fp32 and rounded once."""
+    if SILU:
+        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = y_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dot(w, xt, acc, IEEE: tl.constexpr):
+    if IEEE:  # float32 weights: no tf32 rounding
+        acc = tl.dot(w, xt, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, xt, acc)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride_w, eps,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                 SILU: tl.constexpr, PDL: tl.constexpr):
+    # One row of x, as a [1, BLOCK_K] tile against [BLOCK_N, BLOCK_K] of W.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    r = tl.arange(0, 1)
+    k = tl.arange(0, BLOCK_K)[None, :]
+    w_at = w_ptr + n[:, None] * stride_w + k
+    w = tl.load(w_at, mask=n_ok[:, None] & (k < K), other=0.0)
+    if SILU:
+        w_up = tl.load(w_at + N * stride_w, mask=n_ok[:, None] & (k < K), other=0.0)
+    rstd = _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r < 1, K, 0, 0, eps, 1, BLOCK_K, NORM, RESIDUAL, PDL)
+    rows, rstd = r[:, None], rstd[:, None]
+    x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, k, k < K, k < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
+    acc = w.to(tl.float32) * x
+    acc_up = acc
+    if SILU:
+        acc_up = w_up.to(tl.float32) * x
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
-        k_ok = kk < K
-        w = tl.load(w_ptr + n[:, None] * stride_w + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(y_ptr + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
+        mask = n_ok[:, None] & (kk < K)
+        x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
+        acc += tl.load(w_at + k0, mask=mask, other=0.0).to(tl.float32) * x
+        if SILU:
+            acc_up += tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0).to(tl.float32) * x
+    _store(y_ptr, n, n_ok, tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), SILU)
 
 
 @triton.jit
-def _gemv_rows_fma_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, ROWS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_rows_fma_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_r,
+                          stride_w, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
     # Each weight tile is loaded once and multiplied into every row of x: the rows cost x's reads
     # (from L1; x is a few KB) and FMAs, not more weight traffic.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
     n_ok, r_ok = n < N, r < M
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k = tl.arange(0, BLOCK_K)[None, :]
+    w_at = w_ptr + n[:, None] * stride_w + k
+    w = tl.load(w_at, mask=n_ok[:, None] & (k < K), other=0.0)
+    if SILU:
+        w_up = tl.load(w_at + N * stride_w, mask=n_ok[:, None] & (k < K), other=0.0)
+    rstd = _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r, eps, ROWS, BLOCK_K,
+                           NORM, RESIDUAL, PDL)
+    rows, rows_ok, rstd = r[:, None], r_ok[:, None], rstd[:, None]
+    x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, k, rows_ok & (k < K), k < K, rstd, stride_x, stride_r,
+                    NORM, RESIDUAL).to(tl.float32)[:, None, :]
+    acc = w.to(tl.float32)[None, :, :] * x
+    acc_up = acc
+    if SILU:
+        acc_up = w_up.to(tl.float32)[None, :, :] * x
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
-        k_ok = kk < K
-        w = tl.load(w_ptr + n[:, None] * stride_w + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + r[:, None] * stride_x + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-    y = tl.sum(acc, axis=2)
-    tl.store(y_ptr + r[:, None] * N + n[None, :], y.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+        mask = n_ok[:, None] & (kk < K)
+        x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, rows_ok & (kk < K), kk < K, rstd, stride_x, stride_r,
+                        NORM, RESIDUAL).to(tl.float32)[:, None, :]
+        acc += tl.load(w_at + k0, mask=mask, other=0.0).to(tl.float32)[None, :, :] * x
+        if SILU:
+            acc_up += tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0).to(tl.float32)[None, :, :] * x
+    _store(y_ptr, rows * N + n[None, :], rows_ok & n_ok[None, :], tl.sum(acc, axis=2), tl.sum(acc_up, axis=2),
+           SILU)
 
 
 @triton.jit
-def _gemv_rows_dot_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, ROWS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _gemv_rows_dot_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_r,
+                          stride_w, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
+                          IEEE: tl.constexpr):
     # y.T = W @ x.T on the tensor cores, x's rows padded to the 16 an MMA takes: each weight tile
     # meets every row of x in one instruction stream.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
     n_ok, r_ok = n < N, r < M
     k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k
-        k_ok = kk < K
-        w = tl.load(w_ptr + n[:, None] * stride_w + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        xt = tl.load(x_ptr + r[None, :] * stride_x + kk[:, None], mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        if IEEE:  # float32 weights: no tf32 rounding
-            acc = tl.dot(w, xt, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc)
-    tl.store(y_ptr + r[None, :] * N + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=r_ok[None, :] & n_ok[:, None])
+    w_at = w_ptr + n[:, None] * stride_w + k[None, :]
+    w = tl.load(w_at, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    if SILU:
+        w_up = tl.load(w_at + N * stride_w, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    rstd = _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r, eps, ROWS, BLOCK_K,
+                           NORM, RESIDUAL, PDL)
+    rows, rows_ok, rstd, kt = r[None, :], r_ok[None, :], rstd[None, :], k[:, None]
+    xt = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kt, rows_ok & (kt < K), kt < K, rstd, stride_x, stride_r,
+                     NORM, RESIDUAL)
+    acc = _dot(w, xt, tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), IEEE)
+    acc_up = acc
+    if SILU:
+        acc_up = _dot(w_up, xt, tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), IEEE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + kt
+        mask = n_ok[:, None] & (k0 + k < K)[None, :]
+        xt = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, rows_ok & (kk < K), kk < K, rstd, stride_x, stride_r,
+                         NORM, RESIDUAL)
+        acc = _dot(tl.load(w_at + k0, mask=mask, other=0.0), xt, acc, IEEE)
+        if SILU:
+            acc_up = _dot(tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0), xt, acc_up, IEEE)
+    _store(y_ptr, rows * N + n[:, None], rows_ok & n_ok[:, None], acc, acc_up, SILU)
 
 
 MAX_ROWS = 8
+_LAUNCH_KNOBS = ("kernel", "block_n", "block_k", "num_warps", "num_stages")
 _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 
 
-def launch_config(N: int, K: int, rows: int = 1) -> tuple[str, int, int, int, int]:
+def launch_config(N: int, K: int, rows: int = 1, silu: bool = False) -> tuple[str, int, int, int, int]:
     """(kernel, block_n, block_k, num_warps, num_stages) from sweeps of Qwen3-0.6B's projections
     (one row on an H200, 2-8 rows on an H100; RESULTS.md): "one" (the one-row kernel), "fma" or
-    "dot" (the row kernels)."""
+    "dot" (the row kernels). N counts W's rows; with silu a program takes block_n rows each of gate
+    and up, so it gets half as many (the same weight per program)."""
     if rows == 1:
         # A weight row per program for the 1024-row projections, so that they too fill the GPU.
-        return ("one", 1, 1024, 8, 3) if N <= 2048 else ("one", 2, 512, 2, 3)
-    if N <= 2048 and rows <= 4:
-        return "fma", 1 if rows == 2 else 2, 1024, 4, 3
-    if N <= 2048:
-        return "dot", 16, 512, 4, 3
-    return "dot", 32, 256, 4, 4
+        config = ("one", 1, 1024, 8, 3) if N <= 2048 else ("one", 2, 512, 2, 3)
+    elif N <= 2048 and rows <= 4:
+        config = "fma", 1 if rows == 2 else 2, 1024, 4, 3
+    elif N <= 2048:
+        config = "dot", 16, 512, 4, 3
+    else:
+        config = "dot", 32, 256, 4, 4
+    kernel, block_n, *rest = config
+    if silu:
+        block_n = max(block_n // 2, 16 if kernel == "dot" else 1)
+    return kernel, block_n, *rest
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, *, kernel: str | None = None, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """x: [M, K] with 1 <= M <= MAX_ROWS; weight: [N, K], both contiguous along K. Returns [M, N] in
-    x's dtype. A launch knob left None comes from launch_config (the others are for tests and
-    sweeps; kernel "one" takes one row only)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False, **launch) -> torch.Tensor:
+    """x: [M, K] with 1 <= M <= MAX_ROWS; weight: [N, K], both contiguous along K. Returns x @ W.T
+    as [M, N] in x's dtype; with silu, W is gate and up stacked ([2 * inter, K]) and it returns
+    silu(x @ gate.T) * (x @ up.T) as [M, inter]. `launch` (kernel, block_n, block_k, num_warps,
+    num_stages; for tests and sweeps) overrides launch_config; kernel "one" takes one row only."""
+    return _launch(x, None, None, 0.0, weight, silu, launch)[0]
+
+
+def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, *, silu: bool = False, **launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.layers.norm.RMSNorm's forward (x, residual) followed by gemv(normed, weight, silu=silu)
+    as one kernel: returns (that product, the new residual x + residual, or x without one). x,
+    residual and norm_weight share a dtype."""
+    if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
+        raise ValueError(f"rms_norm_gemv takes a contiguous norm weight [{x.shape[-1]}] of x's dtype {x.dtype}; "
+                         f"got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        raise ValueError(f"rms_norm_gemv takes a residual like x {tuple(x.shape)} {x.dtype}, contiguous along "
+                         f"K; got {tuple(residual.shape)} {residual.dtype}")
+    return _launch(x, residual, norm_weight, eps, weight, silu, launch)
+
+
+def _launch(x, residual, norm_weight, eps, weight, silu, launch):
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"gemv takes x [M <= {MAX_ROWS}, K] and weight [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
     if weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("gemv needs x and weight contiguous along K")
-    (M, K), N = x.shape, weight.shape[0]
-    given = (kernel, block_n, block_k, num_warps, num_stages)
-    kernel, block_n, block_k, num_warps, num_stages = (g or c for g, c in zip(given, launch_config(N, K, M)))
+    if silu and weight.shape[0] % 2:
+        raise ValueError(f"gemv with silu takes gate and up stacked, an even number of rows; got {weight.shape[0]}")
+    if set(launch) - set(_LAUNCH_KNOBS):
+        raise TypeError(f"gemv's launch knobs are {_LAUNCH_KNOBS}; got {sorted(launch)}")
+    (M, K), rows_w = x.shape, weight.shape[0]
+    config = launch_config(rows_w, K, M, silu)
+    kernel, block_n, block_k, num_warps, num_stages = (launch.get(name) or c for name, c in zip(_LAUNCH_KNOBS, config))
+    if "block_n" not in launch and os.environ.get("TRITON_INTERPRET") == "1":
+        # Triton's CPU interpreter runs the programs one by one in numpy: a few wide ones take a
+        # fraction of the time of many narrow ones (the tests check the GPU's blocks explicitly).
+        block_n = max(block_n, 32)
+    block_k = min(block_k, triton.next_power_of_2(K))  # not wider than the row (tiny test models)
+    N = rows_w // 2 if silu else rows_w
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    norm, has_residual = norm_weight is not None, residual is not None
+    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if has_residual else x
+    # Unused pointers stand in for the inputs a variant does not read.
+    res, nw = (residual if has_residual else x), (norm_weight if norm else x)
+    pdl_on = pdl.enabled(x.device)
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, RESIDUAL=has_residual, SILU=silu, PDL=pdl_on,
+                  num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_on)
     grid = (triton.cdiv(N, block_n),)
-    launch = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     if kernel == "one":
         if M != 1:
             raise ValueError(f"the one-row kernel takes one row; got {M}")
-        _gemv_kernel[grid](x, weight, out, N, K, weight.stride(0), **launch)
+        _gemv_kernel[grid](x, res, nw, res_out, weight, out, N, K, weight.stride(0), eps, **consts)
     elif kernel == "fma":
-        rows = triton.next_power_of_2(max(M, 2))
-        _gemv_rows_fma_kernel[grid](x, weight, out, M, N, K, x.stride(0), weight.stride(0), ROWS=rows, **launch)
+        _gemv_rows_fma_kernel[grid](x, res, nw, res_out, weight, out, M, N, K, x.stride(0), res.stride(0),
+                                    weight.stride(0), eps, ROWS=triton.next_power_of_2(max(M, 2)), **consts)
     elif kernel == "dot":
-        _gemv_rows_dot_kernel[grid](x, weight, out, M, N, K, x.stride(0), weight.stride(0), ROWS=_DOT_ROWS,
-                                    IEEE=x.dtype == torch.float32, **launch)
+        _gemv_rows_dot_kernel[grid](x, res, nw, res_out, weight, out, M, N, K, x.stride(0), res.stride(0),
+                                    weight.stride(0), eps, ROWS=_DOT_ROWS, IEEE=x.dtype == torch.float32, **consts)
     else:
         raise ValueError(f"unknown gemv kernel {kernel!r}")
-    return out
+    return out, res_out

@@ -3,6 +3,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
 def add_rms_norm_row(x, res_ptr, w_ptr, out_ptr, res_out_ptr, cols, mask, n_cols, eps, HAS_RESIDUAL: tl.constexpr):
@@ -26,7 +28,10 @@ def add_rms_norm_row(x, res_ptr, w_ptr, out_ptr, res_out_ptr, cols, mask, n_cols
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -54,8 +59,9 @@ def rms_norm(x, weight, eps, residual=None):
     rows = x2.shape[0]
     if rows:
         block = triton.next_power_of_2(hidden)
+        pdl_on = pdl.enabled(x.device)
         _rms_norm_kernel[(rows,)](
             x2, r2, weight, out2, ro2, x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
-            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(max(block // 256, 1), 8))
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl_on,
+            num_warps=min(max(block // 256, 1), 8), launch_pdl=pdl_on)
     return out if residual is None else (out, res_out)

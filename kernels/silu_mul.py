@@ -3,9 +3,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -25,6 +30,7 @@ def silu_and_mul(x):
     out2 = out.view(-1, d)
     block = min(triton.next_power_of_2(d), 1024)
     if x2.shape[0]:
+        pdl_on = pdl.enabled(x.device)
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, num_warps=4)
+            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
     return out

@@ -9,7 +9,18 @@ from tests.conftest import random_prompts
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-def test_triton_backend_matches_torch_backend(tiny_qwen3):
+def test_triton_backend_matches_torch_backend(tiny_qwen3, monkeypatch):
+    """Same greedy tokens; and the Triton backend's decode steps of one row and of four take the
+    fused norm + GEMV (+ SiLU-mul) kernel for both sublayers' first projections."""
+    import kernels.gemv
+    fused_calls = set()  # (rows, with SiLU-mul)
+
+    def counted(x, *args, silu=False, **kwargs):
+        fused_calls.add((x.shape[0], silu))
+        return rms_norm_gemv(x, *args, silu=silu, **kwargs)
+
+    rms_norm_gemv = kernels.gemv.rms_norm_gemv
+    monkeypatch.setattr(kernels.gemv, "rms_norm_gemv", counted)
     block_size = 16
     # Mixed lengths and a shared prefix, so prefill covers cached and uncached contexts.
     shared = random_prompts([40], seed=31)[0]
@@ -23,6 +34,8 @@ def test_triton_backend_matches_torch_backend(tiny_qwen3):
             runs[backend] = [alone] + [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
             assert llm.stats().prefix_hit_tokens > 0
     assert runs["triton"] == runs["torch"]
+    assert {(1, False), (1, True), (4, False), (4, True)} <= fused_calls
+    assert all(rows <= 8 for rows, _ in fused_calls)
 
 
 def test_triton_backend_rejects_bad_block_sizes(tiny_qwen3):

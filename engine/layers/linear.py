@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel
+from engine.layers.activation import SiluAndMul
+from engine.layers.norm import RMSNorm
 from engine.layers.quantized import quantize
 from engine.layers.weights import copy_into, narrow, shape_of
 
@@ -20,9 +22,13 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def _decode_rows(x: torch.Tensor) -> bool:
+    """A chat-sized decode step (1-8 rows): the Triton GEMV beats cuBLAS there (kernels/gemv.py)."""
+    return x.dim() == 2 and 1 <= x.shape[0] <= 8 and x.stride(1) == 1
+
+
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
-    # A chat-sized decode step (1-8 rows): the Triton GEMV beats cuBLAS there (kernels/gemv.py).
-    if fused and bias is None and x.dim() == 2 and 1 <= x.shape[0] <= 8 and x.stride(1) == 1:
+    if fused and bias is None and _decode_rows(x):
         from kernels.gemv import gemv
         return gemv(x, weight)
     return F.linear(x, weight, bias)
@@ -62,6 +68,30 @@ class _Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._multiply(x, self.bias)
+
+    def norm_forward(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                     act: SiluAndMul | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """act(self(norm(x + residual))) and the new residual x + residual (x itself without one):
+        a pre-norm sublayer's first projection. On a Triton decode step of 1-8 rows it is one kernel,
+        the norm in the GEMV's prologue and SiLU-mul in its epilogue (kernels.gemv.rms_norm_gemv)."""
+        if self._fuses_norm(norm, x, residual, act):
+            from kernels.gemv import rms_norm_gemv
+            return rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, silu=act is not None)
+        if residual is None:
+            x, residual = norm(x), x
+        else:
+            x, residual = norm(x, residual)
+        y = self(x)
+        return (y if act is None else act(y)), residual
+
+    def _fuses_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                    act: SiluAndMul | None) -> bool:
+        # Not with a quantized weight or a bias (Qwen2's qkv), nor where the norm also sums the
+        # ranks' partial outputs (tensor parallel, reduce_slot).
+        return (self.fused and norm.fused and (act is None or act.fused) and self.quantized is None
+                and self.bias is None and norm.reduce_slot is None and _decode_rows(x)
+                and x.dtype == norm.weight.dtype
+                and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1))
 
 
 class ReplicatedLinear(_Linear):

@@ -43,17 +43,18 @@ class DecoderAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions, x, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x)
+    def forward(self, positions, x, residual, norm: RMSNorm, meta: AttentionMetadata):
+        """Attention over norm(x + residual); returns (its output, the new residual)."""
+        qkv, residual = self.qkv_proj.norm_forward(norm, x, residual)
         if self.fused:
-            return self.o_proj(self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm, meta))
+            return self.o_proj(self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm, meta)), residual
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(q, k, v, meta)), residual
 
 
 class MLP(nn.Module):
@@ -64,8 +65,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
         self.act = SiluAndMul()
 
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x, residual, norm: RMSNorm):
+        """The MLP of norm(x + residual); returns (its output, the new residual)."""
+        h, residual = self.gate_up_proj.norm_forward(norm, x, residual, self.act)
+        return self.down_proj(h), residual
 
 
 class DecoderLayer(nn.Module):
@@ -77,13 +80,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, positions, x, residual, meta):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # Each sublayer applies its pre-norm, so that its first projection can take the norm in.
+        x, residual = self.self_attn(positions, x, residual, self.input_layernorm, meta)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):
