@@ -10,8 +10,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def test_triton_backend_matches_torch_backend(tiny_qwen3, monkeypatch):
-    """Same greedy tokens; and the Triton backend's decode steps of one row and of four take the
-    fused norm + GEMV (+ SiLU-mul) kernel for both sublayers' first projections."""
+    """Same greedy tokens; and the Triton backend's one-row decode steps take the fused norm + GEMV
+    (+ SiLU-mul) kernel for both sublayers' first projections, its four-row steps do not."""
     import kernels.gemv
     fused_calls = set()  # (rows, with SiLU-mul)
 
@@ -34,8 +34,7 @@ def test_triton_backend_matches_torch_backend(tiny_qwen3, monkeypatch):
             runs[backend] = [alone] + [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
             assert llm.stats().prefix_hit_tokens > 0
     assert runs["triton"] == runs["torch"]
-    assert {(1, False), (1, True), (4, False), (4, True)} <= fused_calls
-    assert all(rows <= 8 for rows, _ in fused_calls)
+    assert fused_calls == {(1, False), (1, True)}
 
 
 def test_triton_backend_rejects_bad_block_sizes(tiny_qwen3):

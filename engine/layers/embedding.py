@@ -39,8 +39,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     quantized = None  # the head in fewer bits, after quantize (engine/layers/quantized.py)
-    # Set by the runner with the Triton backend: chat-sized steps take the Triton GEMV, which read
-    # Qwen3-0.6B's 311 MB head in 100 µs against cuBLAS's 111 at one row (H100, RESULTS.md).
+    # Set by the runner with the Triton backend: one-row steps take the Triton GEMV, which read
+    # Qwen3-0.6B's 311 MB head in 100 µs against cuBLAS's 111 (H100, RESULTS.md). More rows were
+    # not measured.
     fused = False
 
     def quantize(self, method: str, tied: bool) -> None:
@@ -54,7 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Full-vocabulary logits on rank 0 (None elsewhere)."""
         if self.quantized is not None:
             logits = self.quantized(hidden)
-        elif self.fused and hidden.dim() == 2 and 1 <= hidden.shape[0] <= 8 and hidden.stride(1) == 1:
+        elif self.fused and hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.stride(1) == 1:
             from kernels.gemv import gemv
             logits = gemv(hidden, self.weight)
         else:

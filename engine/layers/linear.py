@@ -72,7 +72,7 @@ class _Linear(nn.Module):
     def norm_forward(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                      act: SiluAndMul | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """act(self(norm(x + residual))) and the new residual x + residual (x itself without one):
-        a pre-norm sublayer's first projection. On a Triton decode step of 1-8 rows it is one kernel,
+        a pre-norm sublayer's first projection. On a Triton decode step of one row it is one kernel,
         the norm in the GEMV's prologue and SiLU-mul in its epilogue (kernels.gemv.rms_norm_gemv)."""
         if self._fuses_norm(norm, x, residual, act):
             from kernels.gemv import rms_norm_gemv
@@ -88,8 +88,10 @@ class _Linear(nn.Module):
                     act: SiluAndMul | None) -> bool:
         # Not with a quantized weight or a bias (Qwen2's qkv), nor where the norm also sums the
         # ranks' partial outputs (tensor parallel, reduce_slot).
+        # One row only: at 2-8 rows the fused row kernels ran 5-7 µs per layer slower than the norm
+        # and SiLU-mul kernels beside the plain GEMVs (bench_gemv --fused, H200, RESULTS.md).
         return (self.fused and norm.fused and (act is None or act.fused) and self.quantized is None
-                and self.bias is None and norm.reduce_slot is None and _decode_rows(x)
+                and self.bias is None and norm.reduce_slot is None and _decode_rows(x) and x.shape[0] == 1
                 and x.dtype == norm.weight.dtype
                 and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1))
 
