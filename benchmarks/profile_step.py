@@ -61,7 +61,7 @@ def report(title: str, r: dict) -> None:
         print(f"  {k['us_per_step']:8.1f} us/step  {k['per_step']:6.1f}x  {k['us_each']:7.2f} us each  {k['name']}")
 
 
-SCENARIOS = ["decode_b1_ctx512", "decode_b256_ctx600", "mixed_8_decode_plus_120_chunk", "mixed_8_streams_at_8k",
+SCENARIOS = ["decode_b1_ctx512", "decode_b8_ctx512", "decode_b256_ctx600", "mixed_8_decode_plus_120_chunk", "mixed_8_streams_at_8k",
              "cached_2048_plus_50_prefill"]
 
 
@@ -100,6 +100,14 @@ def main():
             llm.step()
         results["decode_b1_ctx512"] = profile_steps(llm, 20)
         end([seq])
+
+    if "decode_b8_ctx512" in args.only:
+        seqs = [llm.add_request(prompt(512), decode_only) for _ in range(8)]
+        while any(s.num_completion_tokens == 0 for s in seqs):
+            llm.step()
+        llm.step()
+        results["decode_b8_ctx512"] = profile_steps(llm, 20)
+        end(seqs)
 
     if "decode_b256_ctx600" in args.only:
         seqs = [llm.add_request(prompt(600), decode_only) for _ in range(256)]
