@@ -83,6 +83,13 @@ class Layer:
         h, residual = rms_norm(x, self.n2, 1e-6, residual)
         return gemv(silu_and_mul(gemv(h, self.gate_up)), self.down), residual
 
+    def silu_fused(self, x, residual):
+        """The norms as their own kernels, SiLU-mul in the gate_up GEMV's epilogue."""
+        h, residual = rms_norm(x, self.n1, 1e-6, residual)
+        x = gemv(gemv(h, self.qkv)[:, :self.q], self.o)
+        h, residual = rms_norm(x, self.n2, 1e-6, residual)
+        return gemv(gemv(h, self.gate_up, silu=True), self.down), residual
+
     def fused(self, x, residual):
         qkv, residual = rms_norm_gemv(x, residual, self.n1, 1e-6, self.qkv)
         x = gemv(qkv[:, :self.q], self.o)
@@ -101,10 +108,11 @@ def fused_chains(rows_list: list[int], sweep: bool) -> list[dict]:
         x0 = torch.randn(m, hidden, device=device, dtype=dtype)
         r0 = torch.randn(m, hidden, device=device, dtype=dtype)
         # The two chains agree on one layer (28 random layers drift apart in bf16).
-        want, got = model[0].unfused(x0, r0), model[0].fused(x0, r0)
-        for a, b in zip(want, got):
-            torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
-        for chain, pdl_on in itertools.product(("unfused", "fused"), ("1", "0")):
+        want = model[0].unfused(x0, r0)
+        for got in (model[0].fused(x0, r0), model[0].silu_fused(x0, r0)):
+            for a, b in zip(want, got):
+                torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+        for chain, pdl_on in itertools.product(("unfused", "silu_fused", "fused"), ("1", "0")):
             os.environ["NVCHAT_PDL"] = pdl_on
 
             def step():
@@ -119,7 +127,7 @@ def fused_chains(rows_list: list[int], sweep: bool) -> list[dict]:
                 step()
                 us = None
             results.append({"rows": m, "chain": chain, "pdl": pdl_on == "1", "us_per_layer": us})
-            print(f"{m:4d} {chain:8s} {'on' if pdl_on == '1' else 'off':>3s} {us if us is not None else '-':>9}",
+            print(f"{m:4d} {chain:10s} {'on' if pdl_on == '1' else 'off':>3s} {us if us is not None else '-':>9}",
                   flush=True)
     os.environ.pop("NVCHAT_PDL", None)
     if sweep and cuda:

@@ -31,6 +31,11 @@ fusions and PDL cut that:
   to the whole row, and lost more than the launch it saved.
 - PDL (kernels/pdl.py): a program loads its first weight tile(s), which no kernel writes, before
   waiting on the kernel before, so they stream in while that one finishes.
+What paid (bench_gemv --fused, 28 layers' projections in a graph, H200, RESULTS.md eleventh
+session): PDL, 22.5 -> 16.6 µs per layer at one row. With PDL the fusions are a wash at one row
+(16.6 either way) and slower at 2-8 rows (the fused row kernels read x, the residual and the norm
+weight again in every program); without PDL (GPUs before Hopper) they save 2.9 µs per layer at
+one row. So the engine fuses at one row only (engine/layers/linear.py).
 """
 from __future__ import annotations
 
@@ -220,18 +225,18 @@ _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 
 def launch_config(N: int, K: int, rows: int = 1, silu: bool = False) -> tuple[str, int, int, int, int]:
     """(kernel, block_n, block_k, num_warps, num_stages) from sweeps of Qwen3-0.6B's projections
-    (one row on an H200, 2-8 rows on an H100; RESULTS.md): "one" (the one-row kernel), "fma" or
+    (one row and, with PDL, 2-8 rows on an H200; RESULTS.md): "one" (the one-row kernel), "fma" or
     "dot" (the row kernels). N counts W's rows; with silu a program takes block_n rows each of gate
     and up, so it gets half as many (the same weight per program)."""
     if rows == 1:
         # A weight row per program for the 1024-row projections, so that they too fill the GPU.
         config = ("one", 1, 1024, 8, 3) if N <= 2048 else ("one", 2, 512, 2, 3)
     elif N <= 2048 and rows <= 4:
-        config = "fma", 1 if rows == 2 else 2, 1024, 4, 3
+        config = "fma", 2, 1024, 4, 3
     elif N <= 2048:
         config = "dot", 16, 512, 4, 3
     else:
-        config = "dot", 32, 256, 4, 4
+        config = "dot", 32, 512, 4, 4 if N <= 4096 else 3
     kernel, block_n, *rest = config
     if silu:
         block_n = max(block_n // 2, 16 if kernel == "dot" else 1)
