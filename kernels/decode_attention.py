@@ -351,9 +351,10 @@ def _sm_count(device_index: int) -> int:
 def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
     """Enough splits to give every SM about four programs, but none shorter than MIN_SPLIT_TOKENS
     of the table's capacity. Static in shapes, so a captured graph keeps its grid. Four, not two:
-    with the split kernel merging its own splits, batch 8 ran 11.0 µs per layer at 512 context and
-    40.0 at 4096 with 8 splits, against 13.1 and 46.9 with the 5 that two per SM gave (H200,
-    RESULTS.md eleventh session)."""
+    in bench_latency (H200, RESULTS.md eleventh session) batches 2, 4 and 8 at 4096 context took
+    1.22, 1.45 and 2.00 ms per step against 1.27, 1.60 and 2.12 with two, and batch 8 at 512 took
+    1.235 against 1.19: the grid is fixed by the table's capacity, not the context, so one count
+    serves both, and the long contexts a conversation grows into gain more."""
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 16
     want = triton.cdiv(4 * sms, batch * kv_heads)
