@@ -172,3 +172,17 @@ class DecodeStep:
         rtol, atol = TOL[self.dtype]
         torch.testing.assert_close(self.k_cache, want_k, rtol=rtol, atol=atol, equal_nan=True)
         torch.testing.assert_close(self.v_cache, want_v, rtol=0, atol=0, equal_nan=True)
+
+
+def norm_gemv_reference(x, residual, norm_weight, weight, silu, eps):
+    """What kernels.gemv.rms_norm_gemv must equal: the RMSNorm module's arithmetic (kernels.rmsnorm's
+    contract, itself checked against torch in test_kernels), the product rounded to x's dtype, then
+    SiLU-mul in fp32 rounded once. Returns (y, new residual)."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    normed = norm_weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    y = (normed.float() @ weight.float().T).to(x.dtype)
+    if silu:
+        gate, up = y.float().chunk(2, -1)
+        y = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    return y, h

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels import gemv, rmsnorm  # noqa: E402
-from tests.kernel_checks import assert_close, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import assert_close, norm_gemv_reference, poison, seed  # noqa: E402,F401 (fixtures)
 
 if type(gemv._gemv_kernel).__name__ != "InterpretedFunction":
     if torch.cuda.is_available() or os.environ["TRITON_INTERPRET"] != "1":
@@ -28,19 +28,6 @@ if type(gemv._gemv_kernel).__name__ != "InterpretedFunction":
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 EPS = 1e-6
-
-
-def reference(x, residual, norm_weight, weight, silu):
-    """RMSNorm (kernels.rmsnorm's contract, itself checked against torch in test_kernels), the
-    product rounded to x's dtype, then SiLU-mul in fp32 rounded once. Returns (y, new residual)."""
-    h = x if residual is None else x + residual
-    hf = h.float()
-    normed = norm_weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype)
-    y = (normed.float() @ weight.float().T).to(x.dtype)
-    if silu:
-        gate, up = y.float().chunk(2, -1)
-        y = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-    return y, h
 
 
 def inputs(M, N, K, dtype, with_residual):
@@ -53,7 +40,7 @@ def inputs(M, N, K, dtype, with_residual):
 
 def check(launch, M, N, K, dtype, with_residual, silu, poison):
     x, residual, norm_weight, weight = inputs(M, N, K, dtype, with_residual)
-    want_y, want_h = reference(x, residual, norm_weight, weight, silu)
+    want_y, want_h = norm_gemv_reference(x, residual, norm_weight, weight, silu, EPS)
     with poison():
         y, h = gemv.rms_norm_gemv(x, residual, norm_weight, EPS, weight, silu=silu, **launch)
     assert_close(y, want_y, dtype)

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from kernels import gemv, pdl, rmsnorm, silu_mul  # noqa: E402
-from tests.kernel_checks import assert_close, capture, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import assert_close, capture, norm_gemv_reference, poison, seed  # noqa: E402,F401 (fixtures)
 
 if type(gemv._gemv_kernel).__name__ == "InterpretedFunction":
     pytest.skip("kernels were imported under TRITON_INTERPRET=1", allow_module_level=True)
@@ -23,19 +23,6 @@ if type(gemv._gemv_kernel).__name__ == "InterpretedFunction":
 BF16 = torch.bfloat16
 EPS = 1e-6
 HIDDEN, QKV, INTER = 1024, 4096, 3072  # Qwen3-0.6B
-
-
-def reference(x, residual, norm_weight, weight, silu):
-    """The unfused chain: the RMSNorm module's arithmetic, the product rounded to bf16, SiLU-mul in
-    fp32 rounded once. Returns (y, new residual)."""
-    h = x if residual is None else x + residual
-    hf = h.float()
-    normed = norm_weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype)
-    y = (normed.float() @ weight.float().T).to(x.dtype)
-    if silu:
-        gate, up = y.float().chunk(2, -1)
-        y = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-    return y, h
 
 
 def weights(n, k):
@@ -52,7 +39,7 @@ def test_rms_norm_gemv(M, N, silu, with_residual, poison):
     residual = torch.randn(M, HIDDEN, device="cuda").to(BF16) if with_residual else None
     norm_weight = (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).to(BF16)
     weight = weights(N, HIDDEN)
-    want_y, want_h = reference(x, residual, norm_weight, weight, silu)
+    want_y, want_h = norm_gemv_reference(x, residual, norm_weight, weight, silu, EPS)
     with poison():
         y, h = gemv.rms_norm_gemv(x, residual, norm_weight, EPS, weight, silu=silu)
     assert_close(y, want_y, BF16)
