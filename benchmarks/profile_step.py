@@ -101,20 +101,14 @@ def main():
         results["decode_b1_ctx512"] = profile_steps(llm, 20)
         end([seq])
 
-    if "decode_b8_ctx512" in args.only:
-        seqs = [llm.add_request(prompt(512), decode_only) for _ in range(8)]
+    for name, batch, context, steps in (("decode_b8_ctx512", 8, 512, 20), ("decode_b256_ctx600", 256, 600, 5)):
+        if name not in args.only:
+            continue
+        seqs = [llm.add_request(prompt(context), decode_only) for _ in range(batch)]
         while any(s.num_completion_tokens == 0 for s in seqs):
             llm.step()
         llm.step()
-        results["decode_b8_ctx512"] = profile_steps(llm, 20)
-        end(seqs)
-
-    if "decode_b256_ctx600" in args.only:
-        seqs = [llm.add_request(prompt(600), decode_only) for _ in range(256)]
-        while any(s.num_completion_tokens == 0 for s in seqs):
-            llm.step()
-        llm.step()
-        results["decode_b256_ctx600"] = profile_steps(llm, 5)
+        results[name] = profile_steps(llm, steps)
         end(seqs)
 
     if "mixed_8_decode_plus_120_chunk" in args.only:

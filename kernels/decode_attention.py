@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.norm_rope_store import check_norm_rope_inputs
 
 LOG2E = 1.4426950408889634
 # A split shorter than this spends more on its fixed cost (load q, write a partial) than it saves.
@@ -455,18 +456,12 @@ def paged_decode_attention_from_qkv(qkv, positions, cos, sin, q_norm_weight, k_n
     the caches at slot_mapping (-1: not stored), which must be the slot of each sequence's last
     context position, context_lens[i] - 1. qkv is only read (q is not written back).
     Returns [batch, heads, head_dim] in qkv's dtype. counters: as for paged_decode_attention."""
-    assert (q_norm_weight is None) == (k_norm_weight is None), "q and k norms come together"
     batch, width = qkv.shape
     _, block_size, kv_heads, head_dim = k_cache.shape
     num_heads = width // head_dim - 2 * kv_heads
     assert num_heads > 0 and width == (num_heads + 2 * kv_heads) * head_dim and num_heads % kv_heads == 0
     assert head_dim % 2 == 0 and block_size >= 16 and block_size & (block_size - 1) == 0
-    for t in (qkv, cos, sin, k_cache, v_cache):
-        assert t.stride(-1) == 1, "the last dimension must be contiguous"
-    has_norm = q_norm_weight is not None
-    if has_norm:
-        assert q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()
-        assert q_norm_weight.numel() == head_dim == k_norm_weight.numel()
+    has_norm = check_norm_rope_inputs(qkv, cos, sin, k_cache, v_cache, q_norm_weight, k_norm_weight, head_dim)
     out = torch.empty((batch, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if batch == 0:
         return out

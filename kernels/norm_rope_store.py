@@ -88,6 +88,19 @@ def _norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
         tl.store(vc + half, tl.load(v_ptrs + half, mask=jm).to(v_cache_ptr.dtype.element_ty), mask=jm)
 
 
+def check_norm_rope_inputs(qkv, cos, sin, k_cache, v_cache, q_norm_weight, k_norm_weight, head_dim) -> bool:
+    """The layout every kernel that norms and rotates q/k from a qkv row needs (this one and
+    kernels.decode_attention's from-qkv kernel); returns whether q and k are normed."""
+    assert (q_norm_weight is None) == (k_norm_weight is None), "q and k norms come together"
+    for t in (qkv, cos, sin, k_cache, v_cache):
+        assert t.stride(-1) == 1, "the last dimension must be contiguous"
+    has_norm = q_norm_weight is not None
+    if has_norm:
+        assert q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()
+        assert q_norm_weight.numel() == head_dim == k_norm_weight.numel()
+    return has_norm
+
+
 def norm_rope_store(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
                     q_norm_weight=None, k_norm_weight=None, eps=1e-6) -> torch.Tensor:
     """From a fused qkv projection [tokens, (num_heads + 2 * num_kv_heads) * head_dim] (q heads,
@@ -105,18 +118,12 @@ def norm_rope_store(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, nu
     (qkv.stride(0), head_dim, 1). Equivalent to q_norm/k_norm, RotaryEmbedding and store_kv in
     turn; no host sync, so it is CUDA-graph capturable.
     """
-    assert (q_norm_weight is None) == (k_norm_weight is None), "q and k norms come together"
     tokens, width = qkv.shape
     assert num_heads % num_kv_heads == 0
     head_dim = width // (num_heads + 2 * num_kv_heads)
     assert width == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
     assert k_cache.shape[1:] == v_cache.shape[1:] and tuple(k_cache.shape[2:]) == (num_kv_heads, head_dim)
-    for t in (qkv, cos, sin, k_cache, v_cache):
-        assert t.stride(-1) == 1, "the last dimension must be contiguous"
-    has_norm = q_norm_weight is not None
-    if has_norm:
-        assert q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()
-        assert q_norm_weight.numel() == head_dim == k_norm_weight.numel()
+    has_norm = check_norm_rope_inputs(qkv, cos, sin, k_cache, v_cache, q_norm_weight, k_norm_weight, head_dim)
     # as_strided, not view: view would give a one-token q contiguous strides, not qkv's.
     q = qkv.as_strided((tokens, num_heads, head_dim), (qkv.stride(0), head_dim, 1), qkv.storage_offset())
     if tokens == 0:

@@ -22,13 +22,9 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def _decode_rows(x: torch.Tensor) -> bool:
-    """A chat-sized decode step (1-8 rows): the Triton GEMV beats cuBLAS there (kernels/gemv.py)."""
-    return x.dim() == 2 and 1 <= x.shape[0] <= 8 and x.stride(1) == 1
-
-
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
-    if fused and bias is None and _decode_rows(x):
+    # A chat-sized decode step (1-8 rows): the Triton GEMV beats cuBLAS there (kernels/gemv.py).
+    if fused and bias is None and x.dim() == 2 and 1 <= x.shape[0] <= 8 and x.stride(1) == 1:
         from kernels.gemv import gemv
         return gemv(x, weight)
     return F.linear(x, weight, bias)
@@ -91,7 +87,7 @@ class _Linear(nn.Module):
         # One row only: at 2-8 rows the fused row kernels ran 5-7 µs per layer slower than the norm
         # and SiLU-mul kernels beside the plain GEMVs (bench_gemv --fused, H200, RESULTS.md).
         return (self.fused and norm.fused and (act is None or act.fused) and self.quantized is None
-                and self.bias is None and norm.reduce_slot is None and _decode_rows(x) and x.shape[0] == 1
+                and self.bias is None and norm.reduce_slot is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
                 and x.dtype == norm.weight.dtype
                 and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1))
 

@@ -47,7 +47,8 @@ class DecoderAttention(nn.Module):
         """Attention over norm(x + residual); returns (its output, the new residual)."""
         qkv, residual = self.qkv_proj.norm_forward(norm, x, residual)
         if self.fused:
-            return self.o_proj(self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm, meta)), residual
+            o = self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm, meta)
+            return self.o_proj(o), residual
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
