@@ -45,13 +45,13 @@ def test_int4_recovers_weights_already_on_a_4_bit_grid():
     assert (y - expected).norm() / expected.norm() < 0.01
 
 
-def _prefill_logits(path, prompt, **kwargs):
-    """The engine's logits for the prompt's last position, caught on their way to the sampler."""
+def _prefill_logits(path, prompts, **kwargs):
+    """The engine's logits for each prompt's last position, caught on their way to the sampler."""
     with LLM(path, device="cpu", kvcache_block_size=8, **kwargs) as llm:
         caught, compute = [], llm.runner.model.compute_logits
         llm.runner.model.compute_logits = lambda hidden: caught.append(compute(hidden)) or caught[-1]
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
-        return caught[0][-1]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
+        return caught[0]
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -59,13 +59,16 @@ def _prefill_logits(path, prompt, **kwargs):
 def test_quantized_logits_stay_close_to_hf(request, fixture, method):
     import transformers
     path = request.getfixturevalue(fixture)
-    prompt = random_prompts([37], seed=int(torch.randint(0, 1000, ())))[0]
+    # Eight prompts, not one: one prompt's error swings from 0.02 to 0.08 (int8) with the prompt, while
+    # eight together stayed within 0.021-0.039 over 150 draws, so the bound below tests the rounding
+    # rather than the luck of the draw.
+    prompts = random_prompts([37] * 8, seed=int(torch.randint(0, 2**31, ())))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = hf(torch.tensor([prompt])).logits[0, -1]
-    exact = _prefill_logits(path, prompt)
+        expected = hf(torch.tensor(prompts)).logits[:, -1]
+    exact = _prefill_logits(path, prompts)
     assert (exact - expected).norm() / expected.norm() < 1e-5
-    error = (_prefill_logits(path, prompt, quantization=method) - expected).norm() / expected.norm()
+    error = (_prefill_logits(path, prompts, quantization=method) - expected).norm() / expected.norm()
     assert 1e-5 < error < LOGITS_ERROR[method], error  # moved by the rounding, but only a little
 
 
