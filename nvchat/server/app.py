@@ -193,13 +193,18 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
             raise APIError(500, f"generation failed: {stream.error}", type="server_error")
         return stream
 
-    def stream_error(stream: RequestStream) -> str | None:
-        """The error event that ends a stream that did not finish normally."""
+    def closing_events(stream: RequestStream, payload, empty, include_usage: bool) -> list[str]:
+        """The events that end a stream: an error event if it did not finish normally; else the
+        finish reason with usage, a usage-only chunk if asked for, and [DONE]. payload(empty, ...)
+        builds an endpoint's chunk."""
         if stream.finish_reason == "error":
-            return sse_event(APIError(500, f"generation failed: {stream.error}", type="server_error").body())
+            return [sse_event(APIError(500, f"generation failed: {stream.error}", type="server_error").body())]
         if stream.finish_reason == "abort":
-            return sse_event(_shutting_down().body())
-        return None
+            return [sse_event(_shutting_down().body())]
+        events = [sse_event(payload(empty, stream.finish_reason, _usage(stream)))]
+        if include_usage:
+            events.append(sse_event(payload(empty, usage=_usage(stream), choices=False)))
+        return events + [DONE]
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -221,23 +226,15 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
                 event["usage"] = usage
             return event
 
-        def chunk(*args, **kwargs) -> str:
-            return sse_event(payload(*args, **kwargs))
-
         content_event = text_events(payload({"content": TEXT_SLOT}))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events():
-            yield chunk({"role": "assistant", "content": ""})
+            yield sse_event(payload({"role": "assistant", "content": ""}))
             async for text in _texts(stream):
                 yield content_event(text)
-            error = stream_error(stream)
-            if error:
-                yield error
-                return
-            yield chunk({}, stream.finish_reason, _usage(stream))
-            if body.stream_options and body.stream_options.include_usage:
-                yield chunk({}, usage=_usage(stream), choices=False)
-            yield DONE
+            for event in closing_events(stream, payload, {}, include_usage):
+                yield event
 
         return EventStreamResponse(events(), on_close=lambda: finish(stream))
 
@@ -260,18 +257,13 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
             return payload(stream.text, stream.finish_reason, _usage(stream))
 
         text_event = text_events(payload(TEXT_SLOT))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events():
             async for text in _texts(stream):
                 yield text_event(text)
-            error = stream_error(stream)
-            if error:
-                yield error
-                return
-            yield sse_event(payload("", stream.finish_reason, _usage(stream)))
-            if body.stream_options and body.stream_options.include_usage:
-                yield sse_event(payload("", usage=_usage(stream), choices=False))
-            yield DONE
+            for event in closing_events(stream, payload, "", include_usage):
+                yield event
 
         return EventStreamResponse(events(), on_close=lambda: finish(stream))
 
