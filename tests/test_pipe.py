@@ -55,6 +55,7 @@ def runs(demo_model_path, tmp_path_factory):
         "json": (_run, ["-p", QUESTION, "--json", *FAST]),
         "argument": (_run, ["-p", QUESTION, *FAST]),
         "stdin": (_run, ["-p", "-", *FAST], QUESTION + "\n"),
+        "piped_without_p": (_run, FAST, QUESTION + "\n"),
         "bad_model": (_run, ["-p", "hi", *FAST, "--model", str(missing)]),  # the last --model wins
         "too_long": (_run, ["-p", "word " * 100, *FAST, "--max-model-len", "64"]),
         "bad_temperature": (_run, ["-p", "hi", "--temperature", "-1"]),
@@ -105,6 +106,13 @@ def test_question_as_argument_prints_only_the_reply(runs, json_reply):
 
 def test_question_from_stdin(runs, json_reply):
     result = runs["stdin"]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == _as_printed(json_reply["text"])
+
+
+def test_piped_stdin_without_p_is_pipe_mode(runs, json_reply):
+    """`echo question | nvchat`: the app would wait forever for keys that cannot come."""
+    result = runs["piped_without_p"]
     assert result.returncode == 0, result.stderr
     assert result.stdout == _as_printed(json_reply["text"])
 
