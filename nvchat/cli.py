@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--theme", help="colour theme for the app (default nvchat-dark)")
     p.add_argument("--system", dest="system_prompt", metavar="TEXT", help="system prompt for new conversations (\"\" for none)")
     p.add_argument("--plain", action="store_true", help="a plain line-based REPL instead of the full-screen app")
-    p.add_argument("-p", "--prompt", metavar="TEXT", help="pipe mode: answer TEXT (- reads stdin), print the reply, exit; the default when stdin is not a terminal")
+    p.add_argument("-p", "--prompt", metavar="TEXT", help="pipe mode: answer TEXT (- reads stdin), print the "
+                                                           "reply, exit; `-p -` is implied when stdin is not a terminal")
     p.add_argument("--json", action="store_true", help="with -p: print one JSON object with the reply and its stats")
     p.add_argument("--backend", metavar="URL", help="an OpenAI-compatible server to chat with instead of the local "
                                                     "engine, e.g. http://127.0.0.1:8000/v1 (--model names its model)")
