@@ -174,15 +174,26 @@ class DecodeStep:
         torch.testing.assert_close(self.v_cache, want_v, rtol=0, atol=0, equal_nan=True)
 
 
-def norm_gemv_reference(x, residual, norm_weight, weight, silu, eps):
+def round_toward_zero(t, dtype):
+    """t rounded to dtype as Triton's interpreter rounds fp32 to bf16: toward zero (it drops the low
+    16 bits). Other dtypes round to nearest there, as torch does."""
+    if dtype != torch.bfloat16:
+        return t.to(dtype)
+    return (t.float().view(torch.int32) & -65536).view(torch.float32).to(dtype)  # exact: low bits are 0
+
+
+def norm_gemv_reference(x, residual, norm_weight, weight, silu, eps, rounding=None):
     """What kernels.gemv.rms_norm_gemv must equal: the RMSNorm module's arithmetic (kernels.rmsnorm's
     contract, itself checked against torch in test_kernels), the product rounded to x's dtype, then
-    SiLU-mul in fp32 rounded once. Returns (y, new residual)."""
-    h = x if residual is None else x + residual
+    SiLU-mul in fp32 rounded once. Returns (y, new residual). rounding(fp32 tensor, dtype) rounds at
+    each of those steps: torch's round-to-nearest unless given (round_toward_zero for the interpreter)."""
+    to = rounding or (lambda t, dtype: t.to(dtype))
+    h = x if residual is None else to(x.float() + residual.float(), x.dtype)
     hf = h.float()
-    normed = norm_weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
-    y = (normed.float() @ weight.float().T).to(x.dtype)
+    normed = to(hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps), h.dtype)
+    normed = to(norm_weight.float() * normed.float(), h.dtype)
+    y = to(normed.float() @ weight.float().T, x.dtype)
     if silu:
         gate, up = y.float().chunk(2, -1)
-        y = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+        y = to(torch.nn.functional.silu(gate) * up, x.dtype)
     return y, h

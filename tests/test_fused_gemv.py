@@ -18,7 +18,8 @@ import torch
 pytest.importorskip("triton")
 
 from kernels import gemv, rmsnorm  # noqa: E402
-from tests.kernel_checks import assert_close, norm_gemv_reference, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import (assert_close, norm_gemv_reference, poison, round_toward_zero,  # noqa: E402,F401
+                                 seed)
 
 if type(gemv._gemv_kernel).__name__ != "InterpretedFunction":
     if torch.cuda.is_available() or os.environ["TRITON_INTERPRET"] != "1":
@@ -40,13 +41,15 @@ def inputs(M, N, K, dtype, with_residual):
 
 def check(launch, M, N, K, dtype, with_residual, silu, poison):
     x, residual, norm_weight, weight = inputs(M, N, K, dtype, with_residual)
-    want_y, want_h = norm_gemv_reference(x, residual, norm_weight, weight, silu, EPS)
+    # Rounded where the kernel rounds, and as the interpreter rounds (bf16: toward zero). With torch's
+    # round-to-nearest, bf16 SiLU-mul drifted by up to five roundings' bias, a few percent: once in
+    # 20 draws past the 3e-2 tolerance.
+    want_y, want_h = norm_gemv_reference(x, residual, norm_weight, weight, silu, EPS, rounding=round_toward_zero)
     with poison():
         y, h = gemv.rms_norm_gemv(x, residual, norm_weight, EPS, weight, silu=silu, **launch)
     assert_close(y, want_y, dtype)
     if with_residual:
-        # Not bit-equal: the interpreter rounds fp32 to bf16 toward zero (the GPU test checks equality).
-        assert_close(h, want_h, dtype)
+        assert torch.equal(h, want_h)  # one fp32 add, rounded as the interpreter rounds
     else:
         assert h is x
 

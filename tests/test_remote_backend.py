@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,11 +40,13 @@ def backend(url):
         yield backend
 
 
-def _closed_port_url() -> str:
-    with socket.socket() as s:  # bound, never listening: connections are refused
+@contextmanager
+def _refusing_url():
+    """A URL whose port is held bound, never listening, while in use: connections to it are refused,
+    and no other socket (another test's server, say) can take the port in the meantime."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{s.getsockname()[1]}/v1"
 
 
 def test_streams_match_the_engine_and_run_concurrently(backend, engine):
@@ -83,12 +86,12 @@ def test_http_and_connection_errors_end_the_stream(url):
         again = wrong_model.submit(CHAT, SamplingParams(max_tokens=4, temperature=0))
         assert again.wait(30) and again.finish_reason == "error"  # still usable, still answering
 
-    dead = _closed_port_url()
-    with RemoteBackend(dead, model="demo") as unreachable:
-        stream = unreachable.submit(CHAT)
-        assert stream.wait(30) and stream.finish_reason == "error" and "could not reach" in stream.error
-    with pytest.raises(RuntimeError, match="could not reach"):
-        RemoteBackend(dead).start()  # no model named: it must ask the server, which isn't there
+    with _refusing_url() as dead:
+        with RemoteBackend(dead, model="demo") as unreachable:
+            stream = unreachable.submit(CHAT)
+            assert stream.wait(30) and stream.finish_reason == "error" and "could not reach" in stream.error
+        with pytest.raises(RuntimeError, match="could not reach"):
+            RemoteBackend(dead).start()  # no model named: it must ask the server, which isn't there
 
 
 def test_repl_stats_say_blocks_are_not_available(backend, monkeypatch, tmp_path):
@@ -120,7 +123,8 @@ def test_pipe_mode_on_a_backend(url):
     assert reply["text"] and reply["model"] == "demo" and reply["prompt_tokens"] > 0
     assert 1 <= reply["tokens"] <= 8
 
-    refused = _pipe(_closed_port_url(), "--model", "demo")
+    with _refusing_url() as dead:
+        refused = _pipe(dead, "--model", "demo")
     assert refused.returncode == 1 and refused.stdout == ""
     assert refused.stderr.startswith("nvchat: generation failed: could not reach")
     assert len(refused.stderr.strip().splitlines()) == 1
