@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from engine import LLM, EngineThread, SamplingParams
+from engine import LLM, EngineThread, RequestStream, SamplingParams
 from engine.engine_thread import CHAT_PREFILL_CHUNK
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -50,6 +50,36 @@ def test_async_iteration(engine):
         return stream, [d async for d in stream]
     stream, deltas = asyncio.run(collect())
     assert stream.finish_reason == "length" and "".join(d.text for d in deltas) == stream.text
+
+
+def test_many_streams_read_on_one_loop_each_get_all_their_text(engine):
+    """One step pushes to every stream; their loop is woken once per step for all of them."""
+    async def collect():
+        streams = [engine.submit(f"prompt {i}", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+                   for i in range(16)]
+
+        async def read(stream):
+            return "".join([d.text async for d in stream])
+        return streams, await asyncio.gather(*(read(s) for s in streams))
+    streams, texts = asyncio.run(collect())
+    assert all(s.finish_reason == "length" and len(s.token_ids) == 20 for s in streams)
+    assert texts == [s.text for s in streams]
+
+
+def test_a_push_after_the_readers_loop_closed_is_dropped():
+    """A reader that gave up and whose loop then ended must not make the engine thread's next push
+    raise (it would take the engine down)."""
+    stream = RequestStream(1, 3, abort_fn=lambda s: None)
+
+    async def start_reading_then_leave():
+        reading = asyncio.ensure_future(stream.__aiter__().__anext__())
+        await asyncio.sleep(0)  # the reader runs until it waits for a delta
+        assert stream._async_waiters
+        reading.cancel()
+    asyncio.run(start_reading_then_leave())
+    stream._push("late", [7])
+    stream._finish("stop")
+    assert stream.text == "late" and stream.finished
 
 
 def test_concurrent_submissions_from_many_threads(engine):
