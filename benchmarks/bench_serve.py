@@ -8,7 +8,8 @@ Each phase gets fresh random prompts of the same lengths, so neither finds the o
 in the prefix cache. Replies have a fixed length (ignore_eos).
 
 Reports output tok/s (all completion tokens over the wall time from the first request to the last
-token), TTFT and inter-chunk latency percentiles, and the server's share of the in-process rate.
+token), TTFT and inter-chunk latency percentiles, the server's share of the in-process rate, and
+its event-loop thread's CPU per streamed chunk (time the engine thread may wait for the GIL).
 
   GPU:  python -m benchmarks.bench_serve --streams 64
   CPU:  python -m benchmarks.bench_serve --config demo --device cpu --streams 8 --prompt-len 64 --max-tokens 32
@@ -141,7 +142,10 @@ def client_process(url: str, prompts, max_tokens: int, start_line, results) -> N
         results.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def run_over_http(engine, prompts, max_tokens: int, client_procs: int, stack: dict) -> list[dict]:
+def run_over_http(engine, prompts, max_tokens: int, client_procs: int, stack: dict,
+                  server_cpu: list[float]) -> list[dict]:
+    """The clients' results; appends the server thread's CPU seconds (its event loop: HTTP, SSE,
+    the routes) to server_cpu once it has stopped."""
     import uvicorn
     from benchmarks import bench_serve  # the client processes find client_process by this name
     from nvchat.server.app import ServerState, create_app
@@ -152,7 +156,14 @@ def run_over_http(engine, prompts, max_tokens: int, client_procs: int, stack: di
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
     server = uvicorn.Server(uvicorn.Config(create_app(ServerState(SERVED_NAME, engine)), log_level="warning",
                                            access_log=False, **stack))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bench-server", daemon=True)
+    def serve():
+        start = time.thread_time()
+        try:
+            server.run(sockets=[sock])
+        finally:
+            server_cpu.append(time.thread_time() - start)
+
+    thread = threading.Thread(target=serve, name="bench-server", daemon=True)
     thread.start()
     ctx = mp.get_context("spawn")
     shares = [share for share in (prompts[i::client_procs] for i in range(client_procs)) if share]
@@ -218,8 +229,10 @@ def main():
         vocab = min(engine.llm.config.hf_config.vocab_size, 10_000)
         engine.submit(workload(1, 32, vocab, 99)[0], SamplingParams(max_tokens=4)).wait()  # warm-up
         local = summarize(run_in_process(engine, workload(args.streams, args.prompt_len, vocab, 1), args.max_tokens))
+        server_cpu = []
         served = summarize(run_over_http(engine, workload(args.streams, args.prompt_len, vocab, 2), args.max_tokens,
-                                         max(1, min(args.client_procs, args.streams)), stack))
+                                         max(1, min(args.client_procs, args.streams)), stack, server_cpu))
+        served["server_cpu_us_per_chunk"] = server_cpu[0] / served["chunks"] * 1e6
     finally:
         engine.shutdown()
 
@@ -232,7 +245,8 @@ def main():
           f"server on uvicorn with {stack['http']} and {stack['loop']}")
     print_table(rows, ("path", "requests", "tokens", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
                        "ITL p99 ms"))
-    print(f"server keeps {share:.1%} of in-process throughput")
+    print(f"server keeps {share:.1%} of in-process throughput; its event-loop thread spent "
+          f"{served['server_cpu_us_per_chunk']:.1f} µs of CPU per streamed chunk")
     write_json(args.out, {"streams": args.streams, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                           "client_procs": args.client_procs, "switch_interval": args.switch_interval, **stack,
                           "in_process": local, "served": served, "served_share": share})
