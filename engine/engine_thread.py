@@ -4,11 +4,14 @@ Callers submit() requests and get RequestStreams back at once; the thread owns t
 submissions and aborts between steps, and steps whenever work is pending. It also publishes a
 snapshot of the engine's state for the UI's KV panel, so reading it never waits on a step.
 """
+import contextlib
 import dataclasses
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+
+from jinja2 import TemplateError
 
 from engine.block_manager import CACHED, FREE, SHARED, USED
 from engine.llm import LLM
@@ -65,6 +68,16 @@ class EngineSnapshot:
             for b in blocks:
                 holders.setdefault(b, []).append(request_id)
         return [BlockInfo(BLOCK_STATE_NAMES[s], holders.get(i, [])) for i, s in enumerate(self.block_states)]
+
+
+@contextlib.contextmanager
+def _template_errors_as_value_errors():
+    """A chat template may refuse a conversation (Gemma's raises on a system message, Llama 2's on
+    roles out of turn): that is bad input, and callers catch ValueError for it."""
+    try:
+        yield
+    except TemplateError as e:
+        raise ValueError(f"the model's chat template refused these messages: {e}") from None
 
 
 class EngineThread:
@@ -128,7 +141,8 @@ class EngineThread:
         return self.llm.config.max_model_len
 
     def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
-        return self.llm.count_chat_tokens(messages, enable_thinking)
+        with _template_errors_as_value_errors():
+            return self.llm.count_chat_tokens(messages, enable_thinking)
 
     # --- caller side ---------------------------------------------------------------------------------
 
@@ -138,7 +152,8 @@ class EngineThread:
         ({"role", "content"} dicts, rendered with the chat template). Bad input raises ValueError."""
         self._check_open()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            prompt = self.llm.render_chat(prompt, enable_thinking)
+            with _template_errors_as_value_errors():
+                prompt = self.llm.render_chat(prompt, enable_thinking)
         seq = self.llm.make_sequence(prompt, sampling_params, stream=True)
         stream = RequestStream(seq.seq_id, seq.num_prompt_tokens, self._request_abort, tag)
         self._post(("submit", seq, stream))

@@ -10,6 +10,7 @@ that says what went wrong, as the engine's own failures do.
 import asyncio
 import itertools
 import json
+import re
 import threading
 import time
 
@@ -65,10 +66,22 @@ EXTENSION_FIELDS = ("top_k", "ignore_eos", "chat_template_kwargs")
 
 
 def _error_message(response: httpx.Response) -> str:
+    """What the server said, from OpenAI's error shape or the others in use: vLLM's older one
+    ({"message"} at the top), FastAPI's ({"detail"}), a bare {"error": "..."}, a proxy's HTML page."""
     try:
-        message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text.strip()[:200] or response.reason_phrase
+        body = response.json()
+    except ValueError:
+        body = None
+    message = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+        message = message or body.get("message") or body.get("detail")
+    if not isinstance(message, str) or not message.strip():
+        text = response.text
+        title = re.search(r"<title>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
+        message = title.group(1) if title else text
+        message = " ".join(re.sub(r"<[^>]*>", " ", message).split())[:200] or response.reason_phrase
     return f"the server answered {response.status_code}: {message}"
 
 
@@ -209,8 +222,11 @@ class RemoteBackend:
                 stream._finish(finish_reason)
         except asyncio.CancelledError:
             stream._finish("abort")
-        except httpx.HTTPError as e:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             stream._finish("error", f"could not reach {self.base_url}: {e or type(e).__name__}")
+        except httpx.HTTPError as e:  # reached, then lost: the server died, or a proxy cut it off
+            when = " mid-reply" if stream.text else ""
+            stream._finish("error", f"the connection to {self.base_url} broke{when}: {e or type(e).__name__}")
         except _StreamError as e:
             stream._finish("error", str(e))
         except Exception as e:  # a malformed event: the stream must still end

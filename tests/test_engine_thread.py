@@ -1,7 +1,9 @@
 """EngineThread and RequestStream against the real demo model on CPU."""
 import asyncio
+import gc
 import random
 import threading
+import weakref
 
 import pytest
 
@@ -80,6 +82,27 @@ def test_a_push_after_the_readers_loop_closed_is_dropped():
     stream._push("late", [7])
     stream._finish("stop")
     assert stream.text == "late" and stream.finished
+
+
+def test_a_loop_that_read_streams_is_not_kept_alive_after_it_closes():
+    """The table of per-loop wakers must not keep every loop that ever read a stream (an app that runs
+    asyncio.run per task, or a test suite, would hold them all)."""
+    stream = RequestStream(1, 3, abort_fn=lambda s: None)
+    loop = asyncio.new_event_loop()
+
+    async def read():
+        return [d.text async for d in stream]
+
+    reading = loop.create_task(read())
+    loop.run_until_complete(asyncio.sleep(0))  # the reader waits, registered with its loop's waker
+    stream._push("hi", [7])
+    stream._finish("stop")
+    assert loop.run_until_complete(reading) == ["hi"]
+    loop.close()
+    gone = weakref.ref(loop)
+    del loop, reading
+    gc.collect()
+    assert gone() is None
 
 
 def test_concurrent_submissions_from_many_threads(engine):

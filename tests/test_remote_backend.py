@@ -171,3 +171,55 @@ def test_a_server_that_refuses_top_k_gets_the_request_again_without_it():
         second = backend.submit(CHAT, params)
         second.wait()
         assert second.text == "Hi there" and len(bodies) == 3 and "top_k" not in bodies[2]
+
+
+def _flaky_app():
+    """A server that breaks in the ways real ones and the proxies before them do: it drops the
+    connection mid-reply, or refuses with error bodies of other shapes than OpenAI's."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    refusals = {
+        "vllm-style": JSONResponse({"object": "error", "message": "max_tokens is too large", "type": "BadRequestError",
+                                    "param": None, "code": 400}, status_code=400),
+        "fastapi-style": JSONResponse({"detail": "Not Found"}, status_code=404),
+        "plain-error": JSONResponse({"error": "rate limited"}, status_code=429),
+        "proxy": Response("<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad Gateway</h1>"
+                          "</center><hr><center>nginx</center></body></html>", status_code=502, media_type="text/html"),
+    }
+
+    async def chat(request):
+        kind = (await request.json())["messages"][0]["content"]
+        if kind in refusals:
+            return refusals[kind]
+
+        async def events():
+            yield 'data: {"choices":[{"index":0,"delta":{"content":"Half a"},"finish_reason":null}]}\n\n'
+            raise RuntimeError("the server process died")  # uvicorn cuts the connection mid-body
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("vllm-style", "the server answered 400: max_tokens is too large"),
+    ("fastapi-style", "the server answered 404: Not Found"),
+    ("plain-error", "the server answered 429: rate limited"),
+    ("proxy", "the server answered 502: 502 Bad Gateway"),
+])
+def test_error_bodies_of_any_shape_become_a_clear_message(kind, expected):
+    with serving(_flaky_app()) as url, RemoteBackend(url, model="m") as backend:
+        stream = backend.submit([{"role": "user", "content": kind}])
+        assert stream.wait(30) and stream.finish_reason == "error"
+        assert stream.error == expected
+
+
+def test_a_server_gone_mid_reply_keeps_the_text_and_says_what_happened():
+    with serving(_flaky_app()) as url, RemoteBackend(url, model="m") as backend:
+        stream = backend.submit([{"role": "user", "content": "die"}])
+        assert stream.wait(30) and stream.finish_reason == "error"
+        assert stream.text == "Half a"
+        # It was reached: "could not reach" would send the user looking at the wrong thing.
+        assert "could not reach" not in stream.error
+        assert stream.error.startswith(f"the connection to {url} broke mid-reply")

@@ -190,6 +190,14 @@ BAD_REQUESTS = [
     ("negative temperature", "/chat/completions", {"model": "demo", "messages": CHAT, "temperature": -1}, 400),
     ("top_p of 0", "/completions", {"model": "demo", "prompt": "x", "top_p": 0}, 400),
     ("max_tokens of 0", "/completions", {"model": "demo", "prompt": "x", "max_tokens": 0}, 400),
+    ("max_completion_tokens of 0", "/chat/completions", {"model": "demo", "messages": CHAT, "max_completion_tokens": 0},
+     400),
+    ("temperature past a float", "/completions", {"model": "demo", "prompt": "x", "temperature": 10**400}, 400),
+    ("top_k past int64", "/completions", {"model": "demo", "prompt": "x", "top_k": 2**64}, 400),
+    # JSON may escape a lone UTF-16 surrogate, which is no character and no tokenizer takes.
+    ("lone surrogate", "/completions", b'{"model": "demo", "prompt": "a\\ud800b", "max_tokens": 2}', 400),
+    ("lone surrogate in chat", "/chat/completions",
+     b'{"model": "demo", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', 400),
     ("negative top_k", "/completions", {"model": "demo", "prompt": "x", "top_k": -2}, 400),
     ("n of 2", "/completions", {"model": "demo", "prompt": "x", "n": 2}, 400),
     ("empty prompt", "/completions", {"model": "demo", "prompt": ""}, 400),
@@ -209,6 +217,43 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(server, name, pa
     assert error["message"] and error["type"]
     ok = _post(url, "/completions", {"model": "demo", "prompt": "still there?", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_bad_request_harms_no_other_stream(client, server):
+    """A top_k past int64 once reached the sampler, whose step then failed, which ended every stream
+    in the batch with an error: one client's bad value must stay that client's 400."""
+    args = dict(model="demo", prompt="a long one", max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    with client.completions.create(**args, stream=True) as other:
+        chunks = iter(other)
+        next(chunks)  # under way, with ~200 steps to go
+        bad = _post(server[0], "/completions", {"model": "demo", "prompt": "x", "max_tokens": 4, "top_k": 2**64})
+        rest = list(chunks)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_k"
+    assert rest[-1].choices[0].finish_reason == "length"
+
+
+NULLABLE = {"n": None, "stream": None, "stream_options": None, "seed": None, "stop": None, "temperature": None,
+            "top_p": None, "max_tokens": None, "logprobs": None, "user": None}
+
+
+@pytest.mark.parametrize("path,body", [("/completions", {"prompt": "x"}), ("/chat/completions", {"messages": CHAT})])
+def test_null_means_the_default_for_every_field_the_spec_makes_nullable(server, path, body):
+    """OpenAI's spec gives these fields 'or null', and clients that send every field send nulls."""
+    response = _post(server[0], path, {**body, **NULLABLE, "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_chat_template_that_refuses_the_messages_gets_a_400(client, engine, monkeypatch):
+    """Templates raise on conversations they can't render (Gemma's on a system message, Llama 2's on
+    roles out of turn); that is the client's error to read, not a bare 500."""
+    tokenizer = engine.llm.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{% if m['role'] == 'system' %}"
+                        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(openai.BadRequestError, match="System role not supported"):
+        client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2)
+    monkeypatch.undo()
+    assert client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2).choices[0].message.content
 
 
 def test_openai_client_raises_on_bad_input(client):

@@ -100,16 +100,29 @@ def _invalid_field(errors: list) -> APIError:
 
 async def _parse(request: Request, schema: type[BaseModel]):
     """The JSON body as `schema`, whatever Content-Type the client sent (curl -d sends a form's)."""
+    raw = await request.body()
     try:
-        data = json.loads(await request.body())
+        data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if b"\\ud" in raw.lower() and _has_lone_surrogate(data):
+        # JSON's escapes can spell half a UTF-16 pair, which no tokenizer takes (it raised a 500).
+        raise APIError(400, "the request body's text holds a lone UTF-16 surrogate (an unpaired escape such as "
+                       "\\ud800), which is not a character")
     try:
         return schema.model_validate(data)
     except ValidationError as e:
         raise _invalid_field(e.errors()) from None
+
+
+def _has_lone_surrogate(data) -> bool:
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _usage(stream: RequestStream) -> dict:

@@ -4,11 +4,20 @@ Strict types: a string where a number belongs is a client's bug to report (400),
 Fields the engine has no use for (penalties, logprobs...) are accepted and ignored, as other
 OpenAI-compatible servers do, except where ignoring one would change the answer (n > 1).
 """
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from engine import SamplingParams
+
+
+def _float(name: str, value: float | int | None, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except OverflowError:  # an integer past what a float holds
+        raise ValueError(f"{name}: {str(value)[:20]}... is too large a number") from None
 
 
 class TextPart(BaseModel):
@@ -36,25 +45,29 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None  # OpenAI requires it; left out, it means the one model served
-    stream: StrictBool = False
+    stream: StrictBool | None = False  # OpenAI's spec makes most fields nullable: null means the default
     stream_options: StreamOptions | None = None
     temperature: StrictFloat | StrictInt | None = None
     top_p: StrictFloat | StrictInt | None = None
-    top_k: StrictInt | None = None
+    # Bounded here because the sampler puts it in an int64 tensor: past that, the step that sampled
+    # it failed, and every other stream in the batch with it.
+    top_k: Annotated[StrictInt, Field(le=2**63 - 1)] | None = None
     max_tokens: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = None
-    n: Literal[1] = Field(1, description="one choice per request")
+    n: Literal[1] | None = Field(1, description="one choice per request")
     ignore_eos: StrictBool = False  # vLLM's extension: replies of a known length, for benchmarks
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams (raises ValueError naming a bad value). OpenAI's defaults:
         temperature 1, no top-p/top-k filter, a reply as long as the context allows."""
-        max_tokens = getattr(self, "max_completion_tokens", None) or self.max_tokens
+        max_tokens = getattr(self, "max_completion_tokens", None)
+        if max_tokens is None:
+            max_tokens = self.max_tokens
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or None)
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
+            temperature=_float("temperature", self.temperature, 1.0),
+            top_p=_float("top_p", self.top_p, 1.0),
             top_k=self.top_k or 0,
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             stop=stop, seed=self.seed, ignore_eos=self.ignore_eos)
