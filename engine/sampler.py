@@ -71,7 +71,9 @@ class Sampler:
         greedy_rows = self._to_device(is_greedy, torch.bool) if any(is_greedy) else None
         filters = None
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            top_k = self._to_device([p.top_k for p in params], torch.int64)
+            # Any top_k from the vocabulary's size up keeps every token; capped so that one request's
+            # huge value (2**64 is a valid int) can't overflow the tensor and fail the whole batch.
+            top_k = self._to_device([min(p.top_k, vocab) for p in params], torch.int64)
             filters = (_beyond_top_k(top_k, vocab), self._to_device([p.top_p for p in params], torch.float32)[:, None])
         self._rows, self._rows_key = (temps, greedy_rows, filters), key
         return self._rows

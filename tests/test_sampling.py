@@ -84,3 +84,15 @@ def test_seeded_generation_is_reproducible_and_varies_with_the_seed(tiny_qwen3):
                 for s in (1, 1, 2)]
     assert runs[0]["token_ids"] == runs[1]["token_ids"]
     assert runs[0]["token_ids"] != runs[2]["token_ids"]
+
+
+def test_a_top_k_past_int64_keeps_every_token_and_fails_no_batch():
+    """Any int is a valid top_k; from the vocabulary's size up it means "keep all", and one request's
+    2**64 must not fail the step that samples everyone else."""
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.randn(3, 50)
+    huge = SamplingParams(temperature=1.0, top_k=2**64, seed=3)
+    off = SamplingParams(temperature=1.0, top_k=0, seed=3)
+    tokens = sampler(logits, [SamplingParams(temperature=0), huge, SamplingParams(temperature=0)], [0, 1, 2]).tolist()
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+    assert tokens[1] == sampler(logits[1:2], [off], [1]).tolist()[0]
