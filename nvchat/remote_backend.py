@@ -99,6 +99,7 @@ class RemoteBackend:
         self._thread: threading.Thread | None = None
         self._client: httpx.AsyncClient | None = None
         self._closed = False
+        self._lock = threading.Lock()  # a submission and a shutdown don't interleave
         self._openai_fields_only = False  # the server refused a field of EXTENSION_FIELDS
 
     # --- lifetime ------------------------------------------------------------------------------------
@@ -143,10 +144,12 @@ class RemoteBackend:
 
     def shutdown(self) -> None:
         """Stops every open reply (finish_reason "abort") and the client's loop."""
-        if self._closed or self._loop is None:
-            return
-        self._closed = True
-        for future in list(self._tasks.values()):
+        with self._lock:
+            if self._closed or self._loop is None:
+                return
+            self._closed = True
+            open_requests = list(self._tasks.values())
+        for future in open_requests:
             future.cancel()
         if self._client is not None:
             self._call(self._client.aclose())
@@ -170,7 +173,7 @@ class RemoteBackend:
                tag=None) -> RemoteStream:
         """Starts a request and returns its stream at once; chat messages go to /chat/completions,
         text or token ids to /completions."""
-        if self._closed or self._loop is None:
+        if self._closed or self._loop is None:  # checked again under the lock below
             raise RuntimeError("the remote backend is not running")
         params = sampling_params or SamplingParams()
         body = {"model": self.model_name, "stream": True, "stream_options": {"include_usage": True},
@@ -193,11 +196,21 @@ class RemoteBackend:
         else:
             path, body["prompt"] = "/completions", prompt
         stream = RemoteStream(next(self._ids), self._abort, tag)
-        future = asyncio.run_coroutine_threadsafe(self._run(stream, path, body), self._loop)
-        # A task cancelled before it first ran never enters _run: its stream is ended here instead.
-        future.add_done_callback(lambda f: stream._finish("abort") if f.cancelled() else None)
-        self._tasks[stream.request_id] = future
+        # Under the lock, a request is either scheduled and listed before a shutdown lists what to
+        # cancel, or refused: none is left on a stopped loop with a stream that never ends.
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the remote backend is not running")
+            future = asyncio.run_coroutine_threadsafe(self._run(stream, path, body), self._loop)
+            self._tasks[stream.request_id] = future
+        # Added once listed, so a request that ended before this line still leaves the list.
+        future.add_done_callback(lambda f: self._request_done(stream, f))
         return stream
+
+    def _request_done(self, stream: RemoteStream, future) -> None:
+        self._tasks.pop(stream.request_id, None)
+        if future.cancelled():  # a task cancelled before it first ran never enters _run
+            stream._finish("abort")
 
     def _abort(self, stream: RequestStream) -> None:
         future = self._tasks.get(stream.request_id)
@@ -231,8 +244,6 @@ class RemoteBackend:
             stream._finish("error", str(e))
         except Exception as e:  # a malformed event: the stream must still end
             stream._finish("error", f"unreadable answer from {self.base_url}: {type(e).__name__}: {e}")
-        finally:
-            self._tasks.pop(stream.request_id, None)
 
     async def _read(self, stream: RemoteStream, path: str, body: dict) -> str | None:
         finish_reason = None
