@@ -256,6 +256,19 @@ def test_a_chat_template_that_refuses_the_messages_gets_a_400(client, engine, mo
     assert client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2).choices[0].message.content
 
 
+def test_an_unexpected_error_in_a_submission_is_a_500_in_openais_shape_and_the_server_keeps_serving(client, engine, monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+    monkeypatch.setattr(engine.llm, "render_chat", broken)
+    with pytest.raises(openai.InternalServerError) as error:
+        client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2)
+    assert error.value.status_code == 500
+    assert error.value.body == {"message": "internal server error: KeyError: 'a bug'", "type": "server_error",
+                                "param": None, "code": None}
+    monkeypatch.undo()
+    assert client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2).choices[0].message.content
+
+
 def test_openai_client_raises_on_bad_input(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model="demo", messages=CHAT, temperature=-0.5)

@@ -6,6 +6,7 @@ A request ends with its client: a disconnect aborts it and the engine frees its 
 """
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -20,6 +21,7 @@ from nvchat.server.schemas import ChatCompletionRequest, CompletionRequest
 from nvchat.server.sse import TEXT_SLOT, EventStreamResponse, sse_event, text_events
 
 DONE = "data: [DONE]\n\n"
+logger = logging.getLogger("nvchat.server")
 
 
 class APIError(Exception):
@@ -179,6 +181,12 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
             raise APIError(400, str(e)) from None
         except RuntimeError as e:  # the engine stopped between the check and the submission
             raise APIError(503, str(e), type="server_error") from None
+        except Exception as e:
+            # A bug, not the client's fault, but still an answer in OpenAI's shape that clients show
+            # (a handler for Exception itself would answer after Starlette re-raised it, and uvicorn
+            # then resets the connection before the client reads the answer).
+            logger.exception("submitting a request failed")
+            raise APIError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error") from None
         state.open_streams.add(stream)
         return stream
 
