@@ -4,7 +4,7 @@ Strict types: a string where a number belongs is a client's bug to report (400),
 Fields the engine has no use for (penalties, logprobs...) are accepted and ignored, as other
 OpenAI-compatible servers do, except where ignoring one would change the answer (n > 1).
 """
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -49,9 +49,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: StrictFloat | StrictInt | None = None
     top_p: StrictFloat | StrictInt | None = None
-    # Bounded here because the sampler puts it in an int64 tensor: past that, the step that sampled
-    # it failed, and every other stream in the batch with it.
-    top_k: Annotated[StrictInt, Field(le=2**63 - 1)] | None = None
+    top_k: StrictInt | None = None  # -1 is vLLM's "off", as 0 is ours
     max_tokens: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = None
@@ -68,7 +66,7 @@ class _Sampling(BaseModel):
         return SamplingParams(
             temperature=_float("temperature", self.temperature, 1.0),
             top_p=_float("top_p", self.top_p, 1.0),
-            top_k=self.top_k or 0,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             stop=stop, seed=self.seed, ignore_eos=self.ignore_eos)
 
