@@ -5,7 +5,7 @@ budgets, the overlap on or off and toggled between steps) and a run of requests:
 block boundaries, some sharing a system prompt, exact duplicates, next turns built on an earlier
 request's full text, arriving at random steps, with random max_tokens, EOS tokens, and aborts at
 random steps or phases (waiting, mid-prefill, decoding, preempted, with its last token in flight,
-after it ended). After every step the block bookkeeping is checked against the sequences that
+after it ended), and launches that fail. After every step the block bookkeeping is checked against the sequences that
 hold blocks, and every hashed block against the K/V the launched steps wrote (KVReadChecker, which
 also checks every read). At the end every request's tokens are checked token by token against HF
 transformers' own model on the same tiny checkpoint, the pool must be whole again, and the cache
@@ -58,6 +58,7 @@ class Scenario:
     toggle_overlap: float  # chance per step to flip async_scheduling
     systems: list[int]  # system prompt lengths
     eos: list[int]
+    fail_steps: list[int]  # steps whose launch fails (the runner raises before queuing anything)
     requests: list[Request]
     token_seed: int
 
@@ -92,7 +93,9 @@ def scenarios(draw):
         max_prefill_chunk=draw(st.one_of(st.none(), st.integers(3, 24))), max_num_seqs=draw(st.integers(1, 8)),
         full_chunk_context=draw(st.one_of(st.none(), st.integers(8, 48))), async_scheduling=draw(st.booleans()),
         toggle_overlap=draw(st.sampled_from([0.0, 0.0, 0.15])), systems=systems,
-        eos=draw(st.lists(st.integers(0, VOCAB - 1), max_size=10)), requests=requests,
+        eos=draw(st.lists(st.integers(0, VOCAB - 1), max_size=10)),
+        fail_steps=draw(st.one_of(st.just([]), st.just([]), st.lists(st.integers(0, 15), min_size=1, max_size=2))),
+        requests=requests,
         token_seed=draw(st.integers(0, 2**32 - 1)))
 
 
@@ -217,6 +220,11 @@ def run_scenario(model_path, oracle, sc: Scenario):
             llm.scheduler.full_chunk_context, llm.scheduler.min_chunk = sc.full_chunk_context, 2
         llm.eos_ids = set(sc.eos)
         checker = KVReadChecker(llm)
+        execute = llm.runner.execute  # the checker's, which records what each launched step writes
+
+        def failing(plan):
+            llm.runner.execute = execute
+            raise RuntimeError("injected fault")
         prefixes = {}
         prompts, seqs, arrived_at = {}, {}, {}
         streamed, finished_by_output, aborted_by_us = {}, set(), set()
@@ -258,7 +266,16 @@ def run_scenario(model_path, oracle, sc: Scenario):
                     if was_finished:
                         assert seq.finish_reason == reason, "an abort after the end changed how it ended"
             by_seq = {id(s): i for i, s in seqs.items()}
-            for out in llm.step():
+            if step in sc.fail_steps:
+                llm.runner.execute = failing
+            try:
+                outputs = llm.step()
+            except RuntimeError as e:
+                assert str(e) == "injected fault"
+                event("a step failed")
+                outputs = []
+            llm.runner.execute = execute
+            for out in outputs:
                 i = by_seq[id(out.seq)]
                 assert i not in finished_by_output, f"request {i} got output after it finished"
                 streamed[i] += out.new_token_ids
@@ -283,7 +300,7 @@ def run_scenario(model_path, oracle, sc: Scenario):
             what = f"request {i} ({req.kind}, {seq.finish_reason})"
             completion = seq.completion_token_ids
             assert seq.is_finished and streamed[i] == completion, what
-            assert (i in finished_by_output) == (seq.finish_reason != "abort"), what
+            assert (i in finished_by_output) == (seq.finish_reason not in ("abort", "error")), what
             assert seq.num_tokens <= seq.max_num_tokens, what
             oracle.check(prompts[i], completion, what)
             stops = [] if req.ignore_eos else [j for j, t in enumerate(completion) if t in llm.eos_ids]
@@ -296,6 +313,8 @@ def run_scenario(model_path, oracle, sc: Scenario):
                 assert seq.num_tokens == sc.num_blocks * sc.block_size + 1, what
             if seq.finish_reason == "abort":
                 assert i in aborted_by_us, what
+            if seq.finish_reason == "error":  # its token was in flight when a launch failed
+                assert sc.fail_steps, what
 
         # The cache the run left serves only what it holds: a prompt run again reuses cached blocks
         # and gets greedy tokens; run once more right after, it finds every full block of its prompt.
