@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.block_manager import CACHED, FREE, SHARED, USED
+from engine.block_manager import CACHED, FREE, SHARED, USED, chain_hash
 from engine.sequence import PENDING_TOKEN, SequenceStatus
 from tests.test_inflight_prefix import KVReadChecker
 
@@ -73,24 +73,26 @@ def near_block_boundary(block_size, most):
 @st.composite
 def scenarios(draw):
     bs = draw(st.sampled_from([4, 8]))
-    # The longest prompt a request builds must fit the pool (LLM.encode refuses it otherwise).
-    num_blocks = draw(st.integers(40 // bs + 1, 80 // bs))
-    systems = draw(st.lists(near_block_boundary(bs, 28), min_size=1, max_size=2))
-    n = draw(st.integers(2, 9))
+    num_blocks = draw(st.integers(36 // bs, 80 // bs))  # a few prompts' worth: they preempt each other
+    most = num_blocks * bs // 2  # so that most prompts fit the pool (LLM.encode refuses the rest)
+    systems = draw(st.lists(near_block_boundary(bs, most), min_size=1, max_size=2))
+    n = draw(st.integers(3, 10))
     requests = []
     for i in range(n):
         kind = draw(st.sampled_from(["fresh", "system", "system", "duplicate", "next_turn"] if i else
                                     ["fresh", "system"]))
-        abort = draw(st.sampled_from([None, None, "step", "phase", "phase"]))
+        abort = draw(st.sampled_from([None, None, None, "step", "phase"]))
         requests.append(Request(
             kind=kind, of=draw(st.integers(0, i - 1)) if i else 0,
-            length=draw(near_block_boundary(bs, 30)), system=draw(st.integers(0, len(systems) - 1)),
-            arrival=draw(st.one_of(st.just(0), st.integers(0, 25))), max_tokens=draw(st.integers(1, 28)), ignore_eos=draw(st.booleans()),
+            length=draw(near_block_boundary(bs, most)), system=draw(st.integers(0, len(systems) - 1)),
+            arrival=draw(st.one_of(st.just(0), st.integers(0, 6), st.integers(0, 25))),
+            max_tokens=draw(st.integers(1, 32)), ignore_eos=draw(st.booleans()),
             abort_step=draw(st.integers(0, 12)) if abort == "step" else None,
             abort_phase=draw(st.sampled_from(PHASES)) if abort == "phase" else None))
     return Scenario(
         block_size=bs, num_blocks=num_blocks, max_num_batched_tokens=draw(st.integers(6, 48)),
-        max_prefill_chunk=draw(st.one_of(st.none(), st.integers(3, 24))), max_num_seqs=draw(st.integers(1, 8)),
+        max_prefill_chunk=draw(st.one_of(st.none(), st.integers(3, 24))),
+        max_num_seqs=draw(st.sampled_from([1, 2, 3, 4, 6, 8])),
         full_chunk_context=draw(st.one_of(st.none(), st.integers(8, 48))), async_scheduling=draw(st.booleans()),
         toggle_overlap=draw(st.sampled_from([0.0, 0.0, 0.15])), systems=systems,
         eos=draw(st.lists(st.integers(0, VOCAB - 1), max_size=10)),
@@ -145,10 +147,13 @@ def check_bookkeeping(llm: LLM, checker: KVReadChecker, seqs, prefixes):
         if seq.is_finished:
             assert PENDING_TOKEN not in seq.token_ids and seq not in sched.waiting and seq not in sched.running
         assert seq.num_cached_tokens % bs == 0 and seq.num_cached_tokens < seq.num_prompt_tokens
+        prev = None
         for i, h in enumerate(seq.block_hashes):  # remember what prefix each hash stands for
             prefix = tuple(seq.token_ids[:(i + 1) * bs])
             assert PENDING_TOKEN not in prefix, f"sequence {seq.seq_id} hashed a block with a token in flight"
+            assert h == chain_hash(prev, list(prefix[-bs:])), f"sequence {seq.seq_id}: block {i}'s hash is stale"
             assert prefixes.setdefault(h, prefix) == prefix, "two prefixes with one hash"
+            prev = h
     assert len(sched.running) <= llm.config.max_num_seqs
     assert sched.prefix_hit_tokens <= sched.prompt_tokens
     for block in bm.blocks:
@@ -227,7 +232,7 @@ def run_scenario(model_path, oracle, sc: Scenario):
             raise RuntimeError("injected fault")
         prefixes = {}
         prompts, seqs, arrived_at = {}, {}, {}
-        streamed, finished_by_output, aborted_by_us = {}, set(), set()
+        streamed, finished_by_output, aborted_by_us, admitted = {}, set(), set(), set()
         todo = list(range(len(sc.requests)))
         step = 0
         while todo or llm.has_unfinished():
@@ -284,6 +289,11 @@ def run_scenario(model_path, oracle, sc: Scenario):
             if sc.toggle_overlap and rng.random() < sc.toggle_overlap:
                 llm.async_scheduling = not llm.async_scheduling
             check_bookkeeping(llm, checker, list(seqs.values()), prefixes)
+            admitted.update(i for i, seq in seqs.items() if seq.status == SequenceStatus.RUNNING
+                            or seq.num_preemptions or seq.num_completion_tokens)
+            # Counted once per request, at its first admission; a hit never covers a prompt's last token.
+            assert llm.scheduler.prompt_tokens == sum(seqs[i].num_prompt_tokens for i in admitted)
+            assert llm.scheduler.prefix_hit_tokens == sum(seqs[i].num_cached_tokens for i in admitted)
             step += 1
 
         stats = llm.stats()
