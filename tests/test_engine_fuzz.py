@@ -5,11 +5,12 @@ budgets, the overlap on or off and toggled between steps) and a run of requests:
 block boundaries, some sharing a system prompt, exact duplicates, next turns built on an earlier
 request's full text, arriving at random steps, with random max_tokens, EOS tokens, and aborts at
 random steps or phases (waiting, mid-prefill, decoding, preempted, with its last token in flight,
-after it ended), and launches that fail. After every step the block bookkeeping is checked against the sequences that
-hold blocks, and every hashed block against the K/V the launched steps wrote (KVReadChecker, which
-also checks every read). At the end every request's tokens are checked token by token against HF
-transformers' own model on the same tiny checkpoint, the pool must be whole again, and the cache
-that the run left must serve an exact duplicate all of its full blocks, with the right tokens.
+after it ended), and launches that fail. After every step the block bookkeeping is checked against
+the sequences that hold blocks, and every hashed block against its chain and the K/V the launched
+steps wrote (KVReadChecker, which also checks every read). At the end every request's tokens are
+checked token by token against HF transformers' own model on the same tiny checkpoint, the pool
+must be whole again, and the cache the run left must serve an exact duplicate all of its full
+blocks, with the right tokens.
 
 Hypothesis draws new examples each run (derandomize off); a failure prints the example to replay.
 """
@@ -118,8 +119,10 @@ class GreedyOracle:
         best = logits.max(dim=-1).values
         got = logits.gather(1, torch.tensor(completion)[:, None])[:, 0]
         bad = (got < best - 1e-4).nonzero()
-        assert not len(bad), (f"{what}: completion token {int(bad[0])} is {completion[int(bad[0])]}, greedy is "
-                              f"{int(logits[int(bad[0])].argmax())} (prompt {len(prompt)} tokens, completion {completion})")
+        if len(bad):
+            j = int(bad[0])
+            raise AssertionError(f"{what}: completion token {j} is {completion[j]}, greedy is "
+                                 f"{int(logits[j].argmax())} (prompt {len(prompt)} tokens, completion {completion})")
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +351,8 @@ def run_scenario(model_path, oracle, sc: Scenario):
 
 
 # ENGINE_FUZZ_EXAMPLES=2000 explores longer, off CI.
-@settings(max_examples=int(os.environ.get("ENGINE_FUZZ_EXAMPLES", 100)), deadline=None, derandomize=False, database=None, print_blob=True,
+@settings(max_examples=int(os.environ.get("ENGINE_FUZZ_EXAMPLES", 100)), deadline=None, derandomize=False,
+          database=None, print_blob=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_random_interleavings_keep_tokens_and_blocks_right(tiny_qwen3, oracle, sc):
