@@ -207,9 +207,10 @@ class LLM:
         """Runs one step. With async_scheduling it returns the outputs of the step before, which
         the GPU ran while this one was being scheduled; the first step returns none."""
         try:
+            # Just after the overlap is turned off, a step is still in flight: this step is scheduled
+            # over it as an overlapped one is, and then waited for. (Settling it first would leave
+            # its tokens unreported whenever this step's launch then failed.)
             outputs = []
-            if not self.async_scheduling and self._inflight is not None:  # the overlap was just turned off
-                outputs += self._settle(self._take_inflight())
             batch, cut_short = self.scheduler.schedule()
             self.last_step_tokens = (0, 0)
             launched = self._launch(batch) if batch else None

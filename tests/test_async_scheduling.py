@@ -268,6 +268,31 @@ def test_a_failed_step_ends_the_sequences_with_tokens_in_flight(tiny_qwen3):
         assert fresh.generate([prompt], GREEDY)[0]["token_ids"] == again
 
 
+def test_a_step_that_fails_right_after_the_overlap_is_turned_off_loses_no_reported_token(tiny_qwen3):
+    """Found by tests/test_engine_fuzz.py: the first step after the overlap was turned off settled
+    the step in flight before scheduling, so when its own launch then failed, the tokens it had
+    just appended were never reported by any step() (a stream would miss them)."""
+    with LLM(tiny_qwen3, device="cpu") as llm:
+        seqs = [llm.add_request(p, GREEDY) for p in random_prompts([10, 12], seed=83)]
+        reported = {s.seq_id: [] for s in seqs}
+        for _ in range(3):
+            for out in llm.step():
+                reported[out.seq.seq_id] += out.new_token_ids
+        llm.async_scheduling = False
+        execute = llm.runner.execute
+
+        def fail(plan):
+            llm.runner.execute = execute
+            raise RuntimeError("injected fault")
+        llm.runner.execute = fail
+        with pytest.raises(RuntimeError, match="injected fault"):
+            llm.step()
+        for s in seqs:
+            assert reported[s.seq_id] == s.completion_token_ids
+            assert s.finish_reason == "error"  # as when a step fails with the overlap on: its tokens were in flight
+        assert llm.stats().num_free_blocks == llm.stats().num_blocks
+
+
 def test_a_pending_token_inside_a_prefill_chunk_is_fed_from_the_device():
     """A sequence preempted while its token was sampled, and taken back in one chunk: the pending
     token is the chunk's last row, and it comes from the step in flight."""
