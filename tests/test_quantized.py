@@ -27,10 +27,13 @@ def test_int8_rows_are_within_half_a_step():
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_product_is_close_to_float(method):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    w = torch.randn(100, 64, generator=g) * torch.rand(100, 1, generator=g)  # 100 rows: not a multiple of 16
-    x = torch.randn(2, 5, 64, generator=g)
+    # 401 rows (not a multiple of 16) and 40 of x: int4's error then varies little from draw to draw
+    # (3,000 draws: mean 0.078, sd 0.001, max 0.082); with 100 x 10 its sd was 0.0036 and 100,000
+    # draws reached 0.097 of the 0.1 bound.
+    w = torch.randn(401, 64, generator=g) * torch.rand(401, 1, generator=g)
+    x = torch.randn(2, 20, 64, generator=g)
     y, expected = quantize(w, method)(x), F.linear(x, w)
-    assert y.dtype == torch.float32 and y.shape == (2, 5, 100)
+    assert y.dtype == torch.float32 and y.shape == (2, 20, 401)
     assert (y - expected).norm() / expected.norm() < PRODUCT_ERROR[method]
 
 
