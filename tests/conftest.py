@@ -53,6 +53,20 @@ def demo_model_path(tmp_path_factory):
     return ensure_demo_model(tmp_path_factory.mktemp("cache"))
 
 
+INJECTED_FAULT = "injected fault"
+
+
+def fail_next_launch(llm) -> None:
+    """llm's next launch raises RuntimeError(INJECTED_FAULT), once: it puts back the execute it
+    replaced (a test's spy included) before raising."""
+    execute = llm.runner.execute
+
+    def fail(plan):
+        llm.runner.execute = execute
+        raise RuntimeError(INJECTED_FAULT)
+    llm.runner.execute = fail
+
+
 def random_prompts(lengths, vocab=211, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -8,7 +8,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.sequence import PENDING_TOKEN, Sequence
 from engine.step_plan import plan_step
-from tests.conftest import random_prompts
+from tests.conftest import INJECTED_FAULT, fail_next_launch, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -251,14 +251,9 @@ def test_a_failed_step_ends_the_sequences_with_tokens_in_flight(tiny_qwen3):
         seqs = [llm.add_request(p, GREEDY) for p in random_prompts([10, 12], seed=81)]
         for _ in range(3):
             llm.step()
-        execute = llm.runner.execute
-
-        def fail(plan):
-            raise RuntimeError("injected fault")
-        llm.runner.execute = fail
-        with pytest.raises(RuntimeError, match="injected fault"):
+        fail_next_launch(llm)
+        with pytest.raises(RuntimeError, match=INJECTED_FAULT):
             llm.step()
-        llm.runner.execute = execute
         assert [s.finish_reason for s in seqs] == ["error", "error"]
         assert all(PENDING_TOKEN not in s.token_ids for s in seqs) and not llm.has_unfinished()
         assert llm.stats().num_free_blocks == llm.stats().num_blocks
@@ -279,13 +274,8 @@ def test_a_step_that_fails_right_after_the_overlap_is_turned_off_loses_no_report
             for out in llm.step():
                 reported[out.seq.seq_id] += out.new_token_ids
         llm.async_scheduling = False
-        execute = llm.runner.execute
-
-        def fail(plan):
-            llm.runner.execute = execute
-            raise RuntimeError("injected fault")
-        llm.runner.execute = fail
-        with pytest.raises(RuntimeError, match="injected fault"):
+        fail_next_launch(llm)
+        with pytest.raises(RuntimeError, match=INJECTED_FAULT):
             llm.step()
         for s in seqs:
             assert reported[s.seq_id] == s.completion_token_ids

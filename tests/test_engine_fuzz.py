@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from engine import LLM, SamplingParams
 from engine.block_manager import CACHED, FREE, SHARED, USED, chain_hash
 from engine.sequence import PENDING_TOKEN, SequenceStatus
+from tests.conftest import INJECTED_FAULT, fail_next_launch
 from tests.test_inflight_prefix import KVReadChecker
 
 VOCAB = 211  # the tiny checkpoint's (tests/conftest.py)
@@ -229,10 +230,6 @@ def run_scenario(model_path, oracle, sc: Scenario):
         llm.eos_ids = set(sc.eos)
         checker = KVReadChecker(llm)
         execute = llm.runner.execute  # the checker's, which records what each launched step writes
-
-        def failing(plan):
-            llm.runner.execute = execute
-            raise RuntimeError("injected fault")
         prefixes = {}
         prompts, seqs, arrived_at = {}, {}, {}
         streamed, finished_by_output, aborted_by_us, admitted = {}, set(), set(), set()
@@ -275,14 +272,14 @@ def run_scenario(model_path, oracle, sc: Scenario):
                         assert seq.finish_reason == reason, "an abort after the end changed how it ended"
             by_seq = {id(s): i for i, s in seqs.items()}
             if step in sc.fail_steps:
-                llm.runner.execute = failing
+                fail_next_launch(llm)
             try:
                 outputs = llm.step()
             except RuntimeError as e:
-                assert str(e) == "injected fault"
+                assert str(e) == INJECTED_FAULT
                 event("a step failed")
                 outputs = []
-            llm.runner.execute = execute
+            llm.runner.execute = execute  # a step that launched nothing leaves the fault armed
             for out in outputs:
                 i = by_seq[id(out.seq)]
                 assert i not in finished_by_output, f"request {i} got output after it finished"

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from engine import LLM, EngineThread, SamplingParams
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import INJECTED_FAULT, fail_next_launch, hf_greedy, random_prompts
 
 BLOCK = 16
 SYSTEM = 48  # three full blocks
@@ -235,13 +235,8 @@ def test_blocks_of_a_step_that_never_launched_are_not_served_from_the_cache(tiny
         first, second = (llm.add_request(p, params) for p in prompts)
         llm.step()  # the first prompt's first 40 tokens: blocks 0 and 1 registered and queued
         assert first.num_computed_tokens == 40 and len(llm.blocks.hash_to_block) == 2
-        execute = llm.runner.execute
-
-        def fail(plan):
-            llm.runner.execute = execute
-            raise RuntimeError("injected fault")
-        llm.runner.execute = fail
-        with pytest.raises(RuntimeError, match="injected fault"):
+        fail_next_launch(llm)
+        with pytest.raises(RuntimeError, match=INJECTED_FAULT):
             llm.step()  # block 2 registered, the second prompt admitted on all three: never queued
         assert second.num_cached_tokens == SYSTEM
         assert len(llm.blocks.hash_to_block) == 2
