@@ -2,9 +2,9 @@
 
 Each piece is decoded in a small window that starts at the previous piece, so tokenizers that
 treat a leading token specially still join up, and a partial UTF-8 character at its end is held
-back until its last byte arrives. Stop strings are searched as text arrives; text that could be
-the start of a stop string is held back until it is known not to be one, so a stop string is
-never shown.
+back until its last byte arrives. Stop strings are searched as text arrives; the tail of the text
+that could be the start of a stop string is held back until it is known not to be one, so a stop
+string is never shown and no other text waits for it.
 """
 import contextlib
 from collections.abc import Callable
@@ -48,7 +48,6 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stop = stop or []
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.stopped = False
 
     def _advance(self, final: bool) -> None:
@@ -69,11 +68,24 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self.taken = 0
 
-    def _find_stop(self, search_from: int) -> None:
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+    def _find_stop(self) -> None:
+        # Released text cannot start a stop string (see _stop_prefix_len), so only the rest is searched.
+        hits = [i for i in (self.text.find(s, self.emitted) for s in self.stop) if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]
             self.stopped = True
+
+    def _stop_prefix_len(self) -> int:
+        """Characters at the end of the unreleased text that begin some stop string: all that must
+        wait. Any earlier character starts text that is neither a stop string's beginning nor holds
+        one, so no later text can make it the start of one."""
+        text, longest = self.text, 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text) - self.emitted), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
 
     def push(self, new_ids: list[int]) -> str:
         """Adds tokens; returns the text that became final."""
@@ -82,17 +94,18 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         old_len = len(self.text)
         self._advance(final=False)
-        if self.stop and len(self.text) > old_len:
-            self._find_stop(max(0, old_len - self.holdback))
-        return self._release(len(self.text) if self.stopped else len(self.text) - self.holdback)
+        if not self.stop:
+            return self._release(len(self.text))
+        if len(self.text) > old_len:
+            self._find_stop()
+        return self._release(len(self.text) if self.stopped else len(self.text) - self._stop_prefix_len())
 
     def flush(self) -> str:
         """At the end of the request: whatever was held back, partial characters included."""
         if not self.stopped:
-            old_len = len(self.text)
             self._advance(final=True)
             if self.stop:
-                self._find_stop(max(0, old_len - self.holdback))
+                self._find_stop()
         return self._release(len(self.text))
 
     def _release(self, upto: int) -> str:

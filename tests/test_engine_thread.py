@@ -174,6 +174,19 @@ def test_utf8_streams_whole_characters_through_a_byte_level_tokenizer(llm):
     assert "🎉" in deltas and "中" in deltas
 
 
+def test_only_a_tail_that_could_begin_a_stop_string_waits(llm):
+    """A long stop string holds back only text that could be its start, not its length less one."""
+    detok = IncrementalDetokenizer(llm.tokenizer, stop=["\n\nUser:", "END"])
+    deltas = [detok.push([t]) for t in llm.tokenizer.encode("Hello there.\n\nUs")]
+    assert "".join(deltas) == "Hello there."  # "\n\nUs" may yet become the stop string
+    assert deltas[:5] == ["H", "e", "l", "l", "o"]  # no other character waits
+    assert detok.push(llm.tokenizer.encode("e")) == ""
+    assert detok.push(llm.tokenizer.encode("d")) == "\n\nUsed"  # it did not
+    assert detok.push(llm.tokenizer.encode(" E")) == " "
+    assert detok.push(llm.tokenizer.encode("ND!")) == "" and detok.stopped
+    assert detok.text == "Hello there.\n\nUsed " and detok.flush() == ""
+
+
 def test_random_bytes_stream_the_same_text_as_one_decode(engine, llm):
     """Hot sampling picks bytes that form broken UTF-8; deltas must still add up exactly."""
     stream = engine.submit("bytes", SamplingParams(temperature=8.0, max_tokens=80, ignore_eos=True, seed=3))
