@@ -106,7 +106,7 @@ def run_in_process(engine, prompts, max_tokens: int) -> list[dict]:
 
 async def _client(http: httpx.AsyncClient, prompt, max_tokens: int) -> dict:
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.monotonic()
     arrivals, tokens = [], 0
     async with http.stream("POST", "/completions", json=body) as response:

@@ -216,13 +216,13 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
 
     def closing_events(stream: RequestStream, payload, empty, include_usage: bool) -> list[str]:
         """The events that end a stream: an error event if it did not finish normally; else the
-        finish reason with usage, a usage-only chunk if asked for, and [DONE]. payload(empty, ...)
-        builds an endpoint's chunk."""
+        finish reason, a usage-only chunk if asked for, and [DONE]. payload(empty, ...) builds an
+        endpoint's chunk."""
         if stream.finish_reason == "error":
             return [sse_event(APIError(500, f"generation failed: {stream.error}", type="server_error").body())]
         if stream.finish_reason == "abort":
             return [sse_event(_shutting_down().body())]
-        events = [sse_event(payload(empty, stream.finish_reason, _usage(stream)))]
+        events = [sse_event(payload(empty, stream.finish_reason))]
         if include_usage:
             events.append(sse_event(payload(empty, usage=_usage(stream), choices=False)))
         return events + [DONE]
@@ -232,6 +232,7 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
         body = await _parse(request, ChatCompletionRequest)
         stream = start(body, body.engine_messages)
         reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if not body.stream:
             await complete(stream, request)
             return {"id": reply_id, "object": "chat.completion", "created": created, "model": state.model_name,
@@ -243,12 +244,11 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
             event = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                      "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
                      if choices else []}
-            if usage is not None:
+            if include_usage:  # as OpenAI: null on every chunk but the last
                 event["usage"] = usage
             return event
 
         content_event = text_events(payload({"content": TEXT_SLOT}))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events():
             yield sse_event(payload({"role": "assistant", "content": ""}))
@@ -264,21 +264,21 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
         body = await _parse(request, CompletionRequest)
         stream = start(body, body.engine_prompt)
         reply_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
         def payload(text: str, finish_reason=None, usage=None, choices=True) -> dict:
             event = {"id": reply_id, "object": "text_completion", "created": created, "model": state.model_name,
                      "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
                      if choices else []}
-            if usage is not None:
+            if include_usage:  # as OpenAI: null on every chunk but the last
                 event["usage"] = usage
             return event
 
         if not body.stream:
             await complete(stream, request)
-            return payload(stream.text, stream.finish_reason, _usage(stream))
+            return payload(stream.text, stream.finish_reason) | {"usage": _usage(stream)}
 
         text_event = text_events(payload(TEXT_SLOT))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events():
             async for text in _texts(stream):
