@@ -371,3 +371,23 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_a_reply_cut_off_by_the_engine_stopping_is_a_503_not_a_short_200(demo_model_path):
+    """The engine can stop under a request the server did not end (an embedding app shuts it down)."""
+    engine = EngineThread(str(demo_model_path), **ENGINE_ARGS).start()
+    streams = []
+    submit = engine.submit
+
+    def submit_then_stop_the_engine(*args, **kwargs):
+        streams.append(submit(*args, **kwargs))
+        engine.shutdown()
+        return streams[-1]
+
+    engine.submit = submit_then_stop_the_engine
+    with serving(create_app(ServerState("demo", engine))) as url:
+        body = {"model": "demo", "prompt": "x", "max_tokens": 400, "ignore_eos": True}
+        response = httpx.post(url + "/completions", json=body, timeout=60)
+    assert streams[0].finish_reason == "abort"
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "shutting_down"

@@ -208,7 +208,7 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
             leaving.cancel()
             reading.cancel()
             finish(stream)
-        if stream.finish_reason == "abort" and state.stopping:
+        if stream.finish_reason == "abort":  # the engine stopped (had the client left, no one reads this)
             raise _shutting_down()
         if stream.finish_reason == "error":
             raise APIError(500, f"generation failed: {stream.error}", type="server_error")
