@@ -274,7 +274,12 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         attn0 = self.attention_layers[0]
         shape = (2, len(self.attention_layers), num_blocks, self.block_size, attn0.num_kv_heads, attn0.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+        # On CPU, zeroing would touch every page of a cache sized for many full-length sequences
+        # (4 GiB for SmolLM2: ~9 s at start, and all of it resident). Left empty, a page is
+        # committed when a token's K/V first lands on it; the CPU attention reads only the slots
+        # below a sequence's length, which are always written.
+        allocate = torch.zeros if self.device.type == "cuda" else torch.empty
+        self.kv_cache = allocate(shape, dtype=self.config.dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
