@@ -47,7 +47,9 @@ class EngineConfig:
     # On by default, except with flash-attn (see create).
     prefill_cuda_graphs: bool = True
     # "int8" or "int4": weight-only quantized projections and LM head on CPU
-    # (engine/layers/quantized.py); None: the weights in `dtype`, as HF computes them.
+    # (engine/layers/quantized.py); None: the weights in `dtype`, as HF computes them. create()
+    # also takes "none", and "auto": int4 on one CPU rank for a GGUF file whose layers are
+    # stored in 4 bits or fewer (~2.5x the decode rate of float32 weights), else none.
     quantization: str | None = None
 
     @classmethod
@@ -60,6 +62,7 @@ class EngineConfig:
         if load_format not in ("safetensors", "random"):
             raise ValueError(f"load_format must be 'safetensors' or 'random', got {load_format!r}")
         path = resolve_model_path(model, progress)
+        gguf = None
         if path.is_file():  # a GGUF file (resolve_model_path refuses other files)
             from engine.gguf_checkpoint import open_gguf
             gguf = open_gguf(path)
@@ -77,10 +80,15 @@ class EngineConfig:
             raise ValueError("device='cuda' asked for, but no CUDA device is available")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        if quantization == "auto":
+            four_bit_file = gguf is not None and gguf.projections_at_four_bits
+            quantization = "int4" if device.type == "cpu" and tensor_parallel_size == 1 and four_bit_file else None
+        elif quantization == "none":
+            quantization = None
         if quantization is not None:
             from engine.layers.quantized import QUANTIZATIONS
             if quantization not in QUANTIZATIONS:
-                raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)} or none")
+                raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)}, auto or none")
             if device.type != "cpu":
                 raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's quantized weight kernels); "
                                  f"on {device.type} leave it unset")

@@ -24,6 +24,8 @@ ARCHITECTURES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": 
 # these are the ones checked here; anything else is refused by name rather than trusted blindly.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Types holding at most 4 bits a weight, in blocks of 32 (or 256) along a row.
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K")
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -84,6 +86,13 @@ class GGUFCheckpoint:
             raise ModelError(f"{path.name}: unsupported GGUF tensor type {', '.join(bad)}; "
                              f"nvchat dequantizes {', '.join(SUPPORTED_TYPES)}")
         self.hf_config = self._hf_config()
+
+    @property
+    def projections_at_four_bits(self) -> bool:
+        """Whether every weight matrix of the layers is stored in 4 bits or fewer: then int4
+        weights (engine/layers/quantized.py) lose little the file had not lost already."""
+        matrices = [t for t in self.reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+        return bool(matrices) and all(t.tensor_type.name in FOUR_BIT_TYPES for t in matrices)
 
     def _field(self, key: str, default=...):
         field = self.reader.fields.get(key)

@@ -26,7 +26,9 @@ class Settings:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
-    quantization: str | None = None  # "int8" or "int4" on CPU: faster, not bit-exact
+    # "auto": int4 weights on CPU for a GGUF file stored in 4 bits (the default model), else
+    # none; "int8" / "int4" on CPU: faster, not bit-exact; "none": bit-exact against HF.
+    quantization: str | None = "auto"
     tensor_parallel_size: int = 1
     max_model_len: int = 4096
     max_num_seqs: int = 64

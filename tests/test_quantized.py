@@ -78,3 +78,16 @@ def test_quantized_logits_stay_close_to_hf(request, fixture, method):
 def test_bad_quantization_is_named(tiny_qwen3):
     with pytest.raises(ValueError, match="unsupported quantization 'int3'"):
         LLM(tiny_qwen3, device="cpu", quantization="int3")
+
+
+def test_auto_quantization_keeps_files_not_stored_in_4_bits_exact(tiny_qwen3, tmp_path):
+    """"auto" picks int4 only for a GGUF file whose layers are all stored in 4 bits or fewer (the
+    bundled SmolLM2: test_smollm2); a safetensors checkpoint, or a GGUF file with a layer in
+    more bits, keeps the weights as HF computes them, as "none" does everywhere."""
+    from engine.config import EngineConfig as Config
+    from tests.gguf_files import write_tiny_gguf
+    mixed = write_tiny_gguf(tmp_path / "mixed.gguf")  # Q5 to F16 layers among the Q4 ones
+    assert Config.create(mixed, device="cpu", quantization="auto").quantization is None
+    assert Config.create(tiny_qwen3, device="cpu", quantization="auto").quantization is None
+    assert Config.create(tiny_qwen3, device="cpu", quantization="none").quantization is None
+    assert Config.create(tiny_qwen3, device="cpu", quantization="int8").quantization == "int8"

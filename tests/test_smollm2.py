@@ -58,9 +58,12 @@ def test_pipe_mode_answers_in_english(tmp_path, xdg_cache):
 
 
 def test_int4_weights_still_know_the_capital_of_france():
-    """quantization="int4" is not bit-exact, but must not cost the model its facts: 4 bits on the
-    LM head once turned this answer into "L'Étoile (The City of Lights) is the capital of France"."""
-    with LLM(str(GGUF), device="cpu", max_model_len=512, max_num_seqs=1, quantization="int4") as llm:
+    """The app's default, quantization="auto", runs this file's Q4_1 projections in int4 on CPU. Not
+    bit-exact, but it must not cost the model its facts: 4 bits on the LM head once turned this
+    answer into "L'Étoile (The City of Lights) is the capital of France"."""
+    assert Settings().engine_kwargs()["quantization"] == "auto"
+    with LLM(str(GGUF), device="cpu", max_model_len=512, max_num_seqs=1, quantization="auto") as llm:
+        assert llm.config.quantization == "int4"
         prompt = llm.render_chat([{"role": "user", "content": QUESTIONS[0]}])
         text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]["text"]
     assert text.startswith("The capital of France is Paris"), text
