@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, text_decoder
+from engine.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence
@@ -102,6 +102,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()
         self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
+        self._byte_run_ids = byte_run_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
         self.runner = self._make_runner()
         self.block_size = self.config.block_size
@@ -194,7 +195,7 @@ class LLM:
         seq = Sequence(self.encode(prompt), params, self.block_size, self.config.max_model_len)
         if (stream or params.stop) and self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._tokenizer_lock,
-                                                     self._decode_text)
+                                                     self._decode_text, self._byte_run_ids)
         return seq
 
     def enqueue(self, seq: Sequence) -> None:

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from engine import EngineThread, LLM, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
 from engine.gguf_checkpoint import GGUFCheckpoint
 from tests.conftest import random_prompts
 from tests.gguf_files import SPM_CHAT_TEMPLATE, hf_gguf_greedy, tokenizer_tokens, write_tiny_gguf
@@ -102,3 +103,69 @@ def test_greedy_matches_hf_on_the_same_gguf(engine, hf_tokenizer, spm_gguf):
     for s in streams:
         assert s.wait(60)
     assert [s.token_ids for s in streams] == expected
+
+
+BAD = "\ufffd"
+
+
+# Pieces, and the text each push shows, then flush. A run of byte tokens is held until a token of
+# another kind ends it: HF's ByteFallback decoder makes the whole run U+FFFD if one byte is bad.
+@pytest.mark.parametrize("pieces, shown", [
+    (["▁Hello", "▁world"], ["Hello", " world", ""]),  # the first token's space goes, the next one's stays
+    (["▁", "<0xE4>", "<0xB8>", "<0xAD>", "▁is", "<0x0A>", "<0x0A>", "▁▁", "▁the"],
+     ["", "", "", "", "中 is", "", "", "\n\n  ", " the", ""]),
+    (["▁▁", "▁the", "▁", "<0xF0>", "<0x9F>", "<0x8E>", "<0x89>", "!"], [" ", " the", " ", "", "", "", "", "🎉!", ""]),
+    (["<0xF0>", "<0x9F>", "<0x91>", "<0x8D>", "<0xF0>", "<0x9F>", "<0x8F>", "<0xBD>", "▁it"],
+     ["", "", "", "", "", "", "", "", "👍🏽 it", ""]),
+    (["<0xF0>", "<0x9F>", "<0x91>", "<0x8D>", "<0xF0>", "▁it"], ["", "", "", "", "", BAD * 5 + " it", ""]),
+    (["<0xE4>", "<0xB8>", "</s>", "<0xAD>", "▁is"], ["", "", "", "", "中 is", ""]),  # skipped: the run goes on
+    (["▁Hello", "</s>", "<s>", "▁world", "<unk>", "<0xC3>", "<0xA9>"], ["Hello", "", "", " world", "", "", "", "é"]),
+    (["<s>", "▁", "▁", "<0xC3>", "<0xA9>", "l", "<0xE4>", "▁at"], ["", "", " ", "", "", "él", "", BAD + " at", ""]),
+    (["▁at", "<0xF0>", "<0x9F>"], ["at", "", "", BAD * 2]),  # cut short mid-character
+])
+def test_streaming_matches_one_shot_decode(engine, hf_tokenizer, pieces, shown):
+    ids = hf_tokenizer.convert_tokens_to_ids(pieces)
+    detok = IncrementalDetokenizer(engine.llm.tokenizer)
+    assert [detok.push([token]) for token in ids] + [detok.flush()] == shown
+    assert "".join(shown) == detok.text == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_character_completed_inside_a_run_of_byte_tokens_is_held_until_the_run_ends(engine, hf_tokenizer):
+    """F0 9F 91 8D is 👍, but the F0 after it is a bad byte of the same run: HF decodes the run as
+    five U+FFFD. Shown at once, 👍 could never be taken back, and the text would not be the
+    tokens' text."""
+    ids = hf_tokenizer.convert_tokens_to_ids(["▁a", "<0xF0>", "<0x9F>", "<0x91>", "<0x8D>", "<0xF0>", "▁it"])
+    assert hf_tokenizer.decode(ids[:5]) == "a👍" and hf_tokenizer.decode(ids) == "a" + BAD * 5 + " it"
+    detok = IncrementalDetokenizer(engine.llm.tokenizer)
+    streamed = "".join(detok.push([token]) for token in ids) + detok.flush()
+    assert streamed == detok.text == "a" + BAD * 5 + " it"
+
+
+def test_a_stop_string_in_a_held_run_stops_at_the_token_that_completes_it(engine, hf_tokenizer):
+    ids = hf_tokenizer.convert_tokens_to_ids(["▁a", "<0xE4>", "<0xB8>", "<0xAD>", "▁is"])
+    detok = IncrementalDetokenizer(engine.llm.tokenizer, stop=["中"])
+    assert [detok.push([token]) for token in ids[:3]] == ["a", "", ""] and not detok.stopped
+    assert detok.push([ids[3]]) == "" and detok.stopped and detok.text == "a"
+    assert detok.flush() == ""
+
+
+def test_engine_streams_the_one_shot_text(engine, hf_tokenizer):
+    """Seeded sampling on random weights makes runs of byte-fallback tokens, split characters and
+    bad bytes among them; the deltas join to HF's decode of the tokens, and each is what the
+    one-shot decode shows for good once the tokens before it are known."""
+    streams = [engine.submit(CHAT, SamplingParams(temperature=1.0, seed=seed, max_tokens=24)) for seed in range(6)]
+    runs = 0
+    for stream in streams:
+        deltas = list(stream)
+        ids = stream.token_ids
+        text = hf_tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(d.text for d in deltas) == stream.text == text
+        shown, count = "", 0
+        for delta in deltas:
+            shown, count = shown + delta.text, count + len(delta.token_ids)
+            # Whatever tokens come next, the text starts with what was shown.
+            for k in range(count, len(ids) + 1):
+                assert hf_tokenizer.decode(ids[:k], skip_special_tokens=True).startswith(shown)
+        runs += any(0x80 <= t - 3 < 0x100 for t in ids)
+    assert runs, "no run had a byte-fallback token past ASCII"
+
