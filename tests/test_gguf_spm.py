@@ -8,6 +8,7 @@ import random
 import pytest
 
 from engine import EngineThread, LLM, SamplingParams
+from engine.demo_model import default_cache_dir
 from engine.detokenizer import IncrementalDetokenizer
 from engine.gguf_checkpoint import GGUFCheckpoint
 from tests.conftest import random_prompts
@@ -58,7 +59,9 @@ def test_the_file_holds_a_sentencepiece_vocabulary(hf_tokenizer):
 def test_encode_and_decode_match_hf(engine, spm_gguf, hf_tokenizer):
     """The tokenizer the engine built, and the copy it cached for later starts, against HF's."""
     llm = engine.llm
+    assert llm.eos_ids == {hf_tokenizer.eos_token_id}
     cached = GGUFCheckpoint(spm_gguf).load_tokenizer()
+    assert list((default_cache_dir() / "gguf-tokenizers").iterdir())  # what the LLM's start left there
     rng = random.Random(0)
     for tokenizer in (llm.tokenizer, cached):
         assert tokenizer.chat_template == SPM_CHAT_TEMPLATE
