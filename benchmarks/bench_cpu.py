@@ -35,7 +35,7 @@ def nvchat_rates(model: str, prompts: list[str], new_tokens: int, streams: int, 
              quantization=quantization) as llm:
         def decode_rate(batch: list[str]) -> float:
             params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-            seqs = [llm.add_request(llm.render_chat([{"role": "user", "content": p}]), params) for p in batch]
+            seqs = [llm.add_request(llm.encode_chat([{"role": "user", "content": p}]), params) for p in batch]
             while any(s.num_completion_tokens == 0 for s in seqs):  # prefill, up to each first token
                 llm.step()
             start, first = time.perf_counter(), sum(s.num_completion_tokens for s in seqs)

@@ -2,11 +2,16 @@
 
 Each piece is decoded in a small window that starts at the previous piece, so tokenizers that
 treat a leading token specially still join up, and a partial UTF-8 character at its end is held
-back until its last byte arrives. Stop strings are searched as text arrives; the tail of the text
-that could be the start of a stop string is held back until it is known not to be one, so a stop
-string is never shown and no other text waits for it.
+back until its last byte arrives. With a byte-fallback decoder (SentencePiece vocabularies), a run
+of byte tokens at the end is held back whole until a token of another kind ends it: the decoder
+turns the whole run into U+FFFD if any of its bytes is bad, characters it had completed included.
+Stop strings are searched as text arrives (a held run's text included); the tail of the text that
+could be the start of a stop string is held back until it is known not to be one, so a stop string
+is never shown and no other text waits for it.
 """
 import contextlib
+import json
+import re
 from collections.abc import Callable
 from functools import partial
 
@@ -33,11 +38,34 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     return partial(tokenizer.decode, skip_special_tokens=True)
 
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _has_decoder(config: dict, kind: str) -> bool:
+    return config.get("type") == kind or any(_has_decoder(d, kind) for d in config.get("decoders") or ())
+
+
+def byte_run_ids(tokenizer) -> frozenset[int]:
+    """The ids a run of byte-fallback tokens is made of, for a tokenizer whose decoder has
+    tokenizers' ByteFallback step (Llama-2, Mistral, TinyLlama): the byte tokens <0x00>..<0xFF>,
+    which it decodes a run at a time, and the special tokens, which decode skips and so leave a run
+    open. Empty for any other decoder."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None or not _has_decoder(json.loads(decoder.__getstate__()), "ByteFallback"):
+        return frozenset()
+    ids = {i for token, i in backend.get_vocab().items() if _BYTE_TOKEN.fullmatch(token)}
+    ids.update(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+    return frozenset(ids)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | None = None, lock=None, decode=None):
-        """decode: text_decoder(tokenizer), when the caller has made it already."""
+    def __init__(self, tokenizer, stop: list[str] | None = None, lock=None, decode=None, run_ids=None):
+        """decode: text_decoder(tokenizer), and run_ids: byte_run_ids(tokenizer), when the caller
+        has made them already."""
         self.tokenizer = tokenizer
         self.decode = decode or text_decoder(tokenizer)
+        self.run_ids = byte_run_ids(tokenizer) if run_ids is None else run_ids
         # HF fast tokenizers are not safe to use from two threads at once; callers that encode
         # elsewhere share this lock with us.
         self.lock = lock or contextlib.nullcontext()
@@ -45,16 +73,29 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.taken = 0  # characters of the window past its `before` part already in text
-        self.text = ""
+        self.text = ""  # final: no later token changes it
+        self.pending = ""  # the held run's text so far, which stop strings see (see _advance)
         self.emitted = 0
         self.stop = stop or []
         self.stopped = False
 
+    def _settled_end(self) -> int:
+        """Where the byte-fallback run at the end of the tokens starts (their end if none)."""
+        end = len(self.ids)
+        if self.run_ids:
+            while end > self.read_offset and self.ids[end - 1] in self.run_ids:
+                end -= 1
+        return end
+
     def _advance(self, final: bool) -> None:
         ids, decode = self.ids, self.decode
+        end = len(ids) if final else self._settled_end()
         with self.lock:
             before = decode(ids[self.prefix_offset:self.read_offset])
-            window = decode(ids[self.prefix_offset:])
+            window = decode(ids[self.prefix_offset:end])
+            # The held run's text: if the request ends now (a stop string in it, or the last
+            # token) it is the text, and a stop string must be found at the token that completes it.
+            held = decode(ids[self.prefix_offset:]) if end < len(ids) else ""
         whole = final or not window.endswith(REPLACEMENT)
         # A token can end in part of a character after whole ones (SmolLM2 has " " plus a lead
         # byte): the whole ones count now, or a stop string they complete would be found a token
@@ -64,15 +105,17 @@ class IncrementalDetokenizer:
         if len(known) > start:
             self.text += known[start:]
             self.taken = len(known) - len(before)
+        self.pending = held.rstrip(REPLACEMENT)[len(before) + self.taken:]
         if whole and len(window) > len(before):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.prefix_offset, self.read_offset = self.read_offset, end
             self.taken = 0
 
     def _find_stop(self) -> None:
         # Released text cannot start a stop string (see _stop_prefix_len), so only the rest is searched.
-        hits = [i for i in (self.text.find(s, self.emitted) for s in self.stop) if i >= 0]
+        text = self.text + self.pending
+        hits = [i for i in (text.find(s, self.emitted) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text, self.pending = text[:min(hits)], ""
             self.stopped = True
 
     def _stop_prefix_len(self) -> int:
@@ -96,7 +139,7 @@ class IncrementalDetokenizer:
         self._advance(final=False)
         if not self.stop:
             return self._release(len(self.text))
-        if len(self.text) > old_len:
+        if len(self.text) > old_len or self.pending:
             self._find_stop()
         return self._release(len(self.text) if self.stopped else len(self.text) - self._stop_prefix_len())
 

@@ -153,7 +153,7 @@ class EngineThread:
         self._check_open()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             with _template_errors_as_value_errors():
-                prompt = self.llm.render_chat(prompt, enable_thinking)
+                prompt = self.llm.encode_chat(prompt, enable_thinking)
         seq = self.llm.make_sequence(prompt, sampling_params, stream=True)
         stream = RequestStream(seq.seq_id, seq.num_prompt_tokens, self._request_abort, tag)
         self._post(("submit", seq, stream))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, text_decoder
+from engine.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence
@@ -102,6 +102,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()
         self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
+        self._byte_run_ids = byte_run_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
         self.runner = self._make_runner()
         self.block_size = self.config.block_size
@@ -167,11 +168,21 @@ class LLM:
         with self._tokenizer_lock:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
-    def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
-        """How many prompt tokens the chat messages make: for fitting a conversation to max_model_len."""
+    def _chat_ids(self, messages: list[dict], enable_thinking: bool | None) -> list[int]:
+        # The template writes the special tokens it wants (a Llama-2 or Mistral one starts with
+        # <s>): the tokenizer's own BOS on top would make two, so none is added, as HF's
+        # apply_chat_template(tokenize=True) does.
         text = self.render_chat(messages, enable_thinking)
         with self._tokenizer_lock:
-            return len(self.tokenizer.encode(text))
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+        """Chat messages as prompt token ids, checked as encode() checks them."""
+        return self.encode(self._chat_ids(messages, enable_thinking))
+
+    def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
+        """How many prompt tokens the chat messages make: for fitting a conversation to max_model_len."""
+        return len(self._chat_ids(messages, enable_thinking))
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
         """A checked, tokenized request, not yet queued; safe to call from any thread. With
@@ -184,7 +195,7 @@ class LLM:
         seq = Sequence(self.encode(prompt), params, self.block_size, self.config.max_model_len)
         if (stream or params.stop) and self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._tokenizer_lock,
-                                                     self._decode_text)
+                                                     self._decode_text, self._byte_run_ids)
         return seq
 
     def enqueue(self, seq: Sequence) -> None:

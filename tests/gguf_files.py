@@ -1,6 +1,8 @@
 """Tiny GGUF files written with the `gguf` package from tiny save_pretrained models, laid out as
 llama.cpp's converter lays them out (llama q/k rows permuted for its RoPE), in a mix of tensor
-types, with a byte-level BPE tokenizer and a ChatML template in the metadata."""
+types, with a tokenizer and chat template in the metadata: a byte-level BPE one with ChatML (as
+Qwen and SmolLM2 files have), or a SentencePiece one (`tokenizer.ggml.model = "llama"`, as
+Llama-2, TinyLlama and Mistral files have) with a Mistral-style template."""
 import numpy as np
 import torch
 
@@ -15,9 +17,37 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.05)
 
 
-def tokenizer_tokens() -> list[str]:
+def tokenizer_tokens(tokenizer: str = "gpt2") -> list[str]:
+    if tokenizer == "llama":
+        return [token for token, _, _ in spm_vocabulary()]
     from engine.demo_model import _byte_alphabet
     return _byte_alphabet() + [m.replace(" ", "") for m in MERGES] + SPECIALS
+
+
+# A SentencePiece vocabulary laid out as llama.cpp's converter writes Llama-2's: <unk>, <s>, </s>,
+# the 256 byte-fallback tokens <0x00>..<0xFF>, then the pieces, best first, "▁" standing for a
+# space. There are no merges in such a file: readers rebuild them from the pieces and their
+# scores. Characters with no piece (newlines, CJK, emoji, most capitals) are spelled in bytes.
+SPM_CHARS = "▁etaoinshrdlucmwyfgpbkv,.!?'HIW[]/é"
+SPM_PIECES = ["▁t", "he", "▁the", "in", "▁in", "▁a", "an", "er", "on", "▁w", "or", "▁wor", "ld", "▁world",
+              "▁H", "el", "ll", "▁He", "▁Hel", "▁Hell", "▁Hello", "is", "▁is", "▁▁", "▁▁▁▁", "ca", "▁ca",
+              "fé", "▁café", "at", "▁at", "▁I", "it", "▁it", "st", "▁st", "re", "▁re", "ou", "▁y", "▁you"]
+SPM_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ '[SYS] ' + m['content'] + ' [/SYS]\n' }}"
+    "{% elif m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def spm_vocabulary() -> list[tuple[str, float, int]]:
+    """(piece, score, gguf.TokenType) for each token of the SentencePiece vocabulary."""
+    from gguf import TokenType
+    vocab = [("<unk>", 0.0, TokenType.UNKNOWN), ("<s>", 0.0, TokenType.CONTROL), ("</s>", 0.0, TokenType.CONTROL)]
+    vocab += [(f"<0x{b:02X}>", 0.0, TokenType.BYTE) for b in range(256)]
+    # Longer pieces score lower than the characters they are made of, as a trained model's do.
+    pieces = list(SPM_CHARS) + SPM_PIECES
+    vocab += [(piece, -float(i), TokenType.NORMAL) for i, piece in enumerate(pieces)]
+    return vocab
 
 
 def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -51,42 +81,22 @@ def _types(layer: int):
             "ffn_gate": T.F16, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K}
 
 
-def write_tiny_gguf(path, *, arch: str = "llama", tie: bool = False, seed: int = 0, quantized: bool = True):
-    """Writes path (a .gguf file) from a tiny random HF model of the given architecture."""
+def write_tiny_gguf(path, *, arch: str = "llama", tie: bool = False, seed: int = 0, quantized: bool = True,
+                    tokenizer: str = "gpt2"):
+    """Writes path (a .gguf file) from a tiny random HF model of the given architecture, with a
+    byte-level BPE tokenizer (tokenizer="gpt2") or a SentencePiece one ("llama")."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
-    tokens = tokenizer_tokens()
-    shape = dict(SHAPE, vocab_size=len(tokens))
+    shape = dict(SHAPE, vocab_size=len(tokenizer_tokens(tokenizer)))
     if arch == "qwen3":
         shape["head_dim"] = 128  # what HF assumes for a qwen3 GGUF (it ignores key_length)
     model = save_tiny_hf_model(path.parent / f"{path.stem}-hf", tie=tie, arch=arch, seed=seed, **shape)
     c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rng = np.random.default_rng(seed)
 
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{arch}")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(tokens.index("<|im_start|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_chat_template(CHAT_TEMPLATE)
+    _add_metadata(w, arch, c, tokenizer)
 
     for name, tensor in model.state_dict().items():
         if tie and name == "lm_head.weight":
@@ -116,6 +126,67 @@ def write_tiny_gguf(path, *, arch: str = "llama", tie: bool = False, seed: int =
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tokenizer_gguf(path, tokenizer: str = "llama"):
+    """A GGUF file with a tiny llama's metadata and a tokenizer but no tensors: enough to load the
+    tokenizer from, in a fraction of the time a model takes to build."""
+    import gguf
+    import transformers
+    config = transformers.LlamaConfig(**SHAPE, vocab_size=len(tokenizer_tokens(tokenizer)))
+    w = gguf.GGUFWriter(str(path), "llama")
+    _add_metadata(w, "llama", config, tokenizer)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_metadata(w, arch: str, c, tokenizer: str) -> None:
+    import gguf
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    if tokenizer == "llama":
+        _add_spm_tokenizer(w)
+        return
+    tokens = tokenizer_tokens()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def _add_spm_tokenizer(w) -> None:
+    """The keys llama.cpp's converter writes for a SentencePiece model (TinyLlama's file has these)."""
+    pieces, scores, types = zip(*spm_vocabulary())
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(pieces.index("<unk>"))
+    w.add_bos_token_id(pieces.index("<s>"))
+    w.add_eos_token_id(pieces.index("</s>"))
+    w.add_pad_token_id(pieces.index("</s>"))
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(SPM_CHAT_TEMPLATE)
 
 
 # llama.cpp's tensor names (its gguf-py/gguf/tensor_mapping.py), written out here independently

