@@ -23,7 +23,7 @@ class TorchBackend:
 
     @staticmethod
     def prefill(q, k_cache, v_cache, meta, scale):
-        return torch_ref.paged_prefill_attention(
+        return torch_ref.sdpa_prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale)
 
     decode = staticmethod(torch_ref.sdpa_decode_attention)
