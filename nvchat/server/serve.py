@@ -26,12 +26,13 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nvchat.cli import add_engine_flags
-    p = argparse.ArgumentParser(prog="nvchat serve", description="Serve the engine over the OpenAI API.")
+    from nvchat.cli import CommandLineParser, add_engine_flags
+    p = CommandLineParser(prog="nvchat serve", description="Serve the engine over the OpenAI API.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
-    p.add_argument("--served-model-name", help="the model's name in the API (default: --model as given, or 'demo')")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: --model as given, else "
+                                                        f"{default_model.NAME}, or 'demo' without {default_model.DISTRIBUTION})")
     add_engine_flags(p)
     return p
 
