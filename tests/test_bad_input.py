@@ -36,6 +36,13 @@ def test_unsupported_architecture(tmp_path, tiny_qwen3):
         LLM(tmp_path, device="cpu")
 
 
+@pytest.mark.parametrize("device", ["mps", "tpu", "cuda:x"])
+def test_unsupported_device(tmp_path, device):
+    # Named before the model is even looked for (a missing path here), so no download waits for it.
+    with pytest.raises(ValueError, match=rf"unsupported device '{device}'; use cuda \(or cuda:N\) or cpu"):
+        LLM(tmp_path / "nope", device=device)
+
+
 def test_tensor_parallel_size_must_divide_heads(tiny_qwen3):
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         LLM(tiny_qwen3, device="cpu", tensor_parallel_size=3)
