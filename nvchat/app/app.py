@@ -522,6 +522,12 @@ class NvchatApp(App[None]):
             return
         copy_code(fence)
 
+    async def action_quit(self) -> None:
+        if self._loading is not None and self._loading.error:
+            self._loading.action_leave()  # as q there: the exit status and message say the start failed
+        else:
+            await super().action_quit()
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.keymap))
 

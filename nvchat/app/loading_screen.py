@@ -38,8 +38,8 @@ class LoadingScreen(Screen):
     def _redraw(self) -> None:
         lines = []
         for i, stage in enumerate(self.stages):
-            current = i == len(self.stages) - 1 and self.error is None
-            lines.append(Content.assemble(("  … " if current else "  ✓ ", "bold"), stage))
+            mark = "  ✓ " if i < len(self.stages) - 1 else "  ✗ " if self.error else "  … "
+            lines.append(Content.assemble((mark, "bold"), stage))
         self.query_one("#loading-stages", Static).update(Content("\n").join(lines))
 
     def action_leave(self) -> None:

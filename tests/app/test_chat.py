@@ -52,6 +52,18 @@ async def test_bad_model_path_is_reported_on_the_loading_screen(tmp_path):
     assert app.return_code == 1
 
 
+async def test_a_failed_start_marks_the_stage_that_failed_and_ctrl_q_reports_it(tmp_path):
+    (tmp_path / "config.json").write_text("not JSON")
+    app = NvchatApp(app_settings(model=str(tmp_path)))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen) and app.screen.error, 30, "the error")
+        stages = str(app.screen.query_one("#loading-stages").render()).splitlines()
+        assert stages[-1] == "  ✗ reading the model config"
+        assert all(line.startswith("  ✓ ") for line in stages[:-1])
+        await pilot.press("ctrl+q")  # as q: the exit says the start failed, and why
+    assert app.return_code == 1
+
+
 async def test_send_streams_a_reply_with_footer_and_stores_it(make_app):
     app = make_app(max_tokens=300)
     async with app.run_test(size=SIZE) as pilot:
