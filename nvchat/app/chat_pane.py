@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Awaitable, Callable
 
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
@@ -67,6 +68,22 @@ class ChatPane(Vertical):
         # Anchored: follows new output until the user scrolls up, and again once back at the bottom.
         self.transcript.anchor()
         self._refresh_hint()
+
+    def on_key(self, event: events.Key) -> None:
+        """Typing while the transcript or a code block has the focus (after a click, or Shift+Tab)
+        goes on in the prompt box rather than nowhere. Keys bound there (c copies a block) stay."""
+        if not event.is_printable or self.prompt.has_focus or event.key in self.screen.active_bindings:
+            return
+        event.stop()
+        event.prevent_default()
+        self.prompt.focus()
+        self.prompt.insert(event.character)
+
+    def on_paste(self, event: events.Paste) -> None:
+        if not self.prompt.has_focus:  # a paste into the box bubbles up here too, already inserted
+            event.stop()
+            self.prompt.focus()
+            self.prompt.insert(event.text)
 
     @property
     def transcript(self) -> VerticalScroll:
