@@ -48,6 +48,7 @@ class ChatPane(Vertical):
         self._next_save = 0.0  # when the streaming reply is next stored
         self._left_out_noted = False  # said once that old turns no longer fit the model
         self._stop_requested = False  # Esc before the turn's stream existed
+        self._draft = ""  # what the box held when F3 put the last message there; back after the edit
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -163,6 +164,11 @@ class ChatPane(Vertical):
         self.run_worker(self._turn(start, event.text, restore=event.text, was_editing=self.editing))
         self.editing = False
 
+    def _give_back_draft(self) -> None:
+        draft, self._draft = self._draft, ""
+        if draft:
+            self._restore_prompt(draft)
+
     def _restore_prompt(self, text: str) -> None:
         """Puts a message that was not sent back in the box, before whatever was typed since."""
         typed = self.prompt.text
@@ -185,6 +191,8 @@ class ChatPane(Vertical):
         if text is None:
             self.notify("No message to edit yet.", severity="warning")
             return
+        if not self.editing:
+            self._draft = self.prompt.text if self.prompt.text.strip() else ""
         self.editing = True
         self.prompt.text = text
         self.prompt.move_cursor(self.prompt.document.end)
@@ -195,6 +203,7 @@ class ChatPane(Vertical):
     def cancel_edit(self) -> None:
         self.editing = False
         self.prompt.clear()
+        self._give_back_draft()
         self._set_status("")
         self.post_message(ChatStateChanged(self))
 
@@ -224,6 +233,8 @@ class ChatPane(Vertical):
             return
         # Claimed at once: an Esc, a closed tab or a quit while the views below mount finds it.
         self.stream = stream
+        if was_editing:
+            self._give_back_draft()
         self._next_save = 0.0  # its first text is stored at once
         if self._stop_requested:  # Esc came while the turn was starting
             stream.abort()

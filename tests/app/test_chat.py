@@ -150,6 +150,24 @@ async def test_edit_and_resend_the_last_message(make_app):
         assert [m.content for m in stored_messages(pane)][0] == "second draft"
 
 
+async def test_editing_the_last_message_keeps_the_draft_in_the_box(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "first")
+        await idle(pilot, pane)
+        await pilot.press(*"half")  # a draft, not sent
+        await pilot.press("f3")
+        assert pane.editing and pane.prompt.text == "first"
+        await pilot.press("escape")  # edit cancelled: the draft is back
+        assert not pane.editing and pane.prompt.text == "half"
+        await pilot.press("f3", "backspace", "backspace", "enter")  # resends "fir"
+        await wait_for(pilot, lambda: pane.conversation.messages[0].content == "fir", what="the resent turn")
+        await wait_for(pilot, lambda: pane.prompt.text == "half", what="the draft back in the box")
+        await idle(pilot, pane)
+
+
 async def test_newline_keys_do_not_send(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
