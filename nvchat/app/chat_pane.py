@@ -18,7 +18,7 @@ from textual.widgets import Static
 
 from engine import RequestStream
 from nvchat.app.message_view import ReplyView, UserMessageView
-from nvchat.app.messages import ChatStateChanged, PromptSubmitted, ReplyStarted
+from nvchat.app.messages import ChatStateChanged, PromptSubmitted, ReplyStarted, ScrollTranscript
 from nvchat.app.prompt_input import PromptInput
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
 
@@ -79,6 +79,13 @@ class ChatPane(Vertical):
         event.prevent_default()
         self.prompt.focus()
         self.prompt.insert(event.character)
+
+    def on_scroll_transcript(self, event: ScrollTranscript) -> None:
+        event.stop()
+        if event.pages < 0:
+            self.transcript.scroll_page_up()
+        else:
+            self.transcript.scroll_page_down()
 
     def on_paste(self, event: events.Paste) -> None:
         if not self.prompt.has_focus:  # a paste into the box bubbles up here too, already inserted
