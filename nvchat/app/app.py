@@ -218,13 +218,16 @@ class NvchatApp(App[None]):
 
     async def _backend_ready(self, engine: EngineThread, store: ChatStore) -> None:
         self.engine, self.store = engine, store
+        typed = self._loading.typed if self._loading is not None else ""
         if self._loading is not None and self.screen is self._loading:
             self.pop_screen()
         self._loading = None
         if store.moved_aside is not None:
             self.notify(f"It was moved to {store.moved_aside}; new conversations go to a fresh file.",
                         title="The conversation store could not be read", severity="error", timeout=30)
-        await self.open_chat(self.new_conversation())
+        pane = await self.open_chat(self.new_conversation())
+        if typed:
+            pane.prompt.insert(typed)
         self.ready = True
         self.refresh_bindings()
 

@@ -1,6 +1,7 @@
 """The chat app driven by real keystrokes against the real demo model on CPU."""
 import asyncio
 import gc
+import threading
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from nvchat.app.message_view import ReplyView, ThinkSplitter, UserMessageView
 from nvchat.conversation import Message
 from nvchat.store import ChatStore
 from tests.app.conftest import app_settings
-from tests.app.helpers import idle, press_now, reopen_the_only_past_conversation, send, started, submit_now, wait_for
+from tests.app.helpers import burst, idle, press_now, reopen_the_only_past_conversation, send, started, submit_now, wait_for
 
 SIZE = (110, 36)
 
@@ -40,6 +41,30 @@ async def test_startup_builds_the_engine_behind_a_loading_screen():
         assert len(app.query(ChatPane)) == 1
     with pytest.raises(RuntimeError):  # the app built the engine, so the app shut it down
         app.engine.submit("hello")
+
+
+async def test_typing_while_the_model_loads_is_kept_for_the_first_chat(monkeypatch):
+    from nvchat.app import app as app_module
+    loaded = threading.Event()  # holds the start-up until the keys are in
+    real_open_backend = app_module.open_backend
+
+    def held_open_backend(*args, **kwargs):
+        loaded.wait(30)
+        return real_open_backend(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "open_backend", held_open_backend)
+    app = NvchatApp(app_settings())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen), 30, "the loading screen")
+        # q quits only a start that failed: here it is a word's first letter.
+        await pilot.press(*"quick", "space", *"qn", "backspace")
+        burst(app, "", paste=" pasted", enter=False)
+        await pilot.pause()
+        assert "quick q pasted" in str(app.screen.query_one("#loading-typed").render())
+        loaded.set()
+        await started(pilot)
+        assert app.active_pane.prompt.text == "quick q pasted"
+        assert app.focused is app.active_pane.prompt
 
 
 async def test_bad_model_path_is_reported_on_the_loading_screen(tmp_path):
