@@ -1,4 +1,6 @@
 """The command line's own errors: a bad flag is one line naming it, and a non-zero exit."""
+import socket
+
 import pytest
 
 from nvchat.cli import main
@@ -10,6 +12,7 @@ from nvchat.cli import main
     (["--no-such-flag"], "--no-such-flag"),
     (["-p"], "-p/--prompt"),
     (["serve", "--port", "http"], "--port"),
+    (["serve", "--port", "99999"], "--port"),
 ])
 def test_a_bad_flag_is_one_line(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -28,3 +31,12 @@ def test_json_needs_a_question(capsys, monkeypatch):
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         "nvchat: --json goes with -p/--prompt (or a question piped to stdin) (`nvchat --help` lists the options)"]
+
+
+def test_serve_on_a_port_in_use_names_the_address(capsys, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--model", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"nvchat: can't listen on 127.0.0.1:{port}: Address already in use"]
