@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         parser.error("--json goes with -p/--prompt (or a question piped to stdin)")
     try:
         settings = settings_from_args(args)
-    except SettingsError as e:
+        settings.sampling_params()  # a bad value is named now, not after seconds of loading the model
+    except (SettingsError, ValueError) as e:
         print(f"nvchat: {e}", file=sys.stderr)
         return 2
     if args.prompt is not None:

@@ -40,3 +40,15 @@ def test_serve_on_a_port_in_use_names_the_address(capsys, tmp_path):
         port = taken.getsockname()[1]
         assert main(["serve", "--port", str(port), "--model", str(tmp_path)]) == 1
     assert capsys.readouterr().err.splitlines() == [f"nvchat: can't listen on 127.0.0.1:{port}: Address already in use"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+])
+def test_a_bad_sampling_flag_stops_the_app_before_it_loads_a_model(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    monkeypatch.setattr("nvchat.cli.run_tui", lambda settings: pytest.fail("the app started"))
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"nvchat: {message}")
