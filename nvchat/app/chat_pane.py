@@ -112,7 +112,7 @@ class ChatPane(Vertical):
 
     def _hint_text(self) -> Content:
         parts: list = ["Type a message below: Enter sends, Shift+Enter or Ctrl+J starts a new line, Esc stops "
-                       "a reply. F1 lists every key, Ctrl+P opens the command palette."]
+                       "a reply. Ctrl+O reopens past chats, F1 lists every key, Ctrl+P opens the command palette."]
         if self.note:
             parts.append(("\n\n" + self.note.capitalize() + ".", "italic"))
         return Content.assemble(*parts)
