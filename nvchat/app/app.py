@@ -29,7 +29,7 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.content import Content
 from textual.screen import ModalScreen
-from textual.widgets import Header, TabbedContent, TabPane
+from textual.widgets import Header, TabbedContent, TabPane, Tabs
 
 from engine import EngineThread, RequestStream
 from engine.demo_model import GIBBERISH_NOTE
@@ -155,6 +155,10 @@ class NvchatApp(App[None]):
         self._pump_timer = self.set_interval(1 / self.PUMP_HZ, self._pump_replies, pause=True)
         self._quit_on_signals()
         self.query_one(KVPanel).source = self._panel_data
+        # Tab from the prompt box goes to the transcript and its code blocks, which hand typing back
+        # to the box (ChatPane.on_key), never to the tab bar, where it was lost (its keys have
+        # bindings of their own: Ctrl+PgDn/PgUp, Alt+arrows).
+        self.tabs.query_one(Tabs).can_focus = False
         if self.engine is None:
             self._loading = LoadingScreen(model_label(self.settings), self.note)
             self.push_screen(self._loading)

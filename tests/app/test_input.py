@@ -75,6 +75,9 @@ async def test_typing_while_the_transcript_has_the_focus_goes_to_the_prompt_box(
         burst(app, "", paste="there", enter=False)
         await wait_for(pilot, lambda: pane.prompt.text == "hi there", what="the paste in the box")
         assert app.focused is pane.prompt
+        for _ in range(3):  # Tab from the box: wherever the focus goes, typing still lands in the box
+            await pilot.press("tab", "x")
+        assert app.focused is pane.prompt and pane.prompt.text == "hi therexxx"
 
 
 async def test_esc_while_a_turn_is_still_starting_stops_its_reply(make_app):
