@@ -15,6 +15,11 @@ def test_missing_path(tmp_path):
         LLM(tmp_path / "nope", device="cpu")
 
 
+def test_empty_path():
+    with pytest.raises(ModelError, match="the model path is empty"):
+        LLM("", device="cpu")
+
+
 def test_directory_without_config(tmp_path):
     with pytest.raises(ModelError, match="no config.json"):
         LLM(tmp_path, device="cpu")
