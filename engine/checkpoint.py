@@ -14,6 +14,8 @@ class ModelError(ValueError):
 def resolve_model_path(model: str | os.PathLike, progress=None) -> Path:
     """A local directory or GGUF file, or a Hugging Face repo id: from the local HF cache, else
     downloaded (engine/hub.py; progress is told when a download starts)."""
+    if not str(model).strip():  # Path("") is the current directory, which is rarely what was meant
+        raise ModelError("the model path is empty; give a checkpoint's directory, a .gguf file or a repo id")
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():

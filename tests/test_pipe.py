@@ -56,6 +56,7 @@ def runs(demo_model_path, tmp_path_factory):
         "argument": (_run, ["-p", QUESTION, *FAST]),
         "stdin": (_run, ["-p", "-", *FAST], QUESTION + "\n"),
         "piped_without_p": (_run, FAST, QUESTION + "\n"),
+        "piped_json_without_p": (_run, ["--json", *FAST], QUESTION + "\n"),
         "bad_model": (_run, ["-p", "hi", *FAST, "--model", str(missing)]),  # the last --model wins
         "too_long": (_run, ["-p", "word " * 100, *FAST, "--max-model-len", "64"]),
         "bad_temperature": (_run, ["-p", "hi", "--temperature", "-1"]),
@@ -115,6 +116,12 @@ def test_piped_stdin_without_p_is_pipe_mode(runs, json_reply):
     result = runs["piped_without_p"]
     assert result.returncode == 0, result.stderr
     assert result.stdout == _as_printed(json_reply["text"])
+
+
+def test_piped_stdin_takes_json_without_p(runs, json_reply):
+    result = runs["piped_json_without_p"]
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["text"] == json_reply["text"]
 
 
 def test_bad_model_path(runs):

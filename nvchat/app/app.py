@@ -29,7 +29,7 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.content import Content
 from textual.screen import ModalScreen
-from textual.widgets import Header, TabbedContent, TabPane
+from textual.widgets import Header, TabbedContent, TabPane, Tabs
 
 from engine import EngineThread, RequestStream
 from engine.demo_model import GIBBERISH_NOTE
@@ -155,6 +155,10 @@ class NvchatApp(App[None]):
         self._pump_timer = self.set_interval(1 / self.PUMP_HZ, self._pump_replies, pause=True)
         self._quit_on_signals()
         self.query_one(KVPanel).source = self._panel_data
+        # Tab from the prompt box goes to the transcript and its code blocks, which hand typing back
+        # to the box (ChatPane.on_key), never to the tab bar, where it was lost (its keys have
+        # bindings of their own: Ctrl+PgDn/PgUp, Alt+arrows).
+        self.tabs.query_one(Tabs).can_focus = False
         if self.engine is None:
             self._loading = LoadingScreen(model_label(self.settings), self.note)
             self.push_screen(self._loading)
@@ -218,13 +222,16 @@ class NvchatApp(App[None]):
 
     async def _backend_ready(self, engine: EngineThread, store: ChatStore) -> None:
         self.engine, self.store = engine, store
+        typed = self._loading.typed if self._loading is not None else ""
         if self._loading is not None and self.screen is self._loading:
             self.pop_screen()
         self._loading = None
         if store.moved_aside is not None:
             self.notify(f"It was moved to {store.moved_aside}; new conversations go to a fresh file.",
                         title="The conversation store could not be read", severity="error", timeout=30)
-        await self.open_chat(self.new_conversation())
+        pane = await self.open_chat(self.new_conversation())
+        if typed:
+            pane.prompt.insert(typed)
         self.ready = True
         self.refresh_bindings()
 
@@ -521,6 +528,12 @@ class NvchatApp(App[None]):
             self.notify("No code block in this chat yet.", severity="warning")
             return
         copy_code(fence)
+
+    async def action_quit(self) -> None:
+        if self._loading is not None and self._loading.error:
+            self._loading.action_leave()  # as q there: the exit status and message say the start failed
+        else:
+            await super().action_quit()
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.keymap))

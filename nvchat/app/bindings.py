@@ -48,6 +48,8 @@ APP_KEYS: tuple[KeySpec, ...] = (
 PROMPT_KEYS: tuple[KeySpec, ...] = (
     KeySpec("send", "enter", "send", "Send", show=False, priority=False),
     KeySpec("newline", "shift+enter,ctrl+j", "newline", "New line", show=False, priority=False),
+    KeySpec("scroll_chat_up", "pageup", "scroll_chat(-1)", "Scroll up", show=False, priority=False),
+    KeySpec("scroll_chat_down", "pagedown", "scroll_chat(1)", "Scroll down", show=False, priority=False),
 )
 
 ALL_KEYS = APP_KEYS + PROMPT_KEYS

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Awaitable, Callable
 
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
@@ -17,7 +18,7 @@ from textual.widgets import Static
 
 from engine import RequestStream
 from nvchat.app.message_view import ReplyView, UserMessageView
-from nvchat.app.messages import ChatStateChanged, PromptSubmitted, ReplyStarted
+from nvchat.app.messages import ChatStateChanged, PromptSubmitted, ReplyStarted, ScrollTranscript
 from nvchat.app.prompt_input import PromptInput
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
 
@@ -47,6 +48,7 @@ class ChatPane(Vertical):
         self._next_save = 0.0  # when the streaming reply is next stored
         self._left_out_noted = False  # said once that old turns no longer fit the model
         self._stop_requested = False  # Esc before the turn's stream existed
+        self._draft = ""  # what the box held when F3 put the last message there; back after the edit
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -68,6 +70,29 @@ class ChatPane(Vertical):
         self.transcript.anchor()
         self._refresh_hint()
 
+    def on_key(self, event: events.Key) -> None:
+        """Typing while the transcript or a code block has the focus (after a click, or Shift+Tab)
+        goes on in the prompt box rather than nowhere. Keys bound there (c copies a block) stay."""
+        if not event.is_printable or self.prompt.has_focus or event.key in self.screen.active_bindings:
+            return
+        event.stop()
+        event.prevent_default()
+        self.prompt.focus()
+        self.prompt.insert(event.character)
+
+    def on_scroll_transcript(self, event: ScrollTranscript) -> None:
+        event.stop()
+        if event.pages < 0:
+            self.transcript.scroll_page_up()
+        else:
+            self.transcript.scroll_page_down()
+
+    def on_paste(self, event: events.Paste) -> None:
+        if not self.prompt.has_focus:  # a paste into the box bubbles up here too, already inserted
+            event.stop()
+            self.prompt.focus()
+            self.prompt.insert(event.text)
+
     @property
     def transcript(self) -> VerticalScroll:
         return self.query_one("#transcript", VerticalScroll)
@@ -87,7 +112,7 @@ class ChatPane(Vertical):
 
     def _hint_text(self) -> Content:
         parts: list = ["Type a message below: Enter sends, Shift+Enter or Ctrl+J starts a new line, Esc stops "
-                       "a reply. F1 lists every key, Ctrl+P opens the command palette."]
+                       "a reply. Ctrl+O reopens past chats, F1 lists every key, Ctrl+P opens the command palette."]
         if self.note:
             parts.append(("\n\n" + self.note.capitalize() + ".", "italic"))
         return Content.assemble(*parts)
@@ -146,6 +171,11 @@ class ChatPane(Vertical):
         self.run_worker(self._turn(start, event.text, restore=event.text, was_editing=self.editing))
         self.editing = False
 
+    def _give_back_draft(self) -> None:
+        draft, self._draft = self._draft, ""
+        if draft:
+            self._restore_prompt(draft)
+
     def _restore_prompt(self, text: str) -> None:
         """Puts a message that was not sent back in the box, before whatever was typed since."""
         typed = self.prompt.text
@@ -168,6 +198,8 @@ class ChatPane(Vertical):
         if text is None:
             self.notify("No message to edit yet.", severity="warning")
             return
+        if not self.editing:
+            self._draft = self.prompt.text if self.prompt.text.strip() else ""
         self.editing = True
         self.prompt.text = text
         self.prompt.move_cursor(self.prompt.document.end)
@@ -178,6 +210,7 @@ class ChatPane(Vertical):
     def cancel_edit(self) -> None:
         self.editing = False
         self.prompt.clear()
+        self._give_back_draft()
         self._set_status("")
         self.post_message(ChatStateChanged(self))
 
@@ -207,6 +240,8 @@ class ChatPane(Vertical):
             return
         # Claimed at once: an Esc, a closed tab or a quit while the views below mount finds it.
         self.stream = stream
+        if was_editing:
+            self._give_back_draft()
         self._next_save = 0.0  # its first text is stored at once
         if self._stop_requested:  # Esc came while the turn was starting
             stream.abort()

@@ -18,6 +18,11 @@ def _when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
 
 
+def _model_label(model: str) -> str:
+    """A checkpoint's or GGUF file's name without its directories; a repo id or name as it is."""
+    return Path(model).name if model.startswith(("/", "~", ".")) else model
+
+
 class ConversationsScreen(ModalScreen[int | None]):
     """Dismisses with the chosen conversation's id, or None."""
 
@@ -38,7 +43,8 @@ class ConversationsScreen(ModalScreen[int | None]):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        table.add_columns("Title", "Messages", "Model", "Updated")
+        # The model last: a path or long name there is cut at the edge, not the date.
+        table.add_columns("Title", "Updated", "Messages", "Model")
         self.query_one(Input).focus()
         self.run_worker(self._load(""), exclusive=True)
 
@@ -62,7 +68,7 @@ class ConversationsScreen(ModalScreen[int | None]):
         table = self.query_one(DataTable)
         table.clear()
         for row in rows:
-            table.add_row(Text(row.title), str(row.num_messages), Text(row.model), _when(row.updated_at),
+            table.add_row(Text(row.title), _when(row.updated_at), str(row.num_messages), Text(_model_label(row.model)),
                           key=str(row.id))
         empty = self.query_one("#conversations-empty", Label)
         empty.update("" if rows else f"No conversation has “{text.strip()}”." if text.strip()

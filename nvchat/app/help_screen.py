@@ -33,6 +33,7 @@ class HelpScreen(ModalScreen[None]):
         table.add_columns("Key", "Action", "Id")
         for spec in ALL_KEYS:
             table.add_row(describe_key(effective_key(spec, self.keymap)), spec.description, spec.id)
+        table.styles.max_height = table.row_count + 1  # and its header
 
     def action_close(self) -> None:
         self.dismiss(None)

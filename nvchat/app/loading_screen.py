@@ -1,7 +1,8 @@
 """Start-up: the engine's stages (config, tokenizer, weights, KV cache, warm-up) as they happen,
-or the reason it could not start."""
+or the reason it could not start. What the user types meanwhile is kept for the first chat's box."""
 from pathlib import Path
 
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -20,6 +21,7 @@ class LoadingScreen(Screen):
         self.note = note
         self.stages: list[str] = []
         self.error: str | None = None
+        self.typed = ""  # goes into the first chat's prompt box
 
     def compose(self) -> ComposeResult:
         with Vertical(id="loading-box"):
@@ -30,6 +32,7 @@ class LoadingScreen(Screen):
             yield Static(id="loading-stages")
             yield LoadingIndicator(id="loading-spinner")
             yield Static(id="loading-error")
+            yield Static(id="loading-typed", markup=False)
 
     def add_stage(self, stage: str) -> None:
         self.stages.append(stage)
@@ -38,9 +41,31 @@ class LoadingScreen(Screen):
     def _redraw(self) -> None:
         lines = []
         for i, stage in enumerate(self.stages):
-            current = i == len(self.stages) - 1 and self.error is None
-            lines.append(Content.assemble(("  … " if current else "  ✓ ", "bold"), stage))
+            mark = "  ✓ " if i < len(self.stages) - 1 else "  ✗ " if self.error else "  … "
+            lines.append(Content.assemble((mark, "bold"), stage))
         self.query_one("#loading-stages", Static).update(Content("\n").join(lines))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # q quits a start that failed; before that it is a letter of what the user types.
+        return self.error is not None if action == "leave" else True
+
+    def on_key(self, event: events.Key) -> None:
+        if self.error is not None:
+            return
+        if event.is_printable:
+            self._type(self.typed + event.character)
+        elif event.key == "backspace":
+            self._type(self.typed[:-1])
+
+    def on_paste(self, event: events.Paste) -> None:
+        if self.error is None:
+            self._type(self.typed + event.text)
+
+    def _type(self, text: str) -> None:
+        self.typed = text
+        box = self.query_one("#loading-typed", Static)
+        box.update(f"Kept for the message box: {text}" if text else "")
+        box.display = bool(text)
 
     def action_leave(self) -> None:
         # After a failed start the reason is printed again once the terminal is back, and the

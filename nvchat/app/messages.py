@@ -19,6 +19,14 @@ class PromptSubmitted(Message):
         self.text = text
 
 
+class ScrollTranscript(Message):
+    """The prompt box's page keys: scroll its chat's transcript by a page (-1 up, 1 down)."""
+
+    def __init__(self, pages: int) -> None:
+        super().__init__()
+        self.pages = pages
+
+
 class ReplyStarted(Message):
     """A chat pane has a new stream for the app's pump to drain."""
 

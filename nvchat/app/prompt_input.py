@@ -4,7 +4,7 @@ from textual import events
 from textual.widgets import TextArea
 
 from nvchat.app.bindings import PROMPT_KEYS, bindings, effective_key
-from nvchat.app.messages import PromptSubmitted
+from nvchat.app.messages import PromptSubmitted, ScrollTranscript
 
 
 class PromptInput(TextArea):
@@ -51,3 +51,8 @@ class PromptInput(TextArea):
 
     def action_newline(self) -> None:
         self.insert("\n")
+
+    def action_scroll_chat(self, pages: int) -> None:
+        # Rather than paging through the box, which is a few lines: the transcript above is what
+        # a user pages through.
+        self.post_message(ScrollTranscript(pages))

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label
 
@@ -13,6 +13,10 @@ from engine import SamplingParams
 # (field, label, Input type)
 FIELDS = (("temperature", "Temperature (0 is greedy)", "number"), ("top_p", "Top-p (0 < p ≤ 1)", "number"),
           ("top_k", "Top-k (0 is off)", "integer"), ("max_tokens", "Max tokens per reply", "integer"))
+
+
+class _Form(VerticalScroll, can_focus=False):
+    """Scrolls to whichever field has the focus; never takes it itself (the first field does)."""
 
 
 class SamplingScreen(ModalScreen[dict | None]):
@@ -29,17 +33,19 @@ class SamplingScreen(ModalScreen[dict | None]):
         self.defaults = defaults
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="sampling-box"):
+        # Scrolls on a short terminal, with the error and the buttons docked at its foot.
+        with _Form(id="sampling-box"):
             yield Label(self.heading, id="sampling-heading")
             for name, label, kind in FIELDS:
                 with Horizontal(classes="sampling-row"):
                     yield Label(label, classes="sampling-label")
                     yield Input(str(self.values[name]), type=kind, id=f"sampling-{name}", select_on_focus=True)
-            yield Label("", id="sampling-error")
-            with Horizontal(id="sampling-buttons"):
-                yield Button("Save  ^s", id="save", variant="primary")
-                yield Button("Defaults", id="defaults")
-                yield Button("Cancel  esc", id="cancel")
+            with Vertical(id="sampling-foot"):
+                yield Label("", id="sampling-error")
+                with Horizontal(id="sampling-buttons"):
+                    yield Button("Save  ^s", id="save", variant="primary")
+                    yield Button("Defaults", id="defaults")
+                    yield Button("Cancel  esc", id="cancel")
 
     def _read(self) -> dict:
         """The four values, checked as the engine checks them (ValueError names a bad one)."""

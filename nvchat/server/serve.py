@@ -26,14 +26,22 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nvchat.cli import add_engine_flags
-    p = argparse.ArgumentParser(prog="nvchat serve", description="Serve the engine over the OpenAI API.")
+    from nvchat.cli import CommandLineParser, add_engine_flags
+    p = CommandLineParser(prog="nvchat serve", description="Serve the engine over the OpenAI API.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
-    p.add_argument("--served-model-name", help="the model's name in the API (default: --model as given, or 'demo')")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: --model as given, else "
+                                                        f"{default_model.NAME}, or 'demo' without {default_model.DISTRIBUTION})")
     add_engine_flags(p)
     return p
+
+
+def _port(text: str) -> int:
+    port = int(text) if text.strip().isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
+    return port
 
 
 class _Server(uvicorn.Server):
@@ -59,8 +67,12 @@ class _Server(uvicorn.Server):
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"can't listen on {host}:{port}: {e.strerror or e}") from None
     return sock
 
 

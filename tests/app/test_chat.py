@@ -1,6 +1,7 @@
 """The chat app driven by real keystrokes against the real demo model on CPU."""
 import asyncio
 import gc
+import threading
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from nvchat.app.message_view import ReplyView, ThinkSplitter, UserMessageView
 from nvchat.conversation import Message
 from nvchat.store import ChatStore
 from tests.app.conftest import app_settings
-from tests.app.helpers import idle, press_now, reopen_the_only_past_conversation, send, started, submit_now, wait_for
+from tests.app.helpers import burst, idle, press_now, reopen_the_only_past_conversation, send, started, submit_now, wait_for
 
 SIZE = (110, 36)
 
@@ -42,6 +43,30 @@ async def test_startup_builds_the_engine_behind_a_loading_screen():
         app.engine.submit("hello")
 
 
+async def test_typing_while_the_model_loads_is_kept_for_the_first_chat(monkeypatch):
+    from nvchat.app import app as app_module
+    loaded = threading.Event()  # holds the start-up until the keys are in
+    real_open_backend = app_module.open_backend
+
+    def held_open_backend(*args, **kwargs):
+        loaded.wait(30)
+        return real_open_backend(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "open_backend", held_open_backend)
+    app = NvchatApp(app_settings())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen), 30, "the loading screen")
+        # q quits only a start that failed: here it is a word's first letter.
+        await pilot.press(*"quick", "space", *"qn", "backspace")
+        burst(app, "", paste=" pasted", enter=False)
+        await pilot.pause()
+        assert "quick q pasted" in str(app.screen.query_one("#loading-typed").render())
+        loaded.set()
+        await started(pilot)
+        assert app.active_pane.prompt.text == "quick q pasted"
+        assert app.focused is app.active_pane.prompt
+
+
 async def test_bad_model_path_is_reported_on_the_loading_screen(tmp_path):
     app = NvchatApp(app_settings(model=str(tmp_path / "no-such-model")))
     async with app.run_test(size=SIZE) as pilot:
@@ -49,6 +74,18 @@ async def test_bad_model_path_is_reported_on_the_loading_screen(tmp_path):
         assert "no-such-model" in app.screen.error
         assert not app.ready
         await pilot.press("q")
+    assert app.return_code == 1
+
+
+async def test_a_failed_start_marks_the_stage_that_failed_and_ctrl_q_reports_it(tmp_path):
+    (tmp_path / "config.json").write_text("not JSON")
+    app = NvchatApp(app_settings(model=str(tmp_path)))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen) and app.screen.error, 30, "the error")
+        stages = str(app.screen.query_one("#loading-stages").render()).splitlines()
+        assert stages[-1] == "  ✗ reading the model config"
+        assert all(line.startswith("  ✓ ") for line in stages[:-1])
+        await pilot.press("ctrl+q")  # as q: the exit says the start failed, and why
     assert app.return_code == 1
 
 
@@ -136,6 +173,24 @@ async def test_edit_and_resend_the_last_message(make_app):
         assert len(pane.conversation.messages) == 2
         assert [str(v.message.content) for v in pane.query(UserMessageView)] == ["second draft"]
         assert [m.content for m in stored_messages(pane)][0] == "second draft"
+
+
+async def test_editing_the_last_message_keeps_the_draft_in_the_box(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "first")
+        await idle(pilot, pane)
+        await pilot.press(*"half")  # a draft, not sent
+        await pilot.press("f3")
+        assert pane.editing and pane.prompt.text == "first"
+        await pilot.press("escape")  # edit cancelled: the draft is back
+        assert not pane.editing and pane.prompt.text == "half"
+        await pilot.press("f3", "backspace", "backspace", "enter")  # resends "fir"
+        await wait_for(pilot, lambda: pane.conversation.messages[0].content == "fir", what="the resent turn")
+        await wait_for(pilot, lambda: pane.prompt.text == "half", what="the draft back in the box")
+        await idle(pilot, pane)
 
 
 async def test_newline_keys_do_not_send(make_app):

@@ -39,6 +39,8 @@ async def test_c_on_a_focused_code_block_copies_it(make_app):
         assert app.clipboard == "print('first')\nprint('again')"
         assert any(n.title == "Code copied to the clipboard" and "2 lines of python" in n.message
                    for n in app._notifications)
+        await pilot.press("o", "k")  # other keys are typing: they go to the prompt box
+        assert app.focused is app.active_pane.prompt and app.active_pane.prompt.text == "ok"
 
 
 async def test_the_palette_copies_the_latest_code_block(make_app):

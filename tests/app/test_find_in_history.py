@@ -2,6 +2,7 @@
 from textual.widgets import DataTable
 
 from nvchat import paths
+from nvchat.app.conversations_screen import _when
 from nvchat.store import ChatStore
 from tests.app.helpers import started, wait_for
 
@@ -51,3 +52,24 @@ async def test_typing_filters_past_conversations_and_enter_reopens_the_match(mak
         await wait_for(pilot, lambda: app.active_pane.conversation.id == ids["Kernels"], what="the reopened match")
         assert [m.content for m in app.active_pane.conversation.messages] == ["why is my Triton kernel slow?",
                                                                               "uncoalesced loads"]
+
+
+def screen_text(app) -> str:
+    return "\n".join("".join(segment.text for segment in strip) for strip in app.screen._compositor.render_strips())
+
+
+async def test_a_long_title_and_model_path_leave_the_date_in_view(make_app):
+    store = ChatStore(paths.database_file())
+    model = "/home/someone/models/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf"
+    store.create_conversation("Write a long story about a dragon and a…", "", model)
+    [row] = store.list_conversations()
+    store.close()
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await started(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: app.screen.query(DataTable) and app.screen.query_one(DataTable).row_count == 1)
+        await pilot.pause()
+        shown = screen_text(app)
+        assert "Write a long story about a dragon and a…" in shown and _when(row.updated_at) in shown
+        assert "/home/someone" not in shown  # a model file is named without its directories

@@ -62,6 +62,24 @@ async def test_keys_typed_while_a_reply_streams_stay_in_the_box_until_it_ends(ma
         await idle(pilot, pane)
 
 
+async def test_typing_while_the_transcript_has_the_focus_goes_to_the_prompt_box(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await pilot.click("#transcript")  # as a user does to select text, or shift+tab does
+        assert app.focused is pane.transcript
+        await pilot.press("h", "i", "space")
+        assert app.focused is pane.prompt and pane.prompt.text == "hi "
+        await pilot.click("#transcript")
+        burst(app, "", paste="there", enter=False)
+        await wait_for(pilot, lambda: pane.prompt.text == "hi there", what="the paste in the box")
+        assert app.focused is pane.prompt
+        for _ in range(3):  # Tab from the box: wherever the focus goes, typing still lands in the box
+            await pilot.press("tab", "x")
+        assert app.focused is pane.prompt and pane.prompt.text == "hi therexxx"
+
+
 async def test_esc_while_a_turn_is_still_starting_stops_its_reply(make_app):
     app = make_app(max_tokens=400)
     async with app.run_test(size=SIZE) as pilot:

@@ -1,7 +1,9 @@
 """A conversation longer than max_model_len keeps going: its oldest turns are left out of the prompt."""
 from textual.widgets import Static
 
-from tests.app.helpers import burst, idle, started, wait_for
+from nvchat import paths
+from nvchat.store import ChatStore
+from tests.app.helpers import burst, idle, reopen_the_only_past_conversation, started, wait_for
 
 SIZE = (110, 36)
 
@@ -38,3 +40,25 @@ async def test_one_message_too_long_for_the_model_stays_in_the_box(make_app):
         await wait_for(pilot, lambda: any("too long" in n.message for n in app._notifications), what="the notice")
         assert pane.prompt.text == "x" * 700 and not pane.busy
         assert len(pane.conversation.messages) == 2
+
+
+async def test_page_keys_in_the_prompt_box_scroll_the_transcript(make_app):
+    store = ChatStore(paths.database_file())
+    cid = store.create_conversation("Long", "", "demo")
+    for turn in range(4):
+        store.add_message(cid, "user", f"question {turn}")
+        store.add_message(cid, "assistant", "\n\n".join(f"paragraph {i} of answer {turn}" for i in range(12)))
+    store.close()
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = await reopen_the_only_past_conversation(pilot, app)
+        transcript = pane.transcript
+        await wait_for(pilot, lambda: transcript.max_scroll_y > 0 and transcript.scroll_y == transcript.max_scroll_y,
+                       what="the transcript at its end")
+        bottom = transcript.scroll_y
+        await pilot.press("pageup")
+        await wait_for(pilot, lambda: transcript.scroll_y < bottom, what="a page up")
+        assert app.focused is pane.prompt
+        await pilot.press("pagedown")
+        await wait_for(pilot, lambda: transcript.scroll_y == bottom, what="back at the end")

@@ -2,6 +2,7 @@
 import json
 import signal
 import sqlite3
+import time
 
 import pytest
 
@@ -72,3 +73,15 @@ def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_o
     again.wait_until(lambda: again.query("SELECT complete FROM messages WHERE role = 'assistant'") == [(1,)], 30,
                      "the regenerated reply")
     assert again.close() == 0
+
+
+def test_plain_mode_says_in_one_line_when_it_cannot_keep_conversations(nvchat_on_a_pty, tmp_path):
+    (tmp_path / "data").write_text("a file where the data directory would go")
+    repl = nvchat_on_a_pty("--plain", "--model", "demo")
+    assert repl.process.wait(60) == 1
+    deadline = time.monotonic() + 10
+    while "\n" not in repl.output.partition("nvchat: can't")[2] and time.monotonic() < deadline:
+        time.sleep(0.05)  # the last bytes the process wrote, still on their way through the terminal
+    lines = [line for line in repl.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"nvchat: can't keep conversations in {tmp_path / 'data'}"), \
+        repl.output
