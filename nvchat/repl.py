@@ -19,7 +19,7 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPress
 from prompt_toolkit.keys import Keys
 
 from engine import EngineThread, RequestStream
-from nvchat import paths, slash_commands
+from nvchat import paths, repl_commands, slash_commands
 from nvchat.backend import model_name, open_backend
 from nvchat.conversation import Conversation, first_line
 from nvchat.settings import Settings
@@ -114,17 +114,17 @@ class Repl:
                 text = line.strip()
                 if not text:
                     continue
-                if slash_commands.is_command(text):
+                if slash_commands.parse(text, slash_commands.REPL) is not None:
                     try:
-                        message = slash_commands.dispatch(self, text)
-                    except slash_commands.QuitRepl:
+                        message = repl_commands.dispatch(self, text)
+                    except repl_commands.QuitRepl:
                         break
                     except (OSError, ValueError, sqlite3.Error) as e:  # /save to a bad path, a locked store
                         message = f"error: {e}"
                     if message:
                         self._print(message)
                 else:
-                    await self.ask(text[1:] if text.startswith("//") else text)
+                    await self.ask(slash_commands.message_text(text))
         return 0
 
     @contextmanager
@@ -154,7 +154,7 @@ class Repl:
     async def ask(self, text: str) -> RequestStream | None:
         """Sends a message and streams the reply to `out`; the finished reply is stored."""
         conversation = self.conversation
-        if not conversation.messages:
+        if not conversation.messages and conversation.title == "New chat":  # not after a /rename
             conversation.title = first_line(text, 60) or "New chat"
         try:
             stream = conversation.send(text)

@@ -1,19 +1,15 @@
-"""The plain REPL's slash commands: parsing, /help, and what each command does.
+"""Slash commands: the one table of their names, usage and summaries, which both front-ends (the
+plain REPL and the Textual app) list and parse with, and the helpers their handlers share.
 
-Handlers get the REPL (anything with `conversation`, `engine`, `last_stream` and
-`new_conversation()`) and the text after the command name, and return the text to show.
+Each front-end keeps its own handlers (nvchat/repl_commands.py, nvchat/app/slash.py). A line
+that starts with "/" is a command; "//" escapes it, so a message may start with a slash.
 """
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from nvchat import paths
 from nvchat.export import export_markdown, save_markdown_to
-
-
-class QuitRepl(Exception):
-    """Raised by /quit; the REPL ends its loop."""
 
 
 @dataclass(frozen=True)
@@ -21,84 +17,76 @@ class Command:
     name: str
     usage: str
     summary: str
-    run: Callable[[object, str], str | None]
+    aliases: tuple[str, ...] = ()
+    app_only: bool = False  # the REPL has no such action (or a key does it there: Ctrl-C stops)
 
 
-COMMANDS: dict[str, Command] = {}
-ALIASES: dict[str, str] = {}
+COMMANDS: tuple[Command, ...] = (
+    Command("help", "/help", "list the commands and keys", aliases=("?",)),
+    Command("new", "/new", "start a new conversation"),
+    Command("system", "/system [TEXT]", "set the system prompt from the next turn on (no TEXT: show it)"),
+    Command("rename", "/rename TITLE", "retitle the conversation"),
+    Command("stats", "/stats", "KV cache, prefix cache and last reply numbers"),
+    Command("save", "/save [PATH]", "export the conversation as Markdown and show the file's path"),
+    Command("sampling", "/sampling", "this chat's temperature, top-p, top-k and max tokens", app_only=True),
+    Command("stop", "/stop", "stop the reply being generated", app_only=True),
+    Command("regenerate", "/regenerate", "drop the last reply and generate it again", app_only=True),
+    Command("edit", "/edit", "put your last message back in the box to edit and resend", app_only=True),
+    Command("quit", "/quit", "leave (conversations are already stored)", aliases=("exit", "q")),
+)
+
+APP, REPL = "app", "repl"
+
+
+def commands_for(frontend: str) -> tuple[Command, ...]:
+    return tuple(c for c in COMMANDS if frontend == APP or not c.app_only)
+
+
+@dataclass(frozen=True)
+class Invocation:
+    name: str  # as typed, lower-cased
+    arg: str
+    command: Command | None  # None: no such command in this front-end
+
 
 _COMMAND = re.compile(r"/(\S*)\s*(.*)", re.DOTALL)
 
 
-def command(name: str, usage: str, summary: str, aliases: tuple[str, ...] = ()):
-    def register(fn):
-        COMMANDS[name] = Command(name, usage, summary, fn)
-        ALIASES.update({a: name for a in aliases})
-        return fn
-    return register
-
-
-def is_command(line: str) -> bool:
-    """A leading "/" makes a command; "//" escapes it so a message may start with a slash."""
-    return line.startswith("/") and not line.startswith("//")
-
-
-def dispatch(repl, line: str) -> str | None:
-    match = _COMMAND.fullmatch(line.strip())
+def parse(line: str, frontend: str) -> Invocation | None:
+    """The command a typed line names, or None when it is a message (see message_text)."""
+    line = line.strip()
+    if not line.startswith("/") or line.startswith("//"):
+        return None
+    match = _COMMAND.fullmatch(line)
     name, arg = match.group(1).lower(), match.group(2).strip()
-    cmd = COMMANDS.get(ALIASES.get(name, name))
-    if cmd is None:
-        return f"unknown command /{name}; /help lists the commands (start a message with // to send a leading /)"
-    return cmd.run(repl, arg)
+    by_name = {n: c for c in commands_for(frontend) for n in (c.name, *c.aliases)}
+    return Invocation(name, arg, by_name.get(name))
 
 
-# --- the commands ---------------------------------------------------------------------------------
-
-@command("help", "/help", "list the commands and keys", aliases=("?",))
-def _help(repl, arg: str) -> str:
-    width = max(len(c.usage) for c in COMMANDS.values())
-    lines = [f"  {c.usage:<{width}}  {c.summary}" for c in COMMANDS.values()]
-    return "\n".join(["commands:", *lines, "keys:",
-                      "  Enter sends; Meta+Enter (Esc Enter) or Ctrl-J adds a new line",
-                      "  Ctrl-C stops a reply, clears the line, or (twice at an empty prompt) quits; Ctrl-D quits",
-                      "  a message starting with // is sent with a single leading /"])
+def message_text(line: str) -> str:
+    """What a line that is no command sends: itself, less the escaping slash of a leading //."""
+    return line[1:] if line.startswith("//") else line
 
 
-@command("new", "/new", "start a new conversation")
-def _new(repl, arg: str) -> str:
-    repl.new_conversation()
-    return "new conversation"
+def unknown_notice(name: str, frontend: str) -> str:
+    if frontend == REPL and any(c.name == name and c.app_only for c in COMMANDS):
+        return f"/{name} is an app command (nvchat without --plain); /help lists the commands here"
+    return f"unknown command /{name}; /help lists the commands (start a message with // to send a leading /)"
 
 
-@command("system", "/system TEXT", "set the system prompt from the next turn on (no TEXT: show it)")
-def _system(repl, arg: str) -> str:
-    if not arg:
-        current = repl.conversation.system_prompt
-        return f"system prompt: {current}" if current else "no system prompt"
-    repl.conversation.set_system_prompt(arg)
-    return "system prompt set for the next turn"
+def completion(prefix: str, frontend: str) -> str | None:
+    """The first command name that starts with prefix (typed after its "/"), for completing it."""
+    prefix = prefix.lower()
+    return next((c.name for c in commands_for(frontend) if prefix and c.name.startswith(prefix)), None)
 
 
-@command("stats", "/stats", "KV cache, prefix cache and last reply numbers")
-def _stats(repl, arg: str) -> str:
-    return format_stats(repl.engine.stats(), repl.last_stream)
+def command_lines(frontend: str) -> list[str]:
+    commands = commands_for(frontend)
+    width = max(len(c.usage) for c in commands)
+    return [f"  {c.usage:<{width}}  {c.summary}" for c in commands]
 
 
-@command("save", "/save [PATH]", "export the conversation as Markdown and show the file's path")
-def _save(repl, arg: str) -> str:
-    conversation = repl.conversation
-    if not conversation.messages:
-        return "nothing to save yet: the conversation is empty"
-    path = save_markdown(conversation, Path(arg).expanduser() if arg else None)
-    return f"saved to {path}"
-
-
-@command("quit", "/quit", "leave (conversations are already stored)", aliases=("exit", "q"))
-def _quit(repl, arg: str):
-    raise QuitRepl
-
-
-# --- helpers --------------------------------------------------------------------------------------
+# --- what the handlers share ----------------------------------------------------------------------
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"

@@ -222,6 +222,23 @@ def test_stats_save_new_and_unknown_commands(drive, engine):
     assert len(d.store.list_conversations()) == 2
 
 
+def test_double_slash_sends_a_leading_slash_and_rename_and_app_commands(drive):
+    d = drive()
+    d.type("/rename Slash talk\r")
+    d.wait_for(lambda: "renamed to Slash talk" in d.out.text, "/rename's confirmation")
+    d.type("//etc/hosts is a path\r")
+    d.wait_for_messages(2)
+    assert d.repl.conversation.messages[0].content == "/etc/hosts is a path"
+    assert d.repl.conversation.title == "Slash talk", "the first message does not retitle a renamed chat"
+    assert [c.title for c in d.store.list_conversations()] == ["Slash talk"]
+    d.type("/regenerate\r")
+    d.wait_for(lambda: "/regenerate is an app command" in d.out.text, "the app-only notice")
+    d.type("/help\r")
+    d.wait_for(lambda: "/rename TITLE" in d.out.text and "keys:" in d.out.text, "/help")
+    assert "/regenerate " not in d.out.text[d.out.text.index("commands:"):], "/help lists the REPL's commands"
+    assert len(d.repl.conversation.messages) == 2
+
+
 def test_second_ctrl_c_at_an_empty_prompt_quits(drive):
     d = drive()
     d.type("some text\x03")  # Ctrl-C with text on the line clears it
