@@ -68,6 +68,11 @@ def message_text(line: str) -> str:
     return line[1:] if line.startswith("//") else line
 
 
+def as_typed(message: str) -> str:
+    """A message as it must be typed to be sent again (back in a box to edit): a leading / doubled."""
+    return "/" + message if message.startswith("/") else message
+
+
 def unknown_notice(name: str, frontend: str) -> str:
     if frontend == REPL and any(c.name == name and c.app_only for c in COMMANDS):
         return f"/{name} is an app command (nvchat without --plain); /help lists the commands here"

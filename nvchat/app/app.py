@@ -40,16 +40,17 @@ from nvchat.app.chat_screen import ChatScreen
 from nvchat.app.code_block import CopyableFence, copy_code
 from nvchat.app.commands import ChatCommands
 from nvchat.app.conversations_screen import ConversationsScreen
-from nvchat.export import export_markdown
+from nvchat.export import export_markdown, save_markdown_to
 from nvchat.app.footer import ChatFooter
 from nvchat.app.frame_stats import FrameStats
 from nvchat.backend import model_name, open_backend
 from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import BlockOwner, KVPanel, PanelData
 from nvchat.app.loading_screen import LoadingScreen
-from nvchat.app.messages import ChatStateChanged, ReplyStarted
+from nvchat.app.messages import ChatStateChanged, ReplyStarted, SlashCommandSubmitted
 from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
 from nvchat.app.rename_screen import RenameScreen
+from nvchat.app.slash import run_command
 from nvchat.app.sampling_screen import FIELDS as SAMPLING_FIELDS, SamplingScreen
 from nvchat.app.system_prompt_screen import SystemPromptScreen
 from nvchat.conversation import Conversation
@@ -315,6 +316,9 @@ class NvchatApp(App[None]):
         if pane is not None:
             await pane.catch_up()
 
+    async def on_slash_command_submitted(self, event: SlashCommandSubmitted) -> None:
+        await run_command(self, event.name, event.arg)
+
     def on_chat_state_changed(self, event: ChatStateChanged) -> None:
         self._defer_full_collections()
         if not self.screen_stack:
@@ -505,14 +509,19 @@ class NvchatApp(App[None]):
 
     def action_export_markdown(self) -> None:
         if self.active_pane is not None:
-            self.run_worker(self._export(self.active_pane.conversation))
+            self.run_worker(self.export(self.active_pane.conversation))
 
-    async def _export(self, conversation: Conversation) -> None:
+    async def export(self, conversation: Conversation, path: Path | None = None) -> None:
+        """To path (/save PATH; a directory gets a generated name), else into the current directory
+        or, where that can't be written, nvchat's exports directory."""
         if not conversation.messages:
             self.notify("Nothing to export yet.", severity="warning")
             return
         try:
-            path = await self.in_background(export_markdown, conversation, [Path.cwd(), paths.exports_dir()])
+            if path is None:
+                path = await self.in_background(export_markdown, conversation, [Path.cwd(), paths.exports_dir()])
+            else:
+                path = await self.in_background(save_markdown_to, conversation, path)
         except OSError as e:
             self.notify(str(e), title="Export failed", severity="error")
             return

@@ -21,6 +21,7 @@ from nvchat.app.message_view import ReplyView, UserMessageView
 from nvchat.app.messages import ChatStateChanged, PromptSubmitted, ReplyStarted, ScrollTranscript
 from nvchat.app.prompt_input import PromptInput
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
+from nvchat.slash_commands import as_typed
 
 Background = Callable[..., Awaitable]
 _DEFAULT_TITLE = "New chat"
@@ -39,6 +40,7 @@ class ChatPane(Vertical):
         self.color_slot = color_slot  # which tab colour this chat wears, kept when tabs close
         self.note = note
         self.stream: RequestStream | None = None  # the reply being generated
+        self.last_stream: RequestStream | None = None  # the latest reply's, for /stats
         self.busy = False
         self.editing = False
         self._reply_view: ReplyView | None = None  # the reply being generated, until it is stored
@@ -112,7 +114,8 @@ class ChatPane(Vertical):
 
     def _hint_text(self) -> Content:
         parts: list = ["Type a message below: Enter sends, Shift+Enter or Ctrl+J starts a new line, Esc stops "
-                       "a reply. Ctrl+O reopens past chats, F1 lists every key, Ctrl+P opens the command palette."]
+                       "a reply. Ctrl+O reopens past chats, F1 lists every key and /command (/help), Ctrl+P opens the "
+                       "command palette."]
         if self.note:
             parts.append(("\n\n" + self.note.capitalize() + ".", "italic"))
         return Content.assemble(*parts)
@@ -164,7 +167,7 @@ class ChatPane(Vertical):
     def on_prompt_submitted(self, event: PromptSubmitted) -> None:
         event.stop()
         if self._refuse_if_busy():
-            self._restore_prompt(event.text)
+            self._restore_prompt(as_typed(event.text))
             return
         start = self.conversation.edit_last_user if self.editing else self.conversation.send
         self._set_busy(True)  # now, not when the worker starts: a second turn must not start meanwhile
@@ -201,7 +204,7 @@ class ChatPane(Vertical):
         if not self.editing:
             self._draft = self.prompt.text if self.prompt.text.strip() else ""
         self.editing = True
-        self.prompt.text = text
+        self.prompt.text = as_typed(text)
         self.prompt.move_cursor(self.prompt.document.end)
         self.prompt.focus()
         self._set_status("editing your last message: Enter resends, Esc cancels")
@@ -232,14 +235,14 @@ class ChatPane(Vertical):
         except Exception as e:  # a refused prompt (too long, engine stopped) leaves the conversation as it was
             self._set_busy(False)
             if restore is not None:
-                self._restore_prompt(restore)
+                self._restore_prompt(as_typed(restore))
                 if was_editing:
                     self.editing = True
                     self._set_status("editing your last message: Enter resends, Esc cancels")
             self.notify(str(e), title="Could not send", severity="error", timeout=8)
             return
         # Claimed at once: an Esc, a closed tab or a quit while the views below mount finds it.
-        self.stream = stream
+        self.stream = self.last_stream = stream
         if was_editing:
             self._give_back_draft()
         self._next_save = 0.0  # its first text is stored at once

@@ -1,4 +1,5 @@
-"""Every key, as remapped by config.toml's [keys] table, with its binding id."""
+"""Every key, as remapped by config.toml's [keys] table, with its binding id and the slash command
+that does the same."""
 from pathlib import Path
 
 from textual.app import ComposeResult
@@ -8,6 +9,15 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label
 
 from nvchat.app.bindings import ALL_KEYS, describe_key, effective_key
+from nvchat.app.slash import ACTIONS, command_for_action
+from nvchat.slash_commands import APP, commands_for
+
+
+def _slash_note() -> str:
+    commands = commands_for(APP)
+    with_text = ", ".join(c.usage for c in commands if " " in c.usage)
+    keyless = "".join(f"\n{c.usage}: {c.summary}; " for c in commands if c.name not in ACTIONS) or "\n"
+    return f"Commands that take text: {with_text}.{keyless}//x sends /x."
 
 
 class HelpScreen(ModalScreen[None]):
@@ -20,9 +30,9 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="help-box"):
-            yield Label("Keys", id="help-heading")
+            yield Label("Keys, and the /commands typed in the message box that do the same", id="help-heading")
             yield DataTable(id="help-table", cursor_type="none", zebra_stripes=True, show_cursor=False)
-            yield Label("Ctrl+P opens the command palette (themes are there too).\n"
+            yield Label(_slash_note() + "\nCtrl+P opens the command palette (themes are there too).\n"
                         "Remap a key by its id in config.toml's [keys] table, e.g.\n"
                         "  new_tab = \"ctrl+n\"\n"
                         "(config.toml lives in ~/.config/nvchat, or $XDG_CONFIG_HOME/nvchat.)",
@@ -30,9 +40,10 @@ class HelpScreen(ModalScreen[None]):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        table.add_columns("Key", "Action", "Id")
+        table.add_columns("Key", "Action", "Command", "Id")
         for spec in ALL_KEYS:
-            table.add_row(describe_key(effective_key(spec, self.keymap)), spec.description, spec.id)
+            table.add_row(describe_key(effective_key(spec, self.keymap)), spec.description,
+                          command_for_action(spec.action) or "", spec.id)
         table.styles.max_height = table.row_count + 1  # and its header
 
     def action_close(self) -> None:

@@ -19,6 +19,15 @@ class PromptSubmitted(Message):
         self.text = text
 
 
+class SlashCommandSubmitted(Message):
+    """The user sent a line naming a slash command (nvchat.slash_commands) from a prompt box."""
+
+    def __init__(self, name: str, arg: str) -> None:
+        super().__init__()
+        self.name = name
+        self.arg = arg
+
+
 class ScrollTranscript(Message):
     """The prompt box's page keys: scroll its chat's transcript by a page (-1 up, 1 down)."""
 

@@ -1,10 +1,12 @@
 """The message box under each transcript: a TextArea where the send key sends and the newline
-keys (shift+enter, ctrl+j) break lines."""
+keys (shift+enter, ctrl+j) break lines. A line that names a slash command runs it instead of being
+sent (nvchat.slash_commands), and a command's name is offered as it is typed (Right or Tab takes it)."""
 from textual import events
 from textual.widgets import TextArea
 
 from nvchat.app.bindings import PROMPT_KEYS, bindings, effective_key
-from nvchat.app.messages import PromptSubmitted, ScrollTranscript
+from nvchat.app.messages import PromptSubmitted, ScrollTranscript, SlashCommandSubmitted
+from nvchat.slash_commands import APP, completion, message_text, parse, unknown_notice
 
 
 class PromptInput(TextArea):
@@ -32,6 +34,8 @@ class PromptInput(TextArea):
     async def _on_key(self, event: events.Key) -> None:
         # In this widget's queue, so after every key and paste that arrived before it.
         action = self._action_for(event.key)
+        if event.key == "tab" and self.suggestion:
+            action = "complete"
         if action is None:
             return  # TextArea's own handler inserts it
         event.stop()
@@ -42,12 +46,37 @@ class PromptInput(TextArea):
         text = self.text.strip()
         if not text:
             return
+        # Commands run while a reply streams too (/stop, /new, /stats): checked before `accepting`.
+        invocation = parse(text, APP)
+        if invocation is not None:
+            if invocation.command is None:  # kept in the box, to fix or to escape with //
+                self.notify(unknown_notice(invocation.name, APP), severity="warning")
+                return
+            self.post_message(SlashCommandSubmitted(invocation.command.name, invocation.arg))
+            self.clear()
+            return
         if not self.accepting:
             self.notify("This chat is still replying: wait, or press Esc to stop it.", severity="warning")
             return
         self.accepting = False
-        self.post_message(PromptSubmitted(text))
+        self.post_message(PromptSubmitted(message_text(text)))
         self.clear()
+
+    def update_suggestion(self) -> None:
+        """The rest of a command's name while one is typed at the end of a one-line box."""
+        text, suggestion = self.text, ""
+        if (text.startswith("/") and not text.startswith("//") and not any(c.isspace() for c in text)
+                and self.selection.end == self.document.end):
+            name = completion(text[1:], APP)
+            suggestion = name[len(text) - 1:] if name else ""
+        self.suggestion = suggestion
+
+    def watch_selection(self) -> None:
+        # The suggestion is drawn at the cursor: it goes when the cursor leaves the end.
+        self.update_suggestion()
+
+    def action_complete(self) -> None:
+        self.insert(self.suggestion)
 
     def action_newline(self) -> None:
         self.insert("\n")

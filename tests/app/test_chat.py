@@ -631,7 +631,7 @@ async def test_help_screen_lists_remapped_keys(make_app):
         await pilot.press("f1")
         table = app.screen.query_one("#help-table")
         rows = [table.get_row_at(i) for i in range(table.row_count)]
-        assert ["Ctrl+G", "Regenerate", "regenerate"] in [[str(c) for c in row] for row in rows]
+        assert ["Ctrl+G", "Regenerate", "/regenerate", "regenerate"] in [[str(c) for c in row] for row in rows]
         await pilot.press("escape")
         assert not app.screen.query("#help-table")
 
