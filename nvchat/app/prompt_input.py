@@ -50,7 +50,7 @@ class PromptInput(TextArea):
         invocation = parse(text, APP)
         if invocation is not None:
             if invocation.command is None:  # kept in the box, to fix or to escape with //
-                self.notify(unknown_notice(invocation.name, APP), severity="warning")
+                self.notify(unknown_notice(invocation.name, APP), title="Not sent", severity="warning")
                 return
             self.post_message(SlashCommandSubmitted(invocation.command.name, invocation.arg))
             self.clear()

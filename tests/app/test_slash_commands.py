@@ -7,7 +7,7 @@ from nvchat.app.messages import PromptSubmitted
 from nvchat.app.slash import ACTIONS
 from nvchat.app.system_prompt_screen import SystemPromptScreen
 from nvchat.slash_commands import APP, commands_for
-from tests.app.helpers import idle, send, started, wait_for
+from tests.app.helpers import idle, send, started, submit_now, wait_for
 
 SIZE = (110, 36)
 
@@ -98,6 +98,28 @@ async def test_double_slash_sends_a_leading_slash_and_save_stats_edit(make_app, 
                        what="the edited message")
         await idle(pilot, pane)
         assert len(pane.conversation.messages) == 2
+
+
+async def test_stop_runs_while_a_reply_streams_and_regenerate_replaces_it(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await submit_now(pilot, pane, "tell")
+        await wait_for(pilot, lambda: pane.stream is not None and pane.stream.num_completion_tokens > 3)
+        await submit_now(pilot, pane, "/stop")
+        await idle(pilot, pane)
+        stopped = pane.conversation.messages[-1]
+        assert stopped.stats["finish_reason"] == "abort" and stopped.stats["tokens"] < 400
+        assert pane.prompt.text == "" and len(pane.conversation.messages) == 2
+
+        await send(pilot, "/stop")
+        await wait_for(pilot, lambda: any("Nothing to stop" in m for m in notices(app)), what="the notice")
+        await submit_now(pilot, pane, "/regenerate")
+        await wait_for(pilot, lambda: pane.busy, what="the new reply")
+        await submit_now(pilot, pane, "/stop")
+        await idle(pilot, pane)
+        assert len(pane.conversation.messages) == 2 and pane.conversation.messages[-1] is not stopped
 
 
 async def test_command_names_complete_with_tab(make_app):
