@@ -249,3 +249,8 @@ def test_second_ctrl_c_at_an_empty_prompt_quits(drive):
     d.thread.join(TIMEOUT_S)
     assert not d.thread.is_alive() and d.exit_code == 0
     assert d.repl.conversation.messages == [] and d.out.text.count("press Ctrl-C again") == 1
+
+
+def test_every_repl_command_has_a_handler():
+    from nvchat import repl_commands, slash_commands
+    assert set(repl_commands.HANDLERS) == {c.name for c in slash_commands.commands_for(slash_commands.REPL)}
