@@ -64,9 +64,11 @@ class PromptInput(TextArea):
 
     def update_suggestion(self) -> None:
         """The rest of a command's name while one is typed at the end of a one-line box."""
-        text, suggestion = self.text, ""
+        # Runs on every edit and cursor move: a long message is never joined into one string.
+        document, suggestion = self.document, ""
+        text = document.get_line(0) if document.line_count == 1 else ""
         if (text.startswith("/") and not text.startswith("//") and not any(c.isspace() for c in text)
-                and self.selection.end == self.document.end):
+                and self.selection.end == document.end):
             name = completion(text[1:], APP)
             suggestion = name[len(text) - 1:] if name else ""
         self.suggestion = suggestion
