@@ -162,6 +162,15 @@ class Conversation:
                 low = middle + 1
         return starts[low]
 
+    def context_tokens(self) -> int | None:
+        """The tokens of the conversation so far as the next turn will send them (the latest that
+        fit), or None where the engine cannot count. Tokenizes: off the UI thread."""
+        count = getattr(self.engine, "count_chat_tokens", None)
+        if count is None or not self.messages:
+            return None
+        kept = self.messages[self._fit(self.messages):]
+        return count(self.engine_messages(kept), self.settings.enable_thinking)
+
     def _submit(self, messages: list[Message]) -> RequestStream:
         """Starts a reply to `messages` (as many of the latest as fit) without changing the
         conversation: a rejected prompt (ValueError, e.g. too long) leaves it as it was."""

@@ -266,8 +266,9 @@ class NvchatApp(App[None]):
         return colors[slot % len(colors)]
 
     def _tab_label(self, pane: ChatPane) -> Content:
-        marker = " …" if pane.busy else ""
-        return Content.assemble(("● ", pane.color), pane.conversation.title + marker)
+        # Not "…", which a title cut short already ends with ("a… …").
+        marker = (" ▸", pane.color) if pane.busy else ""
+        return Content.assemble(("● ", pane.color), pane.conversation.title, marker)
 
     async def open_chat(self, conversation: Conversation) -> ChatPane:
         self._tab_serial += 1

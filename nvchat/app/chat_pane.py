@@ -79,6 +79,8 @@ class ChatPane(Vertical):
         if self.conversation.draft:
             self.prompt.text = self.conversation.draft
             self.prompt.move_cursor(self.prompt.document.end)
+        if self.conversation.messages and self.conversation.max_context:
+            self.run_worker(self._show_stored_context(), exit_on_error=False)
 
     def on_key(self, event: events.Key) -> None:
         """Typing while the transcript or a code block has the focus (after a click, or Shift+Tab)
@@ -375,6 +377,15 @@ class ChatPane(Vertical):
         limit = self.conversation.max_context
         if limit:
             self.prompt.border_subtitle = f"context {tokens} / {limit} tokens"
+
+    async def _show_stored_context(self) -> None:
+        """A reopened chat's context figure, before its next turn."""
+        try:
+            tokens = await self.background(self.conversation.context_tokens)
+        except Exception:  # only a figure: the next turn shows it anyway
+            return
+        if tokens is not None and not self.busy and not self.prompt.border_subtitle:
+            self._show_context(tokens)
 
     def _saved(self, future) -> None:
         if not future.cancelled() and future.exception() is not None:
