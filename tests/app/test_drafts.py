@@ -90,6 +90,12 @@ async def test_a_new_chats_draft_survives_quitting_and_is_found_with_ctrl_o(make
     fresh = make_app()
     async with fresh.run_test(size=SIZE) as pilot:
         await started(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: fresh.screen.query("#conversations-table")
+                       and fresh.screen.query_one("#conversations-table").row_count == 1, what="the list")
+        title = fresh.screen.query_one("#conversations-table").get_row_at(0)[0]
+        assert str(title) == "New chat  ✎ draft"
+        await pilot.press("escape")
         pane = await reopen_the_only_past_conversation(pilot, fresh)
         assert pane.prompt.text == "never lose these words"
 
