@@ -31,9 +31,11 @@ SAVE_EVERY_S = 2.0
 
 
 class ChatPane(Vertical):
-    # The unsent text is stored once typing pauses this long (not per key), and at once when the
-    # tab closes, another tab is shown or the app quits: what a kill while typing can lose.
+    # The unsent text is stored once typing pauses this long (not per key), at least this often
+    # while typing goes on, and at once when the tab closes, another tab is shown or the app quits:
+    # what a kill while typing can lose.
     DRAFT_SAVE_DELAY_S = 1.5
+    DRAFT_SAVE_MAX_WAIT_S = 10.0
 
     def __init__(self, conversation: Conversation, *, background: Background, color: str, color_slot: int,
                  note: str | None = None, id: str | None = None) -> None:
@@ -55,6 +57,7 @@ class ChatPane(Vertical):
         self._stop_requested = False  # Esc before the turn's stream existed
         self._draft = ""  # what the box held when F3 put the last message there; back after the edit
         self._draft_timer: Timer | None = None  # a draft save waiting for typing to pause
+        self._draft_due = 0.0  # when that save is made even if typing goes on
         self._prompt = PromptInput(id="prompt")  # held: the app reads its draft after the DOM is gone
 
     # --- layout ------------------------------------------------------------------------------------
@@ -131,6 +134,9 @@ class ChatPane(Vertical):
             return
         if self._draft_timer is None:
             self._draft_timer = self.set_timer(self.DRAFT_SAVE_DELAY_S, self.save_draft)
+            self._draft_due = time.monotonic() + self.DRAFT_SAVE_MAX_WAIT_S
+        elif time.monotonic() >= self._draft_due:
+            self.save_draft()
         else:
             self._draft_timer.reset()
 

@@ -113,6 +113,23 @@ async def test_switching_tabs_stores_the_draft_of_the_chat_left(make_app, no_deb
         assert first.conversation.id == stored_conversations()[0].id
 
 
+async def test_typing_that_never_pauses_is_still_stored_every_so_often(shared_engine, monkeypatch):
+    monkeypatch.setattr(ChatPane, "DRAFT_SAVE_DELAY_S", 3600)
+    monkeypatch.setattr(ChatPane, "DRAFT_SAVE_MAX_WAIT_S", 0.2)
+    store = CountingStore()
+    app = NvchatApp(app_settings(), engine=shared_engine, store=store)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await type_text(pilot, "a")
+            await pilot.pause(0.3)  # typing goes on, past the longest a save waits
+            await type_text(pilot, "b")
+            await wait_for(pilot, lambda: store.draft_writes, what="a save while typing goes on")
+            assert store.draft_writes == ["ab"]
+    finally:
+        store.close()
+
+
 async def test_typing_stores_the_draft_once_it_pauses_not_per_key_and_f3_keeps_it(shared_engine, monkeypatch):
     monkeypatch.setattr(ChatPane, "DRAFT_SAVE_DELAY_S", 0.3)
     store = CountingStore()
