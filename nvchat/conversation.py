@@ -47,7 +47,7 @@ def reply_stats(stream: RequestStream) -> dict:
 class Conversation:
     def __init__(self, engine: EngineThread, store: ChatStore | None, *, system_prompt: str, model_name: str,
                  settings: Settings, title: str = "New chat", conversation_id: int | None = None,
-                 messages: list[Message] | None = None, sampling: dict | None = None):
+                 messages: list[Message] | None = None, sampling: dict | None = None, draft: str = ""):
         self.engine = engine
         self.store = store
         self.system_prompt = system_prompt
@@ -60,6 +60,7 @@ class Conversation:
         self.sampling: dict = dict(sampling or {})
         self._reply_id: int | None = None  # the stored row of the reply being generated
         self.left_out = 0  # the oldest messages that the last turn's prompt left out to fit the model
+        self.draft = draft  # typed and not sent, as last stored
 
     @classmethod
     def load(cls, engine: EngineThread, store: ChatStore, conversation_id: int, settings: Settings) -> "Conversation":
@@ -67,7 +68,8 @@ class Conversation:
         messages = [Message(m.role, m.content, m.stats, m.id, interrupted=not m.complete)
                     for m in store.load_messages(conversation_id)]
         return cls(engine, store, system_prompt=row.system_prompt, model_name=row.model, settings=settings,
-                   title=row.title, conversation_id=row.id, messages=messages, sampling=row.sampling)
+                   title=row.title, conversation_id=row.id, messages=messages, sampling=row.sampling,
+                   draft=row.draft)
 
     # --- persistence ---------------------------------------------------------------------------------
 
@@ -94,6 +96,18 @@ class Conversation:
         self.title = title
         if self.store is not None and self.id is not None:
             self.store.rename(self.id, title)
+
+    def save_draft(self, text: str) -> None:
+        """Stores what the user typed and has not sent ("" clears it). A chat that exists only as
+        an unsaved tab is stored for it, so that its words can be found again with Ctrl+O."""
+        if text == self.draft:
+            return
+        if self.id is None and not text.strip():
+            return
+        self._ensure_stored()
+        if self.store is not None:
+            self.store.set_draft(self.id, text)
+        self.draft = text
 
     def sampling_params(self) -> SamplingParams:
         return self.settings.sampling_params(**self.sampling)
@@ -148,6 +162,15 @@ class Conversation:
                 low = middle + 1
         return starts[low]
 
+    def context_tokens(self) -> int | None:
+        """The tokens of the conversation so far as the next turn will send them (the latest that
+        fit), or None where the engine cannot count. Tokenizes: off the UI thread."""
+        count = getattr(self.engine, "count_chat_tokens", None)
+        if count is None or not self.messages:
+            return None
+        kept = self.messages[self._fit(self.messages):]
+        return count(self.engine_messages(kept), self.settings.enable_thinking)
+
     def _submit(self, messages: list[Message]) -> RequestStream:
         """Starts a reply to `messages` (as many of the latest as fit) without changing the
         conversation: a rejected prompt (ValueError, e.g. too long) leaves it as it was."""
@@ -177,7 +200,12 @@ class Conversation:
     def send(self, text: str) -> RequestStream:
         """Stores the user's message and starts the reply."""
         stream = self._submit(self.messages + [Message("user", text)])
-        return self._then_store(stream, lambda: self._append(Message("user", text)))
+        stream = self._then_store(stream, lambda: self._append(Message("user", text)))
+        try:
+            self.save_draft("")  # it was the draft, now sent
+        except Exception:  # the message and its reply stand; at worst the old draft comes back
+            pass
+        return stream
 
     def regenerate(self) -> RequestStream:
         """Drops the last reply and asks again."""

@@ -1,7 +1,7 @@
 """Conversations in SQLite: a user's message is committed when it is sent, a reply while it
 streams (every few seconds) and again when it ends, so a crash or kill mid-reply loses at most the
 last few seconds of that reply. A reply that did not end on its own (stopped, failed, or cut off by
-a kill) stays marked incomplete.
+a kill) stays marked incomplete. Text typed but not sent is kept as the conversation's draft.
 
 The schema's version is PRAGMA user_version; opening an older file migrates it in place. A file
 SQLite cannot read is moved aside (never overwritten) and a fresh one started.
@@ -68,6 +68,8 @@ _MIGRATIONS: tuple[str, ...] = (
     """,
     # 4: a conversation's own sampling settings (JSON; NULL: the defaults of config.toml).
     "ALTER TABLE conversations ADD COLUMN sampling TEXT;",
+    # 5: what the user typed in the conversation's prompt box and has not sent.
+    "ALTER TABLE conversations ADD COLUMN draft TEXT NOT NULL DEFAULT '';",
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -86,6 +88,7 @@ class ConversationRow:
     updated_at: float
     num_messages: int
     sampling: dict | None = None
+    draft: str = ""
 
 
 @dataclass
@@ -99,8 +102,8 @@ class MessageRow:
 
 
 def _conversation_row(row: tuple) -> ConversationRow:
-    *columns, sampling = row
-    return ConversationRow(*columns, json.loads(sampling) if sampling else None)
+    *columns, sampling, draft = row
+    return ConversationRow(*columns, json.loads(sampling) if sampling else None, draft)
 
 
 def _fts_query(text: str) -> str:
@@ -217,8 +220,12 @@ class ChatStore:
         self._run("UPDATE conversations SET system_prompt = ?, updated_at = ? WHERE id = ?",
                   (text, time.time(), conversation_id))
 
+    def set_draft(self, conversation_id: int, text: str) -> None:
+        """The conversation's unsent text ("" once sent). Leaves updated_at alone: a draft is no new message."""
+        self._run("UPDATE conversations SET draft = ? WHERE id = ?", (text, conversation_id))
+
     _CONVERSATION_COLUMNS = ("SELECT c.id, c.title, c.model, c.system_prompt, c.created_at, c.updated_at, "
-                             "(SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id), c.sampling "
+                             "(SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id), c.sampling, c.draft "
                              "FROM conversations c")
 
     def list_conversations(self) -> list[ConversationRow]:

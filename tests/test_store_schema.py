@@ -3,7 +3,7 @@ import sqlite3
 
 import pytest
 
-from nvchat.store import SCHEMA_VERSION, ChatStore, NewerSchemaError
+from nvchat.store import _MIGRATIONS, SCHEMA_VERSION, ChatStore, NewerSchemaError
 
 # The schema nvchat wrote before it kept a version (commit f878054), with its data.
 _UNVERSIONED = """
@@ -85,3 +85,29 @@ def test_a_database_from_a_newer_nvchat_is_refused_untouched(tmp_path):
     with pytest.raises(NewerSchemaError, match="newer nvchat"):
         ChatStore(path)
     assert path.read_bytes() == before
+
+
+def test_a_version_4_database_gains_drafts_and_keeps_its_data(tmp_path):
+    path = tmp_path / "v4.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(_UNVERSIONED)
+    for step in _MIGRATIONS[1:4]:  # versions 2-4: complete, the search index, sampling
+        db.executescript(step)
+    db.executescript("UPDATE conversations SET sampling = '{\"temperature\": 0.2}'; PRAGMA user_version = 4;")
+    db.close()
+    store = ChatStore(path)
+    assert store.moved_aside is None
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 5
+    row = store.get_conversation(1)
+    assert (row.title, row.sampling, row.num_messages, row.draft) == ("Old chat about llamas", {"temperature": 0.2}, 2, "")
+    updated = row.updated_at
+    store.set_draft(1, "an unsent\nquestion")
+    store.close()
+    again = ChatStore(path)
+    row = again.get_conversation(1)
+    assert (row.draft, row.updated_at) == ("an unsent\nquestion", updated)  # a draft is no new message
+    assert [c.draft for c in again.list_conversations()] == ["an unsent\nquestion"]
+    assert [c.id for c in again.search_conversations("alpacas")] == [1]
+    again.set_draft(1, "")
+    assert again.get_conversation(1).draft == ""
+    again.close()

@@ -267,8 +267,9 @@ class NvchatApp(App[None]):
         return colors[slot % len(colors)]
 
     def _tab_label(self, pane: ChatPane) -> Content:
-        marker = " …" if pane.busy else ""
-        return Content.assemble(("● ", pane.color), pane.conversation.title + marker)
+        # Not "…", which a title cut short already ends with ("a… …").
+        marker = (" ▸", pane.color) if pane.busy else ""
+        return Content.assemble(("● ", pane.color), pane.conversation.title, marker)
 
     async def open_chat(self, conversation: Conversation) -> ChatPane:
         self._tab_serial += 1
@@ -293,6 +294,7 @@ class NvchatApp(App[None]):
         self._panes.remove(pane)
         self._defer_full_collections()
         self._request_owners = {rid: p for rid, p in self._request_owners.items() if p is not pane}
+        pane.save_draft()  # queued before the tab goes, and kept if the app quits meanwhile
         tab_pane = pane.parent
         await self.tabs.remove_pane(tab_pane.id)
         if not self._panes:
@@ -312,6 +314,8 @@ class NvchatApp(App[None]):
         if not self.screen_stack:
             return
         self.refresh_bindings()
+        for pane in self._panes:  # a chat left: what it had typed is stored now, not later
+            pane.flush_draft()
         pane = self.active_pane
         if pane is not None:
             await pane.catch_up()
@@ -578,18 +582,23 @@ class NvchatApp(App[None]):
         sys.setswitchinterval(self._switch_interval)
         self._gc_deferral.stop()
         live = [(pane.conversation, pane.stream) for pane in self._panes if pane.stream is not None]
+        drafts = [(pane.conversation, pane.draft) for pane in self._panes]
         for pane in self._panes:
             pane.stream = None
-        await asyncio.to_thread(self._close_backend, self.engine, self.store, live)
+            pane.stop_draft_timer()
+        await asyncio.to_thread(self._close_backend, self.engine, self.store, live, drafts)
 
     def _close_backend(self, engine: EngineThread | None, store: ChatStore | None,
-                       live: list[tuple[Conversation, RequestStream]]) -> None:
-        """Stops replies still running (keeping their text), lets queued writes finish, then shuts
-        down what the app started. Runs off the UI thread."""
+                       live: list[tuple[Conversation, RequestStream]],
+                       drafts: list[tuple[Conversation, str]] = ()) -> None:
+        """Stops replies still running (keeping their text), stores what each chat had typed and not
+        sent, lets queued writes finish, then shuts down what the app started. Runs off the UI thread."""
         for _, stream in live:
             stream.abort()
         for conversation, stream in live:
             self._conversation_thread.submit(_store_partial_reply, conversation, stream)
+        for conversation, text in drafts:
+            self._conversation_thread.submit(conversation.save_draft, text)
         self._conversation_thread.shutdown(wait=True)
         if engine is not None and self._owns_engine:
             engine.shutdown()

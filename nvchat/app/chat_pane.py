@@ -14,7 +14,8 @@ from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
-from textual.widgets import Static
+from textual.timer import Timer
+from textual.widgets import Static, TextArea
 
 from engine import RequestStream
 from nvchat.app.message_view import ReplyView, UserMessageView
@@ -31,6 +32,12 @@ SAVE_EVERY_S = 2.0
 
 
 class ChatPane(Vertical):
+    # The unsent text is stored once typing pauses this long (not per key), at least this often
+    # while typing goes on, and at once when the tab closes, another tab is shown or the app quits:
+    # what a kill while typing can lose.
+    DRAFT_SAVE_DELAY_S = 1.5
+    DRAFT_SAVE_MAX_WAIT_S = 10.0
+
     def __init__(self, conversation: Conversation, *, background: Background, color: str, color_slot: int,
                  note: str | None = None, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -51,6 +58,9 @@ class ChatPane(Vertical):
         self._left_out_noted = False  # said once that old turns no longer fit the model
         self._stop_requested = False  # Esc before the turn's stream existed
         self._draft = ""  # what the box held when F3 put the last message there; back after the edit
+        self._draft_timer: Timer | None = None  # a draft save waiting for typing to pause
+        self._draft_due = 0.0  # when that save is made even if typing goes on
+        self._prompt = PromptInput(id="prompt")  # held: the app reads its draft after the DOM is gone
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -65,12 +75,17 @@ class ChatPane(Vertical):
         # a sibling of the transcript it was redrawn with every streamed update.
         with Vertical(id="composer"):
             yield Static(id="chat-status")
-            yield PromptInput(id="prompt")
+            yield self._prompt
 
     def on_mount(self) -> None:
         # Anchored: follows new output until the user scrolls up, and again once back at the bottom.
         self.transcript.anchor()
         self._refresh_hint()
+        if self.conversation.draft:
+            self.prompt.text = self.conversation.draft
+            self.prompt.move_cursor(self.prompt.document.end)
+        if self.conversation.messages and self.conversation.max_context:
+            self.run_worker(self._show_stored_context(), exit_on_error=False)
 
     def on_key(self, event: events.Key) -> None:
         """Typing while the transcript or a code block has the focus (after a click, or Shift+Tab)
@@ -101,7 +116,57 @@ class ChatPane(Vertical):
 
     @property
     def prompt(self) -> PromptInput:
-        return self.query_one(PromptInput)
+        return self._prompt
+
+    # --- the unsent draft ----------------------------------------------------------------------------
+
+    @property
+    def draft(self) -> str:
+        """What the user typed and has not sent: the box's text, and while F3's edit holds it, what
+        the box held before (the edited message itself is not a draft: it is stored already)."""
+        if self.editing:
+            return self._draft
+        typed = self.prompt.text
+        if self._draft:  # an edit was sent and its reply is starting: the kept draft comes back next
+            return f"{self._draft}\n{typed}" if typed.strip() else self._draft
+        return typed
+
+    def on_text_area_changed(self, event: TextArea.Changed) -> None:
+        if event.text_area is not self.prompt:
+            return
+        if self._draft_timer is None:
+            self._draft_timer = self.set_timer(self.DRAFT_SAVE_DELAY_S, self.save_draft)
+            self._draft_due = time.monotonic() + self.DRAFT_SAVE_MAX_WAIT_S
+        elif time.monotonic() >= self._draft_due:
+            self.save_draft()
+        else:
+            self._draft_timer.reset()
+
+    def stop_draft_timer(self) -> None:
+        if self._draft_timer is not None:
+            self._draft_timer.stop()
+            self._draft_timer = None
+
+    def save_draft(self):
+        """Stores the draft now, on the conversation thread (a no-op there if it is unchanged)."""
+        self.stop_draft_timer()
+        saved = self.background(self.conversation.save_draft, self.draft)
+        saved.add_done_callback(self._draft_saved)
+        return saved
+
+    def flush_draft(self) -> None:
+        """Stores the draft at once if a save is waiting for typing to pause."""
+        if self._draft_timer is not None:
+            self.save_draft()
+
+    def _draft_saved(self, future) -> None:
+        if future.cancelled() or future.exception() is None:
+            return
+        try:  # through the app: the tab may have closed since
+            self.app.notify(f"The unsent text could not be stored: {future.exception()}", title="Storage error",
+                            severity="error", timeout=10)
+        except Exception:  # the app has gone too
+            pass
 
     @staticmethod
     def _view_for(message: Message):
@@ -321,6 +386,15 @@ class ChatPane(Vertical):
         limit = self.conversation.max_context
         if limit:
             self.prompt.border_subtitle = f"context {tokens} / {limit} tokens"
+
+    async def _show_stored_context(self) -> None:
+        """A reopened chat's context figure, before its next turn."""
+        try:
+            tokens = await self.background(self.conversation.context_tokens)
+        except Exception:  # only a figure: the next turn shows it anyway
+            return
+        if tokens is not None and not self.busy and not self.prompt.border_subtitle:
+            self._show_context(tokens)
 
     def _saved(self, future) -> None:
         if not future.cancelled() and future.exception() is not None:

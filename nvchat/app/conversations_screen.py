@@ -1,5 +1,6 @@
 """Past conversations, newest first, filtered by the words typed above them (titles and messages,
-through the store's full-text index); Enter reopens the highlighted one in a tab."""
+through the store's full-text index); Enter reopens the highlighted one in a tab. One holding an
+unsent draft says so."""
 import time
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -68,7 +69,10 @@ class ConversationsScreen(ModalScreen[int | None]):
         table = self.query_one(DataTable)
         table.clear()
         for row in rows:
-            table.add_row(Text(row.title), _when(row.updated_at), str(row.num_messages), Text(_model_label(row.model)),
+            title = Text(row.title)
+            if row.draft.strip():
+                title.append("  ✎ draft", style="italic")  # words typed there and not sent wait in it
+            table.add_row(title, _when(row.updated_at), str(row.num_messages), Text(_model_label(row.model)),
                           key=str(row.id))
         empty = self.query_one("#conversations-empty", Label)
         empty.update("" if rows else f"No conversation has “{text.strip()}”." if text.strip()

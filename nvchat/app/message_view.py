@@ -34,11 +34,13 @@ def footer_text(stats: dict | None, interrupted: bool = False) -> str:
         parts.append(f"TTFT {stats['ttft_s'] * 1000:.0f} ms")
     if stats.get("prompt_tokens"):
         parts.append(f"prompt {stats['prompt_tokens']} ({stats.get('cached_tokens') or 0} cached)")
-    note = _FINISH_NOTES.get(stats.get("finish_reason") or "")
-    if note:
-        parts.append(note)
+    reason = stats.get("finish_reason") or ""
     if interrupted:
-        parts.append("interrupted (Ctrl+R regenerates)")
+        # One word for it: "stopped" or "failed" where the numbers say which, else "interrupted".
+        word = _FINISH_NOTES[reason] if reason in _INTERRUPTED_REASONS else "interrupted"
+        parts.append(f"{word} (Ctrl+R regenerates)")
+    elif reason in _FINISH_NOTES:
+        parts.append(_FINISH_NOTES[reason])
     return " · ".join(parts)
 
 

@@ -15,6 +15,11 @@ FIELDS = (("temperature", "Temperature (0 is greedy)", "number"), ("top_p", "Top
           ("top_k", "Top-k (0 is off)", "integer"), ("max_tokens", "Max tokens per reply", "integer"))
 
 
+def _shown_name(label: str) -> str:
+    """A field's name as its label shows it: "Top-p" of "Top-p (0 < p ≤ 1)"."""
+    return label.split(" (")[0]
+
+
 class _Form(VerticalScroll, can_focus=False):
     """Scrolls to whichever field has the focus; never takes it itself (the first field does)."""
 
@@ -55,8 +60,17 @@ class SamplingScreen(ModalScreen[dict | None]):
             try:
                 values[name] = int(text) if kind == "integer" else float(text)
             except ValueError:
-                raise ValueError(f"{label.split(' (')[0]}: {text!r} is not a number") from None
-        SamplingParams(**values)
+                raise ValueError(f"{_shown_name(label)}: {text!r} is not a number") from None
+        try:
+            SamplingParams(**values)
+        except ValueError as e:
+            # The engine names the field as the code does (top_p): say it as the label above does.
+            message = str(e)
+            for name, label, _ in FIELDS:
+                if message.startswith(name + " "):
+                    message = _shown_name(label) + message[len(name):]
+                    break
+            raise ValueError(message) from None
         return values
 
     def on_input_submitted(self) -> None:

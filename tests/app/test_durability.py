@@ -37,7 +37,9 @@ async def test_a_reply_is_stored_as_it_streams_and_a_stopped_one_reopens_marked_
         assert rows[1].content == reply.content and rows[1].content.startswith(partial.content)
         assert not rows[1].complete
         view = pane.query(ReplyView).last()
-        assert view.has_class("-interrupted") and "interrupted" in str(view.query_one("#reply-footer").render())
+        footer = str(view.query_one("#reply-footer").render())
+        assert view.has_class("-interrupted") and footer.endswith(" · stopped (Ctrl+R regenerates)")
+        assert "interrupted" not in footer  # said once, not "stopped · interrupted"
         conversation_id = pane.conversation.id
 
     fresh = make_app(max_tokens=8)

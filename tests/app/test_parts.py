@@ -44,6 +44,13 @@ def test_footer_shows_tokens_rate_and_time_to_first_token():
     assert text == "42 tokens · 31.2 tok/s · TTFT 125 ms · prompt 100 (64 cached) · stopped"
 
 
+def test_a_stopped_or_failed_reply_says_so_in_one_word():
+    stopped = footer_text({"tokens": 3, "finish_reason": "abort"}, interrupted=True)
+    assert stopped == "3 tokens · stopped (Ctrl+R regenerates)"
+    assert footer_text({"tokens": 0, "finish_reason": "error"}, interrupted=True) == "0 tokens · failed (Ctrl+R regenerates)"
+    assert footer_text({"tokens": 5, "finish_reason": "length"}) == "5 tokens · hit max tokens"
+
+
 def snapshot(states: bytes, holders: dict) -> EngineSnapshot:
     return EngineSnapshot(num_blocks=len(states), block_size=16, num_free_blocks=states.count(0) + states.count(1),
                           num_cached_blocks=states.count(1), prefix_hit_tokens=32, prompt_tokens=128,

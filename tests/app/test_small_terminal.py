@@ -38,7 +38,7 @@ async def test_every_sampling_field_comes_into_view_when_focused(make_app):
             assert fully_shown(app, field), field.id
         await pilot.press("ctrl+u", "0", "ctrl+s")  # a bad max tokens: named under the fields
         error = app.screen.query_one("#sampling-error")
-        assert "max_tokens" in str(error.render()) and fully_shown(app, error)
+        assert "Max tokens per reply must be" in str(error.render()) and fully_shown(app, error)
 
 
 async def test_the_kv_panel_leaves_the_chat_half_the_width(make_app):

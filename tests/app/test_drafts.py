@@ -1,0 +1,155 @@
+"""Text typed in a chat's prompt box and not sent is kept with the conversation: stored once typing
+pauses, and at once when its tab closes, another tab is shown or the app quits; back in the box
+when the conversation is reopened; cleared once sent."""
+import pytest
+
+from nvchat import paths
+from nvchat.app import NvchatApp
+from nvchat.app.chat_pane import ChatPane
+from nvchat.store import ChatStore
+from tests.app.conftest import app_settings
+from tests.app.helpers import idle, reopen_the_only_past_conversation, send, started, wait_for
+
+SIZE = (110, 36)
+
+
+class CountingStore(ChatStore):
+    """The real store, counting its draft writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.draft_writes: list[str] = []
+
+    def set_draft(self, conversation_id: int, text: str) -> None:
+        self.draft_writes.append(text)
+        super().set_draft(conversation_id, text)
+
+
+def stored_conversations():
+    store = ChatStore(paths.database_file())
+    try:
+        return store.list_conversations()
+    finally:
+        store.close()
+
+
+async def type_text(pilot, text: str) -> None:
+    await pilot.press(*["space" if ch == " " else ch for ch in text])
+
+
+@pytest.fixture
+def no_debounced_saves(monkeypatch):
+    """Only the closing tab, the switch or the quit can have stored the draft."""
+    monkeypatch.setattr(ChatPane, "DRAFT_SAVE_DELAY_S", 3600)
+
+
+async def test_a_draft_left_in_a_closed_tab_is_back_when_the_chat_is_reopened_and_sending_clears_it(
+        make_app, no_debounced_saves):
+    app = make_app(max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await send(pilot, "first question")
+        pane = app.active_pane
+        await idle(pilot, pane)
+        await type_text(pilot, "half a thought")
+        await pilot.press("ctrl+j")
+        await type_text(pilot, "and a second line")
+        await pilot.press("ctrl+w")
+        await wait_for(pilot, lambda: [c.draft for c in stored_conversations()] == ["half a thought\nand a second line"],
+                       what="the closed tab's draft in the store")
+
+    fresh = make_app(max_tokens=4)
+    async with fresh.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = await reopen_the_only_past_conversation(pilot, fresh)
+        assert pane.prompt.text == "half a thought\nand a second line"
+        assert pane.prompt.has_focus and pane.prompt.cursor_location == pane.prompt.document.end
+        await type_text(pilot, " done")
+        await pilot.press("enter")
+        await idle(pilot, pane)
+        assert pane.conversation.messages[-2].content == "half a thought\nand a second line done"
+        assert [c.draft for c in stored_conversations()] == [""]
+
+    again = make_app(max_tokens=4)
+    async with again.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = await reopen_the_only_past_conversation(pilot, again)
+        assert pane.prompt.text == ""
+
+
+async def test_a_new_chats_draft_survives_quitting_and_is_found_with_ctrl_o(make_app, no_debounced_saves):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await type_text(pilot, "never lose these words")
+        assert stored_conversations() == []
+        await pilot.press("ctrl+q")
+    [row] = stored_conversations()
+    assert (row.draft, row.num_messages) == ("never lose these words", 0)
+
+    fresh = make_app()
+    async with fresh.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: fresh.screen.query("#conversations-table")
+                       and fresh.screen.query_one("#conversations-table").row_count == 1, what="the list")
+        title = fresh.screen.query_one("#conversations-table").get_row_at(0)[0]
+        assert str(title) == "New chat  ✎ draft"
+        await pilot.press("escape")
+        pane = await reopen_the_only_past_conversation(pilot, fresh)
+        assert pane.prompt.text == "never lose these words"
+
+
+async def test_switching_tabs_stores_the_draft_of_the_chat_left(make_app, no_debounced_saves):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        first = app.active_pane
+        await type_text(pilot, "for later")
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: app.active_pane is not first, what="the new tab")
+        await wait_for(pilot, lambda: [c.draft for c in stored_conversations()] == ["for later"],
+                       what="the draft of the chat left")
+        assert first.conversation.id == stored_conversations()[0].id
+
+
+async def test_typing_that_never_pauses_is_still_stored_every_so_often(shared_engine, monkeypatch):
+    monkeypatch.setattr(ChatPane, "DRAFT_SAVE_DELAY_S", 3600)
+    monkeypatch.setattr(ChatPane, "DRAFT_SAVE_MAX_WAIT_S", 0.2)
+    store = CountingStore()
+    app = NvchatApp(app_settings(), engine=shared_engine, store=store)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await type_text(pilot, "a")
+            await pilot.pause(0.3)  # typing goes on, past the longest a save waits
+            await type_text(pilot, "b")
+            await wait_for(pilot, lambda: store.draft_writes, what="a save while typing goes on")
+            assert store.draft_writes == ["ab"]
+    finally:
+        store.close()
+
+
+async def test_typing_stores_the_draft_once_it_pauses_not_per_key_and_f3_keeps_it(shared_engine, monkeypatch):
+    monkeypatch.setattr(ChatPane, "DRAFT_SAVE_DELAY_S", 0.3)
+    store = CountingStore()
+    app = NvchatApp(app_settings(max_tokens=4), engine=shared_engine, store=store)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            pane = app.active_pane
+            await type_text(pilot, "twelve chars")
+            await wait_for(pilot, lambda: store.draft_writes, what="the draft's save once typing paused")
+            assert store.draft_writes == ["twelve chars"]
+            await pilot.press("enter")
+            await idle(pilot, pane)
+            assert store.draft_writes == ["twelve chars", ""]
+            # While F3 edits the last message, the draft it put aside is what the chat keeps.
+            await type_text(pilot, "kept")
+            await pilot.press("f3")
+            assert pane.prompt.text == "twelve chars"
+            await pilot.press("ctrl+w")
+            await wait_for(pilot, lambda: store.draft_writes[-1:] == ["kept"], what="the kept draft's save")
+            assert store.get_conversation(pane.conversation.id).draft == "kept"
+    finally:
+        store.close()
