@@ -333,7 +333,9 @@ async def test_the_visible_reply_streams_whole_while_other_chats_stream(make_app
             await press_now(pilot, "ctrl+t")
         pane = app.active_pane
         await submit_now(pilot, pane, "and this one I watch")
-        await wait_for(pilot, lambda: pane.stream is not None, what="the watched reply to start")
+        # The reply's view mounts its parts after the stream starts: wait for them too.
+        await wait_for(pilot, lambda: pane.stream is not None and pane.query(ReplyView)
+                       and pane.query(ReplyView).last().query("#answer"), what="the watched reply to start")
         started_at, draws = time.perf_counter(), app.frame_stats.draws
         view = pane.query(ReplyView).last()
         answer = view.query_one("#answer", Markdown)
