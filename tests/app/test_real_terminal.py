@@ -37,7 +37,9 @@ def test_text_and_enter_in_one_write_are_sent_and_stored_and_sigterm_keeps_the_r
                    30, "the stopped reply")
     # A paste (bracketed, as terminals send one) with Enter after it, in a new chat (Ctrl+T): after
     # the stopped reply, whose length depends on when Esc landed, a greedy reply could end at once.
+    drawn = len(app.output)
     app.write(b"\x14")
+    app.wait_until(lambda: "Enter sends" in app.output[drawn:], 30, "the new chat's hint")
     app.write(b"\x1b[200~pasted\nlines\x1b[201~\r")
     app.wait_until(lambda: len(app.messages()) >= 4, 30, "the pasted message and its reply's first save")
     assert app.messages()[2] == ("user", "pasted\nlines")
