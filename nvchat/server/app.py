@@ -133,6 +133,17 @@ def _usage(stream: RequestStream) -> dict:
             "prompt_tokens_details": {"cached_tokens": stream.num_cached_tokens}}
 
 
+def _chunk(head: dict, content: dict | None, finish_reason, include_usage: bool, usage) -> dict:
+    """An endpoint's event: head (id, object, created, model) and its one choice holding content
+    (none in the usage-only chunk); with include_usage, usage as OpenAI sends it: null on every
+    chunk but the last."""
+    choices = [] if content is None else [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}]
+    event = {**head, "choices": choices}
+    if include_usage:
+        event["usage"] = usage
+    return event
+
+
 async def _texts(stream: RequestStream):
     """The stream's text as it arrives: whatever queued up while the loop was busy goes out as one piece."""
     async for delta in stream:
@@ -240,13 +251,10 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
                                  "logprobs": None, "finish_reason": stream.finish_reason}],
                     "usage": _usage(stream)}
 
+        head = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+
         def payload(delta: dict, finish_reason=None, usage=None, choices=True) -> dict:
-            event = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-                     if choices else []}
-            if include_usage:  # as OpenAI: null on every chunk but the last
-                event["usage"] = usage
-            return event
+            return _chunk(head, {"delta": delta} if choices else None, finish_reason, include_usage, usage)
 
         content_event = text_events(payload({"content": TEXT_SLOT}))
 
@@ -266,13 +274,10 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
         reply_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
+        head = {"id": reply_id, "object": "text_completion", "created": created, "model": state.model_name}
+
         def payload(text: str, finish_reason=None, usage=None, choices=True) -> dict:
-            event = {"id": reply_id, "object": "text_completion", "created": created, "model": state.model_name,
-                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-                     if choices else []}
-            if include_usage:  # as OpenAI: null on every chunk but the last
-                event["usage"] = usage
-            return event
+            return _chunk(head, {"text": text} if choices else None, finish_reason, include_usage, usage)
 
         if not body.stream:
             await complete(stream, request)
