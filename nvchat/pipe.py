@@ -43,7 +43,6 @@ def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False) -> i
     stream = None
     try:
         text = read_prompt(prompt)
-        settings.sampling_params()  # a bad value fails here, before seconds of model loading
         from engine.demo_model import GIBBERISH_NOTE
         from nvchat.backend import model_name as backend_model_name
         from nvchat.backend import open_backend

@@ -114,9 +114,10 @@ class Repl:
                 text = line.strip()
                 if not text:
                     continue
-                if slash_commands.parse(text, slash_commands.REPL) is not None:
+                invocation = slash_commands.parse(text, slash_commands.REPL)
+                if invocation is not None:
                     try:
-                        message = repl_commands.dispatch(self, text)
+                        message = repl_commands.dispatch(self, invocation)
                     except repl_commands.QuitRepl:
                         break
                     except (OSError, ValueError, sqlite3.Error) as e:  # /save to a bad path, a locked store
@@ -207,13 +208,12 @@ def run_repl(settings: Settings) -> int:
         return 2
     history_file = paths.repl_history_file()
     try:  # before the model loads: seconds of loading for nothing otherwise
-        settings.sampling_params()
         history_file.parent.mkdir(parents=True, exist_ok=True)
         store = ChatStore()
     except (OSError, sqlite3.Error) as e:
         print(f"nvchat: can't keep conversations in {paths.data_dir()}: {e}", file=sys.stderr)
         return 1
-    except (ValueError, RuntimeError) as e:  # a bad sampling value; a store from a newer nvchat
+    except RuntimeError as e:  # a store from a newer nvchat
         print(f"nvchat: {e}", file=sys.stderr)
         return 1
     if store.moved_aside is not None:

@@ -7,16 +7,15 @@ Handlers get the REPL (anything with `conversation`, `engine`, `last_stream` and
 from pathlib import Path
 from typing import Callable
 
-from nvchat.slash_commands import REPL, command_lines, format_stats, parse, save_markdown, unknown_notice
+from nvchat.slash_commands import REPL, Invocation, command_lines, format_stats, save_markdown, unknown_notice
 
 
 class QuitRepl(Exception):
     """Raised by /quit; the REPL ends its loop."""
 
 
-def dispatch(repl, line: str) -> str | None:
-    """Runs the command a line names (slash_commands.parse said it is one)."""
-    invocation = parse(line, REPL)
+def dispatch(repl, invocation: Invocation) -> str | None:
+    """Runs the command slash_commands.parse found in a line."""
     if invocation.command is None:
         return unknown_notice(invocation.name, REPL)
     return HANDLERS[invocation.command.name](repl, invocation.arg)

@@ -128,7 +128,7 @@ class ChatPane(Vertical):
             return self._draft
         typed = self.prompt.text
         if self._draft:  # an edit was sent and its reply is starting: the kept draft comes back next
-            return f"{self._draft}\n{typed}" if typed.strip() else self._draft
+            return _before_typed(self._draft, typed)
         return typed
 
     def on_text_area_changed(self, event: TextArea.Changed) -> None:
@@ -246,8 +246,7 @@ class ChatPane(Vertical):
 
     def _restore_prompt(self, text: str) -> None:
         """Puts a message that was not sent back in the box, before whatever was typed since."""
-        typed = self.prompt.text
-        self.prompt.text = f"{text}\n{typed}" if typed.strip() else text
+        self.prompt.text = _before_typed(text, self.prompt.text)
         self.prompt.move_cursor(self.prompt.document.end)
 
     def regenerate(self) -> None:
@@ -446,3 +445,8 @@ class ChatPane(Vertical):
     async def set_system_prompt(self, text: str) -> None:
         await self._store("system prompt", self.conversation.set_system_prompt, text)
         self.refresh_banner()
+
+
+def _before_typed(text: str, typed: str) -> str:
+    """text put back in the prompt box above what was typed since (if anything was)."""
+    return f"{text}\n{typed}" if typed.strip() else text
