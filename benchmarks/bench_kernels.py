@@ -36,7 +36,10 @@ from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
-    paged_decode_attention, paged_decode_attention_from_qkv, split_counters)
+    paged_decode_attention,
+    paged_decode_attention_from_qkv,
+    split_counters,
+)
 from kernels.norm_rope_store import norm_rope_store  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention, plan_on_device  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
@@ -58,7 +61,7 @@ def time_eager(fn, calls=1):
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3 / calls
-    import triton.testing
+    import triton.testing  # start-up: the CPU smoke run never loads Triton's GPU benchmarking
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") / calls
 
 
@@ -66,7 +69,7 @@ def time_graph(fn, calls=1):
     """Median ms per call of a CUDA graph replaying fn's `calls` calls."""
     if SMOKE:
         return None
-    import triton.testing
+    import triton.testing  # start-up: the CPU smoke run never loads Triton's GPU benchmarking
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -492,7 +495,7 @@ def main():
     torch.manual_seed(0)
     random.seed(0)
     device = torch.cuda.get_device_name() if CUDA else "cpu (TRITON_INTERPRET smoke run)"
-    import triton
+    import triton  # start-up: as triton.testing above
     meta = dict(date=datetime.date.today().isoformat(), device=device, torch=torch.__version__,
                 triton=triton.__version__, command=" ".join([Path(sys.executable).name] + sys.argv))
     print(f"{meta['date']}  {device}  torch {meta['torch']}  triton {meta['triton']}")

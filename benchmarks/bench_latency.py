@@ -9,7 +9,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import CONFIGS, decode_floor_ms, graph_replay_ms, model_bytes_and_kv, print_table, write_json
+from benchmarks.common import (
+    CONFIGS,
+    decode_floor_ms,
+    graph_replay_ms,
+    model_bytes_and_kv,
+    print_table,
+    write_json,
+)
 from engine import LLM, SamplingParams
 
 

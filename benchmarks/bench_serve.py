@@ -23,14 +23,18 @@ import importlib.util
 import json
 import multiprocessing as mp
 import random
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from engine import SamplingParams  # the torch-free core: cheap for the client processes
 
 SERVED_NAME = "bench"
 
@@ -59,9 +63,7 @@ def with_word_tokenizer(config_dir: str, vocab_size: int) -> str:
     """A copy of a random-weight shape's config with a tokenizer of vocab_size one-word tokens, so
     the server has text to stream (the shapes ship no tokenizer and nothing can be downloaded on
     the GPU machines). Every token decodes to a short word: text events as many as tokens."""
-    import shutil
-    import tempfile
-
+    # start-up: only the random-weight shapes need a tokenizer built
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,7 +85,6 @@ def workload(num: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]
 # --- phase 1: the engine in-process ------------------------------------------------------------------
 
 def run_in_process(engine, prompts, max_tokens: int) -> list[dict]:
-    from engine import SamplingParams
     params = SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True)
 
     async def one(prompt):
@@ -146,8 +147,12 @@ def run_over_http(engine, prompts, max_tokens: int, client_procs: int, stack: di
                   server_cpu: list[float]) -> list[dict]:
     """The clients' results; appends the server thread's CPU seconds (its event loop: HTTP, SSE,
     the routes) to server_cpu once it has stopped."""
+    # start-up: the client processes import this module and need none of the server
     import uvicorn
-    from benchmarks import bench_serve  # the client processes find client_process by this name
+
+    from benchmarks import (
+        bench_serve,  # the client processes find client_process by this name
+    )
     from nvchat.server.app import ServerState, create_app
 
     sock = socket.socket()
@@ -194,8 +199,9 @@ def run_over_http(engine, prompts, max_tokens: int, client_procs: int, stack: di
 
 
 def main():
+    # start-up: as run_server, the client processes import this module and need none of it
     from benchmarks.common import CONFIGS, print_table, write_json
-    from engine import EngineThread, SamplingParams
+    from engine import EngineThread
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(CONFIGS / "qwen3-0.6b"), help="config dir (random weights), or 'demo'")
@@ -218,7 +224,9 @@ def main():
              "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"}
 
     if args.config == "demo":
-        from engine.demo_model import ensure_demo_model
+        from engine.checkpoints.demo_model import (
+            ensure_demo_model,  # start-up: as above
+        )
         model, extra = str(ensure_demo_model()), {}
     else:
         vocab_size = json.loads((Path(args.config) / "config.json").read_text())["vocab_size"]

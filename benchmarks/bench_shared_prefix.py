@@ -21,7 +21,7 @@ from engine import LLM, SamplingParams
 
 def tiny_config(path: Path) -> Path:
     """A Qwen3 config of the test suite's tiny shape (random weights), for a quick CPU run."""
-    import transformers
+    import transformers  # start-up: only the --tiny run writes a config
     transformers.Qwen3Config(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              max_position_embeddings=4096, architectures=["Qwen3ForCausalLM"]).save_pretrained(path)

@@ -3,12 +3,12 @@
 own step times (decode-only steps before, steps carrying a prompt chunk during), which split an ITL
 into what the step costs and what delivering its tokens adds."""
 import argparse
+import gc
 import random
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 from benchmarks.common import CONFIGS, print_table, write_json
 from engine import EngineThread, SamplingParams
@@ -39,7 +39,6 @@ def record_steps(llm) -> list[tuple[float, float, int, int]]:
 
 def record_gc() -> list[tuple[float, float]]:
     """Logs (start, ms) of every garbage collection: a stall of every thread at once."""
-    import gc
     log, started = [], []
 
     def on_gc(phase, info):
@@ -77,7 +76,9 @@ def main():
         sys.setswitchinterval(args.switch_interval)
 
     if args.config == "demo":
-        from engine.demo_model import ensure_demo_model
+        from engine.checkpoints.demo_model import (
+            ensure_demo_model,  # start-up: only for --config demo
+        )
         model, extra = str(ensure_demo_model()), {}
     else:
         model, extra = args.config, {"load_format": "random", "dtype": "bfloat16"}

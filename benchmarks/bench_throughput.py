@@ -2,11 +2,18 @@
 memory roofline and, with --compare hf, HF transformers' continuous batching in the same run."""
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import (CONFIGS, model_bytes_and_kv, nano_vllm_workload, print_table, throughput_roofline,
-                               write_json)
+from benchmarks.common import (
+    CONFIGS,
+    model_bytes_and_kv,
+    nano_vllm_workload,
+    print_table,
+    throughput_roofline,
+    write_json,
+)
 from engine import LLM, SamplingParams
 
 
@@ -31,6 +38,7 @@ def run_nvchat(args, prompts, max_tokens) -> dict:
 
 def run_hf(args, prompts, max_tokens) -> dict:
     """transformers' own continuous batching (paged|sdpa), random weights in the same shape."""
+    # start-up: transformers' modeling code loads only for the --hf comparison
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     config = AutoConfig.from_pretrained(args.config)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="paged|sdpa").cuda().eval()
@@ -71,7 +79,6 @@ def main():
     args = p.parse_args()
 
     prompts, max_tokens = nano_vllm_workload(args.num_seqs)
-    from pathlib import Path
     params, weight_bytes, kv_per_token = model_bytes_and_kv(Path(args.config))
     roofline = throughput_roofline(prompts, max_tokens, weight_bytes, kv_per_token, params)
     results = [run_nvchat(args, prompts, max_tokens)]

@@ -4,7 +4,7 @@ tensor-parallel size, on random weights in a real model's shapes (no checkpoint 
     python -m benchmarks.bench_tp --config benchmarks/configs/qwen3-8b --tp 1 2 4 --out benchmarks/out/tp-8b.json
 
 Every size runs in this process, one engine after another; rank 0 is cuda:0, rank r is cuda:r.
-Small all-reduces go over NVLink peer memory where it sets up (engine/symm_allreduce.py), the rest
+Small all-reduces go over NVLink peer memory where it sets up (engine/distributed/symm_allreduce.py), the rest
 over NCCL (gloo on CPU), each one fused with the RMSNorm after it where it can be;
 `--allreduce auto unfused nccl` runs each size above 1 each way.
 """
@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.common import CONFIGS, nano_vllm_workload, print_table, write_json
 from engine import LLM, SamplingParams
-from engine.symm_allreduce import DISABLE_ENV
+from engine.distributed.symm_allreduce import DISABLE_ENV
 
 NANO_VLLM_OUTPUT_TOKENS = 133_966  # what the 256-sequence workload must generate
 

@@ -43,9 +43,9 @@ from pathlib import Path
 from benchmarks.common import CONFIGS, print_table, write_json
 from benchmarks.thread_sampler import sample_current_thread
 from engine import EngineThread, RequestStream
-from engine.block_manager import FREE, USED
+from engine.checkpoints.demo_model import ensure_demo_model
+from engine.core.block_manager import FREE, USED
 from engine.engine_thread import EngineSnapshot
-from engine.demo_model import ensure_demo_model
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
 
 
@@ -185,6 +185,7 @@ def run_headless(engine: EngineThread, settings: Settings, tabs: int, run: int) 
 async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_panel: bool, size, run: int,
                       switch_interval: float, pump_hz: int, profile: bool = False, cprofile: str | None = None,
                       fixed_rate: bool = False) -> dict:
+    # start-up: Textual loads only for the runs that draw
     from nvchat.app import NvchatApp
     from nvchat.app.messages import PromptSubmitted
 
@@ -248,7 +249,7 @@ def _cprofiled(path: str | None):
     if path is None:
         yield None
         return
-    import cProfile
+    import cProfile  # start-up: only for --cprofile
     profiler = cProfile.Profile()
     profiler.enable()
     try:
@@ -258,7 +259,7 @@ def _cprofiled(path: str | None):
 
 
 def main() -> None:
-    from nvchat.app import NvchatApp
+    from nvchat.app import NvchatApp  # start-up: as in run_with_ui
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint dir or cached HF repo id (default: the demo model)")

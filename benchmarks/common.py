@@ -16,7 +16,7 @@ GEMM_FLOPS = 790e12
 def graph_replay_ms(graph, replays: int) -> float:
     """Mean GPU time of one replay of a captured CUDA graph, by events around back-to-back replays
     (after one untimed replay)."""
-    import torch
+    import torch  # start-up: the client processes of bench_serve import this module without torch
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -61,7 +61,7 @@ def decode_floor_ms(weight_bytes: int, kv_per_token: int, context: int, batch: i
 
 
 def environment() -> dict:
-    import torch
+    import torch  # start-up: the client processes of bench_serve import this module without torch
     # NVCHAT_COMMIT first: the GPU machines get a copy of the working tree whose .git may not be
     # the one the run was made from.
     commit = os.environ.get("NVCHAT_COMMIT")

@@ -3,8 +3,15 @@ from pathlib import Path
 
 import torch
 
-from engine.attention_backends import default_backend
-from engine.checkpoint import ModelError, architecture_of, check_checkpoint, resolve_model_path
+from engine.checkpoints.errors import ModelError
+from engine.checkpoints.gguf import open_gguf
+from engine.checkpoints.resolve import (
+    architecture_of,
+    check_checkpoint,
+    resolve_model_path,
+)
+from engine.layers.attention_backends import default_backend
+from engine.layers.quantized import QUANTIZATIONS
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
@@ -69,7 +76,9 @@ class EngineConfig:
                max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
                gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
                load_format="safetensors", prefill_cuda_graphs=None, quantization=None, progress=None):
-        from transformers import AutoConfig
+        from transformers import (
+            AutoConfig,  # start-up: ~2 s, and a GGUF file does without it
+        )
 
         if load_format not in ("safetensors", "random"):
             raise ValueError(f"load_format must be 'safetensors' or 'random', got {load_format!r}")
@@ -82,7 +91,6 @@ class EngineConfig:
         path = resolve_model_path(model, progress)
         gguf = None
         if path.is_file():  # a GGUF file (resolve_model_path refuses other files)
-            from engine.gguf_checkpoint import open_gguf
             gguf = open_gguf(path)
             raw, hf_config, architecture = {}, gguf.hf_config, gguf.architecture
         else:
@@ -99,7 +107,6 @@ class EngineConfig:
         elif quantization == "none":
             quantization = None
         if quantization is not None:
-            from engine.layers.quantized import QUANTIZATIONS
             if quantization not in QUANTIZATIONS:
                 raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)}, auto or none")
             if device.type != "cpu":

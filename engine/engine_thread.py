@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from engine.block_manager import CACHED, FREE, SHARED, USED
+from engine.core.block_manager import CACHED, FREE, SHARED, USED
+from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.stream import RequestStream
+from engine.request_stream import RequestStream
 
 BLOCK_STATE_NAMES = {FREE: "free", CACHED: "cached", USED: "used", SHARED: "shared"}
 _RATE_WINDOW_S = 2.0
@@ -49,7 +49,7 @@ class EngineSnapshot:
     decode_tokens_per_s: float
     kv_bytes_total: int
     kv_bytes_used: int
-    block_states: bytes  # one byte per block, codes as in engine.block_manager
+    block_states: bytes  # one byte per block, codes as in engine.core.block_manager
     block_holders: dict[int, list[int]]  # request id -> block ids it holds
     taken_at: float
 

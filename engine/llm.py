@@ -20,19 +20,17 @@ import atexit
 import gc
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import PENDING_TOKEN, Sequence
-from engine.step_plan import plan_step
-from engine.tokenizer import eos_token_ids, load_tokenizer
-
-if TYPE_CHECKING:
-    from engine.model_runner import SampledTokens
+from engine.core.block_manager import BlockManager
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import PENDING_TOKEN, Sequence
+from engine.core.step_plan import plan_step
+from engine.runner.model_runner import ModelRunner, SampledTokens
+from engine.runner.tp_runner import TensorParallelRunner
+from engine.text.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
+from engine.text.tokenizer import eos_token_ids, load_tokenizer
 
 
 @atexit.register
@@ -77,7 +75,7 @@ class _Launched:
     # at launch, whether the step samples its next token). A sampled token goes at index = count.
     entries: list[tuple[Sequence, int, int, bool]]
     rows: dict[Sequence, int]  # sampled sequences -> their row in tokens
-    tokens: "SampledTokens"
+    tokens: SampledTokens
 
 
 class LLM:
@@ -122,9 +120,7 @@ class LLM:
 
     def _make_runner(self):
         if self.config.tensor_parallel_size > 1:
-            from engine.tp_group import TensorParallelRunner
             return TensorParallelRunner(self.config, progress=self._progress)
-        from engine.model_runner import ModelRunner
         return ModelRunner(self.config, progress=self._progress)
 
     # --- requests ------------------------------------------------------------------------------
@@ -341,7 +337,7 @@ class LLM:
             self.enqueue(seq)
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # optional: a progress bar only when asked for
             bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True)
         try:
             while not all(s.is_finished for s in seqs):

@@ -20,7 +20,14 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.decode_attention import LOG2E, _dot, _kv_offsets, _merge_splits_kernel, _sm_count, dot_flags
+from kernels.decode_attention import (
+    LOG2E,
+    _dot,
+    _kv_offsets,
+    _merge_splits_kernel,
+    _sm_count,
+    dot_flags,
+)
 
 MAX_SPLITS = 16
 # A split shorter than this costs more in its fixed work (load Q, write a partial) than it saves.

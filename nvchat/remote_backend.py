@@ -17,7 +17,7 @@ import time
 import httpx
 
 from engine import SamplingParams
-from engine.stream import Delta, RequestStream
+from engine.request_stream import Delta, RequestStream
 
 # Long enough for a big server's queue or a long prefill before the first token; the user can stop
 # a reply that waits.

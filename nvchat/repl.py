@@ -5,8 +5,8 @@ mode, so Ctrl-C arrives as a key, not a signal): Ctrl-C aborts the reply, and an
 is kept as typeahead for the next prompt. That also makes Ctrl-C deliverable from a pipe input.
 """
 import asyncio
-import sqlite3
 import signal
+import sqlite3
 import sys
 import threading
 from contextlib import contextmanager
@@ -22,6 +22,7 @@ from engine import EngineThread, RequestStream
 from nvchat import paths, repl_commands, slash_commands
 from nvchat.backend import model_name, open_backend
 from nvchat.conversation import Conversation, first_line
+from nvchat.default_model import GIBBERISH_NOTE
 from nvchat.settings import Settings
 from nvchat.store import ChatStore
 
@@ -201,8 +202,6 @@ class Repl:
 
 def run_repl(settings: Settings) -> int:
     """The `--plain` entry point: loads the engine and runs the REPL on the terminal."""
-    from engine.demo_model import GIBBERISH_NOTE
-
     if not sys.stdin.isatty():
         print("nvchat: --plain reads a terminal; for piped input use -p - (pipe mode)", file=sys.stderr)
         return 2

@@ -7,7 +7,14 @@ Handlers get the REPL (anything with `conversation`, `engine`, `last_stream` and
 from pathlib import Path
 from typing import Callable
 
-from nvchat.slash_commands import REPL, Invocation, command_lines, format_stats, save_markdown, unknown_notice
+from nvchat.slash_commands import (
+    REPL,
+    Invocation,
+    command_lines,
+    format_stats,
+    save_markdown,
+    unknown_notice,
+)
 
 
 class QuitRepl(Exception):

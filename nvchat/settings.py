@@ -5,8 +5,7 @@ from pathlib import Path
 
 from engine import SamplingParams
 from engine.engine_thread import CHAT_PREFILL_CHUNK
-from nvchat import paths
-from nvchat import default_model
+from nvchat import default_model, paths
 
 # `--model demo`: the built-in demo model even where a real default model is installed.
 DEMO_MODEL = "demo"
@@ -69,7 +68,8 @@ class Settings:
         installed, else the built-in demo model."""
         kwargs = {k: getattr(self, k) for k in _ENGINE_KEYS}
         if self.uses_demo_model:
-            from engine.demo_model import ensure_demo_model
+            # start-up: torch loads with it, which a remote backend never needs
+            from engine.checkpoints.demo_model import ensure_demo_model
             kwargs["model"] = str(ensure_demo_model())
         elif self.model is None:
             kwargs["model"] = str(default_model.bundled_gguf())

@@ -49,7 +49,7 @@ def tiny_qwen3_tied(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_model_path(tmp_path_factory):
-    from engine.demo_model import ensure_demo_model
+    from engine.checkpoints.demo_model import ensure_demo_model
     return ensure_demo_model(tmp_path_factory.mktemp("cache"))
 
 

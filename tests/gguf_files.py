@@ -4,7 +4,6 @@ types, with a tokenizer and chat template in the metadata: a byte-level BPE one 
 Qwen and SmolLM2 files have), or a SentencePiece one (`tokenizer.ggml.model = "llama"`, as
 Llama-2, TinyLlama and Mistral files have) with a Mistral-style template."""
 import numpy as np
-import torch
 
 from tests.conftest import hf_greedy, save_tiny_hf_model
 
@@ -20,7 +19,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 def tokenizer_tokens(tokenizer: str = "gpt2") -> list[str]:
     if tokenizer == "llama":
         return [token for token, _, _ in spm_vocabulary()]
-    from engine.demo_model import _byte_alphabet
+    from engine.checkpoints.demo_model import _byte_alphabet
     return _byte_alphabet() + [m.replace(" ", "") for m in MERGES] + SPECIALS
 
 

@@ -16,7 +16,13 @@ import torch
 pytest.importorskip("triton")
 
 from engine.layers.norm import RMSNorm  # noqa: E402
-from tests.kernel_checks import AllReduceRanks, all_reduce_reference, assert_close, poison, seed  # noqa: E402,F401
+from tests.kernel_checks import (  # noqa: E402,F401
+    AllReduceRanks,
+    all_reduce_reference,
+    assert_close,
+    poison,
+    seed,
+)
 
 ar = importlib.import_module("kernels.allreduce_rmsnorm")
 if type(ar._all_reduce_rms_norm_kernel).__name__ != "InterpretedFunction":

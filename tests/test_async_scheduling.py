@@ -6,8 +6,8 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.sequence import PENDING_TOKEN, Sequence
-from engine.step_plan import plan_step
+from engine.core.sequence import PENDING_TOKEN, Sequence
+from engine.core.step_plan import plan_step
 from tests.conftest import INJECTED_FAULT, fail_next_launch, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

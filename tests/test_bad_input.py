@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.checkpoint import ModelError
+from engine.checkpoints.errors import ModelError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -3,9 +3,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import CACHED, FREE, SHARED, USED, BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.core.block_manager import CACHED, FREE, SHARED, USED, BlockManager
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 
 BLOCK = 4
 NUM_BLOCKS = 12

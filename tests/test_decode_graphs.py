@@ -1,4 +1,4 @@
-"""The decode steps' lean feed (engine.decode_graphs): inputs staged at fixed offsets and copied in
+"""The decode steps' lean feed (engine.runner.decode_graphs): inputs staged at fixed offsets and copied in
 once, pending input ids taken from the token buffer on the device, sampling from the staged
 settings. On CPU nothing is captured, so DecodeGraphs runs the code its graphs would capture,
 eagerly; tests/gpu checks the captured graphs."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.decode_graphs import SAMPLE_GRAPH_ROWS, DecodeGraphs
+from engine.runner.decode_graphs import SAMPLE_GRAPH_ROWS, DecodeGraphs
 from tests.conftest import random_prompts
 from tests.test_async_scheduling import completions, run
 
@@ -164,7 +164,7 @@ class _Logits(torch.nn.Module):
 
 
 def _decode_plan(rows, params):
-    from engine.step_plan import StepPlan
+    from engine.core.step_plan import StepPlan
     return StepPlan(input_ids=[10 + r for r in range(rows)], positions=[20 + r for r in range(rows)],
                     slot_mapping=[30 + r for r in range(rows)], cu_seqlens_q=list(range(rows + 1)),
                     context_lens=[21 + r for r in range(rows)], block_tables=[[r] for r in range(rows)],

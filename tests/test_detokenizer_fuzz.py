@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from engine.tokenizer import load_tokenizer
+from engine.text.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from engine.text.tokenizer import load_tokenizer
 from nvchat.default_model import bundled_gguf
 
 # CI runs a fixed set of examples (derandomized), so that whether a change lands never rests on the
@@ -25,7 +25,7 @@ def tokenizer(request, demo_model_path, tmp_path_factory):
     if request.param == "demo":
         tokenizer = load_tokenizer(demo_model_path)
     elif request.param == "sentencepiece":
-        from engine.gguf_checkpoint import GGUFCheckpoint
+        from engine.checkpoints.gguf import GGUFCheckpoint
         from tests.gguf_files import write_tokenizer_gguf
         path = write_tokenizer_gguf(tmp_path_factory.mktemp("spm") / "tiny-spm.gguf")
         tokenizer = GGUFCheckpoint(path).load_tokenizer(cache_dir=path.parent / "cache")

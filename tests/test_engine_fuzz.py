@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.block_manager import CACHED, FREE, SHARED, USED, chain_hash
-from engine.sequence import PENDING_TOKEN, SequenceStatus
+from engine.core.block_manager import CACHED, FREE, SHARED, USED, chain_hash
+from engine.core.sequence import PENDING_TOKEN, SequenceStatus
 from tests.conftest import INJECTED_FAULT, fail_next_launch
 from tests.test_inflight_prefix import KVReadChecker
 

@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, EngineThread, RequestStream, SamplingParams
 from engine.engine_thread import CHAT_PREFILL_CHUNK
-from engine.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

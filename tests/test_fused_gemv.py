@@ -18,8 +18,13 @@ import torch
 pytest.importorskip("triton")
 
 from kernels import gemv, rmsnorm  # noqa: E402
-from tests.kernel_checks import (assert_close, norm_gemv_reference, poison, round_toward_zero,  # noqa: E402,F401
-                                 seed)
+from tests.kernel_checks import (  # noqa: E402,F401
+    assert_close,
+    norm_gemv_reference,
+    poison,
+    round_toward_zero,
+    seed,
+)
 
 if type(gemv._gemv_kernel).__name__ != "InterpretedFunction":
     if torch.cuda.is_available() or os.environ["TRITON_INTERPRET"] != "1":

@@ -9,9 +9,14 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.checkpoint import ModelError
+from engine.checkpoints.errors import ModelError
 from tests.conftest import random_prompts
-from tests.gguf_files import CHAT_TEMPLATE, hf_gguf_greedy, tokenizer_tokens, write_tiny_gguf
+from tests.gguf_files import (
+    CHAT_TEMPLATE,
+    hf_gguf_greedy,
+    tokenizer_tokens,
+    write_tiny_gguf,
+)
 
 NEW_TOKENS = 16
 
@@ -52,7 +57,7 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tiny_llama_gguf):
 
 
 def test_the_tokenizer_is_cached_for_later_starts(tiny_llama_gguf, cache_dir):
-    from engine.gguf_checkpoint import GGUFCheckpoint
+    from engine.checkpoints.gguf import GGUFCheckpoint
     checkpoint = GGUFCheckpoint(tiny_llama_gguf)
     built = checkpoint.load_tokenizer()
     [entry] = (cache_dir / "gguf-tokenizers").iterdir()
@@ -73,7 +78,7 @@ def test_the_metadata_is_read_once_then_from_the_cache(tiny_llama_gguf, cache_di
     file instead, and get the same config and tensors. A damaged index is read again."""
     import gguf
 
-    from engine.gguf_checkpoint import GGUFCheckpoint
+    from engine.checkpoints.gguf import GGUFCheckpoint
     first = GGUFCheckpoint(tiny_llama_gguf)
     [entry] = (cache_dir / "gguf-index").iterdir()
 

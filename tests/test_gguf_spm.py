@@ -7,12 +7,17 @@ import random
 
 import pytest
 
-from engine import EngineThread, LLM, SamplingParams
-from engine.demo_model import default_cache_dir
-from engine.detokenizer import IncrementalDetokenizer
-from engine.gguf_checkpoint import GGUFCheckpoint
+from engine import LLM, EngineThread, SamplingParams
+from engine.checkpoints.demo_model import default_cache_dir
+from engine.checkpoints.gguf import GGUFCheckpoint
+from engine.text.detokenizer import IncrementalDetokenizer
 from tests.conftest import random_prompts
-from tests.gguf_files import SPM_CHAT_TEMPLATE, hf_gguf_greedy, tokenizer_tokens, write_tiny_gguf
+from tests.gguf_files import (
+    SPM_CHAT_TEMPLATE,
+    hf_gguf_greedy,
+    tokenizer_tokens,
+    write_tiny_gguf,
+)
 
 NEW_TOKENS = 16
 TEXTS = ["Hello world", " Hello  world", "  the   café\n\nis at 中文 🎉!", "Hello\nworld\n", "\n\n in the",

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import _SEED_MIX, Sampler, filter_top_k_top_p
-from engine.step_plan import StepPlan, plan_step
+from engine.core.step_plan import StepPlan, plan_step
+from engine.runner.sampler import _SEED_MIX, Sampler, filter_top_k_top_p
 from tests.conftest import random_prompts
 
 
@@ -180,7 +180,7 @@ def test_text_decoder_matches_tokenizer_decode(demo_model_path):
     tokens, broken UTF-8, empty input; with clean-up on it is tokenizer.decode itself."""
     from transformers import AutoTokenizer
 
-    from engine.detokenizer import text_decoder
+    from engine.text.detokenizer import text_decoder
     tok = AutoTokenizer.from_pretrained(demo_model_path)
     decode = text_decoder(tok)
     assert decode.func.__self__ is tok.backend_tokenizer  # the fast path, not a wrapper

@@ -18,7 +18,14 @@ import torch
 pytest.importorskip("triton")
 
 from engine.layers import paged_attention_torch as ref  # noqa: E402
-from kernels import decode_attention, gemv, kv_store, prefill_attention, rmsnorm, silu_mul  # noqa: E402
+from kernels import (  # noqa: E402
+    decode_attention,
+    gemv,
+    kv_store,
+    prefill_attention,
+    rmsnorm,
+    silu_mul,
+)
 from tests.kernel_checks import assert_close, poison, seed  # noqa: E402,F401 (fixtures)
 
 

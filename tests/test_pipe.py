@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.demo_model import GIBBERISH_NOTE
+from nvchat.default_model import GIBBERISH_NOTE
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = ["--model", "demo", "--device", "cpu", "--max-model-len", "256", "--max-tokens", "16", "--temperature", "0"]

@@ -1,7 +1,7 @@
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import SAMPLE_CHUNK_ROWS, Sampler, filter_top_k_top_p
+from engine.runner.sampler import SAMPLE_CHUNK_ROWS, Sampler, filter_top_k_top_p
 
 
 def test_top_k_keeps_exactly_k_most_likely():

@@ -1,8 +1,8 @@
+import pytest
+
 from nvchat.conversation import split_thinking
 from nvchat.settings import SettingsError, load_settings, save_setting
 from nvchat.store import ChatStore
-
-import pytest
 
 
 def test_store_round_trip(tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, EngineThread, SamplingParams
-from engine.tp_group import WorkerError
+from engine.runner.tp_runner import WorkerError
 from tests.conftest import hf_greedy, random_prompts, save_tiny_hf_model
 from tests.test_async_scheduling import completions, record_plans, run
 

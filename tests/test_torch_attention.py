@@ -4,8 +4,12 @@ replaces, on fresh random caches each run."""
 import pytest
 import torch
 
-from engine.layers.paged_attention_torch import (paged_decode_attention, paged_prefill_attention,
-                                                 sdpa_decode_attention, sdpa_prefill_attention)
+from engine.layers.paged_attention_torch import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    sdpa_decode_attention,
+    sdpa_prefill_attention,
+)
 
 
 def _caches(g, kv_heads, num_blocks=24, block_size=4, head_dim=16):

@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import parallel
+from engine.distributed import collectives
 from engine.layers.quantized import quantize
 from engine.layers.weights import copy_into, narrow, shape_of
 
@@ -13,7 +13,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
-        self.tp = parallel.current_group()
+        self.tp = collectives.current_group()
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.vocab_size = vocab_size
         self.shard_size = (vocab_size + self.tp_size - 1) // self.tp_size
@@ -56,7 +56,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.quantized is not None:
             logits = self.quantized(hidden)
         elif self.fused and hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.stride(1) == 1:
-            from kernels.gemv import gemv
+            from kernels.gemv import (
+                gemv,  # start-up: Triton loads only where its kernels run
+            )
             logits = gemv(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)

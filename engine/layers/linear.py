@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import parallel
+from engine.distributed import collectives
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.quantized import quantize
@@ -36,7 +36,7 @@ class _Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
         super().__init__()
-        self.tp = parallel.current_group()
+        self.tp = collectives.current_group()
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -99,7 +99,7 @@ class ReplicatedLinear(_Linear):
 
 class ColumnParallelLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        tp = parallel.current_group().size
+        tp = collectives.current_group().size
         super().__init__(in_features, _divide(out_features, tp, "output features"), bias, tp_dim=0)
 
 
@@ -122,7 +122,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     replicated: each rank holds the one KV head its query heads attend to."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        tp = parallel.current_group().size
+        tp = collectives.current_group().size
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp, "number of attention heads")
         if num_kv_heads >= tp:
@@ -152,7 +152,7 @@ class RowParallelLinear(_Linear):
     reduce = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        tp = parallel.current_group().size
+        tp = collectives.current_group().size
         super().__init__(_divide(in_features, tp, "input features"), out_features, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

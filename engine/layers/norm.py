@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from engine import parallel
+from engine.distributed import collectives
 
 
 class RMSNorm(nn.Module):
@@ -14,7 +14,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        self.tp = parallel.current_group()
+        self.tp = collectives.current_group()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
@@ -33,7 +33,9 @@ class RMSNorm(nn.Module):
                 return summed
             x = self.tp.all_reduce(x)
         if self.fused:
-            from kernels.rmsnorm import rms_norm
+            from kernels.rmsnorm import (
+                rms_norm,  # start-up: Triton loads only where its kernels run
+            )
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)

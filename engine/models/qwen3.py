@@ -6,7 +6,11 @@ from torch import nn
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 

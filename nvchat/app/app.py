@@ -32,7 +32,6 @@ from textual.screen import ModalScreen
 from textual.widgets import Header, TabbedContent, TabPane, Tabs
 
 from engine import EngineThread, RequestStream
-from engine.demo_model import GIBBERISH_NOTE
 from nvchat import paths
 from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
 from nvchat.app.chat_pane import ChatPane
@@ -40,20 +39,22 @@ from nvchat.app.chat_screen import ChatScreen
 from nvchat.app.code_block import CopyableFence, copy_code
 from nvchat.app.commands import ChatCommands
 from nvchat.app.conversations_screen import ConversationsScreen
-from nvchat.export import export_markdown, save_markdown_to
 from nvchat.app.footer import ChatFooter
 from nvchat.app.frame_stats import FrameStats
-from nvchat.backend import model_name, open_backend
 from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import BlockOwner, KVPanel, PanelData
 from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.messages import ChatStateChanged, ReplyStarted, SlashCommandSubmitted
 from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
 from nvchat.app.rename_screen import RenameScreen
+from nvchat.app.sampling_screen import FIELDS as SAMPLING_FIELDS
+from nvchat.app.sampling_screen import SamplingScreen
 from nvchat.app.slash import run_command
-from nvchat.app.sampling_screen import FIELDS as SAMPLING_FIELDS, SamplingScreen
 from nvchat.app.system_prompt_screen import SystemPromptScreen
+from nvchat.backend import model_name, open_backend
 from nvchat.conversation import Conversation
+from nvchat.default_model import GIBBERISH_NOTE
+from nvchat.export import export_markdown, save_markdown_to
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, save_setting
 from nvchat.store import ChatStore
 from themes import load_themes, tab_colors

@@ -19,7 +19,12 @@ from textual.widgets import Static, TextArea
 
 from engine import RequestStream
 from nvchat.app.message_view import ReplyView, UserMessageView
-from nvchat.app.messages import ChatStateChanged, PromptSubmitted, ReplyStarted, ScrollTranscript
+from nvchat.app.messages import (
+    ChatStateChanged,
+    PromptSubmitted,
+    ReplyStarted,
+    ScrollTranscript,
+)
 from nvchat.app.prompt_input import PromptInput
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
 from nvchat.slash_commands import as_typed

@@ -20,14 +20,14 @@ from textual.app import ComposeResult
 from textual.color import Color
 from textual.containers import Vertical
 from textual.geometry import Region
-from textual.strip import Strip
-from textual.widget import Widget
 from textual.renderables._blend_colors import blend_colors
 from textual.renderables.sparkline import Sparkline as SparklineRenderable
+from textual.strip import Strip
+from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
 from engine import EngineSnapshot
-from engine.block_manager import CACHED, FREE, SHARED, USED
+from engine.core.block_manager import CACHED, FREE, SHARED, USED
 
 REFRESH_S = 0.25
 NO_BLOCK_STATS = "Block statistics are not\navailable from a remote\nbackend."

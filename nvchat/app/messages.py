@@ -3,12 +3,8 @@ handles them agree on one vocabulary. Tokens never travel as messages: the app's
 drains them (see app.py)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from textual.message import Message
-
-if TYPE_CHECKING:
-    from nvchat.app.chat_pane import ChatPane
+from textual.widget import Widget
 
 
 class PromptSubmitted(Message):
@@ -39,7 +35,7 @@ class ScrollTranscript(Message):
 class ReplyStarted(Message):
     """A chat pane has a new stream for the app's pump to drain."""
 
-    def __init__(self, pane: ChatPane) -> None:
+    def __init__(self, pane: Widget) -> None:  # a ChatPane
         super().__init__()
         self.pane = pane
 
@@ -47,6 +43,6 @@ class ReplyStarted(Message):
 class ChatStateChanged(Message):
     """A chat's title or busy state changed: its tab label needs redrawing."""
 
-    def __init__(self, pane: ChatPane) -> None:
+    def __init__(self, pane: Widget) -> None:  # a ChatPane
         super().__init__()
         self.pane = pane

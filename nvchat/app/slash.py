@@ -3,12 +3,10 @@ are the table the REPL shares: nvchat/slash_commands.py). Most run the action th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from textual.app import App
 
 from nvchat.slash_commands import format_stats
-
-if TYPE_CHECKING:
-    from nvchat.app.app import NvchatApp
 
 # The action each command runs, as its key would. With TEXT, /system, /rename and /save do without
 # their dialog (run_command).
@@ -22,7 +20,7 @@ def command_for_action(action: str) -> str | None:
     return next((f"/{name}" for name, bound in ACTIONS.items() if bound == action), None)
 
 
-async def run_command(app: NvchatApp, name: str, arg: str) -> None:
+async def run_command(app: App, name: str, arg: str) -> None:  # an NvchatApp
     pane = app.active_pane
     if pane is None:
         return

@@ -13,7 +13,9 @@ import threading
 
 import uvicorn
 
+from engine import EngineThread
 from nvchat import default_model
+from nvchat.flags import CommandLineParser, add_engine_flags, settings_from_args
 from nvchat.server.app import ServerState, create_app
 from nvchat.settings import Settings, SettingsError
 
@@ -26,7 +28,6 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nvchat.cli import CommandLineParser, add_engine_flags
     p = CommandLineParser(prog="nvchat serve", description="Serve the engine over the OpenAI API.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
@@ -89,8 +90,6 @@ def _api_model_id(settings: Settings) -> str:
 
 def run_serve(settings: Settings, *, host: str, port: int, api_key: str | None = None,
               model_name: str | None = None) -> int:
-    from engine import EngineThread
-
     try:
         kwargs = settings.engine_kwargs()
         sock = _bind(host, port)
@@ -134,7 +133,6 @@ def run_serve(settings: Settings, *, host: str, port: int, api_key: str | None =
 
 
 def main(argv: list[str]) -> int:
-    from nvchat.cli import settings_from_args
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)

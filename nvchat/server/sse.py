@@ -3,7 +3,6 @@ import json
 
 from starlette.responses import StreamingResponse
 
-
 _SEPARATORS = (",", ":")
 _SLOT = "\x00text\x00"
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine import EngineThread
-from engine.demo_model import ensure_demo_model
+from engine.checkpoints.demo_model import ensure_demo_model
 from nvchat.app import NvchatApp
 from nvchat.settings import Settings
 

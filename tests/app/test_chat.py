@@ -11,12 +11,21 @@ from nvchat import paths
 from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.loading_screen import LoadingScreen
-from nvchat.app.messages import ChatStateChanged, PromptSubmitted
 from nvchat.app.message_view import ReplyView, ThinkSplitter, UserMessageView
+from nvchat.app.messages import ChatStateChanged, PromptSubmitted
 from nvchat.conversation import Message
 from nvchat.store import ChatStore
 from tests.app.conftest import app_settings
-from tests.app.helpers import burst, idle, press_now, reopen_the_only_past_conversation, send, started, submit_now, wait_for
+from tests.app.helpers import (
+    burst,
+    idle,
+    press_now,
+    reopen_the_only_past_conversation,
+    send,
+    started,
+    submit_now,
+    wait_for,
+)
 
 SIZE = (110, 36)
 

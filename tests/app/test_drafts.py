@@ -8,7 +8,13 @@ from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
 from nvchat.store import ChatStore
 from tests.app.conftest import app_settings
-from tests.app.helpers import idle, reopen_the_only_past_conversation, send, started, wait_for
+from tests.app.helpers import (
+    idle,
+    reopen_the_only_past_conversation,
+    send,
+    started,
+    wait_for,
+)
 
 SIZE = (110, 36)
 

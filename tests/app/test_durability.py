@@ -3,7 +3,14 @@ interrupted, shown as such when reopened, and can be regenerated."""
 from nvchat import paths
 from nvchat.app.message_view import ReplyView
 from nvchat.store import ChatStore
-from tests.app.helpers import burst, idle, press_now, reopen_the_only_past_conversation, started, wait_for
+from tests.app.helpers import (
+    burst,
+    idle,
+    press_now,
+    reopen_the_only_past_conversation,
+    started,
+    wait_for,
+)
 
 SIZE = (110, 36)
 

@@ -1,5 +1,13 @@
 """What a chat shows about itself: its tab's busy marker and its context figure."""
-from tests.app.helpers import idle, press_now, reopen_the_only_past_conversation, send, started, submit_now, wait_for
+from tests.app.helpers import (
+    idle,
+    press_now,
+    reopen_the_only_past_conversation,
+    send,
+    started,
+    submit_now,
+    wait_for,
+)
 
 SIZE = (110, 36)
 

@@ -3,7 +3,13 @@ from textual.widgets import Static
 
 from nvchat import paths
 from nvchat.store import ChatStore
-from tests.app.helpers import burst, idle, reopen_the_only_past_conversation, started, wait_for
+from tests.app.helpers import (
+    burst,
+    idle,
+    reopen_the_only_past_conversation,
+    started,
+    wait_for,
+)
 
 SIZE = (110, 36)
 

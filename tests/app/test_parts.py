@@ -6,12 +6,13 @@ import pytest
 
 from engine.engine_thread import EngineSnapshot
 from nvchat.app.bindings import ALL_KEYS, describe_key, unknown_key_ids
-from nvchat.export import export_markdown
 from nvchat.app.kv_panel import counters_text, fold_blocks
 from nvchat.app.message_view import ThinkSplitter, footer_text
 from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
-from nvchat.cli import build_parser, settings_from_args
+from nvchat.cli import build_parser
 from nvchat.conversation import Conversation, Message
+from nvchat.export import export_markdown
+from nvchat.flags import settings_from_args
 from nvchat.settings import Settings
 from themes import ThemeFileError, load_themes, tab_colors, theme_from_toml
 

@@ -3,7 +3,6 @@ from textual.widgets import DataTable
 
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.help_screen import HelpScreen
-from nvchat.app.messages import PromptSubmitted
 from nvchat.app.slash import ACTIONS
 from nvchat.app.system_prompt_screen import SystemPromptScreen
 from nvchat.slash_commands import APP, commands_for

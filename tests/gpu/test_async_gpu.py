@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sequence import PENDING_TOKEN
+from engine.core.sequence import PENDING_TOKEN
 from tests.conftest import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -5,7 +5,7 @@ import torch
 from benchmarks.bench_memory import peak_use
 from benchmarks.common import CONFIGS
 from engine import LLM, SamplingParams
-from engine.model_runner import _TokenReadback
+from engine.runner.model_runner import _TokenReadback
 from tests.conftest import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

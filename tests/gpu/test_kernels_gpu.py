@@ -16,7 +16,14 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from engine.layers import paged_attention_torch as ref  # noqa: E402
-from kernels import decode_attention, gemv, kv_store, prefill_attention, rmsnorm, silu_mul  # noqa: E402
+from kernels import (  # noqa: E402
+    decode_attention,
+    gemv,
+    kv_store,
+    prefill_attention,
+    rmsnorm,
+    silu_mul,
+)
 from tests.kernel_checks import assert_close, capture, poison, seed  # noqa: E402,F401 (fixtures)
 
 if type(decode_attention._decode_kernel).__name__ == "InterpretedFunction":

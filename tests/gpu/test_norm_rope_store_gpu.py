@@ -20,7 +20,12 @@ triton = pytest.importorskip("triton")
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from tests.kernel_checks import (  # noqa: E402,F401 (seed: fixture)
-    assert_close, capture, norm_rope_store_reference, run_norm_rope_store, seed)
+    assert_close,
+    capture,
+    norm_rope_store_reference,
+    run_norm_rope_store,
+    seed,
+)
 
 nrs = importlib.import_module("kernels.norm_rope_store")
 if type(nrs._norm_rope_store_kernel).__name__ == "InterpretedFunction":

@@ -1,5 +1,5 @@
 """Tensor parallelism on two CUDA devices, with the symmetric-memory all-reduce
-(engine/symm_allreduce.py): its sums against a reference, eagerly and in a CUDA graph, one process
+(engine/distributed/symm_allreduce.py): its sums against a reference, eagerly and in a CUDA graph, one process
 per GPU; and TP=2 engines against TP=1, several at once, after a worker dies, and with NCCL only.
 Skipped with fewer than two CUDA devices."""
 import contextlib
@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine import LLM, SamplingParams, parallel, symm_allreduce
+from engine import LLM, SamplingParams
+from engine.distributed import collectives, symm_allreduce
 from tests.conftest import random_prompts
 from tests.test_tensor_parallel import _children, kill_worker_mid_decode, step_in_turn
 
@@ -35,7 +36,7 @@ def _rank_main(check, rank: int, size: int, port: int, errors: str) -> None:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=120))
-        group = parallel.create_group(rank, size, store, device, timedelta(seconds=120))
+        group = collectives.create_group(rank, size, store, device, timedelta(seconds=120))
         check(rank, size, group)
         # Every rank's kernels done before any rank releases its flags in destroy().
         group.backend_all_reduce(torch.zeros(1, device=device))
@@ -47,7 +48,7 @@ def _rank_main(check, rank: int, size: int, port: int, errors: str) -> None:
 
 
 def _on_each_gpu(check, size: int, tmp_path) -> None:
-    """Runs check(rank, size, group) in a process per GPU over parallel.create_group's group, and
+    """Runs check(rank, size, group) in a process per GPU over collectives.create_group's group, and
     fails with the ranks' tracebacks. The store lives here; each rank connects to it."""
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
     ctx = multiprocessing.get_context("spawn")

@@ -3,7 +3,7 @@ from collections import OrderedDict
 
 import xxhash
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:

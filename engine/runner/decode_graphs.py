@@ -21,10 +21,10 @@ from array import array
 
 import torch
 
-from engine.cuda_graphs import capture_graph
+from engine.core.step_plan import StepPlan
 from engine.layers.attention import AttentionMetadata
-from engine.sampler import _beyond_top_k, draw
-from engine.step_plan import StepPlan
+from engine.runner.sampler import _beyond_top_k, draw
+from engine.runner.step_graphs import capture_graph
 
 # Per-row inputs, in layout order: name, dtype, array typecode, the value of a padding row.
 _FIELDS = (("input_ids", torch.int64, "q", 0), ("positions", torch.int64, "q", 0),

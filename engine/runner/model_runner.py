@@ -5,14 +5,16 @@ from array import array
 
 import torch
 
-from engine import parallel
-from engine.attention_backends import make_backend
+from engine.checkpoints.loader import init_random_weights, load_weights
 from engine.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.core.step_plan import StepPlan
+from engine.distributed import collectives
 from engine.layers.attention import AttentionMetadata
-from engine.loader import init_random_weights, load_weights
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.step_plan import StepPlan
+from engine.layers.attention_backends import make_backend
+from engine.runner.decode_graphs import DecodeGraphs
+from engine.runner.sampler import Sampler
+from engine.runner.step_graphs import StepGraphs, decode_buckets, prefill_buckets
 
 # On CPU the cache has no free-memory figure to size against: cover this many full-length
 # sequences, within a fraction of RAM.
@@ -95,15 +97,14 @@ def _use_cpu_threads() -> None:
 
 def _cpu_ram_bytes() -> int:
     try:
-        import os
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 8 << 30
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0, progress=None, tp_group: parallel.TPGroup | None = None):
-        """tp_group: this rank's group when tensor_parallel_size > 1 (see engine.tp_group)."""
+    def __init__(self, config: EngineConfig, rank: int = 0, progress=None, tp_group: collectives.TPGroup | None = None):
+        """tp_group: this rank's group when tensor_parallel_size > 1 (see engine.runner.tp_runner)."""
         progress = progress or (lambda message: None)
         self.config = config
         self.rank = rank
@@ -116,7 +117,7 @@ class ModelRunner:
             _use_expandable_segments()
         elif config.tensor_parallel_size == 1:  # tensor-parallel ranks share the cores out themselves
             _use_cpu_threads()
-        self.tp_group = tp_group or parallel.SINGLE_RANK
+        self.tp_group = tp_group or collectives.SINGLE_RANK
         if (self.tp_group.rank, self.tp_group.size) != (rank, config.tensor_parallel_size):
             raise ValueError(f"rank {rank} of tensor_parallel_size={config.tensor_parallel_size} was given the "
                              f"group of rank {self.tp_group.rank} of {self.tp_group.size}")
@@ -124,7 +125,7 @@ class ModelRunner:
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
-            with torch.device(self.device), parallel.building(self.tp_group):
+            with torch.device(self.device), collectives.building(self.tp_group):
                 self.model = config.architecture(config.hf_config, max_position=config.max_model_len)
         finally:
             torch.set_default_dtype(old_dtype)
@@ -285,7 +286,6 @@ class ModelRunner:
 
     def _graph_buckets(self) -> tuple[list[int], list[int]]:
         """The decode graphs' batch sizes and the prefill graphs' token counts."""
-        from engine.cuda_graphs import decode_buckets, prefill_buckets
         c = self.config
         prefill = prefill_buckets(c.max_num_batched_tokens) if c.prefill_cuda_graphs else []
         return decode_buckets(min(c.max_num_seqs, _DECODE_GRAPH_ROWS)), prefill
@@ -293,8 +293,6 @@ class ModelRunner:
     def _make_graphs(self, decode: list[int], prefill: list[int], progress=None):
         """Captures decode graphs for the batch sizes in decode and prefill graphs for the token
         counts in prefill (none if empty), all in one memory pool."""
-        from engine.cuda_graphs import StepGraphs
-        from engine.decode_graphs import DecodeGraphs
         c = self.config
         shared = dict(model=self.model, max_blocks_per_seq=-(-c.max_model_len // self.block_size),
                       hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)

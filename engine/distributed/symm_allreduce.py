@@ -32,7 +32,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kernels.allreduce_rmsnorm import MAX_PROGRAMS as _FUSED_PROGRAMS, all_reduce_rms_norm
+from kernels.allreduce_rmsnorm import MAX_PROGRAMS as _FUSED_PROGRAMS
+from kernels.allreduce_rmsnorm import all_reduce_rms_norm
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ def _why_not(rank: int, size: int, device: torch.device) -> str | None:
         return _unusable
     if device.type != "cuda":
         return f"{device} is not a CUDA device"
-    try:
+    try:  # optional: torch's private symmetric-memory API, absent from some builds
         import torch.distributed._symmetric_memory  # noqa: F401  (rendezvous)
         from torch._C import _distributed_c10d as c10d
         _SymmetricMemory, _ = c10d._SymmetricMemory, c10d._register_process_group
@@ -308,6 +309,7 @@ def _why_not(rank: int, size: int, device: torch.device) -> str | None:
 
 def _rendezvous(rank: int, size: int, backend, store, device: torch.device) -> SymmAllReduce:
     global _rendezvous_made, _unusable
+    # optional: torch's private symmetric-memory API (_why_not checked that it exists)
     import torch.distributed._symmetric_memory as symm_mem
     from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
@@ -353,6 +355,7 @@ def _rendezvous(rank: int, size: int, backend, store, device: torch.device) -> S
 def _catch_up(store, device: torch.device) -> None:
     """One rendezvous on a group of this rank alone: it advances torch's counter as a real one does."""
     global _rendezvous_made
+    # optional: torch's private symmetric-memory API (_why_not checked that it exists)
     import torch.distributed._symmetric_memory as symm_mem
     from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
@@ -377,5 +380,7 @@ def _exchange_store(store):
 
 
 def _unregister(name: str) -> None:
-    from torch._C._distributed_c10d import _unregister_process_group
+    from torch._C._distributed_c10d import (
+        _unregister_process_group,  # optional: as in _rendezvous
+    )
     _unregister_process_group(name)

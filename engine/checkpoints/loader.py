@@ -1,4 +1,4 @@
-"""Loads safetensors checkpoints and GGUF files (engine/gguf_checkpoint.py) into the model through
+"""Loads safetensors checkpoints and GGUF files (engine/checkpoints/gguf.py) into the model through
 the weight_loader of the layer that owns each parameter, so every tensor-parallel rank reads only
 its own slices (of safetensors files; a GGUF tensor is dequantized whole). Pickled formats are
 never opened.
@@ -9,10 +9,13 @@ can free, and the engine freezes its objects out of the collector's reach (LLM._
 model's memory would outlive the engine."""
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.checkpoint import ModelError, weight_files
+from engine.checkpoints.errors import ModelError
+from engine.checkpoints.gguf import forget_opened, is_gguf, open_gguf
+from engine.checkpoints.resolve import weight_files
 from engine.layers.weights import default_weight_loader
 
 # Buffers some exporters write that the engine recomputes.
@@ -21,7 +24,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_weights(model: nn.Module, path: Path) -> None:
     """Weights from a safetensors checkpoint directory or a GGUF file."""
-    from engine.gguf_checkpoint import forget_opened, is_gguf, open_gguf
     if path.is_file() and is_gguf(path):
         place_weights(model, ((path.name, name, w) for name, w in open_gguf(path).tensors()), path)
         forget_opened()  # the parsed metadata is not needed again
@@ -73,7 +75,6 @@ def place_weights(model: nn.Module, weights, path: Path) -> None:
 
 def init_random_weights(model: nn.Module, seed: int = 0) -> None:
     """Fills every parameter with small random values in place: real shapes, no file read."""
-    import torch
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):

@@ -2,7 +2,7 @@ import itertools
 from array import array
 from enum import Enum, auto
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 # Stands in, at the end of token_ids, for a token the device is still sampling: with the host's
 # work overlapped with the GPU (engine.llm), the next step is planned before this one's tokens are

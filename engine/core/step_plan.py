@@ -2,8 +2,8 @@
 go, which rows get sampled. Plain data, so tensor-parallel workers can be sent the same plan."""
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import PENDING_TOKEN, Sequence
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import PENDING_TOKEN, Sequence
 
 
 @dataclass

@@ -18,8 +18,8 @@ decodes that token next. A sequence whose pending token is its last by length is
 """
 from collections import deque
 
-from engine.block_manager import BlockManager
-from engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 
 class Scheduler:

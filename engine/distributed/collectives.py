@@ -3,7 +3,7 @@
 Every engine has its own TPGroup, and layers keep the group that was current while the model was
 built (see `building`), so two engines in one process never share a communicator. With one rank
 every collective is a no-op, so single-GPU and CPU runs pay nothing for it. On CUDA, small sums
-(decode steps) go over NVLink peer memory (engine/symm_allreduce.py) and the rest over NCCL.
+(decode steps) go over NVLink peer memory (engine/distributed/symm_allreduce.py) and the rest over NCCL.
 """
 import contextlib
 import contextvars
@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine import symm_allreduce
+from engine.distributed import symm_allreduce
 
 
 class CollectiveError(RuntimeError):

@@ -8,7 +8,7 @@ ignored.
 
 StepGraphs holds the small prefill or mixed steps (bucketed by token count), which is what a chat
 turn after a cached prefix and a prompt chunk mixed into decoding streams look like. Decode steps
-(one query per sequence, bucketed by batch size) have their own, leaner feed: engine.decode_graphs.
+(one query per sequence, bucketed by batch size) have their own, leaner feed: engine.runner.decode_graphs.
 """
 import torch
 

@@ -1,5 +1,5 @@
 """Tensor parallelism over processes: rank 0 runs in the caller's process, ranks 1..N-1 each in a
-worker process (engine/tp_worker.py) that builds the same ModelRunner and mirrors rank 0's calls.
+worker process (engine/runner/tp_worker.py) that builds the same ModelRunner and mirrors rank 0's calls.
 
 Control channel: one socket pair per worker, inherited at spawn, carrying pickled plain data (the
 engine config, step plans, tracebacks; never weights). Nothing is named or fixed: the rendezvous
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine import parallel
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.step_plan import StepPlan
+from engine.core.step_plan import StepPlan
+from engine.distributed import collectives
+from engine.runner.model_runner import ModelRunner
 
 # Backstop for rendezvous and collectives; dead workers are noticed long before it.
 _TIMEOUT = timedelta(minutes=10)
@@ -86,7 +86,7 @@ class _Worker:
         try:
             with theirs:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "engine.tp_worker", str(theirs.fileno()), str(os.getpid())],
+                    [sys.executable, "-m", "engine.runner.tp_worker", str(theirs.fileno()), str(os.getpid())],
                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         except BaseException:
             ours.close()
@@ -137,7 +137,7 @@ class _Ranks:
 
     def __init__(self):
         self.workers: list[_Worker] = []
-        self.group: parallel.TPGroup | None = None
+        self.group: collectives.TPGroup | None = None
         self.store = None
         self.lost: _Worker | None = None  # set by the monitor: a worker that exited unasked
         self.aborted = False  # the monitor aborted rank 0's communicator
@@ -243,7 +243,7 @@ class TensorParallelRunner:
 
     @property
     def fast_all_reduce(self) -> bool:
-        """Whether small all-reduces go over NVLink peer memory (engine/symm_allreduce.py), not NCCL."""
+        """Whether small all-reduces go over NVLink peer memory (engine/distributed/symm_allreduce.py), not NCCL."""
         group = self._ranks.group
         return group is not None and group.fast is not None
 
@@ -269,7 +269,7 @@ class TensorParallelRunner:
                 raise RuntimeError(f"worker rank {w.rank} sized a different KV cache than rank 0")
         self.num_blocks = self.runner.num_blocks
 
-    def _join_group(self, device: torch.device) -> parallel.TPGroup:
+    def _join_group(self, device: torch.device) -> collectives.TPGroup:
         """Rank 0's side of the rendezvous, on a helper thread, so that a worker that fails before
         reaching it (an import error, a bad config) raises here at once instead of after the
         timeout. A rendezvous abandoned that way ends at that timeout."""
@@ -277,7 +277,7 @@ class TensorParallelRunner:
 
         def join():
             try:
-                box["group"] = parallel.create_group(0, self.size, self._ranks.store, device, _TIMEOUT)
+                box["group"] = collectives.create_group(0, self.size, self._ranks.store, device, _TIMEOUT)
             except BaseException as e:
                 box["error"] = e
 
@@ -349,7 +349,7 @@ class TensorParallelRunner:
     def _fail(self, error: BaseException | None):
         """Ends the group and raises: a WorkerError when a worker caused the failure, else `error`."""
         ranks = self._ranks
-        from_workers = (error is None or isinstance(error, (_WorkerFailed, parallel.CollectiveError))
+        from_workers = (error is None or isinstance(error, (_WorkerFailed, collectives.CollectiveError))
                         or ranks.aborted)
         failed = self._failed_workers(_REPORT_GRACE_S if from_workers else 0.0)
         self.broken = True

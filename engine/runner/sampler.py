@@ -1,6 +1,6 @@
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the generator's seed space
 # Rows sampled at a time. Sampling holds several float32 copies of each row's logits (and with

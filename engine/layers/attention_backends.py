@@ -33,6 +33,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self):
+        # start-up: Triton loads only where its kernels run
         from kernels import decode_attention, prefill_attention
         from kernels.kv_store import store_kv
         from kernels.norm_rope_store import norm_rope_store
@@ -94,7 +95,9 @@ class FlashAttnBackend:
     name = "flash_attn"
 
     def __init__(self):
+        # optional: the flash-attn package (nvchat[flash-attn])
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
         from kernels.kv_store import store_kv
         self.store_kv = store_kv
         self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache

@@ -3,7 +3,7 @@ huggingface_hub of the files the engine reads (safetensors weights, JSON configs
 files), never pickled weights or code."""
 from pathlib import Path
 
-from engine.checkpoint import ModelError
+from engine.checkpoints.errors import ModelError
 
 # safetensors weights and their index, config.json, generation_config.json and tokenizer_config.json;
 # tokenizer.json, or the files a slow tokenizer is rebuilt from.
@@ -23,9 +23,14 @@ def _complete(snapshot: Path) -> bool:
 def fetch_repo(repo_id: str, progress=None) -> Path:
     """The repo's snapshot directory in the HF cache, downloading the missing files. huggingface_hub
     draws its progress bars on stderr; progress (a callable taking one string) is told the stage."""
+    # start-up: huggingface_hub loads only for a repo id, not for a local model
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HFValidationError, LocalEntryNotFoundError, \
-        RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     fetch_hint = f"fetch it with `hf download {repo_id}` on a machine that is online"
     try:

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.checkpoint import ModelError
-from engine.demo_model import default_cache_dir
+from engine.checkpoints.demo_model import default_cache_dir
+from engine.checkpoints.errors import ModelError
 from engine.models.qwen3 import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 ARCHITECTURES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
@@ -81,7 +81,7 @@ _INDEX_VERSION = 1
 
 def _read_index(path: Path) -> dict:
     """The file's metadata as the engine uses it, through the gguf package's reader."""
-    import gguf
+    import gguf  # start-up: only when the index is not cached yet
     try:
         reader = gguf.GGUFReader(path)
         fields, lengths = {}, {}
@@ -152,7 +152,7 @@ class GGUFCheckpoint:
         return self.fields[key]
 
     def _hf_config(self):
-        import transformers
+        import transformers  # start-up: ~2 s, not needed to read a GGUF file's cached index
         arch = self.architecture_name
         key = lambda name, default=...: self._field(f"{arch}.{name}", default)  # noqa: E731
         heads = key("attention.head_count")
@@ -188,7 +188,7 @@ class GGUFCheckpoint:
 
     def tensors(self):
         """(Hugging Face name, float32 tensor) for each tensor of the file, dequantized one at a time."""
-        import gguf
+        import gguf  # start-up: as in _read_index, only once the weights are read
         c = self.hf_config
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
         for file_name, type_name, dims, offset in self.tensor_table:
@@ -220,7 +220,7 @@ class GGUFCheckpoint:
     def load_tokenizer(self, cache_dir: Path | None = None):
         """transformers builds the tokenizer from the metadata (seconds for a real vocabulary); the
         result is kept in nvchat's cache, keyed by the file's path, size and time, for later starts."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # start-up: as in _hf_config
         cached = _cache_entry(self.path, cache_dir or self.cache_dir, "gguf-tokenizers")
         if (cached / "tokenizer_config.json").exists():
             try:

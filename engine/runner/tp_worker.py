@@ -1,6 +1,6 @@
 """One tensor-parallel rank (1..N-1) of an engine, in a process of its own.
 
-TensorParallelRunner starts it as `python -m engine.tp_worker FD PARENT_PID`, FD being this end of
+TensorParallelRunner starts it as `python -m engine.runner.tp_worker FD PARENT_PID`, FD being this end of
 a socket pair to rank 0. The worker builds the very same ModelRunner rank 0 builds and then runs
 each call rank 0 runs, in the same order, so the collectives inside them line up.
 
@@ -33,11 +33,13 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def _serve(conn: Connection) -> None:
+    # start-up: the orphan watch runs before torch's seconds-long import, so a worker whose
+    # parent dies meanwhile still exits
     import torch
     import torch.distributed as dist
 
-    from engine import parallel
-    from engine.model_runner import ModelRunner
+    from engine.distributed import collectives
+    from engine.runner.model_runner import ModelRunner
 
     start = conn.recv()
     config, rank = start["config"], start["rank"]
@@ -48,7 +50,7 @@ def _serve(conn: Connection) -> None:
         device = config.device
         torch.set_num_threads(start["num_threads"])
     store = dist.TCPStore(start["host"], start["port"], is_master=False, timeout=start["timeout"])
-    group = parallel.create_group(rank, config.tensor_parallel_size, store, device, start["timeout"])
+    group = collectives.create_group(rank, config.tensor_parallel_size, store, device, start["timeout"])
     runner = ModelRunner(config, rank, tp_group=group)
     conn.send(("ok", runner.num_blocks))
     while True:

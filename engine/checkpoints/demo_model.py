@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 DEMO_VERSION = 2
-GIBBERISH_NOTE = "demo model: tiny random weights, its replies are gibberish"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]
@@ -53,6 +52,7 @@ def _byte_alphabet() -> list[str]:
 
 
 def _save_tokenizer(out: Path) -> int:
+    # start-up: only the first run on a cache directory builds the demo model
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -69,7 +69,7 @@ def _save_tokenizer(out: Path) -> int:
 
 
 def _save_model(out: Path, vocab_size: int, eos_ids: list[int]) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # start-up: as above, only to build it
 
     shape = DEMO_SHAPE
     config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=vocab_size,
@@ -116,7 +116,7 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
     try:
         vocab_size = _save_tokenizer(tmp)
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # start-up: as above, only to build it
         tok = AutoTokenizer.from_pretrained(tmp)
         eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
         _save_model(tmp, vocab_size, eos)

@@ -24,7 +24,7 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     off, calling the backend directly gives the same text in ~1 us instead of ~5 (transformers
     converts and checks its arguments first), and it runs twice per streamed token. Anything else
     (a subclass with its own decode, clean-up on) goes through tokenizer.decode."""
-    try:
+    try:  # start-up: transformers is loaded by now only where the tokenizer came from it
         from transformers import PreTrainedTokenizerFast
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     except ImportError:

@@ -4,27 +4,24 @@ import json
 import os
 from pathlib import Path
 
+from engine.checkpoints.errors import ModelError
+from engine.checkpoints.gguf import is_gguf
+from engine.checkpoints.hub import fetch_repo, looks_like_repo_id
 from engine.models.qwen3 import ARCHITECTURES
-
-
-class ModelError(ValueError):
-    """The model path or checkpoint can't be used; the message says why."""
 
 
 def resolve_model_path(model: str | os.PathLike, progress=None) -> Path:
     """A local directory or GGUF file, or a Hugging Face repo id: from the local HF cache, else
-    downloaded (engine/hub.py; progress is told when a download starts)."""
+    downloaded (engine/checkpoints/hub.py; progress is told when a download starts)."""
     if not str(model).strip():  # Path("") is the current directory, which is rarely what was meant
         raise ModelError("the model path is empty; give a checkpoint's directory, a .gguf file or a repo id")
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
-            from engine.gguf_checkpoint import is_gguf
             if not is_gguf(path):
                 raise ModelError(f"model path {path} is a file but not a GGUF file; give a checkpoint's "
                                  "directory or a .gguf file")
         return path
-    from engine.hub import fetch_repo, looks_like_repo_id
     if isinstance(model, str) and looks_like_repo_id(model):
         return fetch_repo(model, progress)
     raise ModelError(f"model path {path} does not exist")
