@@ -13,12 +13,10 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from engine.core.block_manager import CACHED, FREE, SHARED, USED
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.request_stream import RequestStream
 
-BLOCK_STATE_NAMES = {FREE: "free", CACHED: "cached", USED: "used", SHARED: "shared"}
 _RATE_WINDOW_S = 2.0
 _SNAPSHOT_EVERY_S = 0.05
 # A chat engine serves streams that someone is reading, so a long prompt is prefilled in chunks of
@@ -26,12 +24,6 @@ _SNAPSHOT_EVERY_S = 0.05
 # streams, an 8192-token prompt) chunks of 64 kept the streams' p99 inter-token latency at 1.9x
 # their p50 before the prompt, against 2.2x with 128, for a prefill of about 0.3 s instead of 0.2.
 CHAT_PREFILL_CHUNK = 64
-
-
-@dataclass
-class BlockInfo:
-    state: str  # free, cached (free but reusable by hash), used, or shared (ref_count > 1)
-    holders: list[int]  # request ids
 
 
 @dataclass
@@ -60,14 +52,6 @@ class EngineSnapshot:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def block_map(self) -> list[BlockInfo]:
-        holders: dict[int, list[int]] = {}
-        for request_id, blocks in self.block_holders.items():
-            for b in blocks:
-                holders.setdefault(b, []).append(request_id)
-        return [BlockInfo(BLOCK_STATE_NAMES[s], holders.get(i, [])) for i, s in enumerate(self.block_states)]
 
 
 @contextlib.contextmanager

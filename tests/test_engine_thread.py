@@ -8,6 +8,7 @@ import weakref
 import pytest
 
 from engine import LLM, EngineThread, RequestStream, SamplingParams
+from engine.core.block_manager import SHARED, USED
 from engine.engine_thread import CHAT_PREFILL_CHUNK
 from engine.text.detokenizer import IncrementalDetokenizer
 
@@ -266,8 +267,7 @@ def test_stats_snapshot_shows_who_holds_which_block(engine):
         next(iter(s))
     assert seen is not None
     held = seen.block_holders[s.request_id]
-    blocks = seen.block_map
-    assert all(blocks[b].state in ("used", "shared") and s.request_id in blocks[b].holders for b in held)
+    assert held and all(seen.block_states[b] in (USED, SHARED) for b in held)
     assert seen.kv_bytes_used > 0 and seen.num_running >= 1
     s.abort()
     s.wait(30)

@@ -25,7 +25,9 @@ def _divide(n: int, d: int, what: str) -> int:
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
     # A chat-sized decode step (1-8 rows): the Triton GEMV beats cuBLAS there (kernels/gemv.py).
     if fused and bias is None and x.dim() == 2 and 1 <= x.shape[0] <= 8 and x.stride(1) == 1:
-        from kernels.gemv import gemv
+        from kernels.gemv import (
+            gemv,  # start-up: Triton loads only where its kernels run
+        )
         return gemv(x, weight)
     return F.linear(x, weight, bias)
 
@@ -34,7 +36,7 @@ class _Linear(nn.Module):
     fused = False  # set by the runner with the Triton backend
     quantized = None  # the weight in fewer bits, after quantize (engine/layers/quantized.py)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int):
         super().__init__()
         self.tp = collectives.current_group()
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
@@ -46,7 +48,7 @@ class _Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
-        if self.tp_dim is not None and not (param.dim() == 1 and self.tp_dim == 1):
+        if not (param.dim() == 1 and self.tp_dim == 1):  # a row-parallel bias is whole on every rank
             size = param.shape[self.tp_dim]
             loaded = narrow(loaded, self.tp_dim, self.tp_rank * size, size)
         copy_into(param, loaded)
@@ -71,7 +73,9 @@ class _Linear(nn.Module):
         a pre-norm sublayer's first projection. On a Triton decode step of one row it is one kernel,
         the norm in the GEMV's prologue and SiLU-mul in its epilogue (kernels.gemv.rms_norm_gemv)."""
         if self._fuses_norm(norm, x, residual, act):
-            from kernels.gemv import rms_norm_gemv
+            from kernels.gemv import (
+                rms_norm_gemv,  # start-up: Triton loads only where its kernels run
+            )
             return rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, silu=act is not None)
         if residual is None:
             x, residual = norm(x), x
@@ -90,11 +94,6 @@ class _Linear(nn.Module):
                 and self.bias is None and norm.reduce_slot is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
                 and x.dtype == norm.weight.dtype
                 and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1))
-
-
-class ReplicatedLinear(_Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__(in_features, out_features, bias, tp_dim=None)
 
 
 class ColumnParallelLinear(_Linear):
