@@ -63,7 +63,7 @@ def sdpa_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale
         k = gather_context(k_cache, block_tables[i], length).transpose(0, 1)[None]
         v = gather_context(v_cache, block_tables[i], length).transpose(0, 1)[None]
         grouped = q[i].view(1, num_kv_heads, -1, head_dim)
-        out[i] = F.scaled_dot_product_attention(grouped, k, v, scale=scale).view(-1, head_dim)
+        out[i] = F.scaled_dot_product_attention(grouped, k, v, scale=scale).reshape(-1, head_dim)
     return out
 
 
