@@ -299,10 +299,10 @@ def main() -> None:
     settings = BenchSettings(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                              max_num_seqs=max(16, args.tabs), max_tokens=args.max_tokens, temperature=0.8,
                              system_prompt=DEFAULT_SYSTEM_PROMPT)
-    kwargs = settings.engine_kwargs()
+    model, options = settings.engine_model(), settings.engine_options().keywords()
     if args.shape:
-        kwargs.update(model=str(shaped_demo_model(args.shape, scratch)), load_format="random")
-    engine = EngineThread(kwargs.pop("model"), **kwargs).start()
+        model, options["load_format"] = str(shaped_demo_model(args.shape, scratch)), "random"
+    engine = EngineThread(model, **options).start()
     cols, rows = (int(x) for x in args.size.split("x"))
     kv_panel = not args.no_kv_panel
     runs = []

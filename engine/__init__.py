@@ -1,18 +1,20 @@
 """nvchat's inference engine: paged KV cache, prefix caching, continuous batching.
 
 The public API is `LLM` (batch generation and step-by-step control), `EngineThread` (the engine on a
-background thread, streaming to any number of callers), `SamplingParams` and `RequestStream`.
+background thread, streaming to any number of callers), `EngineOptions` (every option either takes),
+`SamplingParams` and `RequestStream`.
 
 The package is layered; a module imports only from layers below its own (tests/test_layering.py
 checks it), bottom to top:
 
+    options       EngineOptions: every engine setting declared once, torch-free
     core          the scheduling core, torch-free: requests, blocks, the scheduler, step plans
     distributed   the tensor-parallel group and its collectives
     layers        the model's building blocks and the attention backends
     models        model definitions, assembled from layers
     checkpoints   finding, checking and reading weights: safetensors, GGUF, the Hub, the demo model
     text          tokenizers and incremental detokenization
-    config        EngineConfig: the engine's settings, resolved against the checkpoint
+    config        EngineConfig: the engine's options, resolved against the machine and the checkpoint
     runner        runs a planned step on the device: model, CUDA graphs, sampler, TP workers
     llm           LLM: the tokenizer, scheduler and runner driven step by step
     request_stream, engine_thread   streaming to callers on other threads
@@ -26,6 +28,7 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "EngineStats": "engine.llm",
     "EngineThread": "engine.engine_thread",
+    "EngineOptions": "engine.options",
     "EngineSnapshot": "engine.engine_thread",
     "RequestStream": "engine.request_stream",
     "Delta": "engine.request_stream",

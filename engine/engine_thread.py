@@ -15,15 +15,11 @@ from jinja2 import TemplateError
 
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
+from engine.options import CHAT_PREFILL_CHUNK
 from engine.request_stream import RequestStream
 
 _RATE_WINDOW_S = 2.0
 _SNAPSHOT_EVERY_S = 0.05
-# A chat engine serves streams that someone is reading, so a long prompt is prefilled in chunks of
-# this many tokens (decode tokens included) between their tokens. On an H200 (0.6B shape, 8
-# streams, an 8192-token prompt) chunks of 64 kept the streams' p99 inter-token latency at 1.9x
-# their p50 before the prompt, against 2.2x with 128, for a prefill of about 0.3 s instead of 0.2.
-CHAT_PREFILL_CHUNK = 64
 
 
 @dataclass
@@ -65,14 +61,17 @@ def _template_errors_as_value_errors():
 
 
 class EngineThread:
-    def __init__(self, llm_or_model, **llm_kwargs):
+    def __init__(self, llm_or_model, *, progress=None, **options):
+        """llm_or_model: an LLM to run (and leave running), or the model to build one from, with
+        EngineOptions' fields as keywords (engine/options.py); max_prefill_chunk defaults to
+        CHAT_PREFILL_CHUNK here. progress: as LLM's."""
         if isinstance(llm_or_model, LLM):
-            if llm_kwargs:
+            if options or progress is not None:
                 raise ValueError("pass either an LLM or the arguments to build one, not both")
             self.llm, self._owns_llm = llm_or_model, False
         else:
-            llm_kwargs.setdefault("max_prefill_chunk", CHAT_PREFILL_CHUNK)
-            self.llm, self._owns_llm = LLM(llm_or_model, **llm_kwargs), True
+            options.setdefault("max_prefill_chunk", CHAT_PREFILL_CHUNK)
+            self.llm, self._owns_llm = LLM(llm_or_model, progress=progress, **options), True
         self._cv = threading.Condition()
         self._inbox: deque = deque()
         self._live: dict[int, tuple] = {}  # request id -> (sequence, stream); engine thread only

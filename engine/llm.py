@@ -27,6 +27,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import PENDING_TOKEN, Sequence
 from engine.core.step_plan import plan_step
+from engine.options import EngineOptions
 from engine.runner.model_runner import ModelRunner, SampledTokens
 from engine.runner.tp_runner import TensorParallelRunner
 from engine.text.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
@@ -79,23 +80,15 @@ class _Launched:
 
 
 class LLM:
-    def __init__(self, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
-                 max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
-                 gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-                 load_format="safetensors", prefill_cuda_graphs=None, quantization=None, async_scheduling=None,
-                 progress=None):
-        """progress: optional callable taking one string, told each start-up stage (for a UI).
-        async_scheduling: overlap each step's host work with the GPU (see the module docstring); on
-        by default. It can be turned off (set the attribute) between steps."""
+    def __init__(self, model, *, progress=None, **options):
+        """model: a checkpoint directory, a GGUF file or a Hub repo id. options: EngineOptions'
+        fields (engine/options.py) as keywords; an unknown one is a TypeError naming the valid ones.
+        progress: optional callable taking one string, told each start-up stage (for a UI).
+        async_scheduling can be turned off between steps by setting the attribute."""
+        self.options = EngineOptions.from_keywords("LLM", options)  # as given; self.config holds them resolved
         self._progress = progress or (lambda message: None)
         self._progress("reading the model config")
-        self.config = EngineConfig.create(
-            model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            attention_backend=attention_backend, max_prefill_chunk=max_prefill_chunk, load_format=load_format,
-            prefill_cuda_graphs=prefill_cuda_graphs, quantization=quantization, progress=self._progress)
+        self.config = EngineConfig.create(model, self.options, progress=self._progress)
         self._progress("loading the tokenizer")
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()
@@ -103,11 +96,11 @@ class LLM:
         self._byte_run_ids = byte_run_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
         self.runner = self._make_runner()
-        self.block_size = self.config.block_size
+        self.block_size = self.config.kvcache_block_size
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.max_prefill_chunk)
-        self.async_scheduling = True if async_scheduling is None else async_scheduling
+        self.async_scheduling = self.config.async_scheduling
         self._inflight: _Launched | None = None
         self._closed = False
         self.last_step_tokens = (0, 0)  # (prefill, decode) tokens run by the last step launched

@@ -13,10 +13,7 @@ def open_backend(settings: Settings, progress=None):
     from engine import (
         EngineThread,  # start-up: torch and the engine only for the local one
     )
-    kwargs = settings.engine_kwargs()
-    if progress is not None:
-        kwargs["progress"] = progress
-    return EngineThread(kwargs.pop("model"), **kwargs)
+    return EngineThread(settings.engine_model(), progress=progress, **settings.engine_options().keywords())
 
 
 def model_name(settings: Settings, backend) -> str:

@@ -108,7 +108,7 @@ class ModelRunner:
         progress = progress or (lambda message: None)
         self.config = config
         self.rank = rank
-        self.block_size = config.block_size
+        self.block_size = config.kvcache_block_size
         # Rank r runs on the r-th GPU counted from the one asked for (cuda:2 with TP=2 is GPUs 2 and 3).
         base = config.device.index or 0
         self.device = torch.device("cuda", base + rank) if config.device.type == "cuda" else config.device
@@ -137,7 +137,7 @@ class ModelRunner:
         if config.quantization is not None:
             self.model.quantize(config.quantization)
         self.model.eval()
-        self.backend = make_backend(config.attention_backend, self.device.type, config.block_size)
+        self.backend = make_backend(config.attention_backend, self.device.type, config.kvcache_block_size)
         self.attention_layers = self.model.attention_layers()
         for attn in self.attention_layers:
             attn.backend = self.backend
