@@ -2,7 +2,7 @@
 
 The public API is `LLM` (batch generation and step-by-step control), `EngineThread` (the engine on a
 background thread, streaming to any number of callers), `EngineOptions` (every option either takes),
-`SamplingParams` and `RequestStream`.
+`SamplingParams`, `RequestStream`, and `Backend`, the interface EngineThread offers a chat app.
 
 The package is layered; a module imports only from layers below its own (tests/test_layering.py
 checks it), bottom to top:
@@ -17,7 +17,9 @@ checks it), bottom to top:
     config        EngineConfig: the engine's options, resolved against the machine and the checkpoint
     runner        runs a planned step on the device: model, CUDA graphs, sampler, TP workers
     llm           LLM: the tokenizer, scheduler and runner driven step by step
-    request_stream, engine_thread   streaming to callers on other threads
+    request_stream   RequestStream: one request's tokens, for callers on other threads
+    backend       the Backend protocol a chat app talks to, its capabilities and snapshot
+    engine_thread EngineThread: the LLM on a background thread, a Backend
 
 Names are exported lazily, so importing a submodule (the torch-free core, say) loads only what it
 needs.
@@ -29,7 +31,9 @@ _EXPORTS = {
     "EngineStats": "engine.llm",
     "EngineThread": "engine.engine_thread",
     "EngineOptions": "engine.options",
-    "EngineSnapshot": "engine.engine_thread",
+    "Backend": "engine.backend",
+    "BackendCapabilities": "engine.backend",
+    "EngineSnapshot": "engine.backend",
     "RequestStream": "engine.request_stream",
     "Delta": "engine.request_stream",
     "SamplingParams": "engine.core.sampling_params",

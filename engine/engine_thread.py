@@ -1,4 +1,5 @@
-"""EngineThread: the engine on a background thread, fed by any number of caller threads.
+"""EngineThread: the engine on a background thread, fed by any number of caller threads; a Backend
+(engine/backend.py).
 
 Callers submit() requests and get RequestStreams back at once; the thread owns the LLM, applies
 submissions and aborts between steps, and steps whenever work is pending. It also publishes a
@@ -9,10 +10,10 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from engine.backend import BackendCapabilities, EngineSnapshot
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.options import CHAT_PREFILL_CHUNK
@@ -20,34 +21,6 @@ from engine.request_stream import RequestStream
 
 _RATE_WINDOW_S = 2.0
 _SNAPSHOT_EVERY_S = 0.05
-
-
-@dataclass
-class EngineSnapshot:
-    num_blocks: int
-    block_size: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    prefix_hit_tokens: int
-    prompt_tokens: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    kv_bytes_total: int
-    kv_bytes_used: int
-    block_states: bytes  # one byte per block, codes as in engine.core.block_manager
-    block_holders: dict[int, list[int]]  # request id -> block ids it holds
-    taken_at: float
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @contextlib.contextmanager
@@ -116,16 +89,15 @@ class EngineThread:
         self.shutdown()
 
     @property
-    def tokenizer(self):
-        return self.llm.tokenizer
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(model_name=None, context_length=self.llm.config.max_model_len,
+                                   tokenizes=self.llm.tokenizer is not None, block_stats=True)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.llm.config.max_model_len
-
-    def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+        """Chat messages as prompt token ids through the chat template, not checked against the
+        context (submit() checks them). Runs on the caller's thread."""
         with _template_errors_as_value_errors():
-            return self.llm.count_chat_tokens(messages, enable_thinking)
+            return self.llm.tokenize_chat(messages, enable_thinking)
 
     # --- caller side ---------------------------------------------------------------------------------
 

@@ -157,7 +157,9 @@ class LLM:
         with self._tokenizer_lock:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
-    def _chat_ids(self, messages: list[dict], enable_thinking: bool | None) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+        """Chat messages as prompt token ids, not yet checked against the model and cache limits
+        (encode() checks them): for fitting a conversation to max_model_len."""
         # The template writes the special tokens it wants (a Llama-2 or Mistral one starts with
         # <s>): the tokenizer's own BOS on top would make two, so none is added, as HF's
         # apply_chat_template(tokenize=True) does.
@@ -167,11 +169,7 @@ class LLM:
 
     def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
         """Chat messages as prompt token ids, checked as encode() checks them."""
-        return self.encode(self._chat_ids(messages, enable_thinking))
-
-    def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
-        """How many prompt tokens the chat messages make: for fitting a conversation to max_model_len."""
-        return len(self._chat_ids(messages, enable_thinking))
+        return self.encode(self.tokenize_chat(messages, enable_thinking))
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
         """A checked, tokenized request, not yet queued; safe to call from any thread. With

@@ -132,6 +132,6 @@ def test_the_options_the_flags_give_are_what_the_engine_runs_with(demo_model_pat
         assert (config.max_model_len, config.kvcache_block_size, engine.llm.blocks.num_blocks) == (256, 8, 40)
         assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.max_prefill_chunk) == (3, 300, 32)
         assert (config.attention_backend, config.quantization, engine.llm.async_scheduling) == ("torch", None, False)
-        assert engine.max_model_len == 256
+        assert engine.capabilities.context_length == 256
         stream = engine.submit("Hello", SamplingParams(max_tokens=2, ignore_eos=True))
         assert stream.wait(60) and stream.num_completion_tokens == 2
