@@ -97,7 +97,7 @@ class NvchatApp(App[None]):
     # The engine thread lets go of the GIL while it waits on the GPU and must take it back to run
     # its Python; while the UI thread is busy each take waits up to one switch interval: at
     # Python's default 5 ms, 8 streams on an H200 ran 2.7x slower with the app attached
-    # (RESULTS.md). Set while the app is mounted.
+    # (bench_ui). Set while the app is mounted.
     GIL_SWITCH_INTERVAL_S = 0.0005
 
     def __init__(self, settings: Settings, *, engine: Backend | None = None, store: ChatStore | None = None):
