@@ -187,7 +187,7 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
                       fixed_rate: bool = False) -> dict:
     # start-up: Textual loads only for the runs that draw
     from nvchat.app import NvchatApp
-    from nvchat.app.messages import PromptSubmitted
+    from nvchat.app.events import PromptSubmitted
 
     class RecordingApp(NvchatApp):
         """Keeps each reply's stream for the numbers. Textual also runs NvchatApp's own handler."""

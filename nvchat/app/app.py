@@ -37,14 +37,14 @@ from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.chat_screen import ChatScreen
 from nvchat.app.code_block import CopyableFence, copy_code
-from nvchat.app.commands import ChatCommands
+from nvchat.app.command_palette import ChatCommands
 from nvchat.app.conversations_screen import ConversationsScreen
+from nvchat.app.events import ChatStateChanged, ReplyStarted, SlashCommandSubmitted
 from nvchat.app.footer import ChatFooter
 from nvchat.app.frame_stats import FrameStats
 from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import BlockOwner, KVPanel, PanelData
 from nvchat.app.loading_screen import LoadingScreen
-from nvchat.app.messages import ChatStateChanged, ReplyStarted, SlashCommandSubmitted
 from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
 from nvchat.app.rename_screen import RenameScreen
 from nvchat.app.sampling_screen import FIELDS as SAMPLING_FIELDS

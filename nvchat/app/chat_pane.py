@@ -18,16 +18,16 @@ from textual.timer import Timer
 from textual.widgets import Static, TextArea
 
 from engine import RequestStream
-from nvchat.app.message_view import ReplyView, UserMessageView
-from nvchat.app.messages import (
+from nvchat.app.events import (
     ChatStateChanged,
     PromptSubmitted,
     ReplyStarted,
     ScrollTranscript,
 )
+from nvchat.app.message_view import ReplyView, UserMessageView
 from nvchat.app.prompt_input import PromptInput
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
-from nvchat.slash_commands import as_typed
+from nvchat.slash_table import as_typed
 
 Background = Callable[..., Awaitable]
 _DEFAULT_TITLE = "New chat"

@@ -10,7 +10,7 @@ from textual.widgets import DataTable, Label
 
 from nvchat.app.bindings import ALL_KEYS, describe_key, effective_key
 from nvchat.app.slash import ACTIONS, command_for_action
-from nvchat.slash_commands import APP, commands_for
+from nvchat.slash_table import APP, commands_for
 
 
 def _slash_note() -> str:

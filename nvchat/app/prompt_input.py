@@ -1,12 +1,12 @@
 """The message box under each transcript: a TextArea where the send key sends and the newline
 keys (shift+enter, ctrl+j) break lines. A line that names a slash command runs it instead of being
-sent (nvchat.slash_commands), and a command's name is offered as it is typed (Right or Tab takes it)."""
+sent (nvchat.slash_table), and a command's name is offered as it is typed (Right or Tab takes it)."""
 from textual import events
 from textual.widgets import TextArea
 
 from nvchat.app.bindings import PROMPT_KEYS, bindings, effective_key
-from nvchat.app.messages import PromptSubmitted, ScrollTranscript, SlashCommandSubmitted
-from nvchat.slash_commands import APP, completion, message_text, parse, unknown_notice
+from nvchat.app.events import PromptSubmitted, ScrollTranscript, SlashCommandSubmitted
+from nvchat.slash_table import APP, completion, message_text, parse, unknown_notice
 
 
 class PromptInput(TextArea):

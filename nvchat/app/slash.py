@@ -1,12 +1,12 @@
 """The app's handlers for the slash commands typed in a prompt box (their names, usage and summaries
-are the table the REPL shares: nvchat/slash_commands.py). Most run the action their key runs."""
+are the table the REPL shares: nvchat/slash_table.py). Most run the action their key runs."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from textual.app import App
 
-from nvchat.slash_commands import format_stats
+from nvchat.slash_table import format_stats
 
 # The action each command runs, as its key would. With TEXT, /system, /rename and /save do without
 # their dialog (run_command).

@@ -10,9 +10,9 @@ from textual.widgets import Collapsible, Markdown, TabPane
 from nvchat import paths
 from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
+from nvchat.app.events import ChatStateChanged, PromptSubmitted
 from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.message_view import ReplyView, ThinkSplitter, UserMessageView
-from nvchat.app.messages import ChatStateChanged, PromptSubmitted
 from nvchat.conversation import Message
 from nvchat.store import ChatStore
 from tests.app.conftest import app_settings

@@ -5,7 +5,7 @@ from nvchat.app.chat_pane import ChatPane
 from nvchat.app.help_screen import HelpScreen
 from nvchat.app.slash import ACTIONS
 from nvchat.app.system_prompt_screen import SystemPromptScreen
-from nvchat.slash_commands import APP, commands_for
+from nvchat.slash_table import APP, commands_for
 from tests.app.helpers import idle, send, started, submit_now, wait_for
 
 SIZE = (110, 36)

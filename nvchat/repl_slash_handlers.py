@@ -1,5 +1,5 @@
 """The plain REPL's handlers for the slash commands (their names, usage and summaries are the shared
-table's: nvchat/slash_commands.py).
+table's: nvchat/slash_table.py).
 
 Handlers get the REPL (anything with `conversation`, `engine`, `last_stream` and
 `new_conversation()`) and the text after the command name, and return the text to show.
@@ -7,7 +7,7 @@ Handlers get the REPL (anything with `conversation`, `engine`, `last_stream` and
 from pathlib import Path
 from typing import Callable
 
-from nvchat.slash_commands import (
+from nvchat.slash_table import (
     REPL,
     Invocation,
     command_lines,
@@ -22,7 +22,7 @@ class QuitRepl(Exception):
 
 
 def dispatch(repl, invocation: Invocation) -> str | None:
-    """Runs the command slash_commands.parse found in a line."""
+    """Runs the command slash_table.parse found in a line."""
     if invocation.command is None:
         return unknown_notice(invocation.name, REPL)
     return HANDLERS[invocation.command.name](repl, invocation.arg)

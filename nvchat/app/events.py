@@ -16,7 +16,7 @@ class PromptSubmitted(Message):
 
 
 class SlashCommandSubmitted(Message):
-    """The user sent a line naming a slash command (nvchat.slash_commands) from a prompt box."""
+    """The user sent a line naming a slash command (nvchat.slash_table) from a prompt box."""
 
     def __init__(self, name: str, arg: str) -> None:
         super().__init__()
