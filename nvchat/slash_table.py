@@ -1,7 +1,7 @@
 """Slash commands: the one table of their names, usage and summaries, which both front-ends (the
 plain REPL and the Textual app) list and parse with, and the helpers their handlers share.
 
-Each front-end keeps its own handlers (nvchat/repl_slash_handlers.py, nvchat/app/slash.py). A
+Each front-end keeps its own handlers (nvchat/repl_slash_handlers.py, nvchat/app/actions.py). A
 line that starts with "/" is a command; "//" escapes it, so a message may start with a slash.
 """
 import re

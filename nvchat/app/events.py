@@ -1,10 +1,11 @@
-"""The app's own Textual messages, in one place so the widgets that post them and the app that
-handles them agree on one vocabulary. Tokens never travel as messages: the app's stream pump
-drains them (see app.py)."""
+"""The prompt box's Textual events (messages, in Textual's word), in one place so the box that posts
+them and the chat pane and app that handle them agree on one vocabulary. A chat pane's own events,
+which carry the pane, are ChatPane.ReplyStarted and ChatPane.StateChanged, defined on it as Textual
+defines a widget's. Tokens never travel as messages: the app's stream pump drains them
+(stream_pump.py)."""
 from __future__ import annotations
 
 from textual.message import Message
-from textual.widget import Widget
 
 
 class PromptSubmitted(Message):
@@ -30,19 +31,3 @@ class ScrollTranscript(Message):
     def __init__(self, pages: int) -> None:
         super().__init__()
         self.pages = pages
-
-
-class ReplyStarted(Message):
-    """A chat pane has a new stream for the app's pump to drain."""
-
-    def __init__(self, pane: Widget) -> None:  # a ChatPane
-        super().__init__()
-        self.pane = pane
-
-
-class ChatStateChanged(Message):
-    """A chat's title or busy state changed: its tab label needs redrawing."""
-
-    def __init__(self, pane: Widget) -> None:  # a ChatPane
-        super().__init__()
-        self.pane = pane

@@ -16,9 +16,11 @@ class PromptInput(TextArea):
     # tmux send-keys, keys typed while the UI thread is busy) sent an empty box and then filled it.
     BINDINGS = bindings(PROMPT_KEYS)
 
-    def __init__(self, *, id: str | None = None) -> None:
+    def __init__(self, *, keymap: dict[str, str], id: str | None = None) -> None:
+        """keymap: config.toml's [keys], which may remap the box's keys too."""
         super().__init__(id=id, soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
                          placeholder="Message…  (Enter sends, Shift+Enter or Ctrl+J for a new line)")
+        self._keymap = keymap
         self._key_actions: dict[str, str] | None = None
         # False from a send until the chat can take another turn (its pane sets it back). Decided
         # here, in key order: Enter, more text, Enter in one burst keeps the second text in the box.
@@ -26,9 +28,8 @@ class PromptInput(TextArea):
 
     def _action_for(self, key: str) -> str | None:
         if self._key_actions is None:
-            keymap = getattr(self.app, "keymap", None) or {}
             self._key_actions = {k.strip(): spec.action for spec in PROMPT_KEYS
-                                 for k in effective_key(spec, keymap).split(",") if k.strip()}
+                                 for k in effective_key(spec, self._keymap).split(",") if k.strip()}
         return self._key_actions.get(key)
 
     async def _on_key(self, event: events.Key) -> None:
