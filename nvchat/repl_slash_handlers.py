@@ -7,14 +7,9 @@ Handlers get the REPL (anything with `conversation`, `engine`, `last_stream` and
 from pathlib import Path
 from typing import Callable
 
-from nvchat.slash_table import (
-    REPL,
-    Invocation,
-    command_lines,
-    format_stats,
-    save_markdown,
-    unknown_notice,
-)
+from nvchat import paths
+from nvchat.export import export_markdown, save_markdown_to
+from nvchat.slash_table import REPL, Invocation, command_lines, format_stats, unknown_notice
 
 
 class QuitRepl(Exception):
@@ -65,6 +60,14 @@ def _save(repl, arg: str) -> str:
         return "nothing to save yet: the conversation is empty"
     path = save_markdown(conversation, Path(arg).expanduser() if arg else None)
     return f"saved to {path}"
+
+
+def save_markdown(conversation, path: Path | None = None) -> Path:
+    """/save: to PATH when given (a directory gets a generated name), else into nvchat's exports
+    directory, never over an existing file unless PATH names it."""
+    if path is None:
+        return export_markdown(conversation, [paths.exports_dir()])
+    return save_markdown_to(conversation, path)
 
 
 def _quit(repl, arg: str):

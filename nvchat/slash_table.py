@@ -6,10 +6,6 @@ line that starts with "/" is a command; "//" escapes it, so a message may start 
 """
 import re
 from dataclasses import dataclass
-from pathlib import Path
-
-from nvchat import paths
-from nvchat.export import export_markdown, save_markdown_to
 
 
 @dataclass(frozen=True)
@@ -119,10 +115,3 @@ def format_stats(snap, last_stream=None) -> str:
             + (f" ({last_stream.finish_reason})" if last_stream.finish_reason else ""))
     return "\n".join(lines)
 
-
-def save_markdown(conversation, path: Path | None = None) -> Path:
-    """/save: to PATH when given (a directory gets a generated name), else into nvchat's exports
-    directory, never over an existing file unless PATH names it."""
-    if path is None:
-        return export_markdown(conversation, [paths.exports_dir()])
-    return save_markdown_to(conversation, path)
