@@ -5,6 +5,7 @@ import torch
 
 from engine.checkpoints.errors import ModelError
 from engine.checkpoints.gguf import open_gguf
+from engine.checkpoints.quantization import fp8_block
 from engine.checkpoints.resolve import (
     architecture_of,
     check_checkpoint,
@@ -24,6 +25,11 @@ def parse_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
     raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
+
+
+def _has_fp8(device: torch.device) -> bool:
+    """Whether `device` multiplies FP8: Triton's e4m3 type needs compute capability 8.9 or more."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _parse_device(device) -> torch.device:
@@ -66,9 +72,12 @@ class EngineConfig:
     # On by default, except with flash-attn (see create).
     prefill_cuda_graphs: bool = True
     # "int8" or "int4": weight-only quantized projections and LM head on CPU
-    # (engine/layers/quantized.py); None: the weights in `dtype`, as HF computes them. create()
-    # also takes "none", and "auto": int4 on one CPU rank for a GGUF file whose layers are
-    # stored in 4 bits or fewer (~2.5x the decode rate of float32 weights), else none.
+    # (engine/layers/quantized.py); "fp8": block-wise FP8 projections and experts on CUDA
+    # (engine/layers/fp8.py), a block-FP8 checkpoint's own or quantized at load time; None: the
+    # weights in `dtype`, as HF computes them (a block-FP8 checkpoint dequantized). create() also
+    # takes "none", and "auto" (as unset, but int4 on one CPU rank for a GGUF file whose layers
+    # are stored in 4 bits or fewer: ~2.5x the decode rate of float32 weights). Unset or "auto", a
+    # block-FP8 checkpoint stays in FP8 on a GPU that has FP8 (compute capability 8.9 or more).
     quantization: str | None = None
 
     @classmethod
@@ -93,25 +102,35 @@ class EngineConfig:
         if path.is_file():  # a GGUF file (resolve_model_path refuses other files)
             gguf = open_gguf(path)
             raw, hf_config, architecture = {}, gguf.hf_config, gguf.architecture
+            checkpoint_fp8 = False
         else:
             raw = check_checkpoint(path, need_weights=load_format == "safetensors")
+            checkpoint_fp8 = fp8_block(raw.get("quantization_config"), str(path / "config.json")) is not None
             architecture = architecture_of(raw)
             try:
                 hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
             except Exception as e:
                 raise ModelError(f"can't read {path / 'config.json'}: {e}") from None
 
-        if quantization == "auto":
+        if quantization in (None, "auto") and checkpoint_fp8 and _has_fp8(device):
+            quantization = "fp8"
+        elif quantization == "auto":
             four_bit_file = gguf is not None and gguf.projections_at_four_bits
             quantization = "int4" if device.type == "cpu" and tensor_parallel_size == 1 and four_bit_file else None
         elif quantization == "none":
             quantization = None
-        if quantization is not None:
+        if quantization == "fp8":
+            if not _has_fp8(device):
+                raise ValueError("quantization='fp8' needs a CUDA GPU with FP8 (compute capability 8.9 or more: "
+                                 "Ada, Hopper, Blackwell); elsewhere leave it unset (an FP8 checkpoint then loads "
+                                 "dequantized)")
+        elif quantization is not None:
             if quantization not in QUANTIZATIONS:
-                raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)}, auto or none")
+                raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)} (CPU), "
+                                 "fp8 (CUDA), auto or none")
             if device.type != "cpu":
                 raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's quantized weight kernels); "
-                                 f"on {device.type} leave it unset")
+                                 f"on {device.type} leave it unset or use fp8")
         if prefill_cuda_graphs is None:
             prefill_cuda_graphs = attention_backend != "flash_attn"
         if prefill_cuda_graphs and attention_backend == "flash_attn":

@@ -18,10 +18,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                                    "'demo', the built-in demo model, which answers gibberish")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: the checkpoint's on GPU, float32 on CPU)")
-    p.add_argument("--quantization", choices=["auto", "int8", "int4", "none"],
-                   help="int8 or int4 weights on CPU: faster decode, not bit-exact; none: the weights in --dtype, "
-                        "bit-exact (default auto: int4 on CPU for a GGUF file stored in 4 bits, such as the "
-                        "default model; else none)")
+    p.add_argument("--quantization", choices=["auto", "int8", "int4", "fp8", "none"],
+                   help="int8 or int4 weights on CPU: faster decode, not bit-exact; fp8: block-wise FP8 weights on "
+                        "a GPU with FP8 (Ada, Hopper); none: the weights in --dtype, bit-exact, an FP8 checkpoint "
+                        "dequantized (default auto: int4 on CPU for a GGUF file stored in 4 bits, such as the "
+                        "default model; an FP8 checkpoint's own FP8 on such a GPU; else none)")
     p.add_argument("--tp", type=int, dest="tensor_parallel_size", help="tensor-parallel GPUs (default 1)")
     p.add_argument("--max-model-len", type=int, help="longest conversation in tokens (default 4096)")
     p.add_argument("--max-num-seqs", type=int, help="most requests batched together (default 64)")
