@@ -76,20 +76,21 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
-                          FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
+                          GROUPS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+    # GROUPS groups of GROUP columns of one row, each scaled by its own largest magnitude.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    k = group * GROUP + tl.arange(0, GROUP)
-    ok = k < K
+    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = (group < num_groups)[:, None] & (k < K)
     x = tl.load(x_ptr + row * stride_x + k, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / FP8_MAX
-    q = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX, FP8_MAX))
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
+    q = _round_to_e4m3(tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX))
     tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_s + group, scale)
+    tl.store(s_ptr + row * stride_s + group, scale, mask=group < num_groups)
 
 
 @triton.jit
@@ -205,10 +206,12 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     q = torch.empty(M, K, dtype=FP8, device=x.device)
     scales = torch.empty(M, groups, dtype=torch.float32, device=x.device)
     if M:
+        # A program quantizes up to 1024 columns of a row (8 of Qwen's groups of 128).
+        per_program = max(1, min(triton.next_power_of_2(groups), 1024 // group))
         pdl_on = pdl.enabled(x.device)
-        _quantize_rows_kernel[(M, groups)](x, q, scales, K, x.stride(0), q.stride(0), scales.stride(0), GROUP=group,
-                                           FP8_MAX=FP8_MAX, PDL=pdl_on, num_warps=1 if group <= 128 else 4,
-                                           launch_pdl=pdl_on)
+        _quantize_rows_kernel[(M, triton.cdiv(groups, per_program))](
+            x, q, scales, K, groups, x.stride(0), q.stride(0), scales.stride(0), GROUP=group, GROUPS=per_program,
+            FP8_MAX=FP8_MAX, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
     return q, scales
 
 

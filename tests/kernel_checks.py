@@ -204,14 +204,14 @@ def norm_gemv_reference(x, residual, norm_weight, weight, silu, eps, rounding=No
 def fp8_blocks(weight, block):
     """weight [..., N, K] -> (e4m3 values, float32 scales [..., ceil(N/bn), ceil(K/bk)]) as Qwen's
     FP8 checkpoints hold them: each block's largest magnitude at 448."""
-    bn, bk = block
-    n, k = weight.shape[-2:]
-    rows, cols = torch.arange(n) // bn, torch.arange(k) // bk
-    scales = torch.zeros(*weight.shape[:-2], -(-n // bn), -(-k // bk))
-    for i in range(scales.shape[-2]):
-        for j in range(scales.shape[-1]):
-            tile = weight[..., rows == i, :][..., cols == j]
-            scales[..., i, j] = tile.abs().amax(dim=(-2, -1)).float().clamp(min=1e-12) / 448
+    *lead, n, k = weight.shape
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    rows = torch.arange(n, device=weight.device) // block[0]
+    cols = torch.arange(k, device=weight.device) // block[1]
+    block_of = (rows[:, None] * grid[1] + cols[None, :]).expand(*weight.shape).reshape(*lead, n * k)
+    amax = torch.zeros(*lead, grid[0] * grid[1], device=weight.device).scatter_reduce_(
+        -1, block_of, weight.abs().float().reshape(*lead, n * k), "amax")
+    scales = (amax / 448).clamp(min=1e-12).view(*lead, *grid)
     q = (weight.float() / fp8_scales_per_weight(scales, n, k, block)).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q, scales
 
@@ -240,7 +240,7 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids):
     """Token by token, each chosen expert's SwiGLU MLP in fp32, rounded to x's dtype where the
     fused kernels round (gate and up, silu(gate) * up, each expert's down projection), weighted
     and summed in fp32."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     to = lambda t: t.to(x.dtype).float()  # noqa: E731
     inter = w13.shape[1] // 2
     for t in range(x.shape[0]):

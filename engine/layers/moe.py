@@ -39,12 +39,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 class Router(nn.Module):
     """The router's linear layer, [num_experts, hidden], whole on every rank."""
+    # Set by the runner with the Triton backend: 1-8 rows take the Triton GEMV, as the
+    # projections do (engine/layers/linear.py).
+    fused = False
 
     def __init__(self, hidden_size: int, num_experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2 and 1 <= x.shape[0] <= 8 and x.stride(1) == 1:
+            from kernels.gemv import (
+                gemv,  # start-up: Triton loads only where its kernels run
+            )
+            return gemv(x, self.weight)
         return F.linear(x, self.weight)
 
 
