@@ -14,10 +14,12 @@ bytes of K/V read / graph time, against the H200's 4.25 TB/s.
     python benchmarks/bench_kernels.py [--out benchmarks/out/kernels.json] [--sweep]
 
 --sweep also times the decode and prefill kernels over launch configs (tile size, warps, stages,
-split count), which is how their defaults were chosen. --moe-fp8 runs only the mixture-of-experts
-and FP8 rows; --sweep-moe-fp8 times those kernels over launch configs (their defaults are untuned). --decode-launches only compares the ways a
-decode step's attention can launch (see run_decode_launches), with PDL on and off. Without CUDA (TRITON_INTERPRET=1) it runs
-tiny shapes once, as a smoke test of this script, and times nothing meaningful.
+split count), which is how their defaults were chosen. --decode-launches only compares the ways a
+decode step's attention can launch (see run_decode_launches), with PDL on and off. --moe-fp8 runs
+only the mixture-of-experts and FP8 rows; --sweep-moe-fp8 times those kernels over launch configs
+(their defaults are untuned). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
+smoke test of this script, and times nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot
+wrong, so the grouped MoE path's smoke diffs are garbage there).
 """
 import argparse
 import datetime
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.layers.activation import SiluAndMul  # noqa: E402
+from engine.layers.fp8 import quantize_blocks  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -46,10 +49,10 @@ from kernels.decode_attention import (  # noqa: E402
     paged_decode_attention_from_qkv,
     split_counters,
 )
+from kernels.gemv import gemv  # noqa: E402
 from kernels.norm_rope_store import norm_rope_store  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention, plan_on_device  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
-from kernels.gemv import gemv  # noqa: E402
 from kernels.silu_mul import silu_and_mul  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 16, 8, 128, 1024, 3072
@@ -263,7 +266,6 @@ def moe_setup(tokens, fp8=False):
     weights, ids = fused_moe.route(torch.randn(tokens, MOE_EXPERTS, device=DEVICE), MOE_TOP_K, True)
     s = dict(x=x, w13=w13, w2=w2, weights=weights, ids=ids, scales={})
     if fp8:
-        from engine.layers.fp8 import quantize_blocks  # start-up: only the FP8 rows use the engine's quantizer
         (q13, s13), (q2, s2) = quantize_blocks(w13, FP8_BLOCK), quantize_blocks(w2, FP8_BLOCK)
         s.update(q13=q13, q2=q2, scales=dict(w13_scale=s13, w2_scale=s2, scale_block=FP8_BLOCK))
     chosen = len(ids.unique())  # distinct experts the tokens chose: what a step reads
@@ -300,7 +302,6 @@ def run_moe():
 
 
 def fp8_setup(N, K):
-    from engine.layers.fp8 import quantize_blocks  # start-up: only the FP8 rows use the engine's quantizer
     w = (torch.randn(N, K, device=DEVICE) / K ** 0.5).to(DTYPE)
     q, scales = quantize_blocks(w, FP8_BLOCK)
     # torch._scaled_mm's FP8: W per output row (x is quantized per row in the timed call).

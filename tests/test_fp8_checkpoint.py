@@ -10,12 +10,17 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.checkpoints.errors import ModelError
+from engine.checkpoints.loader import load_weights
+from engine.distributed import collectives
+from engine.layers import fp8
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from tests.conftest import hf_greedy, random_prompts, save_tiny_hf_model
-from tests.kernel_checks import fp8_blocks
+from tests.kernel_checks import fp8_blocks, fp8_dequantized
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
@@ -103,3 +108,60 @@ def test_an_fp8_weight_without_its_scales_is_named(tmp_path):
 def test_fp8_quantization_needs_a_gpu_with_fp8(tiny_qwen3):
     with pytest.raises(ValueError, match="quantization='fp8' needs a CUDA GPU with FP8"):
         LLM(tiny_qwen3, device="cpu", quantization="fp8")
+
+
+class _NoCollectives:
+    """A process group stand-in: these layers are built and loaded, never run."""
+
+    def name(self):
+        return "none"
+
+
+def _build_fp8_rank(path, block, rank, size):
+    """The MoE model of rank `rank` of `size` built with FP8 weights (as on a GPU with FP8), on CPU,
+    and its weights loaded."""
+    group = collectives.TPGroup(rank, size, _NoCollectives() if size > 1 else None)
+    with collectives.building(group), fp8.building(block):
+        model = Qwen3MoeForCausalLM(transformers.AutoConfig.from_pretrained(path), max_position=64)
+    load_weights(model, path, block)
+    return model
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_fp8_weights_load_with_their_scales_into_each_ranks_part(tmp_path, size):
+    """Kept in FP8, each rank's projections and experts dequantize to its part of the checkpoint's
+    dequantized weights: q, k and v rows and gate and up rows stacked, o and down columns split."""
+    block = (16, 16)
+    path = write_fp8_checkpoint(tmp_path, block, arch="qwen3_moe")
+    tensors = load_file(path / "model.safetensors")
+
+    def checkpoint(name, rows=None, cols=None):
+        w = fp8_dequantized(tensors[name + ".weight"], tensors[name + ".weight_scale_inv"], block)
+        return w[rows or slice(None)][:, cols or slice(None)]
+
+    for rank in range(size):
+        model = _build_fp8_rank(path, block, rank, size)
+        part = lambda n: slice(rank * n // size, (rank + 1) * n // size)  # noqa: E731
+        for i, layer in enumerate(model.model.layers):
+            pre = f"model.layers.{i}"
+            qkv, o = layer.self_attn.qkv_proj, layer.self_attn.o_proj
+            assert qkv.weight.dtype == torch.float8_e4m3fn
+            want = torch.cat([checkpoint(f"{pre}.self_attn.{p}_proj", rows=part(n))
+                              for p, n in (("q", 64), ("k", 32), ("v", 32))])
+            assert torch.equal(fp8_dequantized(qkv.weight, qkv.weight_scale_inv, block), want)
+            assert torch.equal(fp8_dequantized(o.weight, o.weight_scale_inv, block),
+                               checkpoint(f"{pre}.self_attn.o_proj", cols=part(64)))
+            experts = layer.mlp.experts
+            for e in range(8):
+                w13 = fp8_dequantized(experts.w13[e], experts.w13_scale_inv[e], block)
+                w2 = fp8_dequantized(experts.w2[e], experts.w2_scale_inv[e], block)
+                gate_up = [checkpoint(f"{pre}.mlp.experts.{e}.{p}_proj", rows=part(32)) for p in ("gate", "up")]
+                assert torch.equal(w13, torch.cat(gate_up))
+                assert torch.equal(w2, checkpoint(f"{pre}.mlp.experts.{e}.down_proj", cols=part(32)))
+
+
+def test_a_tensor_parallel_split_inside_an_fp8_block_is_named(tmp_path):
+    """Two ranks split each expert's 32 down-projection columns at 16, inside a 32-wide block."""
+    path = write_fp8_checkpoint(tmp_path, (16, 32), arch="qwen3_moe")
+    with pytest.raises(ModelError, match="tensor_parallel_size must split it at multiples of 32"):
+        _build_fp8_rank(path, (16, 32), 1, 2)
