@@ -172,7 +172,10 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_pt
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     pair = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     p_ok = pair < num_pairs  # padding slots hold num_pairs
-    row = pair // TOP_K if ROWS_ARE_TOKENS else pair
+    if ROWS_ARE_TOKENS:
+        row = pair // TOP_K
+    else:
+        row = pair
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     n_ok = n < N
