@@ -5,8 +5,8 @@ by the router and summed, for all the layer's experts at once.
 - fused_moe, up to GEMV_MAX_TOKENS tokens (a chat-sized decode step): two GEMV-style launches
   that read only the chosen experts' weights. The first runs gate and up of every (token, chosen
   expert) pair with SiLU-mul in its epilogue; the second runs each token's down projections
-  and sums them with the router's weights, so no sort, no per-pair output and no combine step.
-  At one token that reads top_k of the experts: Qwen3-30B-A3B's 8 of 128.
+  and sums them with the router's weights in fp32, so no sort, no per-pair output and no
+  combine step. At one token that reads top_k of the experts: Qwen3-30B-A3B's 8 of 128.
 - fused_moe, more tokens (prefill, big batches): the (token, expert) pairs sorted by expert, each
   expert's run padded to a multiple of BLOCK_M (align_by_expert, torch ops on the device), and
   one grouped GEMM launch per projection in which every program takes BLOCK_M pairs of one
@@ -106,11 +106,13 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, I, K, stride_x, st
 
 @triton.jit
 def _down_gemv_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, stride_we, stride_wn,
-                      stride_se, stride_sn, stride_y, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-                      PDL: tl.constexpr):
+                      stride_se, stride_sn, stride_y, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
+                      SCALE_K: tl.constexpr, PDL: tl.constexpr):
     # One token and BLOCK_N of the hidden columns: its chosen experts' down projections, each
-    # rounded to the output's dtype and weighted, summed in fp32.
+    # input row scaled by the router's weight, summed in fp32 and rounded once. One loop runs over
+    # every (expert, K tile) pair, its experts' ids read before it, so that the loads of the next
+    # expert's tiles are in flight while the last tiles of one are multiplied.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -118,20 +120,22 @@ def _down_gemv_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, str
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     n_ok = n < N
-    y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_at = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]
-        s_at = s_ptr + expert * stride_se + (n // SCALE_N) * stride_sn
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = k0 + k < K
-            h = tl.load(h_ptr + pair * stride_h + k0 + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            acc += _scaled_tile(w_at + k0, n_ok[:, None] & k_ok[None, :], s_at + k0 // SCALE_K, n_ok, FP8) * h
-        out = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
-        y += out * tl.load(topk_w_ptr + pair)
-    tl.store(y_ptr + token * stride_y + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    slot = tl.arange(0, TOP_K_PAD)
+    experts = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0).to(tl.int64)
+    gates = tl.load(topk_w_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0.0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for step in range(0, TOP_K * k_tiles):
+        j = step // k_tiles
+        k0 = (step - j * k_tiles) * BLOCK_K
+        expert = tl.sum(tl.where(slot == j, experts, 0))
+        gate = tl.sum(tl.where(slot == j, gates, 0.0))
+        k_ok = k0 + k < K
+        h = tl.load(h_ptr + (token * TOP_K + j) * stride_h + k0 + k, mask=k_ok, other=0.0).to(tl.float32) * gate
+        w_at = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k0 + k[None, :]
+        s_at = s_ptr + expert * stride_se + (n // SCALE_N) * stride_sn + k0 // SCALE_K
+        acc += _scaled_tile(w_at, n_ok[:, None] & k_ok[None, :], s_at, n_ok, FP8) * h[None, :]
+    tl.store(y_ptr + token * stride_y + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -333,7 +337,8 @@ def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights,
     block_k = _k_tile(launch.get("block_k") or 256, inter, block2[1], fp8_2)
     _down_gemv_kernel[(T, triton.cdiv(H, block_n))](
         h, w2, s2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-        s2.stride(1) if fp8_2 else 0, out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8_2,
+        s2.stride(1) if fp8_2 else 0, out.stride(0), TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
+        BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8_2,
         SCALE_N=block2[0], SCALE_K=block2[1], PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
         launch_pdl=pdl_on)
 

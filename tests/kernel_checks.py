@@ -238,8 +238,8 @@ def quantized_rows_reference(x, group):
 
 def moe_reference(x, w13, w2, topk_weights, topk_ids):
     """Token by token, each chosen expert's SwiGLU MLP in fp32, rounded to x's dtype where the
-    fused kernels round (gate and up, silu(gate) * up, each expert's down projection), weighted
-    and summed in fp32."""
+    fused kernels round (gate and up, silu(gate) * up; the grouped path also rounds each expert's
+    down projection, the GEMV path not: one rounding of difference), weighted and summed in fp32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     to = lambda t: t.to(x.dtype).float()  # noqa: E731
     inter = w13.shape[1] // 2
