@@ -272,7 +272,7 @@ def test_benchmark_shapes_build_capture_and_decode(shape):
     if shape.endswith("fp8") and not HAS_FP8:
         pytest.skip("needs FP8")
     with LLM(str(CONFIGS / shape), load_format="random", dtype="bfloat16", max_model_len=1024, max_num_seqs=32,
-             gpu_memory_utilization=0.9) as llm:
+             max_num_batched_tokens=2048, gpu_memory_utilization=0.9) as llm:
         assert llm.runner.decode_graphs is not None
         if shape.endswith("fp8"):
             assert llm.config.quantization == "fp8"
