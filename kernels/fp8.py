@@ -220,7 +220,9 @@ def gemm_launch_config(M: int, N: int, scale_k: int) -> tuple[int, int, int, int
     Triton's FP8 matmul tutorial and vLLM's block-FP8 kernel default to on Hopper."""
     block_k = min(128, scale_k)
     if M <= 64:
-        return 16 if M <= 16 else 64, 64, block_k, 8, 4, 4
+        return max(16, triton.next_power_of_2(M)), 64, block_k, 8, 4, 4
+    if M <= 256:  # a decode step of many streams: more, smaller tiles, to fill the SMs
+        return 64, 128, block_k, 8, 4, 3
     return 128, 128, block_k, 8, 8, 3
 
 

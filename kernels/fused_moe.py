@@ -349,25 +349,27 @@ def _moe_grouped(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weigh
     inter, top_k = two_i // 2, topk_ids.shape[1]
     pairs = T * top_k
     block_m = launch.get("block_m") or grouped_block_m(pairs, E)
-    # Untuned: tile shapes of vLLM's fused-MoE defaults for small and large batches.
-    block_n = launch.get("block_n") or (64 if block_m <= 32 else 128)
-    num_warps, num_stages = launch.get("num_warps") or 4, launch.get("num_stages") or 3
+    # Untuned, after vLLM's fused-MoE defaults for small and large batches; gate/up's programs
+    # take half the columns of down's, since each multiplies gate's and up's rows.
+    down_n = launch.get("block_n") or (64 if block_m <= 32 else 128)
+    gate_up_n = launch.get("block_n") or 64
+    num_warps = launch.get("num_warps") or (4 if block_m <= 32 else 8)
     sorted_ids, block_expert, filled = align_by_expert(topk_ids, E, block_m)
     blocks = sorted_ids.shape[0] // block_m
     ieee = x.dtype == torch.float32
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    common = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, PDL=pdl_on, num_warps=num_warps,
-                  num_stages=num_stages, launch_pdl=pdl_on)
-    _grouped_gemm_kernel[(blocks * triton.cdiv(inter, block_n),)](
+    common = dict(TOP_K=top_k, BLOCK_M=block_m, IEEE=ieee, PDL=pdl_on, num_warps=num_warps,
+                  num_stages=launch.get("num_stages") or 3, launch_pdl=pdl_on)
+    _grouped_gemm_kernel[(blocks * triton.cdiv(inter, gate_up_n),)](
         x, w13, s13, h, sorted_ids, block_expert, filled, topk_weights, pairs, inter, H, x.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(1) if fp8_13 else 0, h.stride(0), ROWS_ARE_TOKENS=True, SILU=True,
-        WEIGHTED=False, FP8=fp8_13, SCALE_N=block13[0], SCALE_K=block13[1],
+        WEIGHTED=False, FP8=fp8_13, SCALE_N=block13[0], SCALE_K=block13[1], BLOCK_N=gate_up_n,
         BLOCK_K=_k_tile(launch.get("block_k") or 64, H, block13[1], fp8_13), **common)
     weighted = torch.empty(pairs, H, dtype=x.dtype, device=x.device)
-    _grouped_gemm_kernel[(blocks * triton.cdiv(H, block_n),)](
+    _grouped_gemm_kernel[(blocks * triton.cdiv(H, down_n),)](
         h, w2, s2, weighted, sorted_ids, block_expert, filled, topk_weights, pairs, H, inter, h.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1) if fp8_2 else 0, weighted.stride(0),
         ROWS_ARE_TOKENS=False, SILU=False, WEIGHTED=True, FP8=fp8_2, SCALE_N=block2[0], SCALE_K=block2[1],
-        BLOCK_K=_k_tile(launch.get("block_k") or 64, inter, block2[1], fp8_2), **common)
+        BLOCK_N=down_n, BLOCK_K=_k_tile(launch.get("block_k") or 64, inter, block2[1], fp8_2), **common)
     # Each token's top_k rows summed in a fixed order: the same sum whatever the routing.
     torch.sum(weighted.view(T, top_k, H), dim=1, out=out)

@@ -1,10 +1,13 @@
 """Qwen3-MoE on CPU: greedy completions equal HF transformers' own Qwen3MoeForCausalLM token for
 token in float32, with the router's top-2 renormalized or not (norm_topk_prob), batched, through
 prefix-cache hits, chunked prefill and preemption, over two tensor-parallel ranks (gloo), with a
-dense layer among the sparse ones, and from a qwen3moe GGUF file as HF reads it."""
+dense layer among the sparse ones, and from a qwen3moe GGUF file as HF reads it. A checkpoint
+missing an expert is refused by name."""
 import pytest
+from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
+from engine.checkpoints.errors import ModelError
 from tests.conftest import hf_greedy, random_prompts, save_tiny_hf_model
 
 NEW_TOKENS = 20
@@ -85,3 +88,12 @@ def test_qwen3moe_gguf_matches_hf_reading_the_same_file(tmp_path, monkeypatch):
         assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 768)
         assert config.norm_topk_prob
         assert completions(llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) == expected
+
+
+def test_a_checkpoint_missing_an_expert_is_named(tmp_path, tiny_qwen3_moe):
+    tensors = load_file(tiny_qwen3_moe / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.6.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_bytes((tiny_qwen3_moe / "config.json").read_bytes())
+    with pytest.raises(ModelError, match=r"lacks weights: model\.layers\.1\.mlp\.experts\.6\.up_proj\.weight$"):
+        LLM(tmp_path, device="cpu")

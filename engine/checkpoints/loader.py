@@ -70,6 +70,11 @@ def place_weights(model: nn.Module, weights, path: Path) -> None:
             raise ModelError(f"{source}: {name}: {e}") from None
         loaded.add(target)
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
+    # Layers whose parameters take many checkpoint tensors each (a layer's stacked experts) say
+    # which parts no tensor filled.
+    for name, module in model.named_modules():
+        if hasattr(module, "missing_weights"):
+            missing += [f"{name}.{part}" for part in module.missing_weights()]
     if missing:
         raise ModelError(f"checkpoint in {path} lacks weights: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))

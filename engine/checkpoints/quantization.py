@@ -18,7 +18,7 @@ def fp8_block(quantization_config: dict | None, where: str) -> tuple[int, int] |
     naming the method for anything else."""
     if not quantization_config:
         return None
-    qc = dict(quantization_config)
+    qc = quantization_config.to_dict() if hasattr(quantization_config, "to_dict") else dict(quantization_config)
     method = qc.get("quant_method", "unknown")
     if method != "fp8":
         raise ModelError(f"{where}: the checkpoint is quantized with {method!r}, which nvchat does not load; it reads "

@@ -84,11 +84,14 @@ class FusedMoE(nn.Module):
         else:
             self.register_parameter("w13_scale_inv", None)
             self.register_parameter("w2_scale_inv", None)
+        self._loaded: set[tuple[str, int, str]] = set()  # (parameter, expert, which) the checkpoint gave
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int, str]) -> None:
         """One expert's gate_proj, up_proj or down_proj (shard_id: (expert, "gate" | "up" |
         "down")), or its FP8 scales: this rank's rows of gate and up, its columns of down."""
         expert, which = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"is expert {expert}, but the config has {self.num_experts} experts")
         inter, rank = self.intermediate_size, self.tp.rank
         # (dimension split over the ranks, where this rank's part goes in the stacked weight)
         dim, at = (1, 0) if which == "down" else (0, 0 if which == "gate" else inter)
@@ -105,6 +108,17 @@ class FusedMoE(nn.Module):
         if shape_of(loaded)[dim] < start + size:
             raise ValueError(f"has {shape_of(loaded)[dim]} {('rows', 'columns')[dim]}, need {start + size}")
         copy_into(param.data[expert].narrow(dim, at, size), narrow(loaded, dim, start, size))
+        self._loaded.add((next(n for n, p in self.named_parameters() if p is param), expert, which))
+
+    def missing_weights(self) -> list[str]:
+        """The experts' weights no checkpoint tensor has filled, as checkpoint-style names."""
+        missing = []
+        for name, param in self.named_parameters():
+            kind = "weight_scale_inv" if name.endswith("_scale_inv") else "weight"
+            parts = ("down",) if name.startswith("w2") else ("gate", "up")
+            missing += [f"{e}.{which}_proj.{kind}" for e in range(self.num_experts) for which in parts
+                        if (name, e, which) not in self._loaded]
+        return missing
 
     def quantize(self, method: str) -> None:
         """"fp8": e4m3 with block scales per expert. The CPU quantizations (int8, int4) leave the
