@@ -70,11 +70,11 @@ def _scaled_tile(w_ptrs, mask, s_ptrs, s_mask, FP8: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, I, K, stride_x, stride_we, stride_wn, stride_se,
+def _gate_up_gemv_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_se,
                          stride_sn, stride_h, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
-    # One (token, chosen expert) pair and BLOCK_N of the expert's I columns: gate rows n and up
-    # rows I + n against the token's row, then silu(gate) * up.
+    # One (token, chosen expert) pair and BLOCK_N of the expert's N intermediate columns: gate rows
+    # n and up rows N + n against the token's row, then silu(gate) * up.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -83,11 +83,11 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, I, K, stride_x, st
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    n_ok = n < I
+    n_ok = n < N
     gate_at = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]
-    up_at = gate_at + I * stride_wn
+    up_at = gate_at + N * stride_wn
     gate_s_at = s_ptr + expert * stride_se + (n // SCALE_N) * stride_sn
-    up_s_at = s_ptr + expert * stride_se + ((n + I) // SCALE_N) * stride_sn
+    up_s_at = s_ptr + expert * stride_se + ((n + N) // SCALE_N) * stride_sn
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
