@@ -1,7 +1,8 @@
 """nvchat's inference engine: paged KV cache, prefix caching, continuous batching.
 
 The public API is `LLM` (batch generation and step-by-step control), `EngineThread` (the engine on a
-background thread, streaming to any number of callers), `SamplingParams` and `RequestStream`.
+background thread, streaming to any number of callers), `SamplingParams` (with `StructuredOutput`),
+`RequestStream`, and `TokenLogprobs` (what logprobs=N reports per token).
 
 The package is layered; a module imports only from layers below its own (tests/test_layering.py
 checks it), bottom to top:
@@ -30,6 +31,8 @@ _EXPORTS = {
     "RequestStream": "engine.request_stream",
     "Delta": "engine.request_stream",
     "SamplingParams": "engine.core.sampling_params",
+    "StructuredOutput": "engine.core.sampling_params",
+    "TokenLogprobs": "engine.core.sequence",
 }
 
 __all__ = list(_EXPORTS)
