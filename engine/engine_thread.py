@@ -125,6 +125,11 @@ class EngineThread:
     def max_model_len(self) -> int:
         return self.llm.config.max_model_len
 
+    @property
+    def recommended_sampling(self) -> dict:
+        """The sampling values the model's checkpoint recommends (LLM.recommended_sampling)."""
+        return self.llm.recommended_sampling
+
     def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
         with _template_errors_as_value_errors():
             return self.llm.count_chat_tokens(messages, enable_thinking)

@@ -22,6 +22,7 @@ import gc
 import threading
 from dataclasses import dataclass
 
+from engine.checkpoints.generation_defaults import recommended_sampling
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.sampling_params import SamplingParams
@@ -108,6 +109,9 @@ class LLM:
         self._byte_run_ids = byte_run_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
         self._eos_tuple = tuple(sorted(self.eos_ids))
+        # What the checkpoint recommends for sampling ({SamplingParams field: value}); not applied
+        # here: front ends offer it as their defaults.
+        self.recommended_sampling = recommended_sampling(self.config.model_path)
         self._grammars = None  # GrammarCompiler, made by the first request with structured output
         self.runner = self._make_runner()
         self.block_size = self.config.block_size

@@ -11,6 +11,16 @@ from nvchat import default_model, paths
 DEMO_MODEL = "demo"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer concisely."
 
+# What a chat samples with where neither config.toml, a flag nor the model's checkpoint says
+# (Settings.sampling_defaults). The repetition penalty (vLLM's: over the prompt and the reply) is
+# against SmolLM2-135M-Instruct's loops ("A sea of wonders, a sea of wonders...", issue 28);
+# benchmarks/bench_reply_loops.py counts them.
+FALLBACK_SAMPLING = dict(temperature=0.7, top_p=0.95, top_k=20, min_p=0.0, repetition_penalty=1.1,
+                         presence_penalty=0.0, frequency_penalty=0.0)
+# Sampling settings whose default is None ("not set"), with the type a set one must have.
+_SAMPLING_TYPES = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+                   "presence_penalty": float, "frequency_penalty": float}
+
 # Settings a user may put in config.toml, with the type each must have.
 _ENGINE_KEYS = ("model", "device", "dtype", "quantization", "tensor_parallel_size", "max_model_len", "max_num_seqs",
                 "gpu_memory_utilization", "enforce_eager", "max_prefill_chunk")
@@ -36,9 +46,15 @@ class Settings:
     # A long prompt is prefilled this many tokens per step, between other conversations' tokens.
     max_prefill_chunk: int = CHAT_PREFILL_CHUNK
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 20
+    # Sampling: None means not set here, so the model's recommendation applies, else
+    # FALLBACK_SAMPLING (sampling_defaults).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     max_tokens: int = 1024
     enable_thinking: bool | None = None
     theme: str = "nvchat-dark"
@@ -75,10 +91,18 @@ class Settings:
             kwargs["model"] = str(default_model.bundled_gguf())
         return kwargs
 
-    def sampling_params(self, **overrides) -> SamplingParams:
-        values = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens)
-        values.update(overrides)
-        return SamplingParams(**values)
+    def sampling_defaults(self, recommended: dict | None = None) -> dict:
+        """What a chat samples with unless it sets its own: each value as config.toml or a flag set
+        it, else as the model recommends (`recommended`: EngineThread.recommended_sampling), else
+        FALLBACK_SAMPLING's."""
+        recommended = recommended or {}
+        values = {name: getattr(self, name) if getattr(self, name) is not None else recommended.get(name, fallback)
+                  for name, fallback in FALLBACK_SAMPLING.items()}
+        values["max_tokens"] = self.max_tokens
+        return values
+
+    def sampling_params(self, recommended: dict | None = None, **overrides) -> SamplingParams:
+        return SamplingParams(**(self.sampling_defaults(recommended) | overrides))
 
     def updated(self, **changes) -> "Settings":
         """A copy with the given non-None values applied (command-line flags over the file)."""
@@ -93,6 +117,8 @@ def _check_types(data: dict, path: Path) -> None:
         if key not in known:
             raise SettingsError(f"{path}: unknown setting {key!r} (known: {', '.join(sorted(known))})")
         default = getattr(Settings(), key)
+        if key in _SAMPLING_TYPES:
+            default = _SAMPLING_TYPES[key]()
         if key == "keys":
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise SettingsError(f"{path}: [keys] must map binding ids to key strings")

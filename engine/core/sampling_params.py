@@ -100,7 +100,7 @@ class SamplingParams:
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {self.temperature}")
         if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):

@@ -7,8 +7,8 @@ import torch
 
 from engine.checkpoints.loader import init_random_weights, load_weights
 from engine.config import EngineConfig
-from engine.core.sampling_params import SamplingParams
-from engine.core.step_plan import StepPlan
+from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.core.step_plan import SampleContext, StepPlan
 from engine.distributed import collectives
 from engine.layers.attention import AttentionMetadata
 from engine.layers.attention_backends import make_backend
@@ -27,9 +27,13 @@ _CPU_KV_MAX_BYTES = 4 << 30
 _PREFILL_GRAPH_SEQS = 16
 # Decode graphs and the logits ladder stop at this many rows; bigger decode steps run eagerly.
 _DECODE_GRAPH_ROWS = 512
-# The costliest sampling a step can ask for (a sort over the vocabulary for top-k/top-p), which the
-# warmup runs to size the KV cache around its memory.
-_COSTLIEST_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+# The costliest sampling a step can ask for (the penalties' counts, logprobs' log_softmax and top 20,
+# a sort over the vocabulary for top-k/top-p), which the warmup runs to size the KV cache around
+# its memory.
+_COSTLIEST_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                                     frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
+# Its context: the penalties' token counts are [rows, vocab] whatever the history's length.
+_COSTLIEST_CONTEXT = SampleContext(array("q"), 0)
 
 
 class SampledTokens:
@@ -551,7 +555,8 @@ def _sampled_prefill_plan(tokens: int, rows: int, block_size: int, num_blocks: i
                     slot_mapping=[-1] * (rows * per_seq), cu_seqlens_q=[i * per_seq for i in range(rows + 1)],
                     context_lens=[per_seq] * rows,
                     block_tables=[[(i * blocks + j) % num_blocks for j in range(blocks)] for i in range(rows)],
-                    sample_rows=[(i + 1) * per_seq - 1 for i in range(rows)], sample_params=params, is_decode=False)
+                    sample_rows=[(i + 1) * per_seq - 1 for i in range(rows)], sample_params=params, is_decode=False,
+                    sample_contexts=[None] + [_COSTLIEST_CONTEXT] * (rows - 1))
 
 
 def _decode_plan(rows: int, sample: bool) -> StepPlan:
@@ -561,4 +566,4 @@ def _decode_plan(rows: int, sample: bool) -> StepPlan:
     return StepPlan(input_ids=[0] * rows, positions=[0] * rows, slot_mapping=[-1] * rows,
                     cu_seqlens_q=list(range(rows + 1)), context_lens=[1] * rows, block_tables=[[0]] * rows,
                     sample_rows=list(range(rows)) if sample else [], sample_params=params if sample else [],
-                    is_decode=True)
+                    is_decode=True, sample_contexts=[None] + [_COSTLIEST_CONTEXT] * (rows - 1) if sample else [])

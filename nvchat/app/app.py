@@ -467,7 +467,8 @@ class NvchatApp(App[None]):
         pane = self.active_pane
         if pane is None:
             return
-        defaults = {name: getattr(self.settings, name) for name, _, _ in SAMPLING_FIELDS}
+        defaults = {name: value for name, value in pane.conversation.sampling_defaults().items()
+                    if name in {field for field, _, _ in SAMPLING_FIELDS}}
 
         def chosen(sampling: dict | None) -> None:
             if sampling is not None:
