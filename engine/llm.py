@@ -15,6 +15,12 @@ free list, where any later user of them is queued behind step N+1 on the same st
 writes the K/V of the sequence's last token, whose block is never a committed (cached) one: a
 block is committed only once all its tokens are known, by the schedule of the step that computes
 it (a prompt's blocks) or when its last token lands (a completion's).
+
+A row under structured output needs its grammar's state after the token it runs on, which is still
+being sampled when its step is launched. So a step with such rows is launched without its sampling
+(the forward pass and the logits are queued), the step before is settled (each grammar takes its
+token), and then the masks are computed and the sampling queued, while the GPU runs the forward
+pass: constrained and unconstrained rows alike keep the overlap.
 """
 import atexit
 import dataclasses

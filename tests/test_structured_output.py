@@ -110,3 +110,19 @@ def test_smollm2_answers_any_json_object_request_with_a_json_object():
     assert outs[1]["token_ids"] == alone["token_ids"]
     assert outs[0]["finish_reason"] == "stop", outs[0]["text"]
     assert isinstance(json.loads(outs[0]["text"]), dict)
+
+
+def test_tensor_parallel_ranks_sample_deferred_steps_together(demo_model_path):
+    """A constrained step's sampling waits for its masks on rank 0; the workers join its tokens'
+    broadcast then. Two ranks on CPU (gloo) give what one does."""
+    prompts = ["json", "plain", "email"]
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_output=StructuredOutput(json_schema=SCHEMA)),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput(regex=REGEX))]
+    runs = []
+    for tp in (1, 2):
+        with LLM(demo_model_path, device="cpu", max_model_len=512, tensor_parallel_size=tp) as llm:
+            runs.append(llm.generate(prompts, params))
+    assert [o["token_ids"] for o in runs[1]] == [o["token_ids"] for o in runs[0]]
+    jsonschema.validate(json.loads(runs[1][0]["text"]), SCHEMA)
+    assert re.fullmatch(REGEX, runs[1][2]["text"])

@@ -84,12 +84,12 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    min_p: float = 0.0
     max_tokens: int = 64
-    min_tokens: int = 0
     ignore_eos: bool = False
     stop: list[str] | None = field(default=None)
     seed: int | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

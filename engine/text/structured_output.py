@@ -3,11 +3,12 @@ token masks that keep each constrained row's next token within it.
 
 Built on llguidance (Microsoft's, also a vLLM and llama.cpp backend). Against xgrammar and
 outlines-core on SmolLM2's tokenizer and a 151,669-token Qwen vocabulary
-(benchmarks/bench_grammar_libs.py, figures in benchmarks/RESULTS.md): it compiles a JSON schema, a
+(benchmarks/bench_grammar_libs.py, on a shared 2-core CPU box): it compiles a JSON schema, a
 regex or a grammar in 1-20 ms where xgrammar took 30-300 ms for JSON and about 2 s for a regex
 with a bounded repeat, and outlines-core 2.6-55 s (it has no grammars at all); its masks take
-20-50 us a token at the median where xgrammar's take 4-16, which the engine computes while the
-GPU runs the step's forward pass (engine.llm). Its one cost: building its view of the tokenizer
+20-50 us a token at the median (200-600 for a regex whose repeated class admits most tokens) where
+xgrammar's take 4-16, and the engine computes them while the GPU runs the step's forward pass
+(engine.llm). Its one cost: building its view of the tokenizer
 (all token bytes, a trie) takes seconds for a large vocabulary and holds the GIL throughout, so
 it is built once per engine, on first use or when prepare() is called.
 """
