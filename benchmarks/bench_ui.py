@@ -45,7 +45,7 @@ from benchmarks.thread_sampler import sample_current_thread
 from engine import EngineThread, RequestStream
 from engine.checkpoints.demo_model import ensure_demo_model
 from engine.core.block_manager import FREE, USED
-from engine.engine_thread import EngineSnapshot
+from engine.backend import BackendCapabilities, EngineSnapshot
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
 
 
@@ -89,9 +89,13 @@ def throughput(streams: list[RequestStream]) -> dict:
 
 
 class ReplayEngine:
-    """Stands in for EngineThread (submit, stats, shutdown): each request gets the next recorded
-    reply, one token per step, steps rate times a second. Its thread sleeps between steps, as the
-    engine thread waits on the GPU, and needs the GIL only briefly to hand tokens over."""
+    """Stands in for EngineThread as the app's Backend: each request gets the next recorded reply,
+    one token per step, steps rate times a second. Its thread sleeps between steps, as the engine
+    thread waits on the GPU, and needs the GIL only briefly to hand tokens over."""
+
+    # No tokenizer: conversations send their messages whole, as to a remote server.
+    capabilities = BackendCapabilities(model_name=None, context_length=None, tokenizes=False, block_stats=True)
+    fatal_error = None
 
     def __init__(self, replies: list[list[str]], rate: float, template: EngineSnapshot) -> None:
         self.replies, self.step_s, self.template = replies, 1 / rate, template
@@ -154,6 +158,9 @@ class ReplayEngine:
                                    decode_tokens_per_s=len(live) / self.step_s, prefill_tokens_per_s=0.0,
                                    kv_bytes_used=t.kv_bytes_total * at // max(1, t.num_blocks),
                                    block_states=bytes(states), block_holders=holders, taken_at=time.perf_counter())
+
+    def tokenize_chat(self, messages, enable_thinking=None) -> list[int]:
+        raise RuntimeError("a replay has no tokenizer")
 
     def stats(self) -> EngineSnapshot:
         return self._snapshot
@@ -299,10 +306,10 @@ def main() -> None:
     settings = BenchSettings(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                              max_num_seqs=max(16, args.tabs), max_tokens=args.max_tokens, temperature=0.8,
                              system_prompt=DEFAULT_SYSTEM_PROMPT)
-    kwargs = settings.engine_kwargs()
+    model, options = settings.engine_model(), settings.engine_options().keywords()
     if args.shape:
-        kwargs.update(model=str(shaped_demo_model(args.shape, scratch)), load_format="random")
-    engine = EngineThread(kwargs.pop("model"), **kwargs).start()
+        model, options["load_format"] = str(shaped_demo_model(args.shape, scratch)), "random"
+    engine = EngineThread(model, **options).start()
     cols, rows = (int(x) for x in args.size.split("x"))
     kv_panel = not args.no_kv_panel
     runs = []

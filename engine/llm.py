@@ -35,6 +35,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import PENDING_TOKEN, Sequence, TokenLogprobs
 from engine.core.step_plan import plan_step
+from engine.options import EngineOptions
 from engine.runner.model_runner import ModelRunner, SampledTokens
 from engine.runner.tp_runner import TensorParallelRunner
 from engine.text.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
@@ -91,23 +92,15 @@ class _Launched:
 
 
 class LLM:
-    def __init__(self, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
-                 max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
-                 gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-                 load_format="safetensors", prefill_cuda_graphs=None, quantization=None, async_scheduling=None,
-                 progress=None):
-        """progress: optional callable taking one string, told each start-up stage (for a UI).
-        async_scheduling: overlap each step's host work with the GPU (see the module docstring); on
-        by default. It can be turned off (set the attribute) between steps."""
+    def __init__(self, model, *, progress=None, **options):
+        """model: a checkpoint directory, a GGUF file or a Hub repo id. options: EngineOptions'
+        fields (engine/options.py) as keywords; an unknown one is a TypeError naming the valid ones.
+        progress: optional callable taking one string, told each start-up stage (for a UI).
+        async_scheduling can be turned off between steps by setting the attribute."""
+        self.options = EngineOptions.from_keywords("LLM", options)  # as given; self.config holds them resolved
         self._progress = progress or (lambda message: None)
         self._progress("reading the model config")
-        self.config = EngineConfig.create(
-            model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            attention_backend=attention_backend, max_prefill_chunk=max_prefill_chunk, load_format=load_format,
-            prefill_cuda_graphs=prefill_cuda_graphs, quantization=quantization, progress=self._progress)
+        self.config = EngineConfig.create(model, self.options, progress=self._progress)
         self._progress("loading the tokenizer")
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()
@@ -120,11 +113,11 @@ class LLM:
         self.recommended_sampling = recommended_sampling(self.config.model_path)
         self._grammars = None  # GrammarCompiler, made by the first request with structured output
         self.runner = self._make_runner()
-        self.block_size = self.config.block_size
+        self.block_size = self.config.kvcache_block_size
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.max_prefill_chunk)
-        self.async_scheduling = True if async_scheduling is None else async_scheduling
+        self.async_scheduling = self.config.async_scheduling
         self._inflight: _Launched | None = None
         self._closed = False
         self.last_step_tokens = (0, 0)  # (prefill, decode) tokens run by the last step launched
@@ -181,7 +174,9 @@ class LLM:
         with self._tokenizer_lock:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
-    def _chat_ids(self, messages: list[dict], enable_thinking: bool | None) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+        """Chat messages as prompt token ids, not yet checked against the model and cache limits
+        (encode() checks them): for fitting a conversation to max_model_len."""
         # The template writes the special tokens it wants (a Llama-2 or Mistral one starts with
         # <s>): the tokenizer's own BOS on top would make two, so none is added, as HF's
         # apply_chat_template(tokenize=True) does.
@@ -191,11 +186,7 @@ class LLM:
 
     def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
         """Chat messages as prompt token ids, checked as encode() checks them."""
-        return self.encode(self._chat_ids(messages, enable_thinking))
-
-    def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
-        """How many prompt tokens the chat messages make: for fitting a conversation to max_model_len."""
-        return len(self._chat_ids(messages, enable_thinking))
+        return self.encode(self.tokenize_chat(messages, enable_thinking))
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
         """A checked, tokenized request, not yet queued; safe to call from any thread. With

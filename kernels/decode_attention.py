@@ -352,7 +352,7 @@ def _sm_count(device_index: int) -> int:
 def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
     """Enough splits to give every SM about four programs, but none shorter than MIN_SPLIT_TOKENS
     of the table's capacity. Static in shapes, so a captured graph keeps its grid. Four, not two:
-    in bench_latency (H200, RESULTS.md eleventh session) batches 2, 4 and 8 at 4096 context took
+    in bench_latency (H200) batches 2, 4 and 8 at 4096 context took
     1.22, 1.45 and 2.00 ms per step against 1.27, 1.60 and 2.12 with two, and batch 8 at 512 took
     1.235 against 1.19: the grid is fixed by the table's capacity, not the context, so one count
     serves both, and the long contexts a conversation grows into gain more."""

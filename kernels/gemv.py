@@ -10,7 +10,7 @@ projections spread over every SM with many loads in flight. It also beat or tied
 projection of the 1.7B, 4B and 8B shapes (8B: 99 against 108 us per layer; bench_gemv).
 
 Two to eight rows (two to eight chat streams) must load each weight tile once and use it for every
-row. Two kernels do that, each best somewhere (bench_gemv --rows-sweep, RESULTS.md tenth session):
+row. Two kernels do that, each best somewhere (bench_gemv --rows-sweep, on an H100 and an H200):
 - _gemv_rows_dot_kernel puts a [BLOCK_N, BLOCK_K] weight tile against x's rows (padded to the 16
   an MMA takes) on the tensor cores: the arithmetic is free, and x comes in once per tile. Its
   tiles need 16+ weight rows each, so a 1024-row projection gets only 64 programs.
@@ -31,8 +31,8 @@ fusions and PDL cut that:
   to the whole row, and lost more than the launch it saved.
 - PDL (kernels/pdl.py): a program loads its first weight tile(s), which no kernel writes, before
   waiting on the kernel before, so they stream in while that one finishes.
-What paid (bench_gemv --fused, 28 layers' projections in a graph, H200, RESULTS.md eleventh
-session): PDL, 22.5 -> 16.6 µs per layer at one row. With PDL the fusions are a wash at one row
+What pays (bench_gemv --fused, 28 layers' projections in a graph, H200): PDL, 22.5 -> 16.6 µs per
+layer at one row. With PDL the fusions are a wash at one row
 (16.6 either way) and slower at 2-8 rows (the fused row kernels read x, the residual and the norm
 weight again in every program); without PDL (GPUs before Hopper) they save 2.9 µs per layer at
 one row. So the engine fuses at one row only (engine/layers/linear.py).
@@ -225,7 +225,7 @@ _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 
 def launch_config(N: int, K: int, rows: int = 1, silu: bool = False) -> tuple[str, int, int, int, int]:
     """(kernel, block_n, block_k, num_warps, num_stages) from sweeps of Qwen3-0.6B's projections
-    (one row and, with PDL, 2-8 rows on an H200; RESULTS.md): "one" (the one-row kernel), "fma" or
+    (bench_gemv's sweeps: one row and, with PDL, 2-8 rows on an H200): "one" (the one-row kernel), "fma" or
     "dot" (the row kernels). N counts W's rows; with silu a program takes block_n rows each of gate
     and up, so it gets half as many (the same weight per program)."""
     if rows == 1:

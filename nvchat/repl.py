@@ -18,7 +18,8 @@ from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
 from prompt_toolkit.key_binding import KeyBindings, KeyPress
 from prompt_toolkit.keys import Keys
 
-from engine import EngineThread, RequestStream
+from engine import RequestStream
+from engine.backend import Backend
 from nvchat import paths, repl_commands, slash_commands
 from nvchat.backend import model_name, open_backend
 from nvchat.conversation import Conversation, first_line
@@ -56,7 +57,7 @@ def _key_bindings() -> KeyBindings:
 
 
 class Repl:
-    def __init__(self, engine: EngineThread, settings: Settings, *, store: ChatStore | None,
+    def __init__(self, engine: Backend, settings: Settings, *, store: ChatStore | None,
                  out: TextIO | None = None, history: History | None = None, input=None, output=None,
                  model_name: str | None = None, note: str | None = None):
         """out: where replies and messages go (default stdout); input/output: prompt-toolkit's

@@ -55,5 +55,5 @@ def test_penalties_in_config_toml_are_checked(tmp_path):
     path.write_text("repetition_penalty = 1.2\npresence_penalty = 0.5\nmin_p = 0.05\n")
     assert load_settings(path).sampling_params().repetition_penalty == 1.2
     path.write_text('repetition_penalty = "high"\n')
-    with pytest.raises(SettingsError, match="repetition_penalty must be a float"):
+    with pytest.raises(SettingsError, match="repetition_penalty must be"):
         load_settings(path)

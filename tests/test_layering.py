@@ -10,8 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "kernels", "nvchat", "themes", "benchmarks")
 # Bottom to top, as engine/__init__.py's docstring lists them.
-ENGINE_LAYERS = ("core", "distributed", "layers", "models", "checkpoints", "text", "config", "runner", "llm",
-                 "request_stream", "engine_thread")
+ENGINE_LAYERS = ("options", "core", "distributed", "layers", "models", "checkpoints", "text", "config", "runner",
+                 "llm", "request_stream", "backend", "engine_thread")
 # What an import inside a function must say about itself, on its line or in the comment above it.
 REASON = re.compile(r"#.*\b(start-up|optional)\b", re.IGNORECASE)
 
@@ -185,4 +185,13 @@ def test_the_scheduling_core_loads_without_torch():
     import sys
     code = ("import sys, engine.core.scheduler, engine.core.step_plan; "
             "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_the_command_line_and_the_backend_interface_load_without_torch():
+    """`nvchat --help`, a bad flag, and a remote backend's modes need no torch (seconds to import)."""
+    import subprocess
+    import sys
+    code = ("import sys, engine.options, engine.backend, nvchat.cli, nvchat.flags, nvchat.conversation, "
+            "nvchat.remote_backend, nvchat.backend; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

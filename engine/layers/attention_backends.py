@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers import paged_attention_torch as torch_ref
-
-BACKENDS = ("torch", "triton", "flash_attn")
+from engine.options import ATTENTION_BACKENDS
 
 
 class TorchBackend:
@@ -128,8 +127,8 @@ def default_backend(device_type: str) -> str:
 
 
 def make_backend(name: str, device_type: str, block_size: int):
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "torch":
         return TorchBackend()
     if name == "triton":

@@ -89,7 +89,7 @@ class _Linear(nn.Module):
         # Not with a quantized weight or a bias (Qwen2's qkv), nor where the norm also sums the
         # ranks' partial outputs (tensor parallel, reduce_slot).
         # One row only: at 2-8 rows the fused row kernels ran 5-7 µs per layer slower than the norm
-        # and SiLU-mul kernels beside the plain GEMVs (bench_gemv --fused, H200, RESULTS.md).
+        # and SiLU-mul kernels beside the plain GEMVs (bench_gemv --fused, H200).
         return (self.fused and norm.fused and (act is None or act.fused) and self.quantized is None
                 and self.bias is None and norm.reduce_slot is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
                 and x.dtype == norm.weight.dtype

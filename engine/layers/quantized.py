@@ -10,7 +10,6 @@ from the float model's by the rounding: not bit-exact against HF.
 import torch
 import torch.nn.functional as F
 
-QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP = 32
 
 

@@ -2,9 +2,9 @@
 
 The point is how few torch calls a decode step makes. Each one lets go of the GIL and has to win
 it back. While the app's UI thread draws, each win costs the engine thread tens of µs, so a busy
-UI slows generation in proportion to the calls per step, not only their own host time
-(RESULTS.md, eighth session). A decode step through the general path made about 32. Here it
-makes six:
+UI slows generation in proportion to the calls per step, not only their own host time: beside a
+thread running Python in 40 ms bursts, 8 streams kept 81% of their rate at the general path's ~32
+torch calls a step and 88% at six (bench_gil_contention, H200). Here a decode step makes six:
 - the host writes all of a step's inputs, at the fixed offsets of its bucket, into a pinned
   buffer (plain memory writes, no torch call), and one copy moves them to the device;
 - the captured graph reads them where they land, and takes each pending input id (a token the

@@ -23,7 +23,7 @@ _CPU_KV_MAX_BYTES = 4 << 30
 # Prefill graphs hold this many sequence slots at most; bigger mixed batches run eagerly (they are
 # decode-heavy, and their GPU time hides the launch cost anyway). Every slot costs the prefill
 # kernel programs that find no queries and exit: at 64 slots a 128-token mixed step paid ~2 ms
-# for them on the H200 (RESULTS.md), more than a chat's handful of tabs ever needs.
+# for them on the H200 (profile_step), more than a chat's handful of tabs ever needs.
 _PREFILL_GRAPH_SEQS = 16
 # Decode graphs and the logits ladder stop at this many rows; bigger decode steps run eagerly.
 _DECODE_GRAPH_ROWS = 512
@@ -106,7 +106,7 @@ def _use_cpu_threads() -> None:
     """On CPU, torch's matmuls use one thread fewer than the cores the process may run on, leaving
     one to the engine's own Python work and to an app's UI thread. With every core in torch's pool,
     each op waits at its barrier for whichever worker another thread displaced: on a 2-core box with
-    other work running, batch-1 decode of SmolLM2-135M fell from 9 to 0.6 tok/s (RESULTS.md).
+    other work running, batch-1 decode of SmolLM2-135M ran at 0.6 tok/s on 2 threads against 9 on 1.
     OMP_NUM_THREADS, when set, is the user's choice and stands."""
     if "OMP_NUM_THREADS" in os.environ:
         return
@@ -127,7 +127,7 @@ class ModelRunner:
         progress = progress or (lambda message: None)
         self.config = config
         self.rank = rank
-        self.block_size = config.block_size
+        self.block_size = config.kvcache_block_size
         # Rank r runs on the r-th GPU counted from the one asked for (cuda:2 with TP=2 is GPUs 2 and 3).
         base = config.device.index or 0
         self.device = torch.device("cuda", base + rank) if config.device.type == "cuda" else config.device
@@ -156,14 +156,15 @@ class ModelRunner:
         if config.quantization is not None:
             self.model.quantize(config.quantization)
         self.model.eval()
-        self.backend = make_backend(config.attention_backend, self.device.type, config.block_size)
+        self.backend = make_backend(config.attention_backend, self.device.type, config.kvcache_block_size)
         self.attention_layers = self.model.attention_layers()
         for attn in self.attention_layers:
             attn.backend = self.backend
         attn0 = self.attention_layers[0]
         self.backend.setup(config.dtype, attn0.head_dim, attn0.num_heads, attn0.num_kv_heads, self.device)
         if self.backend.name == "triton":
-            # The fused Triton norm, RoPE and SiLU kernels beat torch eager on the H200 (RESULTS.md).
+            # The fused Triton norm, RoPE and SiLU kernels beat torch eager on the H200 (bench_kernels,
+            # 256 tokens in a CUDA graph: 6.56 / 7.46 / 6.69 µs against 25.41 / 41.92 / 12.86).
             for module in self.model.modules():
                 if hasattr(type(module), "fused"):
                     module.fused = True
@@ -278,7 +279,7 @@ class ModelRunner:
         fragmentation around them. The fragmentation varies from run to run with what it holds
         cached: with Qwen3-0.6B's 256 sampled rows, reservations ran 0.013-0.080 GiB over the
         allocated peak in the warmup and 0.049-0.070 GiB (3.5-5% of it) in the GPU memory test's
-        steps, on the H100 and the H200 (RESULTS.md, eleventh session). So what the warmup saw is
+        steps, on the H100 and the H200 (the GPU memory test and an allocator probe). So what the warmup saw is
         counted twice, and never less than a 16th of the allocated peak."""
         before = self._settled_reserved()
         allocated_before = torch.cuda.memory_allocated(self.device)
@@ -333,7 +334,7 @@ class ModelRunner:
         one-row GEMV, for one), and the device memory they first take (CUDA loads code lazily)
         lies outside torch's allocator and stays after the graphs are dropped. Capturing only the largest graphs and counting torch's pool
         missed 0.027 GiB of it (H100, Qwen3-0.6B shape), which took the GPU memory test past its
-        budget (RESULTS.md, tenth session). What this first capture loads stays loaded, so it is
+        budget (by 0.032 GiB on an H200). What this first capture loads stays loaded, so it is
         also in the "used" figure measured after it: counted twice, up to ~0.13 GiB the first time
         a process builds an engine."""
         before = self._settled_use()

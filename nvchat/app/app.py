@@ -31,7 +31,8 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Header, TabbedContent, TabPane, Tabs
 
-from engine import EngineThread, RequestStream
+from engine import RequestStream
+from engine.backend import Backend
 from nvchat import paths
 from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
 from nvchat.app.chat_pane import ChatPane
@@ -96,10 +97,10 @@ class NvchatApp(App[None]):
     # The engine thread lets go of the GIL while it waits on the GPU and must take it back to run
     # its Python; while the UI thread is busy each take waits up to one switch interval: at
     # Python's default 5 ms, 8 streams on an H200 ran 2.7x slower with the app attached
-    # (RESULTS.md). Set while the app is mounted.
+    # (bench_ui). Set while the app is mounted.
     GIL_SWITCH_INTERVAL_S = 0.0005
 
-    def __init__(self, settings: Settings, *, engine: EngineThread | None = None, store: ChatStore | None = None):
+    def __init__(self, settings: Settings, *, engine: Backend | None = None, store: ChatStore | None = None):
         """engine / store: already running ones to use (and leave running), e.g. shared by tests;
         by default the app builds its own from settings and shuts them down when it exits."""
         super().__init__()
@@ -222,7 +223,7 @@ class NvchatApp(App[None]):
             return
         self._to_ui(self._backend_ready, engine, store)
 
-    async def _backend_ready(self, engine: EngineThread, store: ChatStore) -> None:
+    async def _backend_ready(self, engine: Backend, store: ChatStore) -> None:
         self.engine, self.store = engine, store
         typed = self._loading.typed if self._loading is not None else ""
         if self._loading is not None and self.screen is self._loading:
@@ -590,7 +591,7 @@ class NvchatApp(App[None]):
             pane.stop_draft_timer()
         await asyncio.to_thread(self._close_backend, self.engine, self.store, live, drafts)
 
-    def _close_backend(self, engine: EngineThread | None, store: ChatStore | None,
+    def _close_backend(self, engine: Backend | None, store: ChatStore | None,
                        live: list[tuple[Conversation, RequestStream]],
                        drafts: list[tuple[Conversation, str]] = ()) -> None:
         """Stops replies still running (keeping their text), stores what each chat had typed and not
