@@ -48,7 +48,6 @@ from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.messages import ChatStateChanged, ReplyStarted, SlashCommandSubmitted
 from nvchat.app.pacing import DrawPacer, FullCollectionDeferral
 from nvchat.app.rename_screen import RenameScreen
-from nvchat.app.sampling_screen import FIELDS as SAMPLING_FIELDS
 from nvchat.app.sampling_screen import SamplingScreen
 from nvchat.app.slash import run_command
 from nvchat.app.system_prompt_screen import SystemPromptScreen
@@ -468,8 +467,7 @@ class NvchatApp(App[None]):
         pane = self.active_pane
         if pane is None:
             return
-        defaults = {name: value for name, value in pane.conversation.sampling_defaults().items()
-                    if name in {field for field, _, _ in SAMPLING_FIELDS}}
+        defaults = pane.conversation.sampling_defaults()  # the dialog's fields, each as the chat follows it
 
         def chosen(sampling: dict | None) -> None:
             if sampling is not None:
