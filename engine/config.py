@@ -113,10 +113,15 @@ class EngineConfig:
                 raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's quantized weight kernels); "
                                  f"on {device.type} leave it unset")
         if prefill_cuda_graphs is None:
-            prefill_cuda_graphs = attention_backend != "flash_attn"
+            # The torch backend's prefill reads context lengths on the host (on CPU nothing is captured).
+            prefill_cuda_graphs = attention_backend != "flash_attn" and not (
+                attention_backend == "torch" and device.type == "cuda")
         if prefill_cuda_graphs and attention_backend == "flash_attn":
             raise ValueError("prefill_cuda_graphs needs attention_backend='triton': flash-attn's varlen call "
                              "reads the longest context on the host, which a CUDA graph can't capture")
+        if prefill_cuda_graphs and attention_backend == "torch" and device.type == "cuda":
+            raise ValueError("prefill_cuda_graphs needs attention_backend='triton': the torch backend's prefill "
+                             "reads each sequence's context length on the host, which a CUDA graph can't capture")
         if dtype is None:
             ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
             dtype = parse_dtype(ckpt_dtype) if device.type == "cuda" else torch.float32
