@@ -20,6 +20,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+from triton.runtime import driver  # noqa: E402
+
 from engine.layers import paged_attention_torch as ref  # noqa: E402
 from kernels import decode_attention, gemv, launch_limits, prefill_attention  # noqa: E402
 from tests.gpu.test_kernels_gpu import make_paged_kv  # noqa: E402
@@ -33,7 +35,6 @@ HEAD_DIM = 128
 
 
 def test_the_limits_are_the_ones_triton_checks_launches_against():
-    from triton.runtime import driver
     limits = launch_limits.device_limits(torch.device("cuda"))
     props = driver.active.utils.get_device_properties(torch.cuda.current_device())
     assert (limits.max_shared_mem, limits.max_registers) == (props["max_shared_mem"], props["max_num_regs"])
