@@ -383,6 +383,7 @@ def shared_memory(config: tuple[int, int, int, int], group: int, head_dim: int, 
     return attend + merge
 
 
+@functools.cache  # every launch asks: the search stays off the decode step's host path
 def launch_config(dtype: torch.dtype, head_dim: int, group: int, limits: launch_limits.DeviceLimits | None
                   ) -> tuple[int, int, int, int]:
     """(BLOCK_N, num_warps, num_stages, merge tile). The tuned configuration from

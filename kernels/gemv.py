@@ -39,6 +39,7 @@ one row. So the engine fuses at one row only (engine/layers/linear.py).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -254,6 +255,7 @@ def shared_memory(config: tuple[str, int, int, int, int], rows: int, silu: bool,
     return num_stages * (weight + x) * itemsize
 
 
+@functools.cache  # every launch asks: the search stays off the decode step's host path
 def launch_config(N: int, K: int, rows: int = 1, silu: bool = False, *, dtype: torch.dtype = torch.bfloat16,
                   norm: bool = False, limits: launch_limits.DeviceLimits | None = None
                   ) -> tuple[str, int, int, int, int]:

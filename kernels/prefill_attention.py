@@ -13,6 +13,7 @@ steps runs exactly the units of the step it replays: a padding slot or a decode 
 idle programs, and a long key range is split (then merged by log-sum-exp) only where the queries
 alone would leave SMs idle, such as a prompt chunk or a short turn after a long cached prefix.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,7 @@ def _tiles(rows: int, group: int) -> tuple[int, int]:
     return block_q, block_q * group_pad
 
 
+@functools.cache  # every launch and every step's plan ask: the search stays off the host path
 def launch_config(dtype: torch.dtype, head_dim: int, group: int, tokens: int,
                   limits: launch_limits.DeviceLimits | None, block_m: int | None = None) -> LaunchConfig:
     """The launch for a step of `tokens` query tokens (a CUDA graph's bucket size, or the eager
