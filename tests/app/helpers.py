@@ -9,8 +9,13 @@ from textual.keys import _character_to_key
 from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
 
+# How long a wait may take before it counts as a hang. Generous: a passing test never waits this
+# long, and the app's replies slow many times over on a loaded 2-core box (30 s for a 400-token
+# reply timed out with two test runs beside other work).
+PATIENCE_S = 60.0
 
-async def wait_for(pilot, condition, timeout: float = 20.0, what: str = "condition") -> None:
+
+async def wait_for(pilot, condition, timeout: float = PATIENCE_S, what: str = "condition") -> None:
     """Lets the app run until condition() holds (bounded, so a hang fails instead of stalling CI)."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -19,7 +24,7 @@ async def wait_for(pilot, condition, timeout: float = 20.0, what: str = "conditi
         await pilot.pause(0.02)  # the poll's interval, not a wait for anything
 
 
-async def handled(pilot, *widgets, timeout: float = 20.0) -> None:
+async def handled(pilot, *widgets, timeout: float = PATIENCE_S) -> None:
     """Until each widget (the app by default) has handled every message queued on it so far: a
     callback queued behind them has run. Pilot.pause() does this for the whole screen and then also
     waits for the process to go idle, which it never does while the engine generates (so each
@@ -37,14 +42,14 @@ async def handled(pilot, *widgets, timeout: float = 20.0) -> None:
 
 async def started(pilot) -> NvchatApp:
     app = pilot.app
-    await wait_for(pilot, lambda: app.ready, 60, "the engine and store to start")
+    await wait_for(pilot, lambda: app.ready, 2 * PATIENCE_S, "the engine and store to start")
     # Drained: what the first chat's start queued (its tab's activation, the footer's new keys) is
     # handled before a test's first key or snapshot.
     await pilot.pause()
     return app
 
 
-async def idle(pilot, pane, timeout: float = 30.0) -> None:
+async def idle(pilot, pane, timeout: float = 2 * PATIENCE_S) -> None:
     await wait_for(pilot, lambda: not pane.busy, timeout, "the reply to finish and be stored")
 
 

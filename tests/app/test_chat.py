@@ -753,13 +753,13 @@ async def test_engine_failure_becomes_a_notification(make_app, monkeypatch):
 
         monkeypatch.setattr(runner, "execute", failing_execute)
         await send(pilot, "this reply will break")
-        await wait_for(pilot, lambda: not pane.busy, 60, "the reply to end")
+        await wait_for(pilot, lambda: not pane.busy, what="the reply to end")
         await wait_for(pilot, lambda: any("injected GPU fault" in n.message for n in app._notifications),
                        what="an error notification")
         notice = next(n for n in app._notifications if "injected GPU fault" in n.message)
         assert notice.severity == "error"
         # The app and the engine carry on: the next message gets a reply.
         await send(pilot, "and now?")
-        await wait_for(pilot, lambda: not pane.busy, 60, "the next reply")
+        await wait_for(pilot, lambda: not pane.busy, what="the next reply")
         assert pane.conversation.messages[-1].role == "assistant"
         assert pane.conversation.messages[-1].stats["finish_reason"] == "length"
