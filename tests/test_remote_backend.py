@@ -5,7 +5,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from nvchat.server.app import ServerState, create_app
 from nvchat.settings import Settings
 from nvchat.slash_table import NO_BLOCK_STATS
 from tests.serving import serving
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT = [{"role": "user", "content": "Hello there"}]
@@ -71,10 +71,8 @@ def test_abort_ends_the_stream_and_frees_the_servers_blocks(backend, engine):
     assert first.text
     stream.abort()
     assert stream.wait(30) and stream.finish_reason == "abort"
-    deadline = time.monotonic() + 30
-    while engine.stats().num_used_blocks or engine.stats().num_running:
-        assert time.monotonic() < deadline, "the server kept the aborted request"
-        time.sleep(0.02)
+    wait_until(lambda: not (engine.stats().num_used_blocks or engine.stats().num_running), 30,
+               "the server to drop the aborted request")
     assert stream.num_completion_tokens < 400
 
 

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ import pytest
 from engine import EngineThread
 from nvchat.server.app import ServerState, create_app
 from tests.serving import serving
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_ARGS = dict(device="cpu", max_model_len=256, max_num_seqs=16)
@@ -58,13 +58,10 @@ def client(server):
 
 def wait_idle(engine, timeout=30.0):
     """Until the engine has no request and holds no block (its snapshot trails by a step)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def idle_snapshot():
         snap = engine.stats()
-        if snap.num_running == snap.num_waiting == 0 and snap.num_used_blocks == 0:
-            return snap
-        time.sleep(0.02)
-    raise AssertionError(f"the engine is still busy: {engine.stats()}")
+        return snap if snap.num_running == snap.num_waiting == 0 and snap.num_used_blocks == 0 else None
+    return wait_until(idle_snapshot, timeout, "the engine to have no request and hold no block")
 
 
 def test_chat_streamed_equals_non_streamed(client):
@@ -169,10 +166,7 @@ def test_a_client_that_leaves_a_non_streamed_request_aborts_it(server, engine):
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        deadline = time.monotonic() + 30
-        while not (submitted and submitted[0].num_completion_tokens):
-            assert time.monotonic() < deadline, "the request never started generating"
-            time.sleep(0.01)
+        wait_until(lambda: submitted and submitted[0].num_completion_tokens, 30, "the request to start generating")
     # The connection is closed while the reply is far from done.
     assert submitted[0].wait(30) and submitted[0].finish_reason == "abort"
     assert submitted[0].num_completion_tokens < 220

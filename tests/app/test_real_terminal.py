@@ -2,7 +2,6 @@
 import json
 import signal
 import sqlite3
-import time
 
 import pytest
 
@@ -85,9 +84,7 @@ def test_plain_mode_says_in_one_line_when_it_cannot_keep_conversations(nvchat_on
     (tmp_path / "data").write_text("a file where the data directory would go")
     repl = nvchat_on_a_pty("--plain")
     assert repl.process.wait(60) == 1
-    deadline = time.monotonic() + 10
-    while "\n" not in repl.output.partition("nvchat: can't")[2] and time.monotonic() < deadline:
-        time.sleep(0.05)  # the last bytes the process wrote, still on their way through the terminal
+    repl.wait_output_read()
     lines = [line for line in repl.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"nvchat: can't keep conversations in {tmp_path / 'data'}"), \
         repl.output

@@ -1,9 +1,10 @@
 """SVG snapshots of screens that look the same every run (pytest --snapshot-update regenerates
 them under __snapshots__/; review the SVGs before committing)."""
 from nvchat.app import NvchatApp
+from nvchat.app.kv_panel import Counters, KVPanel
 from nvchat.app.prompt_input import PromptInput
 from tests.app.conftest import app_settings
-from tests.app.helpers import started
+from tests.app.helpers import started, wait_for
 
 SIZE = (100, 32)
 
@@ -13,7 +14,9 @@ def settle(*keys: str):
         await started(pilot)
         pilot.app.query_one(PromptInput).cursor_blink = False  # a blinking cursor is a coin toss
         await pilot.press(*keys)
-        await pilot.pause(0.3)
+        panels = pilot.app.screen.query(KVPanel)  # none under a dialog
+        await wait_for(pilot, lambda: all(not panel.display or panel.query_one(Counters).text for panel in panels),
+                       what="the KV panel's numbers")
     return run_before
 
 
