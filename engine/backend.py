@@ -45,6 +45,14 @@ class EngineSnapshot:
     block_states: bytes  # one byte per block, codes as in engine.core.block_manager
     block_holders: dict[int, list[int]]  # request id -> block ids it holds
     taken_at: float
+    # The KV cache's lower tiers (engine/core/kv_tiers.py): prompt tokens whose K/V came back from
+    # each (prefix_hit_tokens counts them too), and each one's use and size; zero where one is off.
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    host_bytes_used: int = 0
+    host_bytes_total: int = 0
+    disk_bytes_used: int = 0
+    disk_bytes_total: int = 0
 
     @property
     def num_used_blocks(self) -> int:

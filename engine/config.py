@@ -1,4 +1,5 @@
 """EngineConfig: the engine's options (engine/options.py) resolved against the machine and the checkpoint."""
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,43 @@ def _parse_device(device) -> torch.device:
     return parsed
 
 
+def _available_ram_bytes() -> int:
+    """What the kernel reckons it can hand out without swapping (MemAvailable), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _default_host_cache_gib(device: torch.device) -> float:
+    """A quarter of the free RAM with a GPU: pinned for fast copies, and allocated only as blocks
+    arrive (engine/runner/kv_tiers.py). Nothing on CPU: there the device's cache is in RAM already, and
+    a second pool in the same RAM holds less than growing the first (num_kvcache_blocks) would,
+    behind a copy."""
+    if device.type != "cuda":
+        return 0.0
+    return round(_available_ram_bytes() / 4 / 2**30, 2)
+
+
+def _check_disk_cache_dir(path: Path) -> None:
+    """Creates the directory if need be; a ValueError naming it if it can't be written to."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        problem = None if os.access(path, os.W_OK | os.X_OK) else "not writable"
+    except OSError as e:
+        problem = e.strerror or str(e)
+    if problem:
+        raise ValueError(f"disk_cache_dir {path} can't be used ({problem}); name another directory, or set "
+                         "disk_cache_gib to 0 to keep no KV blocks on disk")
+
+
 @dataclass(kw_only=True)
 class EngineConfig(EngineOptions):
     """The engine's options resolved and checked once, against the machine and the checkpoint: the
@@ -59,6 +97,8 @@ class EngineConfig(EngineOptions):
     kvcache_block_size: int
     attention_backend: str
     prefill_cuda_graphs: bool
+    host_cache_gib: float
+    disk_cache_dir: Path | None  # None: the disk tier is off (no directory, or disk_cache_gib=0)
     # quantization stays an option's value, "auto" and "none" decided: "int8" or "int4" (CPU,
     # engine/layers/quantized.py), "fp8" (block-wise FP8 on CUDA, engine/layers/fp8.py: a block-FP8
     # checkpoint's own, kept by default on a GPU that has FP8, or quantized at load time), or None:
@@ -79,6 +119,10 @@ class EngineConfig(EngineOptions):
             raise ValueError("device='cuda' asked for, but no CUDA device is available")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        disk_cache_dir = None
+        if options.disk_cache_dir is not None and options.disk_cache_gib > 0:
+            disk_cache_dir = Path(options.disk_cache_dir).expanduser().resolve()
+            _check_disk_cache_dir(disk_cache_dir)
         path = resolve_model_path(model, progress)
         gguf = None
         if path.is_file():  # a GGUF file (resolve_model_path refuses other files)
@@ -132,9 +176,13 @@ class EngineConfig(EngineOptions):
         backend = options.attention_backend or default_backend(device.type)
         block_size = options.kvcache_block_size or (256 if backend == "flash_attn" else 16)
 
+        host_cache_gib = options.host_cache_gib
+        if host_cache_gib is None:
+            host_cache_gib = _default_host_cache_gib(device)
+
         resolved = dict(device=device, dtype=dtype, max_model_len=max_model_len, kvcache_block_size=block_size,
                         attention_backend=backend, prefill_cuda_graphs=bool(prefill_cuda_graphs),
-                        quantization=quantization)
+                        quantization=quantization, host_cache_gib=host_cache_gib, disk_cache_dir=disk_cache_dir)
         return cls(**{**options.keywords(), **resolved}, model_path=path, hf_config=hf_config,
                    architecture=architecture)
 

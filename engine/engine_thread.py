@@ -251,4 +251,6 @@ class EngineThread:
             kv_bytes_total=s.num_blocks * block_bytes, kv_bytes_used=s.num_used_blocks * block_bytes,
             block_states=bytes(llm.blocks.states),
             block_holders={seq.seq_id: list(seq.block_table) for seq in llm.scheduler.running},
-            taken_at=time.perf_counter())
+            taken_at=time.perf_counter(), host_hit_tokens=s.host_hit_tokens, disk_hit_tokens=s.disk_hit_tokens,
+            host_bytes_used=s.host_blocks * block_bytes, host_bytes_total=s.host_capacity_blocks * block_bytes,
+            disk_bytes_used=s.disk_bytes, disk_bytes_total=s.disk_capacity_bytes)

@@ -21,6 +21,10 @@ being sampled when its step is launched. So a step with such rows is launched wi
 (the forward pass and the logits are queued), the step before is settled (each grammar takes its
 token), and then the masks are computed and the sampling queued, while the GPU runs the forward
 pass: constrained and unconstrained rows alike keep the overlap.
+
+With host_cache_gib or disk_cache_dir, the KV cache has lower tiers (engine/core/kv_tiers.py):
+each step's copies between them are queued ahead of the step (runner.transfer), and once the engine
+is idle its cached blocks are written to disk in the background.
 """
 import atexit
 import dataclasses
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from engine.checkpoints.generation_defaults import recommended_sampling
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
+from engine.core.kv_tiers import DiskTier, KVTiers
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import PENDING_TOKEN, Sequence, TokenLogprobs
@@ -40,6 +45,11 @@ from engine.runner.model_runner import ModelRunner, SampledTokens
 from engine.runner.tp_runner import TensorParallelRunner
 from engine.text.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
 from engine.text.tokenizer import eos_token_ids, load_tokenizer
+
+
+# With nothing to run but a prompt whose blocks are being read from disk, step() waits this long
+# at most for a read to end before it returns.
+_IO_WAIT_S = 0.05
 
 
 @atexit.register
@@ -60,6 +70,14 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
+    # The lower tiers (engine/core/kv_tiers.py): prompt tokens whose K/V came back from each (all
+    # counted in prefix_hit_tokens too), and their use; zeros where a tier is off.
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    host_blocks: int = 0
+    host_capacity_blocks: int = 0
+    disk_bytes: int = 0
+    disk_capacity_bytes: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -115,8 +133,9 @@ class LLM:
         self.runner = self._make_runner()
         self.block_size = self.config.kvcache_block_size
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size)
+        self.tiers = self._make_tiers()
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.config.max_prefill_chunk)
+                                   self.config.max_prefill_chunk, self.tiers)
         self.async_scheduling = self.config.async_scheduling
         self._inflight: _Launched | None = None
         self._closed = False
@@ -132,6 +151,21 @@ class LLM:
         if self.config.tensor_parallel_size > 1:
             return TensorParallelRunner(self.config, progress=self._progress)
         return ModelRunner(self.config, progress=self._progress)
+
+    def _make_tiers(self) -> KVTiers | None:
+        c = self.config
+        host_slots = self.runner.host_slots
+        if not host_slots:
+            return None
+        disk = None
+        if c.disk_cache_dir is not None:
+            self._progress("listing the disk's KV blocks")
+            file_bytes = c.kv_bytes_per_token * self.block_size * c.tensor_parallel_size
+            disk = DiskTier(int(c.disk_cache_gib * 2**30), file_bytes, self.runner.disk_files())
+        # On a GPU the blocks the free list hands out next are saved a step early, on a copy stream,
+        # so that the step reusing one rarely waits for its copy: 128 blocks cover 8 steps of 256
+        # decoding streams. On CPU a copy is made where it is needed.
+        return KVTiers(self.blocks, host_slots, disk, spill_ahead=128 if c.device.type == "cuda" else 0)
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -263,13 +297,23 @@ class LLM:
     def step(self) -> list[StepOutput]:
         """Runs one step. With async_scheduling it returns the outputs of the step before, which
         the GPU ran while this one was being scheduled; the first step returns none."""
+        tiers = self.tiers
+        transfers_queued = tiers is None
         try:
             # Just after the overlap is turned off, a step is still in flight: this step is scheduled
             # over it as an overlapped one is, and then waited for. (Settling it first would leave
             # its tokens unreported whenever this step's launch then failed.)
             outputs = []
+            if tiers is not None:
+                self._update_tiers()
             batch, cut_short = self.scheduler.schedule()
+            if not batch and not cut_short and tiers is not None and tiers.awaiting:
+                # Only prompts waiting for their copies from a lower tier: run them, and the device waits.
+                batch, cut_short = self.scheduler.schedule(hold_loads=False)
             self.last_step_tokens = (0, 0)
+            if tiers is not None:
+                self._send_transfers()
+                transfers_queued = True
             launched = self._launch(batch) if batch else None
             previous, self._inflight = self._inflight, launched
             if previous is not None:
@@ -282,11 +326,56 @@ class LLM:
                 if not seq.is_finished:  # the token it had in flight may have ended it already
                     self.scheduler.finish(seq, "length")
                     outputs.append(StepOutput(seq, [], self.flush_text(seq), True))
+            if tiers is not None and self._inflight is None:
+                if not self.scheduler.has_work():
+                    self._persist()
+                elif launched is None and tiers.fetching:
+                    self.runner.wait_tier_io(_IO_WAIT_S)  # nothing to run until a read from disk ends
             return outputs
         except BaseException:
             self._fail_inflight()
+            if not transfers_queued:
+                tiers.forget_unqueued()
             self._forget_unlaunched()
             raise
+
+    def _update_tiers(self) -> None:
+        """Hands the tiers what the runner has finished: disk reads and writes, and loads."""
+        tiers = self.tiers
+        if tiers.io_pending:
+            tiers.io_done(self.runner.poll_tier_io())
+        if tiers.awaiting:
+            tiers.loads_ready = self.runner.loads_done()
+
+    def _send_transfers(self) -> None:
+        """Queues the tiers' copies for this step, and the step's waits for them."""
+        kv = self.tiers.take_transfers()
+        if kv is not None:
+            self.runner.transfer(kv)
+        self.tiers.queued()
+
+    def _persist(self) -> None:
+        """Idle: the cached blocks the disk lacks are written to it in the background."""
+        if self.tiers.disk is None:
+            return
+        try:
+            self.tiers.persist()
+            self._send_transfers()
+        except BaseException:
+            self.tiers.forget_unqueued()
+            raise
+
+    def flush_disk_cache(self) -> None:
+        """Writes the cached blocks the disk lacks and waits until every write has ended (shutdown
+        does this); nothing without a disk directory."""
+        if self.tiers is None or self.tiers.disk is None:
+            return
+        self._update_tiers()
+        self._persist()
+        self.runner.drain_tier_io()
+        self._update_tiers()  # the last writes may ask for older files to go, to keep to the cap
+        self._persist()
+        self.runner.drain_tier_io()
 
     def _take_inflight(self) -> _Launched:
         launched, self._inflight = self._inflight, None
@@ -470,13 +559,30 @@ class LLM:
             num_blocks=self.blocks.num_blocks, block_size=self.block_size,
             num_free_blocks=self.blocks.num_free_blocks, num_cached_blocks=self.blocks.num_cached_blocks,
             prefix_hit_tokens=s.prefix_hit_tokens, prompt_tokens=s.prompt_tokens,
-            num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions)
+            num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
+            **self._tier_stats())
+
+    def _tier_stats(self) -> dict:
+        tiers = self.tiers
+        if tiers is None:
+            return {}
+        disk = tiers.disk
+        return dict(host_hit_tokens=tiers.host_hit_tokens, disk_hit_tokens=tiers.disk_hit_tokens,
+                    host_blocks=len(tiers.host), host_capacity_blocks=tiers.host.num_slots,
+                    disk_bytes=disk.bytes if disk else 0, disk_capacity_bytes=disk.cap_bytes if disk else 0)
 
     def shutdown(self) -> None:
+        """Frees the model and the KV cache; with a disk directory, first writes the cached blocks
+        the disk lacks, so that the next start finds them."""
         if self._closed:
             return
         self._closed = True
         self._inflight = None
+        if not getattr(self.runner, "broken", False):
+            try:
+                self.flush_disk_cache()
+            except Exception:
+                pass  # a cache: what could not be written is computed again next time
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()

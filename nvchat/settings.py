@@ -94,8 +94,14 @@ class Settings(EngineOptions):
         return self.model
 
     def engine_options(self) -> EngineOptions:
-        """The engine's options among these settings, for LLM / EngineThread."""
-        return EngineOptions(**{name: getattr(self, name) for name in OPTION_NAMES})
+        """The engine's options among these settings, for LLM / EngineThread. The disk tier of the
+        KV cache is on here (off for the engine alone): unless set, under $XDG_CACHE_HOME, so that
+        a conversation reopened after a restart prefills only its new message; disk_cache_gib = 0
+        turns it off."""
+        options = {name: getattr(self, name) for name in OPTION_NAMES}
+        if options["disk_cache_dir"] is None:
+            options["disk_cache_dir"] = str(paths.kv_cache_dir())
+        return EngineOptions(**options)
 
     def sampling_defaults(self, recommended: dict | None = None) -> dict:
         """What a chat samples with unless it sets its own: each value as config.toml or a flag set

@@ -1,5 +1,6 @@
 """Turns the scheduler's choice for one step into plain lists: which tokens run, where their K/V
-go, which rows get sampled. Plain data, so tensor-parallel workers can be sent the same plan."""
+go, which rows get sampled; and what the KV cache's tiers copy ahead of it (KVTransfers). Plain
+data, so tensor-parallel workers can be sent the same plan."""
 from array import array
 from dataclasses import dataclass, field
 
@@ -115,3 +116,28 @@ def plan_step(batch: list[tuple[Sequence, int]], block_size: int,
     return StepPlan(input_ids, positions, slots, cu, lens, tables, rows, params, is_decode=total == len(batch),
                     feed_rows=feed_rows, feed_from=feed_from, sample_contexts=contexts,
                     defer_sampling=any(c is not None and c.constrained for c in contexts))
+
+
+@dataclass
+class KVTransfers:
+    """The copies between the KV cache's tiers that go with one step (engine/core/kv_tiers.py
+    decides them, the runner's engine/runner/kv_tiers.py makes them), queued ahead of the step's
+    forward pass. Every rank makes the same copies of its own shard.
+
+    Device <-> host copies run on copy streams of their own on a GPU, each ordered after the work
+    already queued on the device; the waits say where the step must wait for them."""
+
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot): device -> host
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block): host -> device
+    batch: int = 0  # names these loads, so that a later step can wait for them (wait_loads)
+    wait_saves: bool = False  # the step overwrites blocks whose saves may be under way: it waits for them
+    wait_loads: int = 0  # the step reads or overwrites blocks that loads up to this batch fill: it waits for them
+    # Host slot <-> disk, in the background: (host slot, chained hash, token ids) written to a file,
+    # (chained hash, host slot, token ids) read from one (checked against them), and files removed.
+    writes: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    fetches: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    deletes: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads or self.wait_saves or self.wait_loads or self.writes or self.fetches
+                     or self.deletes)

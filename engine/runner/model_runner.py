@@ -14,7 +14,9 @@ from engine.distributed import collectives
 from engine.layers import fp8
 from engine.layers.attention import AttentionMetadata
 from engine.layers.attention_backends import make_backend
+from engine.core.step_plan import KVTransfers
 from engine.runner.decode_graphs import DecodeGraphs
+from engine.runner.kv_tiers import DiskStore, KVTierCopies, kv_fingerprint
 from engine.runner.sampler import Sampler
 from engine.runner.step_graphs import StepGraphs, decode_buckets, prefill_buckets
 
@@ -185,6 +187,7 @@ class ModelRunner:
         # A step whose sampling waits for structured output's masks: (plan, logits, last tokens).
         self._deferred = None
         self.decode_graphs = self.prefill_graphs = None  # the warmup below runs eagerly
+        self.tiers: KVTierCopies | None = None  # made with the KV cache
         self._logits_ladder = None  # logits for exactly the rows sampled, until _warm_logits
         # On a GPU, how its memory was shared out, in bytes: "total", "used" before the KV cache,
         # what was set aside for steps ("activations") and for the graphs ("graph_pool"), and what
@@ -196,6 +199,7 @@ class ModelRunner:
         self.num_blocks = config.num_kvcache_blocks or self.tp_group.min(self._blocks_that_fit(), self.device)
         progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
+        self.tiers = self._make_tiers()
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(progress)
         if self.device.type == "cuda":
@@ -311,6 +315,48 @@ class ModelRunner:
         self.kv_cache = allocate(shape, dtype=self.config.dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    # --- the KV cache's lower tiers (engine/core/kv_tiers.py decides, engine/runner/kv_tiers.py copies)
+
+    @property
+    def host_slots(self) -> int:
+        """Host slots of one block each (on every rank): host_cache_gib over all ranks' shards, and
+        with a disk directory at least a full-length prompt's blocks, for reads from disk to land in."""
+        c = self.config
+        slots = int(c.host_cache_gib * 2**30) // (self.block_bytes * c.tensor_parallel_size)
+        if c.disk_cache_dir is not None:
+            slots = max(slots, -(-c.max_model_len // self.block_size) + 1)
+        return slots
+
+    def _make_tiers(self) -> KVTierCopies | None:
+        slots = self.host_slots
+        if not slots:
+            return None
+        block_shape = tuple(self.kv_cache.permute(2, 0, 1, 3, 4, 5).shape[1:])
+        disk = None
+        if self.config.disk_cache_dir is not None:
+            disk = DiskStore(self.config.disk_cache_dir, kv_fingerprint(self.config, block_shape, self.config.dtype),
+                             self.rank, block_shape, self.config.dtype)
+        return KVTierCopies(self.kv_cache, slots, disk)
+
+    def transfer(self, kv: KVTransfers) -> None:
+        """Queues a step's copies between the tiers, and the step stream's waits for them."""
+        self.tiers.run(kv)
+
+    def loads_done(self) -> int:
+        return self.tiers.loads_done()
+
+    def disk_files(self) -> list[tuple[int, int, float]]:
+        return self.tiers.disk.files()
+
+    def poll_tier_io(self) -> list[tuple]:
+        return self.tiers.disk.poll()
+
+    def wait_tier_io(self, timeout: float) -> None:
+        self.tiers.disk.wait(timeout)
+
+    def drain_tier_io(self) -> None:
+        self.tiers.disk.drain()
 
     def _graph_buckets(self) -> tuple[list[int], list[int]]:
         """The decode graphs' batch sizes and the prefill graphs' token counts."""
@@ -543,6 +589,9 @@ class ModelRunner:
         """Frees the model, KV cache and graphs, so the memory is there for another engine even if
         this runner object lives on."""
         self.decode_graphs = self.prefill_graphs = None
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
         self.kv_cache = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.empty(0)
