@@ -175,6 +175,31 @@ def test_fp8_gemv_at_8b_shapes(M, N, K, poison):
     assert_close(y, (x.float() @ fp8_dequantized(q, scales, (128, 128)).T).to(BF16), BF16)
 
 
+# Both GEMV kernels, tiles of one and several scale blocks of columns (the one-row kernel's widest
+# is bench_kernels' sweep's), bands of 1-8 and 16-64 weight rows.
+FP8_GEMV_LAUNCHES = [dict(kernel="one", block_n=1, block_k=2048, num_warps=4),
+                     dict(kernel="one", block_n=8, block_k=512, num_warps=2),
+                     dict(kernel="one", block_n=4, block_k=128, num_warps=2),
+                     dict(kernel="dot", block_n=16, block_k=512, num_stages=5),
+                     dict(kernel="dot", block_n=64, block_k=128, num_stages=3)]
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_fp8_gemv_kernels_and_tiles(dtype, poison):
+    """At Qwen3-8B's down projection (12288 columns: 96 scale blocks) and an N that is not a
+    multiple of any band; float32 x takes the tensor cores' exact (ieee) path."""
+    for N, K in [(4096, 12288), (1000, 4096)]:
+        q, scales = fp8_blocks(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
+        w = fp8_dequantized(q, scales, (128, 128))
+        for launch in FP8_GEMV_LAUNCHES:
+            M = 1 if launch["kernel"] == "one" else 7
+            x = torch.randn(M, K, device="cuda").to(dtype)
+            with poison():
+                y = fp8.fp8_gemv(x, q, scales, (128, 128), **launch)
+            assert_close(y, (x.float() @ w.T).to(dtype), dtype)
+
+
 @needs_fp8
 @pytest.mark.parametrize("M", [9, 64, 1000])
 @pytest.mark.parametrize("N, K", FP8_SHAPES)
