@@ -207,17 +207,16 @@ def _knobs(launch: dict, names: tuple[str, ...], what: str) -> None:
 
 
 def gemv_launch_config(N: int, K: int, rows: int) -> tuple[str, int, int, int, int]:
-    """(kernel, block_n, block_k, num_warps, num_stages), not yet swept in FP8 (bench_kernels
-    --sweep-moe-fp8 times the candidates): the bf16 GEMV's tuned configs (kernels/gemv.py's
-    launch_config, ~3.1 TB/s on an H200 in bench_gemv) moved to the same bytes of weight per
-    program and loop step, so that as many programs (N / block_n: thousands at one row, enough to
-    keep every SM's loads in flight) stream as many bytes each. One row: "one", 2 weight rows of
-    1024 FP8 columns (bf16's 2 of 512), or 1 row of 2048 where N <= 2048. 2-8 rows: "dot", the
-    tensor cores (the FMA kernel at 8 rows was bound by its multiply-adds: 13.2 ms a Qwen3-8B
-    step against bf16's 5.5, bench_latency on an H100), 16 weight rows of 512 columns a step."""
+    """(kernel, block_n, block_k, num_warps, num_stages), from bench_kernels --sweep-moe-fp8 at
+    Qwen3-8B's projections on an H100 (benchmarks/RESULTS.md). One row: "one", the FMA kernel, 4
+    weight rows of 1024 FP8 columns a step (18.7 / 49.5 / 30.3 us at 6144x4096 / 24576x4096 /
+    4096x12288, against 20.3 / 54.4 / 42.7 for 2 rows), or 1 row of 2048 where N <= 2048. 2-8
+    rows: "dot", the tensor cores (the FMA kernel at 8 rows was bound by its multiply-adds), with
+    64 weight rows a program where N makes at least 96 programs of them and 32 otherwise, so that
+    every SM has work (8 rows: 30.3 / 53.8 / 52.6 us, against 42.3 / 131.9 / 75.4 for 16 rows)."""
     if rows == 1:
-        return ("one", 1, 2048, 4, 3) if N <= 2048 else ("one", 2, 1024, 2, 3)
-    return "dot", 16, 512, 4, 4
+        return ("one", 1, 2048, 4, 3) if N <= 2048 else ("one", 4, 1024, 2, 3)
+    return ("dot", 64, 128, 4, 3) if N >= 96 * 64 else ("dot", 32, 512, 4, 3)
 
 
 def _power_of_two(value: int, what: str) -> int:
