@@ -235,3 +235,30 @@ def test_history_is_copied_only_when_read():
     context = SampleContext(tokens, 2, history_len=3, seq_id=1)
     tokens.append(8)  # the sequence grows on; its context still means the tokens before the input
     assert context.history == array("q", [4, 5, 6]) and context.num_history == 3
+
+
+def test_the_adjusted_settings_are_staged_per_row_with_neutral_padding():
+    vocab, rows, bucket = 64, 3, 4
+    graphs = DecodeGraphs(_Logits(), buckets=[bucket], max_blocks_per_seq=1, hidden_size=vocab,
+                          sampled=torch.zeros(bucket, dtype=torch.int64), device=torch.device("cpu"),
+                          dtype=torch.float32, sample=True, vocab_size=vocab)
+    for staging in graphs._staging:  # what other steps may have left there
+        staging.fill_(0x7F)
+    streams = [_Stream(0, [1, 2], SamplingParams(temperature=0, repetition_penalty=1.3, min_tokens=3), 5),
+               _Stream(1, [3], SamplingParams(temperature=0), 5),
+               _Stream(2, [4, 4], SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=-0.25,
+                                                 min_p=0.5, logit_bias={9: 1.0}), 5)]
+    plan = _step_plan(streams)
+    # 70 is past the vocabulary: the ban skips it, as the eager Sampler does.
+    plan.sample_contexts[0].banned = (5, 70, 6)
+    assert graphs.stage(plan, bucket) == ADJUSTED + "greedy"
+    v = graphs.views[bucket]
+    assert v["repetition"].tolist() == pytest.approx([1.3, 1.0, 1.0, 1.0])
+    assert v["frequency"].tolist() == pytest.approx([0.0, 0.0, 0.5, 0.0])
+    assert v["presence"].tolist() == pytest.approx([0.0, 0.0, -0.25, 0.0])
+    assert v["log_min_p"].tolist() == pytest.approx([-math.inf, -math.inf, math.log(0.5), -math.inf])
+    slots = v["slot"].tolist()
+    assert slots[1] == slots[3] == 0 and 0 not in (slots[0], slots[2]) and slots[0] != slots[2]
+    assert v["banned"].tolist() == [[5, 6, 5, 5], [0] * 4, [0] * 4, [0] * 4]
+    assert v["ban"].tolist() == [True, False, False, False]
+    assert [c[1] for c in graphs._builds] == [0, 2]  # both slots are built before the step samples

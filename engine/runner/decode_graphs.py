@@ -48,6 +48,8 @@ _FIELDS = (("input_ids", torch.int64, "q", 0, 1), ("positions", torch.int64, "q"
            ("repetition", torch.float32, "f", 1.0, 1), ("frequency", torch.float32, "f", 0.0, 1),
            ("presence", torch.float32, "f", 0.0, 1), ("log_min_p", torch.float32, "f", -math.inf, 1),
            ("slot", torch.int64, "q", 0, 1), ("banned", torch.int64, "q", 0, BAN_WIDTH), ("ban", torch.bool, "B", 0, 1))
+# What the forward pass and the plain kinds read: a step of those leaves the rest as it was.
+_PLAIN_FIELDS = _FIELDS[:[name for name, *_ in _FIELDS].index("repetition")]
 ADJUSTED = "adjusted_"
 SAMPLE_KINDS = ("greedy", "sample", "filter", ADJUSTED + "greedy", ADJUSTED + "sample", ADJUSTED + "filter")
 _BLOCK_ZERO = bytes(4)
@@ -188,6 +190,7 @@ class DecodeGraphs:
         self._params_bytes: dict[str, array] = {}
         self._kind: str | None = None
         self._adjusted = False
+        self._counted: list[bool] = []
         # The adjusted kinds' token counts, a slot per sequence (row 0 the neutral slot, zeros that
         # nothing writes): counts in the completion (frequency and presence) as int32, and whether
         # a token is in the prompt (with counts > 0: repetition's "seen") as bool, 5 bytes per
@@ -227,7 +230,7 @@ class DecodeGraphs:
         kind = self._stage_params(plan) if sampling else None
         values = {"input_ids": plan.input_ids, "positions": plan.positions, "slot_mapping": plan.slot_mapping,
                   "feed_from": feed_from, "context_lens": plan.context_lens}
-        for name, dtype, code, _, width in _FIELDS:
+        for name, dtype, code, _, width in _FIELDS if kind is not None and self._adjusted else _PLAIN_FIELDS:
             at, size = layout.offsets[name], dtype.itemsize * width
             data = array(code, values[name]) if name in values else self._params_bytes.get(name) if sampling else None
             filled = 0 if data is None else rows
@@ -268,6 +271,8 @@ class DecodeGraphs:
                 "top_p": array("f", [p.top_p for p in params]), "top_k": array("i", [min(p.top_k, _TOP_K_MAX) for p in params]),
                 "greedy": array("B", greedy)}
             self._adjusted = not all(p.plain for p in params)
+            # The rows that hold a slot: their counts or their logit_bias live there.
+            self._counted = [p.has_penalties or bool(p.logit_bias) for p in params]
             if any((not g and p.seed is not None) or p.logprobs is not None or p.structured_output is not None
                    or len(p.logit_bias or ()) > BIAS_WIDTH for p, g in zip(params, greedy)):
                 self._kind = None
@@ -294,24 +299,31 @@ class DecodeGraphs:
         counts do not cover the row's tokens is built before the step samples, in replay()).
         False, claiming nothing, when a row needs what the graphs lack (then the runner samples)."""
         vocab = self.vocab_size
-        bans = []
-        for p, c in zip(plan.sample_params, plan.sample_contexts):
-            ids = [t for t in c.banned if t < vocab] if c is not None and c.banned else ()
-            if len(ids) > BAN_WIDTH or (c is not None and c.seq_id is None and (p.has_penalties or p.logit_bias)):
-                return False
-            bans.append(ids)
+        contexts = plan.sample_contexts
+        bans = {}
+        for row, c in enumerate(contexts):
+            if c is not None:
+                if c.banned:
+                    bans[row] = ids = [t for t in c.banned if t < vocab]
+                    if len(ids) > BAN_WIDTH:
+                        return False
+                if c.seq_id is None and self._counted[row]:
+                    return False
         self._step += 1
-        slots, banned, ban = array("q"), array("q"), array("B")
-        for row, (p, c, ids) in enumerate(zip(plan.sample_params, plan.sample_contexts, bans)):
-            banned.extend(ids + [ids[0]] * (BAN_WIDTH - len(ids)) if ids else _NO_BANS)
-            ban.append(bool(ids))
-            if c is None or not (p.has_penalties or p.logit_bias):
+        slots, ban = array("q"), array("B", bytes(len(contexts)))
+        banned = _NO_BANS * len(contexts)
+        for row, ids in bans.items():
+            if ids:
+                ban[row] = 1
+                banned[row * BAN_WIDTH:(row + 1) * BAN_WIDTH] = array("q", ids + [ids[0]] * (BAN_WIDTH - len(ids)))
+        for row, (c, counted) in enumerate(zip(contexts, self._counted)):
+            if not counted:
                 slots.append(0)
                 continue
             slot, fresh = self._slots.claim(c.seq_id, c.num_history + 1 if c.tokens is not None else None, self._step)
             slots.append(slot)
             if fresh:
-                self._builds.append((slot, row, c, p.logit_bias))
+                self._builds.append((slot, row, c, plan.sample_params[row].logit_bias))
         self._params_bytes.update(slot=slots, banned=banned, ban=ban)
         return True
 
