@@ -13,15 +13,35 @@ class SampleContext:
     """What sampling one row needs beyond its SamplingParams (a row whose params are plain has
     None in StepPlan.sample_contexts)."""
 
-    # The sequence's tokens before the row's input token, for the penalties (None without them).
-    # The input token itself is on the device: the step before may still be sampling it.
-    history: array | None
+    # The tokens the penalties count (None without penalties): the first history_len of them (all
+    # when history_len is None), the sequence's tokens before the row's input token. The input
+    # token itself is on the device: the step before may still be sampling it. plan_step passes
+    # the sequence's own token list, which only grows past history_len, so that a step copies a
+    # history only when something reads it (the eager sampler, or a decode graph's counts being
+    # built for the sequence).
+    tokens: list[int] | array | None
     num_prompt_tokens: int
     # Tokens the row may not sample now: the end-of-sequence ids while min_tokens is not reached.
     banned: tuple[int, ...] = ()
     # Under structured output: the row's token mask is computed from its grammar's state when the
     # step samples (LLM.step), after the token before it has landed.
     constrained: bool = False
+    history_len: int | None = None
+    # The sampled sequence's id: a decode graph keeps its token counts on the device between steps.
+    seq_id: int | None = None
+
+    @property
+    def history(self) -> array | None:
+        """The tokens before the row's input token, or None without penalties."""
+        if self.tokens is None:
+            return None
+        if self.history_len is None:
+            return self.tokens if isinstance(self.tokens, array) else array("q", self.tokens)
+        return array("q", self.tokens[:self.history_len])
+
+    @property
+    def num_history(self) -> int:
+        return len(self.tokens) if self.history_len is None else self.history_len
 
 
 def sample_context(seq: Sequence, end: int, eos_ids: tuple[int, ...]) -> SampleContext | None:
@@ -29,9 +49,9 @@ def sample_context(seq: Sequence, end: int, eos_ids: tuple[int, ...]) -> SampleC
     p = seq.params
     if p.plain:
         return None
-    history = array("q", seq.token_ids[:end - 1]) if p.has_penalties else None
     banned = eos_ids if p.min_tokens and end - seq.num_prompt_tokens < p.min_tokens else ()
-    return SampleContext(history, seq.num_prompt_tokens, banned, p.structured_output is not None)
+    return SampleContext(seq.token_ids if p.has_penalties else None, seq.num_prompt_tokens, banned,
+                         p.structured_output is not None, end - 1, seq.seq_id)
 
 
 @dataclass

@@ -371,7 +371,8 @@ class ModelRunner:
         c = self.config
         shared = dict(model=self.model, max_blocks_per_seq=-(-c.max_model_len // self.block_size),
                       hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)
-        decode_graphs = DecodeGraphs(buckets=decode, sampled=self.sampled, sample=self.tp_group.size == 1, **shared)
+        decode_graphs = DecodeGraphs(buckets=decode, sampled=self.sampled, sample=self.tp_group.size == 1,
+                                     vocab_size=c.hf_config.vocab_size, **shared)
         pool = decode_graphs.capture(progress=progress)
         prefill_graphs = None
         if prefill:
@@ -539,8 +540,8 @@ class ModelRunner:
         kind = graphs.stage(plan, bucket)
         graphs.replay(bucket, kind)
         if kind is None:
-            # Sampled eagerly (a seeded row, or a row whose params are not plain): the forward pass
-            # stayed in the graph. The bucket is a size from the logits ladder: no gather, no new
+            # Sampled eagerly (a seeded row, logprobs, structured output): the forward pass stayed
+            # in the graph. The bucket is a size from the logits ladder: no gather, no new
             # cuBLAS shape.
             last_tokens = graphs.input_ids[:len(plan.input_ids)] if plan.sample_contexts else None
             return self._sample_or_defer(plan, self.model.compute_logits(graphs.hidden[:bucket]), last_tokens)
@@ -575,6 +576,8 @@ class ModelRunner:
             sampled, logprobs = self.sampler.sample(logits[:rows], plan.sample_params, plan.sample_positions,
                                                     plan.sample_contexts or None, last_tokens, masks)
             tokens.copy_(sampled)
+            if self.decode_graphs is not None and plan.sample_contexts:
+                self.decode_graphs.follow(plan.sample_contexts, tokens)
         self.tp_group.broadcast_from_rank0(tokens)
         return self._read_back(tokens, logprobs) if self.rank == 0 else None
 
