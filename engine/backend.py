@@ -18,7 +18,7 @@ from engine.request_stream import RequestStream
 class BackendCapabilities:
     model_name: str | None  # the model's name where the backend knows it (a server's id); else the caller names it
     context_length: int | None  # tokens a prompt and its reply may fill together; None where unknown
-    tokenizes: bool  # tokenize_chat() works here: a caller can fit a conversation and submit its token ids
+    tokenizes: bool  # tokenize(), tokenize_chat() and detokenize() work here: a caller can fit a prompt and submit its ids
     block_stats: bool  # stats() returns the KV cache's state (the KV panel's blocks, /stats)
 
 
@@ -85,6 +85,16 @@ class Backend(Protocol):
     def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
         """The chat messages as the prompt token ids submit() would make of them, not checked against
         the context; RuntimeError where capabilities.tokenizes is false."""
+        ...
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text as the prompt token ids submit() would make of it (add_special_tokens: the
+        tokenizer's BOS first, where it adds one), not checked against the context; RuntimeError
+        where capabilities.tokenizes is false."""
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens included; RuntimeError where capabilities.tokenizes is false."""
         ...
 
     def stats(self) -> EngineSnapshot | None:

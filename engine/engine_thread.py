@@ -99,6 +99,13 @@ class EngineThread:
         with _template_errors_as_value_errors():
             return self.llm.tokenize_chat(messages, enable_thinking)
 
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text as prompt token ids, not checked against the context. Runs on the caller's thread."""
+        return self.llm.tokenize(text, add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.llm.detokenize(token_ids)
+
     # --- caller side ---------------------------------------------------------------------------------
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,

@@ -176,6 +176,12 @@ class RemoteBackend:
     def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
         raise RuntimeError("a remote server tokenizes its prompts itself")
 
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise RuntimeError("a remote server tokenizes its prompts itself")
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        raise RuntimeError("a remote server's tokenizer is not reachable through the OpenAI API")
+
     def stats(self) -> None:
         """None: a remote server's KV-cache blocks are not visible through the OpenAI API."""
         return None
