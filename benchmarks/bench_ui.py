@@ -194,7 +194,7 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
                       fixed_rate: bool = False) -> dict:
     # start-up: Textual loads only for the runs that draw
     from nvchat.app import NvchatApp
-    from nvchat.app.messages import PromptSubmitted
+    from nvchat.app.events import PromptSubmitted
 
     class RecordingApp(NvchatApp):
         """Keeps each reply's stream for the numbers. Textual also runs NvchatApp's own handler."""
@@ -204,7 +204,7 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
         MIN_DRAW_HZ = pump_hz if fixed_rate else getattr(NvchatApp, "MIN_DRAW_HZ", None)
         streams: list[RequestStream] = []
 
-        def on_reply_started(self, event) -> None:
+        def on_chat_pane_reply_started(self, event) -> None:
             self.streams.append(event.pane.stream)
 
     app = RecordingApp(settings, engine=engine)
@@ -216,8 +216,8 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
         if kv_panel:
             await app.run_action("toggle_kv_panel")
         await pilot.pause(0.2)
-        panes = list(app._panes)
-        app.frame_stats.reset()
+        panes = list(app.tabs.panes)
+        app.pump.frame_stats.reset()
         with sample_current_thread() if profile else contextlib.nullcontext() as sampler, \
                 _cprofiled(cprofile) as profiler:
             cpu_start, wall_start = time.thread_time(), time.perf_counter()
@@ -235,10 +235,10 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
         if sampler is not None:
             print(f"--- UI thread profile, switch interval {switch_interval * 1000:g} ms, pump {pump_hz} Hz ---")
             print(sampler.report())
-        intervals, durations = list(app.frame_stats.intervals), list(app.frame_stats.durations)
-    pct = app.frame_stats.percentile
+        intervals, durations = list(app.pump.frame_stats.intervals), list(app.pump.frame_stats.durations)
+    pct = app.pump.frame_stats.percentile
     # An app from before the pump paced its draws drew the visible reply on every tick.
-    draws = getattr(app.frame_stats, "draws", len(durations))
+    draws = getattr(app.pump.frame_stats, "draws", len(durations))
     return {**throughput(app.streams), "frames": len(durations), "draws": draws,
             "ui_thread_cpu_s": ui_cpu_s,
             "ui_thread_cpu_share": ui_cpu_s / wall_s, "ui_cpu_ms_per_tick": 1000 * ui_cpu_s / max(1, len(durations)),

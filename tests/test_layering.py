@@ -1,6 +1,7 @@
 """The code's shape, checked from its own imports: no import circles, each engine layer imports only
-from the layers below it (as engine/__init__.py lists them), the engine never reaches the UI, and an
-import inside a function says why it is there (start-up time, or an optional package)."""
+from the layers below it (as engine/__init__.py lists them), nvchat's and its app's modules only from
+their own layer and those below (as their __init__.py docstrings list them), the engine never reaches
+the UI, and an import inside a function says why it is there (start-up time, or an optional package)."""
 import ast
 import re
 from pathlib import Path
@@ -142,6 +143,63 @@ def test_the_engine_never_imports_the_app_and_kernels_never_import_the_engine():
             if name.startswith("kernels") and root in ("engine", "nvchat"):
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
     assert not wrong, "\n".join(wrong)
+
+
+def declared_layers(package: str) -> list[set[str]]:
+    """The layers a package's docstring lists after a line ending "bottom to top:", bottom first:
+    each layer's modules on lines indented four spaces (a trailing comma continues them on the
+    next), its description on lines indented further."""
+    init = ROOT.joinpath(*package.split("."), "__init__.py")
+    lines = ast.get_docstring(ast.parse(init.read_text())).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.rstrip().endswith("bottom to top:")) + 1
+    layers, continued = [], False
+    for line in lines[start:]:
+        if not line.strip():
+            continue
+        if not line.startswith("    "):
+            break
+        if line.startswith("     "):  # a description
+            continue
+        names = {name.strip() for name in line.strip().rstrip(",").split(",")}
+        if continued:
+            layers[-1] |= names
+        else:
+            layers.append(names)
+        continued = line.rstrip().endswith(",")
+    return layers
+
+
+def package_layer(module: str, package: str, layers: list[set[str]]) -> int | None:
+    """The layer of the package's module (a subpackage's modules sit in the subpackage's)."""
+    if not module.startswith(package + "."):
+        return None
+    name = module[len(package) + 1:].split(".")[0]
+    return next((i for i, layer in enumerate(layers) if name in layer), None)
+
+
+LAYERED_PACKAGES = ("nvchat", "nvchat.app")
+
+
+@pytest.mark.parametrize("package", LAYERED_PACKAGES)
+def test_every_module_sits_in_a_layer_its_package_lists(package):
+    layers = declared_layers(package)
+    assert layers, f"{package}/__init__.py lists no layers"
+    inside = {m[len(package) + 1:].split(".")[0] for m in MODULES if m.startswith(package + ".")}
+    unlisted = sorted(inside - set().union(*layers))
+    assert not unlisted, f"modules outside the layers {package}'s docstring lists: {unlisted}"
+    missing = sorted(set().union(*layers) - inside)
+    assert not missing, f"{package}'s docstring lists modules that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("package", LAYERED_PACKAGES)
+def test_imports_run_only_down_the_layers_a_package_lists(package):
+    layers = declared_layers(package)
+    upward = []
+    for source, target, line, _ in project_edges():
+        s, t = package_layer(source, package, layers), package_layer(target, package, layers)
+        if s is not None and t is not None and t > s:
+            upward.append(f"{MODULES[source].relative_to(ROOT)}:{line} imports {target}")
+    assert not upward, f"imports running up {package}'s layers:\n" + "\n".join(upward)
 
 
 def function_import_runs(tree: ast.AST):

@@ -6,10 +6,12 @@ from array import array
 import torch
 
 from engine.checkpoints.loader import init_random_weights, load_weights
+from engine.checkpoints.quantization import fp8_block
 from engine.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.core.step_plan import StepPlan
 from engine.distributed import collectives
+from engine.layers import fp8
 from engine.layers.attention import AttentionMetadata
 from engine.layers.attention_backends import make_backend
 from engine.runner.decode_graphs import DecodeGraphs
@@ -122,10 +124,14 @@ class ModelRunner:
             raise ValueError(f"rank {rank} of tensor_parallel_size={config.tensor_parallel_size} was given the "
                              f"group of rank {self.tp_group.rank} of {self.tp_group.size}")
         progress("building the model")
+        # A block-FP8 checkpoint's weights go into FP8 parameters as they are, when they stay FP8.
+        checkpoint_block = fp8_block(getattr(config.hf_config, "quantization_config", None), str(config.model_path))
+        built_fp8 = config.quantization == "fp8" and checkpoint_block is not None
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
-            with torch.device(self.device), collectives.building(self.tp_group):
+            with torch.device(self.device), collectives.building(self.tp_group), \
+                    fp8.building(checkpoint_block if built_fp8 else None):
                 self.model = config.architecture(config.hf_config, max_position=config.max_model_len)
         finally:
             torch.set_default_dtype(old_dtype)
@@ -133,8 +139,8 @@ class ModelRunner:
         if config.load_format == "random":
             init_random_weights(self.model)
         else:
-            load_weights(self.model, config.model_path)
-        if config.quantization is not None:
+            load_weights(self.model, config.model_path, checkpoint_block)
+        if config.quantization is not None and not built_fp8:
             self.model.quantize(config.quantization)
         self.model.eval()
         self.backend = make_backend(config.attention_backend, self.device.type, config.kvcache_block_size)
