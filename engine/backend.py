@@ -12,6 +12,7 @@ from typing import Protocol, Self
 
 from engine.core.sampling_params import SamplingParams
 from engine.request_stream import RequestStream
+from engine.text.tool_calls import Tools
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,16 @@ class Backend(Protocol):
         ...
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
-               tag=None) -> RequestStream:
-        """Starts a request and returns its stream at once. prompt: chat messages ({"role",
-        "content"} dicts), text, or token ids."""
+               tools: Tools | None = None, tag=None) -> RequestStream:
+        """Starts a request and returns its stream at once. prompt: chat messages (OpenAI's: {"role",
+        "content"} dicts, an assistant's "tool_calls" and "tool" messages included), text, or token
+        ids. tools: the functions the reply may call; the stream's text is then the reply's without
+        its calls, which come as the stream's tool_calls (and Delta.tool_calls), and a reply that
+        calls ends with finish_reason "tool_calls"."""
         ...
 
-    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                      tools: Tools | None = None) -> list[int]:
         """The chat messages as the prompt token ids submit() would make of them, not checked against
         the context; RuntimeError where capabilities.tokenizes is false."""
         ...

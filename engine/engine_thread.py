@@ -18,6 +18,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.options import CHAT_PREFILL_CHUNK
 from engine.request_stream import RequestStream
+from engine.text.tool_calls import Tools
 
 _RATE_WINDOW_S = 2.0
 _SNAPSHOT_EVERY_S = 0.05
@@ -93,11 +94,12 @@ class EngineThread:
         return BackendCapabilities(model_name=None, context_length=self.llm.config.max_model_len,
                                    tokenizes=self.llm.tokenizer is not None, block_stats=True)
 
-    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                      tools: Tools | None = None) -> list[int]:
         """Chat messages as prompt token ids through the chat template, not checked against the
         context (submit() checks them). Runs on the caller's thread."""
         with _template_errors_as_value_errors():
-            return self.llm.tokenize_chat(messages, enable_thinking)
+            return self.llm.tokenize_chat(messages, enable_thinking, tools)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text as prompt token ids, not checked against the context. Runs on the caller's thread."""
@@ -109,15 +111,22 @@ class EngineThread:
     # --- caller side ---------------------------------------------------------------------------------
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
-               tag=None) -> RequestStream:
+               tools: Tools | None = None, tag=None) -> RequestStream:
         """Queues a request and returns its stream at once. prompt: text, token ids, or chat messages
-        ({"role", "content"} dicts, rendered with the chat template). Bad input raises ValueError."""
+        ({"role", "content"} dicts, rendered with the chat template). tools: rendered with chat
+        messages (a token-id prompt holds them already), and the reply's calls parsed into the
+        stream's tool_calls (engine.text.tool_calls). Bad input raises ValueError."""
         self._check_open()
+        if tools is not None and not isinstance(tools, Tools):
+            raise ValueError(f"tools must be engine.text.tool_calls.Tools, got {type(tools).__name__}")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             with _template_errors_as_value_errors():
-                prompt = self.llm.encode_chat(prompt, enable_thinking)
+                prompt = self.llm.encode_chat(prompt, enable_thinking, tools)
+        parser = None
+        if tools is not None and tools.offered:
+            parser = self.llm.tool_call_format().parser(tools)
         seq = self.llm.make_sequence(prompt, sampling_params, stream=True)
-        stream = RequestStream(seq.seq_id, seq.num_prompt_tokens, self._request_abort, tag)
+        stream = RequestStream(seq.seq_id, seq.num_prompt_tokens, self._request_abort, tag, parser)
         self._post(("submit", seq, stream))
         return stream
 

@@ -31,6 +31,7 @@ from engine.runner.model_runner import ModelRunner, SampledTokens
 from engine.runner.tp_runner import TensorParallelRunner
 from engine.text.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
 from engine.text.tokenizer import eos_token_ids, load_tokenizer
+from engine.text.tool_calls import ToolCallFormat, Tools, tool_call_format
 
 
 @atexit.register
@@ -148,22 +149,36 @@ class LLM:
                              f"{self.blocks.num_blocks}; raise num_kvcache_blocks or gpu_memory_utilization")
         return ids
 
-    def render_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> str:
-        """Chat messages as prompt text through the tokenizer's chat template."""
+    def render_chat(self, messages: list[dict], enable_thinking: bool | None = None, tools: Tools | None = None) -> str:
+        """Chat messages as prompt text through the tokenizer's chat template. Messages are
+        OpenAI-shaped, an assistant's tool_calls and tool messages included; tools, where offered,
+        are rendered as the model's format has it (engine.text.tool_calls)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model at {self.config.model_path} has no chat template")
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not messages or not all(isinstance(m, dict) and "role" in m and ("content" in m or m.get("tool_calls"))
+                                   for m in messages):
             raise ValueError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        messages, tools_arg = self.tool_call_format().template_messages(messages, tools)
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        if tools_arg is not None:
+            extra["tools"] = tools_arg
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
-    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def tool_call_format(self) -> ToolCallFormat:
+        """The format the model's chat template gives tool calls (engine.text.tool_calls)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: transformers renders tools with "tool_use"
+            template = template.get("tool_use") or template.get("default")
+        return tool_call_format(template)
+
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                      tools: Tools | None = None) -> list[int]:
         """Chat messages as prompt token ids, not yet checked against the model and cache limits
         (encode() checks them): for fitting a conversation to max_model_len."""
         # The template writes the special tokens it wants (a Llama-2 or Mistral one starts with
         # <s>): the tokenizer's own BOS on top would make two, so none is added, as HF's
         # apply_chat_template(tokenize=True) does.
-        return self.tokenize(self.render_chat(messages, enable_thinking), add_special_tokens=False)
+        return self.tokenize(self.render_chat(messages, enable_thinking, tools), add_special_tokens=False)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text as token ids (the tokenizer's BOS first where it adds one), not checked against the
@@ -182,9 +197,10 @@ class LLM:
             raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                    tools: Tools | None = None) -> list[int]:
         """Chat messages as prompt token ids, checked as encode() checks them."""
-        return self.encode(self.tokenize_chat(messages, enable_thinking))
+        return self.encode(self.tokenize_chat(messages, enable_thinking, tools))
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
         """A checked, tokenized request, not yet queued; safe to call from any thread. With

@@ -15,7 +15,7 @@ from nvchat.server.app import ServerState, create_app
 from nvchat.server.schemas import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from tests.serving import serving
 
-CONTEXT = 256
+CONTEXT = 1024
 CHAT = [{"role": "user", "content": "Name a colour."}]
 
 
@@ -295,3 +295,45 @@ def test_metrics_count_requests_tokens_and_latencies_and_show_the_cache(engine):
     assert 0 <= metric(text, "nvchat_kv_cache_usage_ratio") <= 1
     assert 0 < metric(text, "nvchat_prefix_cache_hit_rate") <= 1
     assert metric(text, "nvchat_prefix_cache_hit_tokens_total") > 0
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+ROUND_TRIP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+]
+
+
+def test_tools_and_a_conversation_with_calls_reach_the_prompt(url):
+    base = url.removesuffix("/v1")
+    ids = httpx.post(base + "/tokenize", json={"messages": ROUND_TRIP, "tools": [WEATHER]}).json()["tokens"]
+    prompt = httpx.post(base + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    # The demo model's template renders no tools: they and the calls are written out as text.
+    assert json.dumps(WEATHER) in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n21 degrees\n</tool_response>" in prompt
+    for choice in ("auto", "none"):
+        response = post(url, "/chat/completions", {**CHAT_BODY, "messages": ROUND_TRIP, "tools": [WEATHER],
+                                                    "tool_choice": choice})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("change,words,param", [
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, ["tools[0]"], None),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, ["tools[0].function.name", "1 to 64"],
+     None),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     ["tool_choice", "no tool named 'nope'"], "tool_choice"),
+    ({"tool_choice": "required"}, ["tool_choice", "needs tools"], "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, ["same name"], None),
+    ({"messages": [{"role": "tool", "content": "21"}]}, ["messages[0].tool_call_id"], None),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, ["messages[0].tool_calls"], None),
+    ({"messages": [{"role": "function", "name": "f", "content": "x"}]}, ["messages[0].role"], None),
+])
+def test_bad_tools_and_tool_messages_are_a_400_naming_the_field(url, change, words, param):
+    assert_refused(post(url, "/chat/completions", {**CHAT_BODY, **change}), 400, *words, param=param)

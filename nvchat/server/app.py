@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over one Backend (the in-process EngineThread), as a FastAPI app.
+"""The OpenAI-compatible HTTP API over one Backend that tokenizes (the in-process EngineThread), as a
+FastAPI app.
 
 A request's body is read as a stream up to a size limit (413 past it), then decoded, checked,
 tokenized (the chat template too) and submitted on a worker thread, so a big body holds up neither
@@ -271,11 +272,19 @@ def _chunk(head: dict, content: dict | None, finish_reason, include_usage: bool,
 
 async def _texts(stream: RequestStream):
     """The stream's text as it arrives: whatever queued up while the loop was busy goes out as one piece."""
-    async for delta in stream:
-        more = stream.drain()
-        text = delta.text + (more.text if more else "")
+    async for text, _ in _pieces(stream):
         if text:
             yield text
+
+
+async def _pieces(stream: RequestStream):
+    """(text, tool calls) as they arrive, whatever queued up while the loop was busy as one piece."""
+    async for delta in stream:
+        more = stream.drain()
+        if more is None:
+            yield delta.text, delta.tool_calls
+        else:
+            yield delta.text + more.text, delta.tool_calls + more.tool_calls
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -283,12 +292,10 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-def _max_tokens(body, context: int | None, prompt_tokens: int) -> int | None:
+def _max_tokens(body, context: int, prompt_tokens: int) -> int:
     """The reply's token limit: what the client asked for, which must fit the context beside the
     prompt (400 naming both numbers, as vLLM answers), else all the room the prompt leaves."""
     requested = body.requested_max_tokens
-    if context is None:
-        return None if requested is None else requested[1]
     room = context - prompt_tokens
     if requested is None:
         return max(room, 1)  # a prompt with no room left is refused by the engine, which says why
@@ -351,7 +358,7 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
             engine = state.ready_engine()
             state.check_model(body.model)
             if body.messages is not None:
-                ids = engine.tokenize_chat(body.engine_messages(), body.enable_thinking)
+                ids = engine.tokenize_chat(body.engine_messages(), body.enable_thinking, body.engine_tools())
             else:
                 ids = engine.tokenize(body.prompt, body.add_special_tokens)
             return {"count": len(ids), "max_model_len": engine.capabilities.context_length, "tokens": ids,
@@ -378,19 +385,19 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
         state.check_model(model_id)
         return _model_card(state)
 
-    async def start(request: Request, schema, endpoint: str, prompt_ids):
+    async def start(request: Request, schema, endpoint: str, prepare):
         """Reads, checks and submits a request on a worker thread: (its body, its stream).
-        prompt_ids(body, engine): the prompt as token ids."""
+        prepare(body, engine): the prompt (as token ids where the engine tokenizes) and submit()'s
+        keywords."""
         raw = await _read_body(request, state.max_request_bytes)
 
         def work():
             body = _validate(_decode(raw), schema, endpoint)
             engine = state.ready_engine()
             state.check_model(body.model)
-            ids = prompt_ids(body, engine)
-            context = engine.capabilities.context_length
-            params = body.sampling_params(_max_tokens(body, context, len(ids)))
-            return body, engine.submit(ids, params)
+            prompt, keywords = prepare(body, engine)
+            params = body.sampling_params(_max_tokens(body, engine.capabilities.context_length, len(prompt)))
+            return body, engine.submit(prompt, params, **keywords)
 
         body, stream = await _off_the_loop(work)
         if state.stopping:  # begin_shutdown() ran while the request was being prepared
@@ -439,10 +446,9 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
         return events + [DONE]
 
     def chat_prompt(body: ChatCompletionRequest, engine: Backend):
-        messages = body.engine_messages()
-        if not engine.capabilities.tokenizes:
-            return messages
-        return engine.tokenize_chat(messages, body.enable_thinking)
+        tools = body.engine_tools()
+        # Rendered here, so submit() takes the token ids and the tools only to read the calls.
+        return engine.tokenize_chat(body.engine_messages(), body.enable_thinking, tools), {"tools": tools}
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -451,9 +457,13 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if not body.stream:
             await complete(stream, request, "chat")
+            message = {"role": "assistant", "content": stream.text}
+            if stream.tool_calls:
+                message["tool_calls"] = [call.openai() for call in stream.tool_calls]
+                message["content"] = stream.text.strip() or None
             return {"id": reply_id, "object": "chat.completion", "created": created, "model": state.model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": stream.text},
-                                 "logprobs": None, "finish_reason": stream.finish_reason}],
+                    "choices": [{"index": 0, "message": message, "logprobs": None,
+                                 "finish_reason": stream.finish_reason}],
                     "usage": _usage(stream)}
 
         head = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
@@ -465,8 +475,13 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
 
         async def events():
             yield sse_event(payload({"role": "assistant", "content": ""}))
-            async for text in _texts(stream):
-                yield content_event(text)
+            calls = 0
+            async for text, tool_calls in _pieces(stream):
+                if text:
+                    yield content_event(text)
+                for call in tool_calls:  # each whole, in one delta (OpenAI's may split the arguments)
+                    yield sse_event(payload({"tool_calls": [{"index": calls, **call.openai()}]}))
+                    calls += 1
             for event in closing_events(stream, payload, {}, include_usage):
                 yield event
 
@@ -474,9 +489,7 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
 
     def completion_prompt(body: CompletionRequest, engine: Backend):
         prompt = body.engine_prompt()
-        if isinstance(prompt, str) and engine.capabilities.tokenizes:
-            return engine.tokenize(prompt)
-        return prompt
+        return (engine.tokenize(prompt) if isinstance(prompt, str) else prompt), {}
 
     @v1.post("/completions")
     async def completions(request: Request):

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from engine import SamplingParams
+from engine.text.tool_calls import Tools
 
 # Stop strings are searched for in the text at every token (engine/text/detokenizer.py): 20,000 of
 # them slowed another stream from 0.8 to 5.5 s. OpenAI takes at most 4.
@@ -305,6 +306,13 @@ class ChatCompletionRequest(_Sampling):
     def engine_messages(self) -> list[dict]:
         return [m.engine_message() for m in self.messages]
 
+    def engine_tools(self) -> Tools | None:
+        if not self.tools:
+            return None
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return Tools([tool.model_dump(exclude_none=True) for tool in self.tools], choice or "auto",
+                     self.parallel_tool_calls is not False)
+
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] = Field(min_length=1)
@@ -326,6 +334,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: Literal[True] = True
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    tools: list[ToolDefinition] | None = None
     return_token_strs: Literal[False] | None = None
 
     @model_validator(mode="after")
@@ -334,7 +343,12 @@ class TokenizeRequest(_Strict):
             raise ValueError("prompt: send either a prompt or messages")
         if self.messages is not None and "add_special_tokens" in self.model_fields_set:
             raise ValueError("add_special_tokens: messages are tokenized as their chat template writes them")
+        if self.tools and self.messages is None:
+            raise ValueError("tools: tools are rendered with messages")
         return self
+
+    def engine_tools(self) -> Tools | None:
+        return Tools([tool.model_dump(exclude_none=True) for tool in self.tools]) if self.tools else None
 
     @property
     def enable_thinking(self) -> bool | None:
