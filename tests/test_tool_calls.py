@@ -4,6 +4,8 @@ and the grammars that hold calls to their schemas, checked with llguidance again
 import json
 import random
 
+import llguidance
+import llguidance.hf
 import pytest
 from transformers import AutoTokenizer
 
@@ -166,8 +168,6 @@ def test_a_tool_choice_must_name_an_offered_function():
 def matcher(demo_model_path):
     """A function making an llguidance matcher of a grammar over the demo model's tokenizer, and
     one telling whether it accepts a text whole."""
-    llguidance = pytest.importorskip("llguidance")
-    import llguidance.hf
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path)
     ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
 

@@ -321,7 +321,7 @@ class HermesParser:
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         self.buffer += text
-        out, calls = [], []
+        out = []
         while True:
             if not self.in_call:
                 start = self.buffer.find(HermesFormat.OPEN)
