@@ -14,7 +14,7 @@ from collections import deque
 from jinja2 import TemplateError
 
 from engine.backend import BackendCapabilities, EngineSnapshot
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, StructuredOutput
 from engine.llm import LLM
 from engine.options import CHAT_PREFILL_CHUNK
 from engine.request_stream import RequestStream
@@ -32,6 +32,16 @@ def _template_errors_as_value_errors():
         yield
     except TemplateError as e:
         raise ValueError(f"the model's chat template refused these messages: {e}") from None
+
+
+def _with_tool_grammar(params: SamplingParams, grammar: str | None) -> SamplingParams:
+    """params with the grammar that holds the reply's tool calls to their schemas, if there is one."""
+    if grammar is None:
+        return params
+    if params.structured_output is not None:
+        raise ValueError("a reply cannot be held both to a structured output and to tool calls: with tool_choice "
+                         "\"required\" or a function named (or a strict tool), send no other constraint")
+    return dataclasses.replace(params, structured_output=StructuredOutput(grammar=grammar))
 
 
 class EngineThread:
@@ -78,7 +88,8 @@ class EngineThread:
         self._live.clear()
         for cmd in self._inbox:
             if cmd[0] == "submit":
-                cmd[2]._finish("abort")
+                for stream in cmd[2]:
+                    stream._finish("abort")
         self._inbox.clear()
         if self._owns_llm:
             self.llm.shutdown()
@@ -92,7 +103,8 @@ class EngineThread:
     @property
     def capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(model_name=None, context_length=self.llm.config.max_model_len,
-                                   tokenizes=self.llm.tokenizer is not None, block_stats=True)
+                                   tokenizes=self.llm.tokenizer is not None, block_stats=True,
+                                   recommended_sampling=self.llm.recommended_sampling)
 
     def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
                       tools: Tools | None = None) -> list[int]:
@@ -114,21 +126,34 @@ class EngineThread:
                tools: Tools | None = None, tag=None) -> RequestStream:
         """Queues a request and returns its stream at once. prompt: text, token ids, or chat messages
         ({"role", "content"} dicts, rendered with the chat template). tools: rendered with chat
-        messages (a token-id prompt holds them already), and the reply's calls parsed into the
-        stream's tool_calls (engine.text.tool_calls). Bad input raises ValueError."""
+        messages (a token-id prompt holds them already), the reply's calls parsed into the stream's
+        tool_calls, and with tool_choice "required" or a function named (or a strict tool) held to
+        their schemas (engine.text.tool_calls). Bad input raises ValueError. One sample only:
+        submit_n() takes n > 1."""
+        if sampling_params is not None and sampling_params.n > 1:
+            raise ValueError(f"submit() streams one sample; use submit_n() for n={sampling_params.n}")
+        return self.submit_n(prompt, sampling_params, enable_thinking=enable_thinking, tools=tools, tag=tag)[0]
+
+    def submit_n(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
+                 tools: Tools | None = None, tag=None) -> list[RequestStream]:
+        """submit() for sampling_params.n samples of one prompt, prefilled once: a stream per sample,
+        in order (stream.sample_index), each ended or aborted on its own."""
         self._check_open()
         if tools is not None and not isinstance(tools, Tools):
             raise ValueError(f"tools must be engine.text.tool_calls.Tools, got {type(tools).__name__}")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             with _template_errors_as_value_errors():
                 prompt = self.llm.encode_chat(prompt, enable_thinking, tools)
-        parser = None
+        fmt = None
         if tools is not None and tools.offered:
-            parser = self.llm.tool_call_format().parser(tools)
+            fmt = self.llm.tool_call_format()
+            sampling_params = _with_tool_grammar(sampling_params or SamplingParams(), fmt.grammar(tools))
         seq = self.llm.make_sequence(prompt, sampling_params, stream=True)
-        stream = RequestStream(seq.seq_id, seq.num_prompt_tokens, self._request_abort, tag, parser)
-        self._post(("submit", seq, stream))
-        return stream
+        streams = [RequestStream(s.seq_id, s.num_prompt_tokens, self._request_abort, tag, s.sample_index,
+                                 fmt.parser(tools) if fmt is not None else None)
+                   for s in (seq, *seq.forks)]
+        self._post(("submit", [seq, *seq.forks], streams))
+        return streams
 
     def _check_open(self) -> None:
         if self.fatal_error:
@@ -167,7 +192,7 @@ class EngineThread:
         except BaseException as e:  # a bug outside llm.step(): no stream may wait forever on a dead thread
             with self._cv:
                 self.fatal_error = f"engine thread crashed: {type(e).__name__}: {e}"
-                pending = [cmd[2] for cmd in self._inbox if cmd[0] == "submit"]
+                pending = [stream for cmd in self._inbox if cmd[0] == "submit" for stream in cmd[2]]
                 self._inbox.clear()
             for stream in pending + [stream for _, stream in self._live.values()]:
                 stream._finish("error", self.fatal_error)
@@ -205,7 +230,7 @@ class EngineThread:
                 stream = entry[1]
                 if not stream.token_ids:
                     stream.num_cached_tokens = out.seq.num_cached_tokens
-                stream._push(out.new_text, out.new_token_ids)
+                stream._push(out.new_text, out.new_token_ids, out.logprobs)
                 if out.finished:
                     del self._live[out.seq.seq_id]
                     stream._finish(out.seq.finish_reason)
@@ -213,9 +238,10 @@ class EngineThread:
 
     def _apply(self, command) -> None:
         if command[0] == "submit":
-            _, seq, stream = command
-            self.llm.enqueue(seq)
-            self._live[seq.seq_id] = (seq, stream)
+            _, seqs, streams = command
+            self.llm.enqueue(seqs[0])  # the others are its forks
+            for seq, stream in zip(seqs, streams):
+                self._live[seq.seq_id] = (seq, stream)
         else:
             stream = command[1]
             entry = self._live.pop(stream.request_id, None)
