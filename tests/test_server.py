@@ -204,7 +204,7 @@ BAD_REQUESTS = [
     ("lone surrogate in chat", "/chat/completions",
      b'{"model": "demo", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', 400),
     ("negative top_k", "/completions", {"model": "demo", "prompt": "x", "top_k": -2}, 400),
-    ("n of 2", "/completions", {"model": "demo", "prompt": "x", "n": 2}, 400),
+    ("n past its bound", "/completions", {"model": "demo", "prompt": "x", "n": 17}, 400),
     ("empty prompt", "/completions", {"model": "demo", "prompt": ""}, 400),
     ("prompt over the context", "/completions", {"model": "demo", "prompt": "word " * 400}, 400),
     ("chat over the context", "/chat/completions",

@@ -32,6 +32,7 @@ from nvchat.server.schemas import (
     refused_fields,
     without_idle_fields,
 )
+from nvchat.server.replies import CompletionLogprobs, TokenTexts, chat_logprobs, merged, usage
 from nvchat.server.sse import TEXT_SLOT, EventStreamResponse, sse_event, text_events
 
 DONE = "data: [DONE]\n\n"
@@ -82,6 +83,7 @@ class ServerState:
         self.open_streams: set[RequestStream] = set()
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.token_texts: TokenTexts | None = None  # made with the first request for log-probabilities
 
     def ready_engine(self) -> Backend:
         if self.stopping:
@@ -253,38 +255,17 @@ async def _off_the_loop(work):
         raise _internal_error(e) from None
 
 
-def _usage(stream: RequestStream) -> dict:
-    return {"prompt_tokens": stream.num_prompt_tokens, "completion_tokens": stream.num_completion_tokens,
-            "total_tokens": stream.num_prompt_tokens + stream.num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": stream.num_cached_tokens}}
-
-
-def _chunk(head: dict, content: dict | None, finish_reason, include_usage: bool, usage) -> dict:
-    """An endpoint's event: head (id, object, created, model) and its one choice holding content
-    (none in the usage-only chunk); with include_usage, usage as OpenAI sends it: null on every
-    chunk but the last."""
-    choices = [] if content is None else [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}]
+def _chunk(head: dict, index: int, content: dict | None, finish_reason=None, logprobs=None,
+           include_usage: bool = False, usage=None) -> dict:
+    """An endpoint's event: head (id, object, created, model) and one choice holding content (none
+    in the usage-only chunk); with include_usage, usage as OpenAI sends it: null on every chunk but
+    the last."""
+    choices = [] if content is None else [{"index": index, **content, "logprobs": logprobs,
+                                           "finish_reason": finish_reason}]
     event = {**head, "choices": choices}
     if include_usage:
         event["usage"] = usage
     return event
-
-
-async def _texts(stream: RequestStream):
-    """The stream's text as it arrives: whatever queued up while the loop was busy goes out as one piece."""
-    async for text, _ in _pieces(stream):
-        if text:
-            yield text
-
-
-async def _pieces(stream: RequestStream):
-    """(text, tool calls) as they arrive, whatever queued up while the loop was busy as one piece."""
-    async for delta in stream:
-        more = stream.drain()
-        if more is None:
-            yield delta.text, delta.tool_calls
-        else:
-            yield delta.text + more.text, delta.tool_calls + more.tool_calls
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -316,6 +297,14 @@ class _App(FastAPI):
             if scope["type"] != "http":
                 raise
             logger.exception("a request failed")
+
+
+def _chat_message(stream: RequestStream) -> dict:
+    message = {"role": "assistant", "content": stream.text}
+    if stream.tool_calls:
+        message["tool_calls"] = [call.openai() for call in stream.tool_calls]
+        message["content"] = stream.text.strip() or None  # as OpenAI's: null beside calls, unless there was text
+    return message
 
 
 def _endpoint(path: str) -> str:
@@ -386,64 +375,69 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
         return _model_card(state)
 
     async def start(request: Request, schema, endpoint: str, prepare):
-        """Reads, checks and submits a request on a worker thread: (its body, its stream).
-        prepare(body, engine): the prompt (as token ids where the engine tokenizes) and submit()'s
-        keywords."""
+        """Reads, checks and submits a request on a worker thread: (its body, its prompt's ids, a
+        stream per choice). prepare(body, engine): the prompt's token ids and submit()'s keywords."""
         raw = await _read_body(request, state.max_request_bytes)
 
         def work():
             body = _validate(_decode(raw), schema, endpoint)
             engine = state.ready_engine()
             state.check_model(body.model)
-            prompt, keywords = prepare(body, engine)
-            params = body.sampling_params(_max_tokens(body, engine.capabilities.context_length, len(prompt)))
-            return body, engine.submit(prompt, params, **keywords)
+            ids, keywords = prepare(body, engine)
+            capabilities = engine.capabilities
+            params = body.sampling_params(_max_tokens(body, capabilities.context_length, len(ids)),
+                                          capabilities.recommended_sampling)
+            if params.n == 1:
+                return body, ids, [engine.submit(ids, params, **keywords)]
+            return body, ids, engine.submit_n(ids, params, **keywords)
 
-        body, stream = await _off_the_loop(work)
+        body, ids, streams = await _off_the_loop(work)
         if state.stopping:  # begin_shutdown() ran while the request was being prepared
-            stream.abort()
+            for stream in streams:
+                stream.abort()
             raise _shutting_down()
-        state.open_streams.add(stream)
-        return body, stream
+        state.open_streams.update(streams)
+        return body, ids, streams
 
-    def finish(stream: RequestStream, endpoint: str) -> None:
-        stream.abort()  # nothing if it ended; otherwise the client left or the server is stopping
-        if stream in state.open_streams:
-            state.open_streams.discard(stream)
-            state.metrics.request_ended(endpoint, stream)
+    def finish(streams: list[RequestStream], endpoint: str) -> None:
+        for stream in streams:
+            stream.abort()  # nothing if it ended; otherwise the client left or the server is stopping
+        if streams[0] in state.open_streams:
+            state.open_streams.difference_update(streams)
+            state.metrics.request_ended(endpoint, streams)
 
-    async def complete(stream: RequestStream, request: Request, endpoint: str) -> RequestStream:
-        """Waits for the whole reply, or for the client to leave (then aborts it)."""
-        async def consume():
+    async def complete(streams: list[RequestStream], request: Request, endpoint: str) -> None:
+        """Waits for every choice's whole reply, or for the client to leave (then aborts them)."""
+        async def consume(stream):
             async for _ in stream:
                 pass
 
-        reading = asyncio.ensure_future(consume())
+        reading = asyncio.ensure_future(asyncio.gather(*(consume(s) for s in streams)))
         leaving = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({reading, leaving}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             leaving.cancel()
             reading.cancel()
-            finish(stream, endpoint)
-        if stream.finish_reason == "abort":  # the engine stopped (had the client left, no one reads this)
-            raise _shutting_down()
-        if stream.finish_reason == "error":
-            raise APIError(500, f"generation failed: {stream.error}", type="server_error")
-        return stream
+            finish(streams, endpoint)
+        for stream in streams:
+            if stream.finish_reason == "abort":  # the engine stopped (had the client left, no one reads this)
+                raise _shutting_down()
+            if stream.finish_reason == "error":
+                raise APIError(500, f"generation failed: {stream.error}", type="server_error")
 
-    def closing_events(stream: RequestStream, payload, empty, include_usage: bool) -> list[str]:
-        """The events that end a stream: an error event if it did not finish normally; else the
-        finish reason, a usage-only chunk if asked for, and [DONE]. payload(empty, ...) builds an
-        endpoint's chunk."""
+    def ending_badly(stream: RequestStream) -> str | None:
+        """The error event that ends a stream which did not finish normally, if it did not."""
         if stream.finish_reason == "error":
-            return [sse_event(APIError(500, f"generation failed: {stream.error}", type="server_error").body())]
+            return sse_event(APIError(500, f"generation failed: {stream.error}", type="server_error").body())
         if stream.finish_reason == "abort":
-            return [sse_event(_shutting_down().body())]
-        events = [sse_event(payload(empty, stream.finish_reason))]
-        if include_usage:
-            events.append(sse_event(payload(empty, usage=_usage(stream), choices=False)))
-        return events + [DONE]
+            return sse_event(_shutting_down().body())
+        return None
+
+    def token_texts() -> TokenTexts:
+        if state.token_texts is None:
+            state.token_texts = TokenTexts(state.engine.detokenize)
+        return state.token_texts
 
     def chat_prompt(body: ChatCompletionRequest, engine: Backend):
         tools = body.engine_tools()
@@ -452,40 +446,52 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        body, stream = await start(request, ChatCompletionRequest, "chat", chat_prompt)
+        body, _, streams = await start(request, ChatCompletionRequest, "chat", chat_prompt)
         reply_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        with_logprobs = body.engine_logprobs is not None
         if not body.stream:
-            await complete(stream, request, "chat")
-            message = {"role": "assistant", "content": stream.text}
-            if stream.tool_calls:
-                message["tool_calls"] = [call.openai() for call in stream.tool_calls]
-                message["content"] = stream.text.strip() or None
+            await complete(streams, request, "chat")
             return {"id": reply_id, "object": "chat.completion", "created": created, "model": state.model_name,
-                    "choices": [{"index": 0, "message": message, "logprobs": None,
-                                 "finish_reason": stream.finish_reason}],
-                    "usage": _usage(stream)}
+                    "choices": [{"index": i, "message": _chat_message(s),
+                                 "logprobs": chat_logprobs(s.logprobs or [], token_texts()) if with_logprobs else None,
+                                 "finish_reason": s.finish_reason} for i, s in enumerate(streams)],
+                    "usage": usage(streams)}
 
         head = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
 
-        def payload(delta: dict, finish_reason=None, usage=None, choices=True) -> dict:
-            return _chunk(head, {"delta": delta} if choices else None, finish_reason, include_usage, usage)
+        def chunk(index: int, delta: dict | None, finish_reason=None, logprobs=None, usage=None) -> dict:
+            return _chunk(head, index, None if delta is None else {"delta": delta}, finish_reason, logprobs,
+                          include_usage, usage)
 
-        content_event = text_events(payload({"content": TEXT_SLOT}))
+        # The common event, a piece of text, is encoded once but for its text (see text_events).
+        content_events = [text_events(chunk(i, {"content": TEXT_SLOT})) for i in range(len(streams))]
 
         async def events():
-            yield sse_event(payload({"role": "assistant", "content": ""}))
-            calls = 0
-            async for text, tool_calls in _pieces(stream):
-                if text:
-                    yield content_event(text)
+            for i in range(len(streams)):
+                yield sse_event(chunk(i, {"role": "assistant", "content": ""}))
+            calls = [0] * len(streams)
+            async for i, piece in merged(streams):
+                if piece is None:
+                    failure = ending_badly(streams[i])
+                    if failure is not None:
+                        yield failure
+                        return
+                    yield sse_event(chunk(i, {}, streams[i].finish_reason))
+                    continue
+                text, tool_calls, logprobs = piece
+                if logprobs:
+                    yield sse_event(chunk(i, {"content": text}, logprobs=chat_logprobs(logprobs, token_texts())))
+                elif text:
+                    yield content_events[i](text)
                 for call in tool_calls:  # each whole, in one delta (OpenAI's may split the arguments)
-                    yield sse_event(payload({"tool_calls": [{"index": calls, **call.openai()}]}))
-                    calls += 1
-            for event in closing_events(stream, payload, {}, include_usage):
-                yield event
+                    yield sse_event(chunk(i, {"tool_calls": [{"index": calls[i], **call.openai()}]}))
+                    calls[i] += 1
+            if include_usage:
+                yield sse_event(chunk(0, None, usage=usage(streams)))
+            yield DONE
 
-        return EventStreamResponse(events(), on_close=lambda: finish(stream, "chat"))
+        return EventStreamResponse(events(), on_close=lambda: finish(streams, "chat"))
 
     def completion_prompt(body: CompletionRequest, engine: Backend):
         prompt = body.engine_prompt()
@@ -493,28 +499,52 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request):
-        body, stream = await start(request, CompletionRequest, "completions", completion_prompt)
+        body, ids, streams = await start(request, CompletionRequest, "completions", completion_prompt)
         reply_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-
+        with_logprobs = body.engine_logprobs is not None
+        echoed = ""
+        if body.echo:
+            prompt = body.engine_prompt()
+            echoed = prompt if isinstance(prompt, str) else await asyncio.to_thread(state.engine.detokenize, ids)
         head = {"id": reply_id, "object": "text_completion", "created": created, "model": state.model_name}
 
-        def payload(text: str, finish_reason=None, usage=None, choices=True) -> dict:
-            return _chunk(head, {"text": text} if choices else None, finish_reason, include_usage, usage)
+        def chunk(index: int, text: str | None, finish_reason=None, logprobs=None, usage=None) -> dict:
+            return _chunk(head, index, None if text is None else {"text": text}, finish_reason, logprobs,
+                          include_usage, usage)
 
         if not body.stream:
-            await complete(stream, request, "completions")
-            return payload(stream.text, stream.finish_reason) | {"usage": _usage(stream)}
+            await complete(streams, request, "completions")
+            choices = [chunk(i, echoed + s.text, s.finish_reason,
+                             CompletionLogprobs(token_texts())(s.logprobs or []) if with_logprobs else None)["choices"][0]
+                       for i, s in enumerate(streams)]
+            return {**head, "choices": choices, "usage": usage(streams)}
 
-        text_event = text_events(payload(TEXT_SLOT))
+        text_event = [text_events(chunk(i, TEXT_SLOT)) for i in range(len(streams))]
+        offsets = [CompletionLogprobs(token_texts()) for _ in streams] if with_logprobs else None
 
         async def events():
-            async for text in _texts(stream):
-                yield text_event(text)
-            for event in closing_events(stream, payload, "", include_usage):
-                yield event
+            if echoed:
+                for i in range(len(streams)):
+                    yield text_event[i](echoed)
+            async for i, piece in merged(streams):
+                if piece is None:
+                    failure = ending_badly(streams[i])
+                    if failure is not None:
+                        yield failure
+                        return
+                    yield sse_event(chunk(i, "", streams[i].finish_reason))
+                    continue
+                text, _, logprobs = piece
+                if logprobs:
+                    yield sse_event(chunk(i, text, logprobs=offsets[i](logprobs)))
+                elif text:
+                    yield text_event[i](text)
+            if include_usage:
+                yield sse_event(chunk(0, None, usage=usage(streams)))
+            yield DONE
 
-        return EventStreamResponse(events(), on_close=lambda: finish(stream, "completions"))
+        return EventStreamResponse(events(), on_close=lambda: finish(streams, "completions"))
 
     app.include_router(v1)
     if api_key:

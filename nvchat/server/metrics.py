@@ -78,26 +78,28 @@ class ServerMetrics:
                                              "to its first token", ["endpoint"], buckets=_LATENCY_BUCKETS,
                                              registry=registry)
         self.inter_token_latency = Histogram("nvchat_inter_token_latency_seconds", "Each request's mean time "
-                                             "between its output tokens after the first", ["endpoint"],
+                                             "between its output tokens after the first (its first choice's)", ["endpoint"],
                                              buckets=_TOKEN_GAP_BUCKETS, registry=registry)
         self.request_duration = Histogram("nvchat_request_duration_seconds", "From a request's submission to its "
                                           "end", ["endpoint"], buckets=_DURATION_BUCKETS, registry=registry)
         registry.register(_EngineCollector(snapshot))
 
-    def request_ended(self, endpoint: str, stream: RequestStream) -> None:
-        """Counts a request whose stream ended or was given up (a stream aborted by its client ends
-        on the engine thread a step later: it counts as "abort" now)."""
-        self.requests.labels(endpoint, stream.finish_reason or "abort").inc()
-        self.prompt_tokens.labels(endpoint).inc(stream.num_prompt_tokens)
-        self.cached_prompt_tokens.labels(endpoint).inc(stream.num_cached_tokens)
-        completion_tokens = stream.num_completion_tokens
-        self.generation_tokens.labels(endpoint).inc(completion_tokens)
-        end = stream.finished_at or time.perf_counter()
-        self.request_duration.labels(endpoint).observe(end - stream.submitted_at)
-        if stream.first_token_at is not None:
-            self.time_to_first_token.labels(endpoint).observe(stream.first_token_at - stream.submitted_at)
-            if completion_tokens >= 2:
-                self.inter_token_latency.labels(endpoint).observe((end - stream.first_token_at) / (completion_tokens - 1))
+    def request_ended(self, endpoint: str, streams: list[RequestStream]) -> None:
+        """Counts a request, a stream per choice, that ended or was given up (a stream aborted by
+        its client ends on the engine thread a step later: it counts as "abort" now). Its latencies
+        are its first choice's."""
+        first = streams[0]
+        self.requests.labels(endpoint, first.finish_reason or "abort").inc()
+        self.prompt_tokens.labels(endpoint).inc(first.num_prompt_tokens)
+        self.cached_prompt_tokens.labels(endpoint).inc(first.num_cached_tokens)
+        self.generation_tokens.labels(endpoint).inc(sum(s.num_completion_tokens for s in streams))
+        end = first.finished_at or time.perf_counter()
+        self.request_duration.labels(endpoint).observe(end - first.submitted_at)
+        if first.first_token_at is not None:
+            self.time_to_first_token.labels(endpoint).observe(first.first_token_at - first.submitted_at)
+            if first.num_completion_tokens >= 2:
+                gap = (end - first.first_token_at) / (first.num_completion_tokens - 1)
+                self.inter_token_latency.labels(endpoint).observe(gap)
 
     def request_refused(self, endpoint: str, status: int) -> None:
         self.refused.labels(endpoint, str(status)).inc()

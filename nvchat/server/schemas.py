@@ -1,9 +1,10 @@
 """The request bodies of the OpenAI API routes nvchat serves, as pydantic models.
 
 No silent ignoring: every field of OpenAI's chat and completions APIs is either implemented here or
-refused with a 400 that names it (REFUSED says why), unless it holds the value that asks for
-nothing (null, false, its default). Past OpenAI's fields, vLLM's extensions that this server
-implements are accepted (EXTENSIONS); any other field is refused as unknown.
+refused with a 400 that names it (_REFUSED_* say why), unless it holds the value that asks for
+nothing (null, false, its default). Past OpenAI's fields, the vLLM extensions this server implements
+are accepted (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, chat_template_kwargs); any
+other field is refused as unknown.
 
 Strict types: a string where a number belongs is a client's bug to report (400), not to coerce.
 """
@@ -23,6 +24,7 @@ from pydantic import (
 )
 
 from engine import SamplingParams
+from engine.core.sampling_params import StructuredOutput
 from engine.text.tool_calls import Tools
 
 # Stop strings are searched for in the text at every token (engine/text/detokenizer.py): 20,000 of
@@ -51,26 +53,13 @@ _REFUSED_CHAT = {
     "service_tier": (_is_off("auto", "default"), "service tiers are not supported"),
     "prompt_cache_retention": (_is_off(), "prompt cache retention is not configurable: the prefix cache keeps "
                                           "blocks until it needs their room"),
-    "logprobs": (_is_off(False), "log-probabilities are not supported"),
-    "top_logprobs": (_is_off(0), "log-probabilities are not supported"),
-    "response_format": (_is_off({"type": "text"}), "only {\"type\": \"text\"} is supported"),
 }
-_REFUSED_BOTH = {
-    "n": (_is_off(1), "one choice per request"),
-    "frequency_penalty": (_is_off(0, 0.0), "penalties are not supported"),
-    "presence_penalty": (_is_off(0, 0.0), "penalties are not supported"),
-    "logit_bias": (_is_off({}), "logit_bias is not supported"),
-}
-_REFUSED_CHAT.update(_REFUSED_BOTH)
 _REFUSED_COMPLETIONS = {
-    "best_of": (_is_off(1), "best_of is not supported"),
+    "best_of": (_is_off(1), "best_of is not supported: send n"),
     "suffix": (_is_off(""), "suffix (inserting text) is not supported"),
-    "logprobs": (_is_off(), "log-probabilities are not supported"),
-    "echo": (_is_off(False), "echo is not supported"),
-    **_REFUSED_BOTH,
 }
-# Fields past OpenAI's that this server implements (vLLM's names and meanings).
-EXTENSIONS = ("top_k", "ignore_eos", "chat_template_kwargs")
+# The most choices one request may ask for (each is a sequence the engine runs at once).
+MAX_N = 16
 
 
 def refused_fields(data: dict, endpoint: str) -> tuple[str, str] | None:
@@ -135,6 +124,9 @@ class ToolCallMessagePart(_Strict):
     id: StrictStr
     type: Literal["function"] = "function"
     function: FunctionCall
+    # The openai client's stream helper keeps each streamed call's delta index in the message it
+    # assembles; the call's place in the list says the same, so it is accepted and not needed.
+    index: StrictInt | None = None
 
 
 class ChatMessage(_Strict):
@@ -175,7 +167,7 @@ class ChatMessage(_Strict):
             if getattr(self, name) is not None:
                 message[name] = getattr(self, name)
         if self.tool_calls:
-            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+            message["tool_calls"] = [call.model_dump(exclude={"index"}) for call in self.tool_calls]
         return message
 
 
@@ -239,8 +231,23 @@ class _Sampling(_Strict):
     max_tokens: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = None
-    ignore_eos: StrictBool = False  # vLLM's extension: replies of a known length, for benchmarks
+    n: StrictInt | None = None
+    frequency_penalty: StrictFloat | StrictInt | None = None
+    presence_penalty: StrictFloat | StrictInt | None = None
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None  # token id (as JSON's keys are text) -> bias
+    # vLLM's extensions:
+    min_p: StrictFloat | StrictInt | None = None
+    repetition_penalty: StrictFloat | StrictInt | None = None
+    min_tokens: StrictInt | None = None
+    ignore_eos: StrictBool = False  # replies of a known length, for benchmarks
     user: StrictStr | None = None  # an end user's id for abuse monitoring: nothing to do here
+
+    @field_validator("n")
+    @classmethod
+    def _bounded_n(cls, n):
+        if n is not None and not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be from 1 to {MAX_N}, got {n}")
+        return n
 
     @field_validator("stop")
     @classmethod
@@ -258,22 +265,72 @@ class _Sampling(_Strict):
         """The reply's length limit the client set, with the field that set it."""
         return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams (raises ValueError naming a bad value). OpenAI's defaults:
-        temperature 1, no top-p/top-k filter, a reply as long as the context allows."""
-        requested = self.requested_max_tokens
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    def sampling_params(self, max_tokens: int, recommended: dict | None = None) -> SamplingParams:
+        """The engine's SamplingParams (raises ValueError naming a bad value). A value the request
+        leaves out is the model's recommended one (recommended: {SamplingParams field: value}, as
+        vLLM takes a checkpoint's generation_config), else OpenAI's default: temperature 1, no
+        filter, no penalty."""
+        recommended = recommended or {}
+
+        def number(name: str, default: float) -> float:
+            value = getattr(self, name)
+            return _float(name, value, recommended.get(name, default))
+
+        top_k = recommended.get("top_k", 0) if self.top_k is None else self.top_k
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or None)
         return SamplingParams(
-            temperature=_float("temperature", self.temperature, 1.0),
-            top_p=_float("top_p", self.top_p, 1.0),
-            top_k=0 if self.top_k in (None, -1) else self.top_k,
-            max_tokens=default_max_tokens if requested is None else requested[1],
-            stop=stop, seed=self.seed, ignore_eos=self.ignore_eos)
+            temperature=number("temperature", 1.0), top_p=number("top_p", 1.0), top_k=0 if top_k == -1 else top_k,
+            min_p=number("min_p", 0.0), repetition_penalty=number("repetition_penalty", 1.0),
+            presence_penalty=number("presence_penalty", 0.0), frequency_penalty=number("frequency_penalty", 0.0),
+            logit_bias=self.logit_bias or None, min_tokens=self.min_tokens or 0, max_tokens=max_tokens,
+            stop=stop, seed=self.seed, ignore_eos=self.ignore_eos, n=self.choices, logprobs=self.engine_logprobs,
+            structured_output=self.structured_output)
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: how many top alternatives each token reports, None for none."""
+        return None
+
+    @property
+    def structured_output(self) -> StructuredOutput | None:
+        return None
+
+
+class JsonSchemaFormat(_Strict):
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None  # the reply is held to the schema whether or not it is set
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: goes with type json_schema, which needs it")
+        return self
+
+    def engine_constraint(self) -> StructuredOutput | None:
+        if self.type == "json_object" or (self.type == "json_schema" and self.json_schema.schema_ is None):
+            return StructuredOutput(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutput(json_schema=self.json_schema.schema_)
+        return None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -283,8 +340,18 @@ class ChatCompletionRequest(_Sampling):
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None  # the prefix cache finds shared prompts by their tokens
 
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def structured_output(self) -> StructuredOutput | None:
+        return self.response_format.engine_constraint() if self.response_format else None
+
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: goes with logprobs: true")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise ValueError("tool_choice: a tool choice needs tools")
         if isinstance(self.tool_choice, NamedToolChoice):
@@ -316,11 +383,24 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] = Field(min_length=1)
+    logprobs: StrictInt | None = None  # how many alternatives each token reports
+    echo: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: the engine does not compute the prompt's log-probabilities, so echo cannot go "
+                             "with logprobs")
+        return self
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
 
     def engine_prompt(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
             if len(self.prompt) != 1:
-                raise ValueError("prompt: one prompt per request (n=1); send a list of prompts as separate requests")
+                raise ValueError("prompt: one prompt per request; send a list of prompts as separate requests")
             return self.prompt[0]
         return self.prompt
 
