@@ -328,3 +328,22 @@ def test_tools_and_a_conversation_with_calls_reach_the_prompt(url):
 ])
 def test_bad_tools_and_tool_messages_are_a_400_naming_the_field(url, change, words, param):
     assert_refused(post(url, "/chat/completions", {**CHAT_BODY, **change}), 400, *words, param=param)
+
+
+@pytest.mark.parametrize("endpoint,change,words", [
+    ("chat", {"logprobs": True, "top_logprobs": 25}, ["top_logprobs", "0 to 20", "25"]),
+    ("chat", {"top_logprobs": 2}, ["top_logprobs", "logprobs: true"]),
+    ("chat", {"response_format": {"type": "xml"}}, ["response_format.type"]),
+    ("chat", {"response_format": {"type": "json_schema"}}, ["json_schema"]),
+    ("chat", {"logit_bias": {"abc": 3}}, ["logit_bias", "'abc'"]),
+    ("chat", {"logit_bias": {"99999999": 3}}, ["logit_bias", "outside the vocabulary", "99999999"]),
+    ("chat", {"logit_bias": {"5": 300}}, ["logit_bias[5]", "[-100.0, 100.0]"]),
+    ("chat", {"min_tokens": 5}, ["min_tokens", "max_tokens (2)", "5"]),
+    ("chat", {"presence_penalty": 3}, ["presence_penalty", "[-2.0, 2.0]"]),
+    ("completions", {"n": 0}, ["n must be from 1 to 16"]),
+    ("completions", {"logprobs": 21}, ["logprobs", "0 to 20", "21"]),
+    ("completions", {"logprobs": 2, "echo": True}, ["echo", "cannot go with logprobs"]),
+])
+def test_a_bad_sampling_value_is_a_400_naming_its_field(url, endpoint, change, words):
+    body = {**(CHAT_BODY if endpoint == "chat" else COMPLETION_BODY), **change}
+    assert_refused(post(url, "/chat/completions" if endpoint == "chat" else "/completions", body), 400, *words)

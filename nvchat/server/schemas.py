@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from engine import SamplingParams
-from engine.core.sampling_params import StructuredOutput
+from engine.core.sampling_params import MAX_LOGPROBS, StructuredOutput
 from engine.text.tool_calls import Tools
 
 # Stop strings are searched for in the text at every token (engine/text/detokenizer.py): 20,000 of
@@ -352,6 +352,8 @@ class ChatCompletionRequest(_Sampling):
     def _tool_choice_needs_tools(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: goes with logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs: must be from 0 to {MAX_LOGPROBS}, got {self.top_logprobs}")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise ValueError("tool_choice: a tool choice needs tools")
         if isinstance(self.tool_choice, NamedToolChoice):
