@@ -24,6 +24,13 @@ from engine import RequestStream
 from engine.backend import Backend
 from nvchat.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from nvchat.server.metrics import ServerMetrics
+from nvchat.server.replies import (
+    CompletionLogprobs,
+    TokenTexts,
+    chat_logprobs,
+    merged,
+    usage,
+)
 from nvchat.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,7 +39,6 @@ from nvchat.server.schemas import (
     refused_fields,
     without_idle_fields,
 )
-from nvchat.server.replies import CompletionLogprobs, TokenTexts, chat_logprobs, merged, usage
 from nvchat.server.sse import TEXT_SLOT, EventStreamResponse, sse_event, text_events
 
 DONE = "data: [DONE]\n\n"

@@ -76,7 +76,7 @@ class TokenTexts:
 
 
 def _logprob(value: float) -> float:
-    return value if value > _RULED_OUT else _RULED_OUT
+    return max(_RULED_OUT, value)
 
 
 def chat_logprobs(entries: list[TokenLogprobs], text) -> dict:
