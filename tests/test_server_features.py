@@ -42,7 +42,7 @@ def demo(demo_model_path):
 
 @pytest.fixture(scope="module")
 def hf_demo(demo_model_path):
-    import transformers
+    import transformers  # seconds to import: only the logprobs test needs HF's model as its oracle
     return transformers.AutoModelForCausalLM.from_pretrained(demo_model_path, dtype=torch.float32).eval()
 
 
