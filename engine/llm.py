@@ -45,6 +45,7 @@ from engine.runner.model_runner import ModelRunner, SampledTokens
 from engine.runner.tp_runner import TensorParallelRunner
 from engine.text.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
 from engine.text.tokenizer import eos_token_ids, load_tokenizer
+from engine.text.tool_calls import ToolCallFormat, Tools, tool_call_format
 
 
 # With nothing to run but a prompt whose blocks are being read from disk, step() waits this long
@@ -120,8 +121,13 @@ class LLM:
         self._progress("reading the model config")
         self.config = EngineConfig.create(model, self.options, progress=self._progress)
         self._progress("loading the tokenizer")
+        # Caller threads encode prompts and render chat templates while the engine thread decodes
+        # replies, on one tokenizer and without a lock: the Rust tokenizer's encode and decode only
+        # read it (transformers changes its truncation and padding settings only for a call that
+        # asks for others, which none here does; 1.4 million decodes beside long encodes raised
+        # nothing). Under a shared lock, tokenizing a 3.2 MB prompt (14 s on a loaded 2-core box)
+        # stopped every stream's text for as long.
         self.tokenizer = load_tokenizer(self.config.model_path)
-        self._tokenizer_lock = threading.Lock()
         self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
         self._byte_run_ids = byte_run_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
@@ -130,6 +136,7 @@ class LLM:
         # here: front ends offer it as their defaults.
         self.recommended_sampling = recommended_sampling(self.config.model_path)
         self._grammars = None  # GrammarCompiler, made by the first request with structured output
+        self._grammars_lock = threading.Lock()  # caller threads that compile at once make one
         self.runner = self._make_runner()
         self.block_size = self.config.kvcache_block_size
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size)
@@ -174,10 +181,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"model at {self.config.model_path} has no tokenizer: pass token ids, not text")
-            with self._tokenizer_lock:
-                ids = self.tokenizer.encode(prompt)
+            ids = self.tokenize(prompt)
         else:
             ids = list(prompt)
             if not all(isinstance(t, int) for t in ids):
@@ -198,29 +202,58 @@ class LLM:
                              f"{self.blocks.num_blocks}; raise num_kvcache_blocks or gpu_memory_utilization")
         return ids
 
-    def render_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> str:
-        """Chat messages as prompt text through the tokenizer's chat template."""
+    def render_chat(self, messages: list[dict], enable_thinking: bool | None = None, tools: Tools | None = None) -> str:
+        """Chat messages as prompt text through the tokenizer's chat template. Messages are
+        OpenAI-shaped, an assistant's tool_calls and tool messages included; tools, where offered,
+        are rendered as the model's format has it (engine.text.tool_calls)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model at {self.config.model_path} has no chat template")
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not messages or not all(isinstance(m, dict) and "role" in m and ("content" in m or m.get("tool_calls"))
+                                   for m in messages):
             raise ValueError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        messages, tools_arg = self.tool_call_format().template_messages(messages, tools)
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        with self._tokenizer_lock:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        if tools_arg is not None:
+            extra["tools"] = tools_arg
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
-    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def tool_call_format(self) -> ToolCallFormat:
+        """The format the model's chat template gives tool calls (engine.text.tool_calls)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: transformers renders tools with "tool_use"
+            template = template.get("tool_use") or template.get("default")
+        return tool_call_format(template)
+
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                      tools: Tools | None = None) -> list[int]:
         """Chat messages as prompt token ids, not yet checked against the model and cache limits
         (encode() checks them): for fitting a conversation to max_model_len."""
         # The template writes the special tokens it wants (a Llama-2 or Mistral one starts with
         # <s>): the tokenizer's own BOS on top would make two, so none is added, as HF's
         # apply_chat_template(tokenize=True) does.
-        text = self.render_chat(messages, enable_thinking)
-        with self._tokenizer_lock:
-            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenize(self.render_chat(messages, enable_thinking, tools), add_special_tokens=False)
 
-    def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text as token ids (the tokenizer's BOS first where it adds one), not checked against the
+        model and cache limits."""
+        if self.tokenizer is None:
+            raise ValueError(f"model at {self.config.model_path} has no tokenizer: pass token ids, not text")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens included."""
+        if self.tokenizer is None:
+            raise ValueError(f"model at {self.config.model_path} has no tokenizer")
+        vocab = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                    tools: Tools | None = None) -> list[int]:
         """Chat messages as prompt token ids, checked as encode() checks them."""
-        return self.encode(self.tokenize_chat(messages, enable_thinking))
+        return self.encode(self.tokenize_chat(messages, enable_thinking, tools))
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
         """A checked, tokenized request, not yet queued; safe to call from any thread. With
@@ -246,8 +279,8 @@ class LLM:
             seq = Sequence(ids, sample_params, self.block_size, self.config.max_model_len)
             seq.sample_index, seq.matcher = index, matcher
             if (stream or params.stop) and self.tokenizer is not None:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._tokenizer_lock,
-                                                         self._decode_text, self._byte_run_ids, params.min_tokens)
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._decode_text,
+                                                         self._byte_run_ids, params.min_tokens)
             samples.append(seq)
         samples[0].forks = samples[1:]
         return samples[0]
@@ -269,13 +302,12 @@ class LLM:
         grammars().prepare() builds its tokenizer view ahead of the first constrained request."""
         if self.tokenizer is None:
             raise ValueError(f"model at {self.config.model_path} has no tokenizer: structured output needs one")
-        with self._tokenizer_lock:
+        with self._grammars_lock:
             if self._grammars is None:
                 from engine.text.structured_output import (
                     GrammarCompiler,  # start-up: llguidance loads only for the first constrained request
                 )
-                self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, self.eos_ids,
-                                                 self._tokenizer_lock)
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, self.eos_ids)
         return self._grammars
 
     def enqueue(self, seq: Sequence) -> None:

@@ -20,6 +20,7 @@ import httpx
 from engine import SamplingParams
 from engine.backend import BackendCapabilities
 from engine.request_stream import Delta, RequestStream
+from engine.text.tool_calls import ToolCall, Tools
 
 # Long enough for a big server's queue or a long prefill before the first token; the user can stop
 # a reply that waits.
@@ -43,6 +44,11 @@ class RemoteStream(RequestStream):
             self.text += text
             self._chunks += 1
             self._pending.append(Delta(text))
+            self._wake()
+
+    def _push_tool_calls(self, calls: list[ToolCall]) -> None:
+        with self._cond:
+            self._append("", [], None, calls)
             self._wake()
 
     def _set_usage(self, usage: dict) -> None:
@@ -173,17 +179,25 @@ class RemoteBackend:
         return BackendCapabilities(model_name=self.model_name, context_length=None, tokenizes=False,
                                    block_stats=False)
 
-    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                      tools: Tools | None = None) -> list[int]:
         raise RuntimeError("a remote server tokenizes its prompts itself")
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise RuntimeError("a remote server tokenizes its prompts itself")
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        raise RuntimeError("a remote server's tokenizer is not reachable through the OpenAI API")
 
     def stats(self) -> None:
         """None: a remote server's KV-cache blocks are not visible through the OpenAI API."""
         return None
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
-               tag=None) -> RemoteStream:
+               tools: Tools | None = None, tag=None) -> RemoteStream:
         """Starts a request and returns its stream at once; chat messages go to /chat/completions,
-        text or token ids to /completions."""
+        text or token ids to /completions. tools go as OpenAI's tools, tool_choice and
+        parallel_tool_calls; the server parses the calls, which come back as the stream's tool_calls."""
         if self._closed or self._loop is None:  # checked again under the lock below
             raise RuntimeError("the remote backend is not running")
         params = sampling_params or SamplingParams()
@@ -211,6 +225,12 @@ class RemoteBackend:
             body["seed"] = params.seed
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             path, body["messages"] = "/chat/completions", prompt
+            if tools is not None:
+                body["tools"], body["tool_choice"] = tools.definitions, tools.choice
+                if not tools.parallel:
+                    body["parallel_tool_calls"] = False
+        elif tools is not None:
+            raise ValueError("tools go with chat messages: a server renders them through its chat template")
         else:
             path, body["prompt"] = "/completions", prompt
         stream = RemoteStream(next(self._ids), self._abort, tag)
@@ -265,6 +285,7 @@ class RemoteBackend:
 
     async def _read(self, stream: RemoteStream, path: str, body: dict) -> str | None:
         finish_reason = None
+        calls = _StreamedToolCalls(stream)
         async with self._client.stream("POST", path, json=body) as response:
             if response.status_code >= 400:
                 await response.aread()
@@ -286,11 +307,42 @@ class RemoteBackend:
                 if event.get("usage"):
                     stream._set_usage(event["usage"])
                 for choice in event.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content") or choice.get("text") or ""
                     if text:
                         stream._push_text(text)
+                    for piece in delta.get("tool_calls") or ():
+                        calls.add(piece)
                     finish_reason = choice.get("finish_reason") or finish_reason
+        calls.flush()
         return finish_reason
+
+
+class _StreamedToolCalls:
+    """OpenAI's streamed tool calls, pieces of which arrive per index (the id and name first, the
+    arguments' text in parts): a call is handed to the stream once the next one begins or the
+    reply ends."""
+
+    def __init__(self, stream: RemoteStream):
+        self.stream = stream
+        self.index = None
+        self.id, self.name, self.arguments = None, "", []
+
+    def add(self, piece: dict) -> None:
+        index = piece.get("index", 0)
+        if index != self.index:
+            self.flush()
+            self.index = index
+        function = piece.get("function") or {}
+        self.id = piece.get("id") or self.id
+        self.name += function.get("name") or ""
+        self.arguments.append(function.get("arguments") or "")
+
+    def flush(self) -> None:
+        if self.index is not None and self.name:
+            call = ToolCall(self.name, "".join(self.arguments) or "{}", **({"id": self.id} if self.id else {}))
+            self.stream._push_tool_calls([call])
+        self.index, self.id, self.name, self.arguments = None, None, "", []
 
 
 class _StreamError(Exception):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineThread, SamplingParams
+from engine.text.tool_calls import Tools
 from nvchat.remote_backend import RemoteBackend
 from nvchat.server.app import ServerState, create_app
 from nvchat.settings import Settings
@@ -221,3 +222,52 @@ def test_a_server_gone_mid_reply_keeps_the_text_and_says_what_happened():
         # It was reached: "could not reach" would send the user looking at the wrong thing.
         assert "could not reach" not in stream.error
         assert stream.error.startswith(f"the connection to {url} broke mid-reply")
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _tool_calling_app(bodies: list):
+    """A stand-in for OpenAI's API streaming two tool calls as it does: per call an index, the id
+    and name in its first piece, then its arguments' text in parts."""
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    pieces = [
+        {"content": "Checking."},
+        {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                         "function": {"name": "get_weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
+        {"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    ]
+
+    async def chat(request):
+        bodies.append(await request.json())
+
+        def events():
+            for delta in pieces:
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta, 'finish_reason': None}]})}\n\n"
+            yield 'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}\n\n'
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def test_tools_go_to_the_server_and_its_streamed_calls_come_back_whole():
+    bodies = []
+    tools = Tools([WEATHER_TOOL], choice="required", parallel=False)
+    with serving(_tool_calling_app(bodies)) as url, RemoteBackend(url, model="m") as backend:
+        stream = backend.submit(CHAT, SamplingParams(max_tokens=50), tools=tools)
+        assert stream.wait(30)
+        deltas = stream.drain()
+    assert bodies[0]["tools"] == [WEATHER_TOOL] and bodies[0]["tool_choice"] == "required"
+    assert bodies[0]["parallel_tool_calls"] is False
+    assert (stream.text, stream.finish_reason) == ("Checking.", "tool_calls")
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in stream.tool_calls] == [
+        ("call_a", "get_weather", {"city": "Oslo"}), ("call_b", "get_weather", {"city": "Rome"})]
+    assert deltas.tool_calls == stream.tool_calls

@@ -9,7 +9,6 @@ Stop strings are searched as text arrives (a held run's text included); the tail
 could be the start of a stop string is held back until it is known not to be one, so a stop string
 is never shown and no other text waits for it.
 """
-import contextlib
 import json
 import re
 from collections.abc import Callable
@@ -60,17 +59,13 @@ def byte_run_ids(tokenizer) -> frozenset[int]:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | None = None, lock=None, decode=None, run_ids=None,
-                 min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: list[str] | None = None, decode=None, run_ids=None, min_tokens: int = 0):
         """decode: text_decoder(tokenizer), and run_ids: byte_run_ids(tokenizer), when the caller
         has made them already. min_tokens: stop strings count only from that many tokens on (the
         text before is released as it comes), as vLLM's min_tokens has it."""
         self.tokenizer = tokenizer
         self.decode = decode or text_decoder(tokenizer)
         self.run_ids = byte_run_ids(tokenizer) if run_ids is None else run_ids
-        # HF fast tokenizers are not safe to use from two threads at once; callers that encode
-        # elsewhere share this lock with us.
-        self.lock = lock or contextlib.nullcontext()
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -93,12 +88,11 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> None:
         ids, decode = self.ids, self.decode
         end = len(ids) if final else self._settled_end()
-        with self.lock:
-            before = decode(ids[self.prefix_offset:self.read_offset])
-            window = decode(ids[self.prefix_offset:end])
-            # The held run's text: if the request ends now (a stop string in it, or the last
-            # token) it is the text, and a stop string must be found at the token that completes it.
-            held = decode(ids[self.prefix_offset:]) if end < len(ids) else ""
+        before = decode(ids[self.prefix_offset:self.read_offset])
+        window = decode(ids[self.prefix_offset:end])
+        # The held run's text: if the request ends now (a stop string in it, or the last token) it
+        # is the text, and a stop string must be found at the token that completes it.
+        held = decode(ids[self.prefix_offset:]) if end < len(ids) else ""
         whole = final or not window.endswith(REPLACEMENT)
         # A token can end in part of a character after whole ones (SmolLM2 has " " plus a lead
         # byte): the whole ones count now, or a stop string they complete would be found a token
