@@ -87,9 +87,13 @@ class Conversation:
     def _append(self, message: Message) -> Message:
         self._ensure_stored()
         if self.store is not None:
-            message.id = self.store.add_message(self.id, message.role, message.content, message.stats)
+            message.id = self.store.add_message(self.id, message.role, message.content, message.stats,
+                                                parent_id=self._last_id())
         self.messages.append(message)
         return message
+
+    def _last_id(self) -> int | None:
+        return self.messages[-1].id if self.messages else None
 
     def _drop_from(self, index: int) -> None:
         for message in self.messages[index:]:
@@ -245,7 +249,8 @@ class Conversation:
             return
         if self._reply_id is None:
             self._ensure_stored()
-            self._reply_id = self.store.add_message(self.id, "assistant", text, complete=False)
+            self._reply_id = self.store.add_message(self.id, "assistant", text, complete=False,
+                                                    parent_id=self._last_id())
         else:
             self.store.update_message(self._reply_id, text, complete=False)
 
@@ -263,7 +268,8 @@ class Conversation:
         if saved is None:
             self._ensure_stored()
             if self.store is not None:
-                message.id = self.store.add_message(self.id, "assistant", text, stats, complete=not interrupted)
+                message.id = self.store.add_message(self.id, "assistant", text, stats, complete=not interrupted,
+                                                    parent_id=self._last_id())
         else:
             self.store.update_message(saved, text, stats, complete=not interrupted)
             message.id = saved

@@ -3,6 +3,11 @@ streams (every few seconds) and again when it ends, so a crash or kill mid-reply
 last few seconds of that reply. A reply that did not end on its own (stopped, failed, or cut off by
 a kill) stays marked incomplete. Text typed but not sent is kept as the conversation's draft.
 
+A conversation's messages form a tree: each has a parent (None for a first message), and editing a
+message or regenerating a reply adds a sibling rather than replacing it, so no message is ever
+overwritten. The branch shown is found by walking down from the roots, taking at each level the
+child selected last (selected_at: set when a message is written or chosen).
+
 The schema's version is PRAGMA user_version; opening an older file migrates it in place. A file
 SQLite cannot read is moved aside (never overwritten) and a fresh one started.
 """
@@ -70,6 +75,17 @@ _MIGRATIONS: tuple[str, ...] = (
     "ALTER TABLE conversations ADD COLUMN sampling TEXT;",
     # 5: what the user typed in the conversation's prompt box and has not sent.
     "ALTER TABLE conversations ADD COLUMN draft TEXT NOT NULL DEFAULT '';",
+    # 6: branches. Each message's parent (NULL: a first message), and when it was last selected
+    # among its siblings. A linear conversation becomes one branch: each message's parent is the
+    # one before it. No ON DELETE action: a message with replies under it can't be deleted alone.
+    """
+    ALTER TABLE messages ADD COLUMN parent_id INTEGER REFERENCES messages(id);
+    ALTER TABLE messages ADD COLUMN selected_at REAL NOT NULL DEFAULT 0;
+    UPDATE messages SET parent_id = (SELECT MAX(p.id) FROM messages p
+                                     WHERE p.conversation_id = messages.conversation_id AND p.id < messages.id),
+                        selected_at = created_at;
+    CREATE INDEX messages_by_parent ON messages(parent_id);
+    """,
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -99,6 +115,22 @@ class MessageRow:
     stats: dict | None
     created_at: float
     complete: bool = True
+    parent_id: int | None = None  # the message this one answers or follows; None for a first message
+    selected_at: float = 0.0  # when it was written or last chosen among its siblings
+
+
+def shown_branch(rows: list[MessageRow]) -> list[MessageRow]:
+    """The branch shown of a conversation's messages: from the first messages down, at each level
+    the child selected last (the later id where two were selected at the same time)."""
+    children: dict[int | None, list[MessageRow]] = {}
+    for row in rows:
+        children.setdefault(row.parent_id, []).append(row)
+    branch, level = [], children.get(None)
+    while level:
+        chosen = max(level, key=lambda r: (r.selected_at, r.id))
+        branch.append(chosen)
+        level = children.get(chosen.id)
+    return branch
 
 
 def _conversation_row(row: tuple) -> ConversationRow:
@@ -146,12 +178,17 @@ class ChatStore:
                                    f"reads up to {SCHEMA_VERSION}): upgrade nvchat to open it")
 
     def _migrate(self, db: sqlite3.Connection) -> None:
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        for number in range(version + 1, SCHEMA_VERSION + 1):
+        while True:
             # One transaction per step (SQLite's DDL is transactional): a failed step leaves the
-            # file at the version before it.
-            db.execute("BEGIN")
+            # file at the version before it. The version is read inside the step's write
+            # transaction: two processes opening an old file at once take turns, and the second
+            # finds the step done.
+            db.execute("BEGIN IMMEDIATE")
             try:
+                number = db.execute("PRAGMA user_version").fetchone()[0] + 1
+                if number > SCHEMA_VERSION:
+                    db.execute("COMMIT")
+                    return
                 for statement in _statements(_MIGRATIONS[number - 1]):
                     db.execute(statement)
                 db.execute(f"PRAGMA user_version = {number}")
@@ -183,15 +220,17 @@ class ChatStore:
                          "VALUES (?, ?, ?, ?, ?)", (title, model, system_prompt, now, now)).lastrowid
 
     def add_message(self, conversation_id: int, role: str, content: str, stats: dict | None = None,
-                    complete: bool = True) -> int:
+                    complete: bool = True, parent_id: int | None = None) -> int:
+        """A new message under parent_id (None: a first message), selected among its siblings."""
         now = time.time()
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 cur = self._db.execute(
-                    "INSERT INTO messages (conversation_id, role, content, stats, created_at, complete) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (conversation_id, role, content, json.dumps(stats) if stats else None, now, int(complete)))
+                    "INSERT INTO messages (conversation_id, role, content, stats, created_at, complete, parent_id, "
+                    "selected_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (conversation_id, role, content, json.dumps(stats) if stats else None, now, int(complete),
+                     parent_id, now))
                 self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
                 self._db.execute("COMMIT")
             except BaseException:
@@ -207,7 +246,12 @@ class ChatStore:
                   (content, json.dumps(stats) if stats else None, int(complete), message_id))
 
     def delete_message(self, message_id: int) -> None:
+        """Only a message nothing follows (sqlite3.IntegrityError otherwise): a failed, empty reply."""
         self._run("DELETE FROM messages WHERE id = ?", (message_id,))
+
+    def select_message(self, message_id: int) -> None:
+        """Makes the message the one shown among its siblings (the branch shown goes through it)."""
+        self._run("UPDATE messages SET selected_at = ? WHERE id = ?", (time.time(), message_id))
 
     def rename(self, conversation_id: int, title: str) -> None:
         self._run("UPDATE conversations SET title = ?, updated_at = ? WHERE id = ?", (title, time.time(), conversation_id))
@@ -239,10 +283,11 @@ class ChatStore:
         return _conversation_row(row)
 
     def load_messages(self, conversation_id: int) -> list[MessageRow]:
-        rows = self._run("SELECT id, role, content, stats, created_at, complete FROM messages "
+        """Every message of every branch, oldest first (shown_branch() picks the branch shown)."""
+        rows = self._run("SELECT id, role, content, stats, created_at, complete, parent_id, selected_at FROM messages "
                          "WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
-        return [MessageRow(i, role, content, json.loads(stats) if stats else None, t, bool(complete))
-                for i, role, content, stats, t, complete in rows]
+        return [MessageRow(i, role, content, json.loads(stats) if stats else None, t, bool(complete), parent, selected)
+                for i, role, content, stats, t, complete, parent, selected in rows]
 
     def search_conversations(self, text: str) -> list[ConversationRow]:
         """Conversations whose title or any message has every word of text (as word prefixes)."""
