@@ -10,13 +10,26 @@ child selected last (selected_at: set when a message is written or chosen).
 
 The schema's version is PRAGMA user_version; opening an older file migrates it in place. A file
 SQLite cannot read is moved aside (never overwritten) and a fresh one started.
+
+Several nvchat processes may share the file (SQLite's WAL mode serializes their writes), but one
+conversation has one writer: the process that opens or starts it takes its writer lock
+(lock_for_writing), and another process that opens it while the lock is held gets it read-only.
+The lock is the operating system's lock on a small file beside the database, so it goes with the
+process however that ends, kill -9 included.
 """
 import json
+import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: msvcrt's byte-range locks instead
+    fcntl = None
+    import msvcrt
 
 from nvchat import paths
 
@@ -131,6 +144,42 @@ def shown_branch(rows: list[MessageRow]) -> list[MessageRow]:
         branch.append(chosen)
         level = children.get(chosen.id)
     return branch
+
+
+class WriterLock:
+    """One conversation's writer lock, held until release() or the process ends."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def take(cls, path: Path) -> "WriterLock | None":
+        """The lock on path, or None while another holder has it (another process, or another
+        lock object of this one)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            else:
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError:  # held elsewhere (BlockingIOError on POSIX, PermissionError on Windows)
+            os.close(fd)
+            return None
+        # For the note the other process shows: which process writes here.
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, str(os.getpid()).encode())
+        return cls(path, fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the lock
+            self._fd = None
 
 
 def _conversation_row(row: tuple) -> ConversationRow:
@@ -302,6 +351,25 @@ class ChatStore:
 
     def delete_conversation(self, conversation_id: int) -> None:
         self._run("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    # --- one writer per conversation -------------------------------------------------------------
+
+    def _writer_lock_path(self, conversation_id: int) -> Path:
+        directory = self.path.with_name(self.path.name + ".writers")
+        directory.mkdir(exist_ok=True)
+        return directory / f"{conversation_id}.lock"
+
+    def lock_for_writing(self, conversation_id: int) -> WriterLock | None:
+        """The conversation's writer lock, or None while another process (or another lock of this
+        one) holds it: then the conversation is read-only here."""
+        return WriterLock.take(self._writer_lock_path(conversation_id))
+
+    def writer_pid(self, conversation_id: int) -> int | None:
+        """The process that last took the conversation's writer lock, where it says."""
+        try:
+            return int(self._writer_lock_path(conversation_id).read_text() or 0) or None
+        except (OSError, ValueError):
+            return None
 
 
 def _statements(script: str) -> list[str]:

@@ -68,7 +68,7 @@ def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_o
     assert [(role, complete) for role, _, complete in rows] == [("user", 1), ("assistant", 0)]
     assert rows[0][1] == "first question" and rows[1][1].startswith(saved) and saved
 
-    # Reopened, the cut-off reply is there, marked, and can be regenerated.
+    # Reopened, the cut-off reply is there, marked, and can be regenerated (it stays, as a branch).
     again = nvchat_on_a_pty("--max-tokens", "8", "--max-model-len", "4096")
     again.wait_ready()
     again.write(b"\x0f")  # Ctrl+O: past conversations
@@ -76,8 +76,8 @@ def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_o
     again.write(b"\r")
     again.wait_until(lambda: "interrupted" in again.output, 30, "the reopened reply, marked interrupted")
     again.write(b"\x12")  # Ctrl+R
-    again.wait_until(lambda: again.query("SELECT complete FROM messages WHERE role = 'assistant'") == [(1,)], 30,
-                     "the regenerated reply")
+    again.wait_until(lambda: again.query("SELECT complete FROM messages WHERE role = 'assistant' ORDER BY id")
+                     == [(0,), (1,)], 30, "the regenerated reply")
     assert again.close() == 0
 
 
