@@ -161,3 +161,40 @@ async def test_alternatives_come_side_by_side_and_the_one_picked_becomes_the_bra
         await wait_for(pilot, lambda: not pane.query(AlternativesView), what="the second pick")
         assert pane.conversation.messages[-1] is user.children[4]
         assert transcript(pane)[-1][2] == "assistant  ◀ 5/5 ▶"
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+async def test_a_branch_deep_in_a_chat_prefills_only_what_is_new_and_its_footer_says_so(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        for text in ("first question", "second question", "third question"):
+            await send(pilot, text)
+            await idle(pilot, pane)
+        conversation = pane.conversation
+        # The prompt the third turn sent: the engine computed (and cached) all of it then.
+        earlier = app.engine.tokenize_chat(conversation.engine_messages(conversation.messages[:5]))
+        await pilot.press("alt+up", "alt+up", "f3", "ctrl+u")
+        assert pane._edit_index == 4
+        before = app.engine.stats()
+        await send(pilot, "third question, asked again")
+        await wait_for(pilot, lambda: len(conversation.messages) == 6 and not pane.busy, what="the branch's reply")
+        after = app.engine.stats()
+        reply = conversation.messages[-1]
+        prompt, cached = reply.stats["prompt_tokens"], reply.stats["cached_tokens"]
+        branch_prompt = app.engine.tokenize_chat(conversation.engine_messages(conversation.messages[:5]))
+        assert prompt == len(branch_prompt)
+        # Everything the branch shares with the earlier turns came from the prefix cache, in whole
+        # blocks (the engine always computes a prompt's last token): only the new part was prefilled.
+        shared = common_prefix(earlier, branch_prompt)
+        block = after.block_size
+        assert shared > prompt // 2
+        assert min(shared, prompt - 1) // block * block <= cached <= prompt - 1
+        assert after.prefix_hit_tokens - before.prefix_hit_tokens == cached
+        assert after.prompt_tokens - before.prompt_tokens == prompt
+        footer = str(pane.query(ReplyView).last().query_one("#reply-footer").render())
+        assert f"{cached} of {prompt} prompt tokens from the cache" in footer
