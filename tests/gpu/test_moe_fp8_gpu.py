@@ -202,7 +202,7 @@ def test_fp8_checkpoint_stays_fp8_and_matches_hf_in_float32(tmp_path, arch, eage
     tokens are HF's on the dequantized weights."""
     path = write_fp8_checkpoint(tmp_path, (16, 32), arch=arch)
     prompts = random_prompts([5, 17, 40, 9, 30, 12, 8, 20, 33], seed=24)
-    expected = hf_greedy(path, prompts, GREEDY.max_tokens)
+    expected = hf_dequantized_greedy(path, prompts, GREEDY.max_tokens)
     with LLM(path, **ENGINE, enforce_eager=eager) as llm:
         assert llm.config.quantization == "fp8"
         layer = llm.runner.model.model.layers[0]
@@ -217,10 +217,18 @@ def test_fp8_checkpoint_stays_fp8_and_matches_hf_in_float32(tmp_path, arch, eage
 def test_fp8_checkpoint_with_quantization_none_loads_dequantized(tmp_path):
     path = write_fp8_checkpoint(tmp_path, (16, 32))
     prompts = random_prompts([5, 17], seed=25)
-    expected = hf_greedy(path, prompts, GREEDY.max_tokens)
+    expected = hf_dequantized_greedy(path, prompts, GREEDY.max_tokens)
     with LLM(path, **ENGINE, quantization="none") as llm:
         assert llm.runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
         assert [o["token_ids"] for o in llm.generate(prompts, GREEDY)] == expected
+
+
+def hf_dequantized_greedy(path, prompts, max_new_tokens):
+    """HF's greedy tokens on an FP8 checkpoint's dequantized weights. Where CUDA is visible HF
+    would run the FP8 weights through Hugging Face's `kernels` package (absent on the GPU machines);
+    dequantize=True loads them dequantized, as HF does on a CPU-only machine."""
+    from transformers import FineGrainedFP8Config
+    return hf_greedy(path, prompts, max_new_tokens, quantization_config=FineGrainedFP8Config(dequantize=True))
 
 
 def _prefill_logits(llm, prompts):
