@@ -192,6 +192,30 @@ def _fts_query(text: str) -> str:
     return " ".join('"' + word.replace('"', '""') + '"*' for word in text.split())
 
 
+# How long opening the file waits for another process's write to end (sqlite3.connect's default).
+_BUSY_TIMEOUT_S = 5.0
+
+
+def _is_busy(error: sqlite3.DatabaseError) -> bool:
+    return getattr(error, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
+def _switch_to_wal(db: sqlite3.Connection) -> None:
+    """Puts the file in WAL mode. The switch needs the file to itself, and SQLite answers "database
+    is locked" at once, without its busy timeout, where another connection is opening or migrating
+    the file meanwhile (two nvchat processes started together hit it about once in 150 tries on the
+    2-core box): it is retried until the timeout."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if not _is_busy(e) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
+
+
 class ChatStore:
     def __init__(self, path: Path | None = None):
         self.path = path or paths.database_file()
@@ -202,7 +226,9 @@ class ChatStore:
             self._db = self._open()
         except NewerSchemaError:
             raise
-        except sqlite3.DatabaseError:
+        except sqlite3.DatabaseError as e:
+            if _is_busy(e):  # another process holds the file: it is not damaged
+                raise
             self.moved_aside = self._move_aside()
             self._db = self._open()
 
@@ -210,7 +236,7 @@ class ChatStore:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         try:
             self._check_version(db)  # before WAL mode, which rewrites the header
-            db.execute("PRAGMA journal_mode=WAL")
+            _switch_to_wal(db)
             db.execute("PRAGMA foreign_keys=ON")
             if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 raise sqlite3.DatabaseError("quick_check failed")

@@ -185,3 +185,24 @@ def test_two_stores_opening_an_old_file_at_once_migrate_it_once(tmp_path):
     for store in opened:
         assert len(store.load_messages(1)) == 4 and store.moved_aside is None
         store.close()
+
+
+def test_an_old_file_that_another_process_is_writing_is_waited_for_not_moved_aside(tmp_path):
+    """SQLite refuses the switch to WAL mode at once, without its busy timeout, while another
+    connection writes a file in the old journal mode: that is a busy file, not a damaged one."""
+    path = tmp_path / "conversations.sqlite3"
+    shutil.copyfile(SCHEMA_5_FILE, path)
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    assert writer.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("UPDATE conversations SET title = 'renamed elsewhere' WHERE id = 1")
+    done = threading.Timer(0.3, lambda: writer.execute("COMMIT"))
+    done.start()
+    try:
+        store = ChatStore(path)
+    finally:
+        done.join()
+        writer.close()
+    assert store.moved_aside is None and not list(tmp_path.glob("*.corrupt-*"))
+    assert store.get_conversation(1).title == "renamed elsewhere" and len(store.load_messages(1)) == 4
+    store.close()
