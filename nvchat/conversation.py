@@ -10,7 +10,7 @@ renders and tokenizes them, once per turn; it refuses a prompt too long for its 
 """
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine import RequestStream, SamplingParams
 from engine.backend import Backend
@@ -331,8 +331,8 @@ class Conversation:
     def _submit(self, messages: list[Message], count: int = 1) -> list[RequestStream]:
         """Starts count replies to `messages` (as many of the latest as fit) without changing the
         conversation: a rejected prompt (ValueError, e.g. too long) leaves it as it was. Several are
-        submitted back to back, so the engine takes them in one step and prefills their prompt once
-        (its in-flight prefix cache shares the prompt's blocks); a remote backend sends them at once."""
+        one request for n samples: the engine prefills their prompt once, and a remote backend sends
+        them at once."""
         self._check_writable()
         left_out, ids = self._fit(messages)
         prompt = self.engine_messages(messages) if ids is None else ids
@@ -340,15 +340,11 @@ class Conversation:
         if count > 1 and params.greedy:
             raise ValueError("alternatives need sampling: at temperature 0 every reply is the same "
                              "(F7 sets this chat's temperature)")
-        streams = []
-        try:
-            for _ in range(count):
-                streams.append(self.engine.submit(prompt, params, enable_thinking=self.settings.enable_thinking,
-                                                  tag=self))
-        except BaseException:
-            for stream in streams:
-                stream.abort()
-            raise
+        if count > 1:
+            streams = self.engine.submit_n(prompt, replace(params, n=count),
+                                           enable_thinking=self.settings.enable_thinking, tag=self)
+        else:
+            streams = [self.engine.submit(prompt, params, enable_thinking=self.settings.enable_thinking, tag=self)]
         self.left_out = left_out
         return streams
 

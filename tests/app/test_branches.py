@@ -136,14 +136,19 @@ async def test_alternatives_come_side_by_side_and_the_one_picked_becomes_the_bra
         assert messages[-1] is user.children[0]  # until one is picked, the chat goes on from the first
         rows = stored_rows(pane)
         assert [r.parent_id for r in rows[1:]] == [rows[0].id] * 3
-        # Sent at once, they shared the prompt: computed once, the other two took its blocks.
+        # One request for three samples: the prompt was computed once (past what earlier tests left in
+        # the shared engine's cache), and the other two took its full blocks from the cache (each has
+        # its first token by then, so a block ending the prompt is full too); the footers say so, as
+        # the engine counted it.
         after = app.engine.stats()
         stats = [m.stats for m in user.children]
         assert after.prompt_tokens - before.prompt_tokens == sum(s["prompt_tokens"] for s in stats)
         assert after.prefix_hit_tokens - before.prefix_hit_tokens == sum(s["cached_tokens"] for s in stats)
-        block = after.block_size
-        shared = (stats[0]["prompt_tokens"] - 1) // block * block
-        assert sorted(s["cached_tokens"] for s in stats)[1:] == [shared, shared]
+        prompt, block = stats[0]["prompt_tokens"], after.block_size
+        first, *forks = [s["cached_tokens"] for s in stats]
+        assert first < prompt // block * block and forks == [prompt // block * block] * 2
+        footers = [str(v.query_one("#reply-footer").render()) for v in view.replies]
+        assert f"{prompt // block * block} of {prompt} prompt tokens from the cache" in footers[1]
 
         await pilot.press("alt+2")
         await wait_for(pilot, lambda: not pane.query(AlternativesView), what="the pick")
