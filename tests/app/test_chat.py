@@ -419,7 +419,9 @@ async def test_a_reply_that_ends_in_a_hidden_tab_shows_whole_once_shown(make_app
         await started(pilot)
         first = app.active_pane
         await submit_now(pilot, first, "long story")
-        await wait_for(pilot, lambda: first.stream is not None)
+        # The reply's view, once mounted with its parts (the stream is claimed before it mounts).
+        await wait_for(pilot, lambda: first.stream is not None and first.query(ReplyView)
+                       and first.query(ReplyView).last().query("#answer"), what="the reply's view")
         view = first.query(ReplyView).last()
         if drawn_first:
             answer = view.query_one("#answer", Markdown)
