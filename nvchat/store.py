@@ -132,6 +132,15 @@ class MessageRow:
     selected_at: float = 0.0  # when it was written or last chosen among its siblings
 
 
+class _AfterNewest:
+    def __repr__(self) -> str:
+        return "AFTER_NEWEST"
+
+
+# add_message's default parent: the conversation's newest message.
+AFTER_NEWEST = _AfterNewest()
+
+
 def shown_branch(rows: list[MessageRow]) -> list[MessageRow]:
     """The branch shown of a conversation's messages: from the first messages down, at each level
     the child selected last (the later id where two were selected at the same time)."""
@@ -295,12 +304,17 @@ class ChatStore:
                          "VALUES (?, ?, ?, ?, ?)", (title, model, system_prompt, now, now)).lastrowid
 
     def add_message(self, conversation_id: int, role: str, content: str, stats: dict | None = None,
-                    complete: bool = True, parent_id: int | None = None) -> int:
-        """A new message under parent_id (None: a first message), selected among its siblings."""
+                    complete: bool = True, parent_id: int | None | _AfterNewest = AFTER_NEWEST) -> int:
+        """A new message under parent_id (None: a first message), selected among its siblings. By
+        default it follows the conversation's newest message, as every message did before branches
+        (and as the migration to schema 6 links them)."""
         now = time.time()
         with self._lock:
             self._db.execute("BEGIN")
             try:
+                if parent_id is AFTER_NEWEST:
+                    parent_id = self._db.execute("SELECT MAX(id) FROM messages WHERE conversation_id = ?",
+                                                 (conversation_id,)).fetchone()[0]
                 cur = self._db.execute(
                     "INSERT INTO messages (conversation_id, role, content, stats, created_at, complete, parent_id, "
                     "selected_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
