@@ -97,6 +97,13 @@ class Backend(Protocol):
         calls ends with finish_reason "tool_calls"."""
         ...
 
+    def submit_n(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
+                 tools: Tools | None = None, tag=None) -> list[RequestStream]:
+        """sampling_params.n replies to one prompt, a stream each, in order (stream.sample_index),
+        each from its own seed (SamplingParams.sample_seed). The in-process engine prefills the
+        prompt once for all of them; a server gets one request per reply, sent at once."""
+        ...
+
     def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
                       tools: Tools | None = None) -> list[int]:
         """The chat messages as the prompt token ids submit() would make of them, not checked against

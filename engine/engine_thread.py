@@ -228,8 +228,9 @@ class EngineThread:
                 if entry is None:
                     continue
                 stream = entry[1]
-                if not stream.token_ids:
-                    stream.num_cached_tokens = out.seq.num_cached_tokens
+                # Each output, not only the first: a fork of an n-sample request has its first token
+                # before it is admitted on its own and finds the prompt's blocks in the cache.
+                stream.num_cached_tokens = out.seq.num_cached_tokens
                 stream._push(out.new_text, out.new_token_ids, out.logprobs)
                 if out.finished:
                     del self._live[out.seq.seq_id]

@@ -9,6 +9,7 @@ server then aborts the request). Failures end the stream with finish_reason "err
 that says what went wrong, as the engine's own failures do.
 """
 import asyncio
+import dataclasses
 import itertools
 import json
 import re
@@ -197,10 +198,13 @@ class RemoteBackend:
                tools: Tools | None = None, tag=None) -> RemoteStream:
         """Starts a request and returns its stream at once; chat messages go to /chat/completions,
         text or token ids to /completions. tools go as OpenAI's tools, tool_choice and
-        parallel_tool_calls; the server parses the calls, which come back as the stream's tool_calls."""
+        parallel_tool_calls; the server parses the calls, which come back as the stream's tool_calls.
+        One reply only: submit_n() takes n > 1."""
         if self._closed or self._loop is None:  # checked again under the lock below
             raise RuntimeError("the remote backend is not running")
         params = sampling_params or SamplingParams()
+        if params.n > 1:
+            raise ValueError(f"submit() streams one reply; use submit_n() for n={params.n}")
         body = {"model": self.model_name, "stream": True, "stream_options": {"include_usage": True},
                 "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens}
         # Not in OpenAI's own API (which refuses unknown fields): sent only when they change
@@ -244,6 +248,26 @@ class RemoteBackend:
         # Added once listed, so a request that ended before this line still leaves the list.
         future.add_done_callback(lambda f: self._request_done(stream, f))
         return stream
+
+    def submit_n(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
+                 tools: Tools | None = None, tag=None) -> list[RemoteStream]:
+        """submit() for sampling_params.n replies: a request each, sent at once, each with the seed
+        the engine gives that sample (SamplingParams.sample_seed), so that `nvchat serve` answers as
+        the in-process engine does. Not the API's own `n`: it interleaves the replies in one stream and
+        leaves each reply's seed to the server."""
+        params = sampling_params or SamplingParams()
+        streams: list[RemoteStream] = []
+        try:
+            for index in range(params.n):
+                one = dataclasses.replace(params, n=1, seed=params.sample_seed(index))
+                stream = self.submit(prompt, one, enable_thinking=enable_thinking, tools=tools, tag=tag)
+                stream.sample_index = index
+                streams.append(stream)
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
 
     def _request_done(self, stream: RemoteStream, future) -> None:
         self._tasks.pop(stream.request_id, None)

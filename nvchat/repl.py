@@ -70,11 +70,14 @@ class Repl:
         self.note = note
         self.last_stream: RequestStream | None = None
         self.streaming: RequestStream | None = None
-        self.conversation = self.new_conversation()
+        self.conversation: Conversation | None = None
+        self.new_conversation()
         self.session = PromptSession(PROMPT, multiline=True, prompt_continuation=CONTINUATION,
                                      key_bindings=_key_bindings(), history=history, input=input, output=output)
 
     def new_conversation(self) -> Conversation:
+        if self.conversation is not None:
+            self.conversation.release()  # another process may write it now
         self.conversation = Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
                                          model_name=self.model_name, settings=self.settings)
         return self.conversation
@@ -236,6 +239,9 @@ def run_repl(settings: Settings) -> int:
             repl = Repl(engine, settings, store=store, history=FileHistory(str(history_file)),
                         model_name=model_name(settings, engine),
                         note=GIBBERISH_NOTE if settings.uses_demo_model else None)
-            return repl.run()
+            try:
+                return repl.run()
+            finally:
+                repl.conversation.release()
     finally:
         store.close()

@@ -26,8 +26,15 @@ COMMANDS: tuple[Command, ...] = (
     Command("save", "/save [PATH]", "export the conversation as Markdown and show the file's path"),
     Command("sampling", "/sampling", "this chat's temperature, top-p, top-k and max tokens", app_only=True),
     Command("stop", "/stop", "stop the reply being generated", app_only=True),
-    Command("regenerate", "/regenerate", "drop the last reply and generate it again", app_only=True),
-    Command("edit", "/edit", "put your last message back in the box to edit and resend", app_only=True),
+    Command("regenerate", "/regenerate", "a new reply beside the selected (or last) one, kept as a branch",
+            app_only=True),
+    Command("edit", "/edit", "put the selected (or your last) message in the box: sent, it makes a branch",
+            app_only=True),
+    Command("branch", "/branch [N|next|prev]", "show another branch of the selected (or latest branching) message",
+            app_only=True),
+    Command("alt", "/alt [N]", "N replies at once (2-4, default 3) to the message in the box, or beside the last reply",
+            app_only=True),
+    Command("pick", "/pick N", "keep alternative N as the branch shown (the others stay as branches)", app_only=True),
     Command("quit", "/quit", "leave (conversations are already stored)", aliases=("exit", "q")),
 )
 

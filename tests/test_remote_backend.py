@@ -66,6 +66,19 @@ def test_streams_match_the_engine_and_run_concurrently(backend, engine):
     assert streams[0].time_to_first_token is not None and streams[0].tokens_per_second
 
 
+def test_n_replies_are_requests_sent_at_once_each_with_the_seed_the_engine_gives_that_sample(backend, engine):
+    params = SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=9, n=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="submit_n"):
+        backend.submit(CHAT, params)
+    streams = backend.submit_n(CHAT, params)
+    local = engine.submit_n(CHAT, params)
+    for stream in (*streams, *local):
+        stream.wait()
+    assert [s.sample_index for s in streams] == [0, 1, 2]
+    assert [s.text for s in streams] == [s.text for s in local] and len({s.text for s in streams}) == 3
+    assert all(s.finish_reason == "length" for s in streams)
+
+
 def test_abort_ends_the_stream_and_frees_the_servers_blocks(backend, engine):
     stream = backend.submit(CHAT, SamplingParams(max_tokens=400, ignore_eos=True))
     first = next(iter(stream))

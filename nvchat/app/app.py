@@ -215,9 +215,8 @@ class NvchatApp(ChatActions, App[None]):
         sys.setswitchinterval(self._switch_interval)
         self.pump.stop()
         panes = self.tabs.panes
-        live = [(pane.conversation, pane.stream) for pane in panes if pane.stream is not None]
+        live = [(pane.conversation, pane.take_streams()) for pane in panes]
         drafts = [(pane.conversation, pane.draft) for pane in panes]
         for pane in panes:
-            pane.stream = None
             pane.stop_draft_timer()
         await self.services.close(live, drafts)

@@ -46,10 +46,10 @@ def quit_on_signals(quit: Callable[[], object]) -> Callable[[], None]:
     return undo
 
 
-def store_partial_reply(conversation: Conversation, stream: RequestStream) -> None:
+def store_partial_reply(conversation: Conversation, stream: RequestStream, show: bool = True) -> None:
     """A reply cut short (its tab closed, the app quit), stored as far as it got once its stream ends."""
     stream.wait(5)
-    conversation.finish_reply(stream)
+    conversation.finish_reply(stream, show)
 
 
 class ChatServices:
@@ -123,22 +123,26 @@ class ChatServices:
 
     # --- shutdown ------------------------------------------------------------------------------------
 
-    async def close(self, live: list[tuple[Conversation, RequestStream]],
+    async def close(self, live: list[tuple[Conversation, list[RequestStream]]],
                     drafts: list[tuple[Conversation, str]]) -> None:
         """The app is exiting: stops the replies still running (keeping their text), stores what each
-        chat had typed and not sent, lets queued writes finish, then shuts down what the app started,
-        off the UI thread. A start-up still under way closes what it builds itself."""
+        chat had typed and not sent, lets queued writes finish and the conversations go (another
+        process may write them now), then shuts down what the app started, off the UI thread. A
+        start-up still under way closes what it builds itself."""
         self.closing = True
         await asyncio.to_thread(self._close, self.engine, self.store, live, drafts)
 
     def _close(self, engine: Backend | None, store: ChatStore | None,
-               live: list[tuple[Conversation, RequestStream]], drafts: list[tuple[Conversation, str]] = ()) -> None:
-        for _, stream in live:
-            stream.abort()
-        for conversation, stream in live:
-            self._conversation_thread.submit(store_partial_reply, conversation, stream)
+               live: list[tuple[Conversation, list[RequestStream]]], drafts: list[tuple[Conversation, str]] = ()) -> None:
+        for _, streams in live:
+            for stream in streams:
+                stream.abort()
+        for conversation, streams in live:
+            for i, stream in enumerate(streams):
+                self._conversation_thread.submit(store_partial_reply, conversation, stream, i == 0)
         for conversation, text in drafts:
             self._conversation_thread.submit(conversation.save_draft, text)
+            self._conversation_thread.submit(conversation.release)
         self._conversation_thread.shutdown(wait=True)
         if engine is not None and self._owns_engine:
             engine.shutdown()
