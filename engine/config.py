@@ -112,8 +112,13 @@ class EngineConfig(EngineOptions):
             raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's quantized weight kernels); "
                              f"on {device.type} leave it unset or use fp8")
         prefill_cuda_graphs = options.prefill_cuda_graphs
+        torch_on_cuda = options.attention_backend == "torch" and device.type == "cuda"
         if prefill_cuda_graphs is None:
-            prefill_cuda_graphs = options.attention_backend != "flash_attn"
+            # The torch backend's prefill reads context lengths on the host (on CPU nothing is captured).
+            prefill_cuda_graphs = options.attention_backend != "flash_attn" and not torch_on_cuda
+        if prefill_cuda_graphs and torch_on_cuda:
+            raise ValueError("prefill_cuda_graphs needs attention_backend='triton': the torch backend's prefill "
+                             "reads each sequence's context length on the host, which a CUDA graph can't capture")
         dtype = options.dtype
         if dtype is None:
             ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"

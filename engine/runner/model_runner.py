@@ -316,7 +316,8 @@ class ModelRunner:
         """The decode graphs' batch sizes and the prefill graphs' token counts."""
         c = self.config
         prefill = prefill_buckets(c.max_num_batched_tokens) if c.prefill_cuda_graphs else []
-        return decode_buckets(min(c.max_num_seqs, _DECODE_GRAPH_ROWS)), prefill
+        rows = min(c.max_num_seqs, _DECODE_GRAPH_ROWS, self.backend.max_graph_rows or _DECODE_GRAPH_ROWS)
+        return decode_buckets(rows), prefill
 
     def _make_graphs(self, decode: list[int], prefill: list[int], progress=None):
         """Captures decode graphs for the batch sizes in decode and prefill graphs for the token
