@@ -70,6 +70,9 @@ _MIGRATIONS: tuple[str, ...] = (
     "ALTER TABLE conversations ADD COLUMN sampling TEXT;",
     # 5: what the user typed in the conversation's prompt box and has not sent.
     "ALTER TABLE conversations ADD COLUMN draft TEXT NOT NULL DEFAULT '';",
+    # 6: tool calls (JSON, OpenAI's tool_calls entries): an assistant message's calls, or for a
+    # "tool" message the one call whose result it holds.
+    "ALTER TABLE messages ADD COLUMN tool_calls TEXT;",
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -99,6 +102,7 @@ class MessageRow:
     stats: dict | None
     created_at: float
     complete: bool = True
+    tool_calls: list[dict] | None = None
 
 
 def _conversation_row(row: tuple) -> ConversationRow:
@@ -183,15 +187,16 @@ class ChatStore:
                          "VALUES (?, ?, ?, ?, ?)", (title, model, system_prompt, now, now)).lastrowid
 
     def add_message(self, conversation_id: int, role: str, content: str, stats: dict | None = None,
-                    complete: bool = True) -> int:
+                    complete: bool = True, tool_calls: list[dict] | None = None) -> int:
         now = time.time()
         with self._lock:
             self._db.execute("BEGIN")
             try:
                 cur = self._db.execute(
-                    "INSERT INTO messages (conversation_id, role, content, stats, created_at, complete) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (conversation_id, role, content, json.dumps(stats) if stats else None, now, int(complete)))
+                    "INSERT INTO messages (conversation_id, role, content, stats, created_at, complete, tool_calls) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (conversation_id, role, content, json.dumps(stats) if stats else None, now, int(complete),
+                     json.dumps(tool_calls) if tool_calls else None))
                 self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
                 self._db.execute("COMMIT")
             except BaseException:
@@ -201,10 +206,11 @@ class ChatStore:
             return cur.lastrowid
 
     def update_message(self, message_id: int, content: str, stats: dict | None = None,
-                       complete: bool = False) -> None:
-        """A reply's text so far (complete=False) or its final text and numbers."""
-        self._run("UPDATE messages SET content = ?, stats = ?, complete = ? WHERE id = ?",
-                  (content, json.dumps(stats) if stats else None, int(complete), message_id))
+                       complete: bool = False, tool_calls: list[dict] | None = None) -> None:
+        """A reply's text so far (complete=False) or its final text, numbers and calls."""
+        self._run("UPDATE messages SET content = ?, stats = ?, complete = ?, tool_calls = ? WHERE id = ?",
+                  (content, json.dumps(stats) if stats else None, int(complete),
+                   json.dumps(tool_calls) if tool_calls else None, message_id))
 
     def delete_message(self, message_id: int) -> None:
         self._run("DELETE FROM messages WHERE id = ?", (message_id,))
@@ -239,10 +245,11 @@ class ChatStore:
         return _conversation_row(row)
 
     def load_messages(self, conversation_id: int) -> list[MessageRow]:
-        rows = self._run("SELECT id, role, content, stats, created_at, complete FROM messages "
+        rows = self._run("SELECT id, role, content, stats, created_at, complete, tool_calls FROM messages "
                          "WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
-        return [MessageRow(i, role, content, json.loads(stats) if stats else None, t, bool(complete))
-                for i, role, content, stats, t, complete in rows]
+        return [MessageRow(i, role, content, json.loads(stats) if stats else None, t, bool(complete),
+                           json.loads(calls) if calls else None)
+                for i, role, content, stats, t, complete, calls in rows]
 
     def search_conversations(self, text: str) -> list[ConversationRow]:
         """Conversations whose title or any message has every word of text (as word prefixes)."""
