@@ -78,7 +78,7 @@ def call_summary(call: dict) -> str:
 
 
 def _tool_result_entry(call: dict, content: str) -> dict:
-    return {"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"], "content": content}
+    return {"role": "tool", "tool_call_id": call["id"], "content": content}
 
 
 def reply_stats(stream: RequestStream) -> dict:

@@ -204,7 +204,10 @@ class McpTools:
         import anyio
         from mcp import ClientSession, StdioServerParameters
         from mcp.client.stdio import stdio_client
-        from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
+        from mcp.client.streamable_http import (
+            create_mcp_http_client,
+            streamable_http_client,
+        )
 
         log = None
         try:
@@ -233,8 +236,8 @@ class McpTools:
         except Exception as e:
             with self._lock:
                 self._forget(spec.name)
-            why = "it did not answer within {:.0f} s".format(STARTUP_TIMEOUT_S) if isinstance(e, TimeoutError) \
-                else _error_text(e)
+            why = (f"it did not answer within {STARTUP_TIMEOUT_S:.0f} s" if isinstance(e, TimeoutError)
+                   else _error_text(e))
             if log is not None:
                 why += f" (its log: {self.log_dir / (spec.name + '.log')})"
             self.status[spec.name] = f"failed: {why}"

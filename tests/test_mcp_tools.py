@@ -164,8 +164,8 @@ def test_calls_and_results_are_stored_and_a_call_left_without_a_result_is_sent_a
         ("user", None), ("assistant", [call(1), call(2)]), ("tool", [call(1)]), ("user", None)]
     assert loaded.engine_messages()[1:4] == [
         {"role": "assistant", "content": "", "tool_calls": [call(1), call(2)]},
-        {"role": "tool", "tool_call_id": "call_1", "name": "weather", "content": "sunny"},
-        {"role": "tool", "tool_call_id": "call_2", "name": "weather", "content": NOT_RUN}]
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": NOT_RUN}]
     assert "## Tool result: weather" in loaded.to_markdown() and "*Calls `weather({})`*" in loaded.to_markdown()
     store.close()
 

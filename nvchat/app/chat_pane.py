@@ -470,6 +470,8 @@ class ChatPane(Vertical):
         return self._stop_requested
 
     async def show_tool_call(self, call: dict) -> ToolCallView:
+        # A reply that ended in a hidden tab has views still to mount: they go first.
+        await self.catch_up()
         view = ToolCallView(call)
         await self.transcript.mount(view)
         return view

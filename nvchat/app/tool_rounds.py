@@ -66,6 +66,8 @@ class ToolRounds:
             if name in self.always_allowed:
                 choice = ALWAYS
             else:
+                if pane in self.app.tabs.panes:  # the dialog asks about the chat it shows
+                    self.app.tabs.show(pane)
                 view.set_status("waiting for your approval")
                 pane.set_tool_status(f"the model calls {name}: approve or decline it")
                 server = self.tools.server_of(name) if self.tools is not None else None

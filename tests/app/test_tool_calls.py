@@ -10,18 +10,28 @@ import pytest
 from textual.widgets import Collapsible, Label
 
 from engine import EngineThread
+from nvchat import conversation as conversation_module
 from nvchat import paths
 from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
+from nvchat.app.message_view import ReplyView
 from nvchat.app.tool_approval_screen import ToolApprovalScreen
 from nvchat.app.tool_rounds import DECLINED
 from nvchat.app.tool_views import ToolCallView
-from nvchat.conversation import MAX_TOOL_ROUNDS, Conversation
+from nvchat.conversation import Conversation
 from nvchat.remote_backend import RemoteBackend
 from nvchat.server.app import ServerState, create_app
 from nvchat.store import ChatStore
 from tests.app.conftest import ENGINE_ARGS, app_settings
-from tests.app.helpers import idle, reopen_the_only_past_conversation, send, started, wait_for
+from tests.app.helpers import (
+    idle,
+    press_now,
+    reopen_the_only_past_conversation,
+    send,
+    started,
+    submit_now,
+    wait_for,
+)
 from tests.serving import serving
 
 SIZE = (110, 36)
@@ -102,6 +112,7 @@ async def test_an_approved_call_runs_and_its_folded_result_is_fed_back_and_store
                                                               conversation._tools(conversation.messages[:3])))
         assert f"<tool_response>\n{result.content}\n</tool_response>" in prompt
         assert answer.stats["prompt_tokens"] > call.stats["prompt_tokens"] and answer.stats["cached_tokens"] > 0
+        assert "calls tools" in str(pane.query(ReplyView).first().query_one("#reply-footer").render())
         view = pane.query_one(ToolCallView)
         folded = view.query_one(Collapsible)
         assert folded.collapsed and result.content in str(folded.query_one(".tool-result-text").render())
@@ -179,7 +190,8 @@ async def test_a_server_that_fails_and_a_tool_that_errors_are_notifications_and_
         assert messages[2].stats == {"error": True} and messages[3].content
 
 
-async def test_calling_replies_in_a_row_are_bounded_and_the_last_reply_answers(make_app, calls_forced):
+async def test_calling_replies_in_a_row_are_bounded_and_the_last_reply_answers(make_app, calls_forced, monkeypatch):
+    monkeypatch.setattr(conversation_module, "MAX_TOOL_ROUNDS", 2)  # the bound itself: fewer replies to wait for
     calls_forced("weather", rounds=100)
     app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
     async with app.run_test(size=SIZE) as pilot:
@@ -192,7 +204,7 @@ async def test_calling_replies_in_a_row_are_bounded_and_the_last_reply_answers(m
         await idle(pilot, pane, 120)
         messages = stored(pane.conversation.id)
         calling = [m for m in messages if m.role == "assistant" and m.tool_calls]
-        assert len(calling) == MAX_TOOL_ROUNDS
+        assert len(calling) == 2
         assert messages[-1].role == "assistant" and messages[-1].tool_calls is None and messages[-1].content
 
 
@@ -211,3 +223,26 @@ async def test_with_a_remote_backend_the_tools_go_as_openai_tools(tool_engine, c
             await idle(pilot, pane, 60)
             roles = [m.role for m in stored(pane.conversation.id)]
             assert roles == ["user", "assistant", "tool", "assistant"]
+
+
+async def test_a_call_from_a_chat_in_a_hidden_tab_shows_that_chat_with_the_dialog(make_app, calls_forced):
+    calls_forced("weather")
+    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await tools_ready(pilot, app, "test")
+        calling = app.active_pane
+        await submit_now(pilot, calling, "weather in the background")
+        await press_now(pilot, "ctrl+t")
+        await wait_for(pilot, lambda: app.active_pane is not calling, what="the new tab")
+        assert calling.stream is not None  # the call is still being written: it ends in a hidden tab
+        await approval(pilot, app)
+        assert app.active_pane is calling
+        # The reply that ended hidden is drawn before its call.
+        views = [v for v in calling.transcript.children if isinstance(v, (ReplyView, ToolCallView))]
+        assert [type(v) for v in views] == [ReplyView, ToolCallView]
+        await pilot.press("y")
+        await idle(pilot, calling, 60)
+        views = [v for v in calling.transcript.children if isinstance(v, (ReplyView, ToolCallView))]
+        assert [type(v) for v in views] == [ReplyView, ToolCallView, ReplyView]
+        assert views[1].message is calling.conversation.messages[2]
