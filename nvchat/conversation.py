@@ -7,13 +7,21 @@ A turn renders and tokenizes its prompt once: on a backend that tokenizes (the l
 conversation measures its prompt as token ids, leaves out its oldest turns if they don't fit, and
 submits those ids. A remote backend can't tokenize here: the messages go as they are and the server
 renders and tokenizes them, once per turn; it refuses a prompt too long for its context.
+
+Tools: where the conversation has a toolbox (the app's MCP servers), every request offers its tools
+in the model's own format (engine.text.tool_calls), or as OpenAI's `tools` to a remote server. A
+reply that calls tools is stored with its calls; each call's result (or its refusal) follows as a
+"tool" message, and continue_after_tools() asks for the rest of the reply. At most
+MAX_TOOL_ROUNDS replies in a row may call tools: the one after them is offered none, so it answers.
 """
 import re
 import time
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from engine import RequestStream, SamplingParams
 from engine.backend import Backend
+from engine.text.tool_calls import Tools
 from nvchat.settings import Settings
 from nvchat.store import ChatStore, WriterLock
 
@@ -45,6 +53,36 @@ class Message:
     parent: "Message | None" = field(default=None, repr=False)
     children: list["Message"] = field(default_factory=list, repr=False)  # oldest first
     selected_at: float = field(default_factory=time.time)  # written, or last chosen among its siblings
+    # OpenAI tool_calls entries: an assistant message's calls; a "tool" message's one call it answers.
+    tool_calls: list[dict] | None = None
+
+    @property
+    def answered_call(self) -> dict | None:
+        """The call a "tool" message holds the result of."""
+        return self.tool_calls[0] if self.role == "tool" and self.tool_calls else None
+
+
+# Replies in a row that may call tools; the next is offered none, so that a model calling tools
+# again and again still answers the user.
+MAX_TOOL_ROUNDS = 5
+NOT_RUN = "(the tool was not run: the conversation went on without its result)"
+
+
+class Toolbox(Protocol):
+    @property
+    def definitions(self) -> list[dict]:
+        """The tools on offer now, as OpenAI function tools."""
+        ...
+
+
+def call_summary(call: dict) -> str:
+    """A call as one line: name(arguments)."""
+    function = call["function"]
+    return f"{function['name']}({function.get('arguments') or ''})"
+
+
+def _tool_result_entry(call: dict, content: str) -> dict:
+    return {"role": "tool", "tool_call_id": call["id"], "content": content}
 
 
 def reply_stats(stream: RequestStream) -> dict:
@@ -94,6 +132,7 @@ class Conversation:
         self._writer: WriterLock | None = None
         # Why this process may not write the conversation (another one is writing it), or None.
         self.read_only: str | None = None
+        self.toolbox: Toolbox | None = None  # the tools each request offers (the app's MCP servers)
 
     @classmethod
     def load(cls, engine: Backend, store: ChatStore, conversation_id: int, settings: Settings) -> "Conversation":
@@ -111,7 +150,7 @@ class Conversation:
         self.roots = []
         for row in self.store.load_messages(self.id):  # oldest first: a parent before its children
             message = Message(row.role, row.content, row.stats, row.id, interrupted=not row.complete,
-                              selected_at=row.selected_at)
+                              selected_at=row.selected_at, tool_calls=row.tool_calls)
             nodes[row.id] = message
             parent = nodes.get(row.parent_id)
             message.parent = parent
@@ -169,7 +208,8 @@ class Conversation:
         self._ensure_stored()
         if self.store is not None:
             message.id = self.store.add_message(self.id, message.role, message.content, message.stats,
-                                                complete=complete, parent_id=parent.id if parent else None)
+                                                complete=complete, parent_id=parent.id if parent else None,
+                                                tool_calls=message.tool_calls)
         message.parent = parent
         (parent.children if parent is not None else self.roots).append(message)
         if show:
@@ -277,18 +317,54 @@ class Conversation:
     # --- turns ---------------------------------------------------------------------------------------
 
     def engine_messages(self, messages: list[Message] | None = None) -> list[dict]:
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + [{"role": m.role, "content": m.content} for m in (self.messages if messages is None else messages)]
+        """OpenAI chat messages. A call left without its result (the app quit while it waited for
+        approval) gets NOT_RUN as its result, as every call must have one."""
+        messages = self.messages if messages is None else messages
+        out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        unanswered: list[dict] = []
+        for m in messages:
+            if m.role == "tool" and m.answered_call is not None:
+                unanswered = [c for c in unanswered if c["id"] != m.answered_call["id"]]
+                out.append(_tool_result_entry(m.answered_call, m.content))
+                continue
+            out += [_tool_result_entry(call, NOT_RUN) for call in unanswered]
+            unanswered = []
+            entry = {"role": m.role, "content": m.content}
+            if m.role == "assistant" and m.tool_calls:
+                entry["tool_calls"] = m.tool_calls
+                unanswered = list(m.tool_calls)
+            out.append(entry)
+        return out
+
+    def tool_choice(self, round_index: int) -> str | dict:
+        """What the model may do with the tools in the round_index-th reply of a turn (0: the first):
+        "auto", the model decides."""
+        return "auto"
+
+    def _tools(self, messages: list[Message]) -> Tools | None:
+        """What a request for a reply to messages offers: the toolbox's tools, none after
+        MAX_TOOL_ROUNDS calling replies in a row. Offered none, a conversation holding calls still
+        names their functions (choice "none"), so that the model's format renders them."""
+        definitions = list(self.toolbox.definitions) if self.toolbox is not None else []
+        since_user = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].role == "user"), -1)
+        rounds = sum(1 for m in messages[since_user + 1:] if m.role == "assistant" and m.tool_calls)
+        if definitions and rounds < MAX_TOOL_ROUNDS:
+            return Tools(definitions, choice=self.tool_choice(rounds))
+        called = {call["function"]["name"] for m in messages if m.tool_calls for call in m.tool_calls}
+        offered = {d["function"]["name"] for d in definitions}
+        named = definitions + [{"type": "function", "function": {"name": name, "parameters": {}}}
+                               for name in sorted(called - offered)]
+        return Tools(named, choice="none") if named else None
 
     @property
     def max_context(self) -> int | None:
         """The model's context in tokens, where the backend says (a remote one does not)."""
         return self.engine.capabilities.context_length
 
-    def _tokenize(self, messages: list[Message]) -> list[int]:
-        return self.engine.tokenize_chat(self.engine_messages(messages), self.settings.enable_thinking)
+    def _tokenize(self, messages: list[Message], tools: Tools | None = None) -> list[int]:
+        return self.engine.tokenize_chat(self.engine_messages(messages), self.settings.enable_thinking, tools)
 
-    def _fit(self, messages: list[Message]) -> tuple[int, list[int] | None]:
+    def _fit(self, messages: list[Message], tools: Tools | None = None) -> tuple[int, list[int] | None]:
         """How many of the oldest messages to leave out so that the prompt fits max_model_len with
         room for a reply (a quarter of the context, or max_tokens if less), and the prompt of those
         kept as token ids. The system prompt and the last message always go; a turn goes whole,
@@ -298,7 +374,7 @@ class Conversation:
         where the backend cannot tokenize."""
         if not self.engine.capabilities.tokenizes:
             return 0, None
-        ids = self._tokenize(messages)
+        ids = self._tokenize(messages, tools)
         limit = self.max_context
         if limit is None or len(messages) < 2:
             return 0, ids
@@ -311,14 +387,14 @@ class Conversation:
         low, high = 0, len(starts) - 1
         while low < high:
             middle = (low + high) // 2
-            tokenized[starts[middle]] = self._tokenize(messages[starts[middle]:])
+            tokenized[starts[middle]] = self._tokenize(messages[starts[middle]:], tools)
             if len(tokenized[starts[middle]]) <= budget:
                 high = middle
             else:
                 low = middle + 1
         start = starts[low]
         if start not in tokenized:  # the latest start, which the search never needed to try
-            tokenized[start] = self._tokenize(messages[start:])
+            tokenized[start] = self._tokenize(messages[start:], tools)
         return start, tokenized[start]
 
     def context_tokens(self) -> int | None:
@@ -326,7 +402,7 @@ class Conversation:
         fit), or None where the backend cannot count. Tokenizes: off the UI thread."""
         if not self.engine.capabilities.tokenizes or not self.messages:
             return None
-        return len(self._fit(self.messages)[1])
+        return len(self._fit(self.messages, self._tools(self.messages))[1])
 
     def _submit(self, messages: list[Message], count: int = 1) -> list[RequestStream]:
         """Starts count replies to `messages` (as many of the latest as fit) without changing the
@@ -334,7 +410,8 @@ class Conversation:
         one request for n samples: the engine prefills their prompt once, and a remote backend sends
         them at once."""
         self._check_writable()
-        left_out, ids = self._fit(messages)
+        tools = self._tools(messages)
+        left_out, ids = self._fit(messages, tools)
         prompt = self.engine_messages(messages) if ids is None else ids
         params = self.sampling_params()
         if count > 1 and params.greedy:
@@ -342,9 +419,10 @@ class Conversation:
                              "(F7 sets this chat's temperature)")
         if count > 1:
             streams = self.engine.submit_n(prompt, replace(params, n=count),
-                                           enable_thinking=self.settings.enable_thinking, tag=self)
+                                           enable_thinking=self.settings.enable_thinking, tools=tools, tag=self)
         else:
-            streams = [self.engine.submit(prompt, params, enable_thinking=self.settings.enable_thinking, tag=self)]
+            streams = [self.engine.submit(prompt, params, enable_thinking=self.settings.enable_thinking, tools=tools,
+                                          tag=self)]
         self.left_out = left_out
         return streams
 
@@ -423,6 +501,32 @@ class Conversation:
         """edit() of the last user message."""
         return self.edit(self._last_user_index("edit"), text)
 
+    @property
+    def pending_tool_calls(self) -> list[dict]:
+        """The last reply's calls that have no result yet, where the conversation ends with them."""
+        answered = set()
+        for m in reversed(self.messages):
+            if m.role == "tool" and m.answered_call is not None:
+                answered.add(m.answered_call["id"])
+            elif m.role == "assistant" and m.tool_calls:
+                return [call for call in m.tool_calls if call["id"] not in answered]
+            else:
+                break
+        return []
+
+    def add_tool_result(self, call: dict, content: str, error: bool = False) -> Message:
+        """Stores a call's result (its text, or why it failed or did not run) as a "tool" message."""
+        parent = self.messages[-1] if self.messages else None
+        return self._add(Message("tool", content, {"error": True} if error else None, tool_calls=[call]), parent)
+
+    def continue_after_tools(self) -> RequestStream:
+        """Asks for the rest of the reply, now that its calls have their results."""
+        if self.pending_tool_calls or not (self.messages and self.messages[-1].role == "tool"):
+            raise ValueError("nothing to continue: the conversation does not end with every call's result")
+        [stream] = self._submit(self.messages)
+        self._start(self.messages[-1], [stream], lambda: None)
+        return stream
+
     def save_reply_so_far(self, stream: RequestStream) -> None:
         """Stores the reply's text so far, marked incomplete, so a kill loses at most what came since."""
         text = stream.text
@@ -446,18 +550,21 @@ class Conversation:
         parent = self._reply_parent
         text, stats = stream.text, reply_stats(stream)
         interrupted = stream.finish_reason in ("abort", "error")
-        if not text and stream.finish_reason == "error":
+        # An interrupted reply's calls are not run: the user stopped it, or it failed.
+        calls = [call.openai() for call in stream.tool_calls] if not interrupted else None
+        if not text and not calls and stream.finish_reason == "error":
             if saved is not None:
                 self.store.delete_message(saved)
             return None
-        message = Message("assistant", text, stats, interrupted=interrupted, parent=parent)
+        message = Message("assistant", text, stats, interrupted=interrupted, parent=parent, tool_calls=calls or None)
         if saved is None:
             self._ensure_stored()
             if self.store is not None:
                 message.id = self.store.add_message(self.id, "assistant", text, stats, complete=not interrupted,
-                                                    parent_id=parent.id if parent else None)
+                                                    parent_id=parent.id if parent else None,
+                                                    tool_calls=message.tool_calls)
         else:
-            self.store.update_message(saved, text, stats, complete=not interrupted)
+            self.store.update_message(saved, text, stats, complete=not interrupted, tool_calls=message.tool_calls)
             message.id = saved
         (parent.children if parent is not None else self.roots).append(message)
         if show and (self.messages[-1] if self.messages else None) is parent:
@@ -473,7 +580,14 @@ class Conversation:
         if self.system_prompt:
             lines += ["## System", "", self.system_prompt, ""]
         for m in self.messages:
+            if m.role == "tool":
+                call = m.answered_call
+                lines += [f"## Tool result: {call['function']['name'] if call else 'tool'}", "", "```",
+                          m.content, "```", ""]
+                continue
             lines += [f"## {m.role.capitalize()}", "", m.content, ""]
+            for call in m.tool_calls or ():
+                lines += [f"*Calls `{call_summary(call)}`*", ""]
             if m.stats and m.stats.get("tokens"):
                 tps = m.stats.get("tokens_per_s")
                 lines += [f"*{m.stats['tokens']} tokens" + (f", {tps:.1f} tok/s*" if tps else "*"), ""]

@@ -10,6 +10,7 @@ from pathlib import Path
 from engine import SamplingParams
 from engine.options import CHAT_PREFILL_CHUNK, OPTION_NAMES, EngineOptions, type_problem
 from nvchat import default_model, paths
+from nvchat.mcp_tools import server_specs
 
 # `--model demo`: the built-in demo model even where a real default model is installed.
 DEMO_MODEL = "demo"
@@ -66,6 +67,9 @@ class Settings(EngineOptions):
     # `model` then names the server's model (default: the first it lists).
     backend: str | None = None
     api_key: str | None = None
+    # MCP servers whose tools the app's chats offer the model: [mcp_servers.NAME] tables
+    # (nvchat/mcp_tools.py describes their keys).
+    mcp_servers: dict[str, dict] = field(default_factory=dict)
 
     @property
     def uses_demo_model(self) -> bool:
@@ -132,6 +136,12 @@ def _check_types(data: dict, path: Path) -> None:
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise SettingsError(f"{path}: [keys] must map binding ids to key strings")
             continue
+        if key == "mcp_servers":
+            try:
+                server_specs(value)
+            except ValueError as e:
+                raise SettingsError(f"{path}: {e}") from None
+            continue
         problem = type_problem(value, known[key].type)
         if problem:
             raise SettingsError(f"{path}: {key} must be {problem.removesuffix(' or None')}, got {value!r}")
@@ -157,6 +167,10 @@ def load_settings(path: Path | None = None) -> Settings:
 
 
 def _toml_value(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_value(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -171,9 +185,12 @@ def save_setting(name: str, value, path: Path | None = None) -> None:
     data = tomllib.loads(path.read_text()) if path.exists() else {}
     data[name] = value
     _settings(data, path)
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if k != "keys" and v is not None]
+    tables = ("keys", "mcp_servers")
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if k not in tables and v is not None]
     if data.get("keys"):
         lines += ["", "[keys]"] + [f"{k} = {_toml_value(v)}" for k, v in data["keys"].items()]
+    for server, values in data.get("mcp_servers", {}).items():
+        lines += ["", f"[mcp_servers.{server}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")

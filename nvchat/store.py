@@ -99,6 +99,9 @@ _MIGRATIONS: tuple[str, ...] = (
                         selected_at = created_at;
     CREATE INDEX messages_by_parent ON messages(parent_id);
     """,
+    # 7: tool calls (JSON, OpenAI's tool_calls entries): an assistant message's calls, or for a
+    # "tool" message the one call whose result it holds.
+    "ALTER TABLE messages ADD COLUMN tool_calls TEXT;",
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -130,6 +133,7 @@ class MessageRow:
     complete: bool = True
     parent_id: int | None = None  # the message this one answers or follows; None for a first message
     selected_at: float = 0.0  # when it was written or last chosen among its siblings
+    tool_calls: list[dict] | None = None
 
 
 class _AfterNewest:
@@ -305,7 +309,8 @@ class ChatStore:
                          "VALUES (?, ?, ?, ?, ?)", (title, model, system_prompt, now, now)).lastrowid
 
     def add_message(self, conversation_id: int, role: str, content: str, stats: dict | None = None,
-                    complete: bool = True, parent_id: int | None | _AfterNewest = AFTER_NEWEST) -> int:
+                    complete: bool = True, parent_id: int | None | _AfterNewest = AFTER_NEWEST,
+                    tool_calls: list[dict] | None = None) -> int:
         """A new message under parent_id (None: a first message), selected among its siblings. By
         default it follows the conversation's newest message, as every message did before branches
         (and as the migration to schema 6 links them)."""
@@ -318,9 +323,9 @@ class ChatStore:
                                                  (conversation_id,)).fetchone()[0]
                 cur = self._db.execute(
                     "INSERT INTO messages (conversation_id, role, content, stats, created_at, complete, parent_id, "
-                    "selected_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "selected_at, tool_calls) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (conversation_id, role, content, json.dumps(stats) if stats else None, now, int(complete),
-                     parent_id, now))
+                     parent_id, now, json.dumps(tool_calls) if tool_calls else None))
                 self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
                 self._db.execute("COMMIT")
             except BaseException:
@@ -330,10 +335,11 @@ class ChatStore:
             return cur.lastrowid
 
     def update_message(self, message_id: int, content: str, stats: dict | None = None,
-                       complete: bool = False) -> None:
-        """A reply's text so far (complete=False) or its final text and numbers."""
-        self._run("UPDATE messages SET content = ?, stats = ?, complete = ? WHERE id = ?",
-                  (content, json.dumps(stats) if stats else None, int(complete), message_id))
+                       complete: bool = False, tool_calls: list[dict] | None = None) -> None:
+        """A reply's text so far (complete=False) or its final text, numbers and calls."""
+        self._run("UPDATE messages SET content = ?, stats = ?, complete = ?, tool_calls = ? WHERE id = ?",
+                  (content, json.dumps(stats) if stats else None, int(complete),
+                   json.dumps(tool_calls) if tool_calls else None, message_id))
 
     def delete_message(self, message_id: int) -> None:
         """Only a message nothing follows (sqlite3.IntegrityError otherwise): a failed, empty reply."""
@@ -374,10 +380,11 @@ class ChatStore:
 
     def load_messages(self, conversation_id: int) -> list[MessageRow]:
         """Every message of every branch, oldest first (shown_branch() picks the branch shown)."""
-        rows = self._run("SELECT id, role, content, stats, created_at, complete, parent_id, selected_at FROM messages "
-                         "WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
-        return [MessageRow(i, role, content, json.loads(stats) if stats else None, t, bool(complete), parent, selected)
-                for i, role, content, stats, t, complete, parent, selected in rows]
+        rows = self._run("SELECT id, role, content, stats, created_at, complete, parent_id, selected_at, tool_calls "
+                         "FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
+        return [MessageRow(i, role, content, json.loads(stats) if stats else None, t, bool(complete), parent, selected,
+                           json.loads(calls) if calls else None)
+                for i, role, content, stats, t, complete, parent, selected, calls in rows]
 
     def search_conversations(self, text: str) -> list[ConversationRow]:
         """Conversations whose title or any message has every word of text (as word prefixes)."""

@@ -206,3 +206,25 @@ def test_an_old_file_that_another_process_is_writing_is_waited_for_not_moved_asi
     assert store.moved_aside is None and not list(tmp_path.glob("*.corrupt-*"))
     assert store.get_conversation(1).title == "renamed elsewhere" and len(store.load_messages(1)) == 4
     store.close()
+
+
+def test_a_version_5_database_gains_branches_and_tool_calls_and_keeps_its_data(tmp_path):
+    path = tmp_path / "v5.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(_UNVERSIONED)
+    for step in _MIGRATIONS[1:5]:
+        db.executescript(step)
+    db.executescript("PRAGMA user_version = 5;")
+    db.close()
+    store = ChatStore(path)
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 7
+    assert [m.tool_calls for m in store.load_messages(1)] == [None, None]
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    reply = store.add_message(1, "assistant", "", complete=False)
+    store.update_message(reply, "", {"tokens": 9}, complete=True, tool_calls=[call])
+    store.add_message(1, "tool", "Oslo: sunny", tool_calls=[call])
+    store.close()
+    again = ChatStore(path)
+    assert [(m.role, m.tool_calls) for m in again.load_messages(1)][2:] == [("assistant", [call]), ("tool", [call])]
+    assert [c.id for c in again.search_conversations("sunny")] == [1]  # a tool's result is searched too
+    again.close()

@@ -26,6 +26,7 @@ from nvchat.app.sampling_screen import SamplingScreen
 from nvchat.app.services import ChatServices
 from nvchat.app.stream_pump import StreamPump
 from nvchat.app.system_prompt_screen import SystemPromptScreen
+from nvchat.app.tool_rounds import ToolRounds
 from nvchat.conversation import MAX_ALTERNATIVES, MIN_ALTERNATIVES, Conversation
 from nvchat.export import export_markdown, save_markdown_to
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, save_setting
@@ -42,6 +43,7 @@ class ChatActions:
     keymap: dict[str, str]
     services: ChatServices
     pump: StreamPump
+    tool_rounds: ToolRounds
     ready: bool  # engine and store are up, chats can run
     tabs: ChatTabs
     active_pane: ChatPane | None
@@ -121,6 +123,7 @@ class ChatActions:
         except Exception as e:
             self.notify(str(e), title="Could not open the conversation", severity="error")
             return
+        conversation.toolbox = self.tool_rounds.tools
         await self.tabs.open(conversation)
 
     # --- the active chat -----------------------------------------------------------------------------

@@ -4,13 +4,15 @@ server). NvchatApp composes the screen and wires its parts together; each job ha
 - services.py: the backend, the store and the conversation thread, built at start-up, shut down at exit;
 - chat_tabs.py: the chats as tabs, their labels and colours, and whose each engine request is;
 - stream_pump.py: the timer that moves streamed text into the visible reply, paced (pacing.py);
+- tool_rounds.py: the MCP servers' tools, and a reply's tool calls: approved, run, fed back;
 - actions.py: what keys, the command palette and slash commands run, and the settings they save.
 
 Threads, and what runs where:
 - the UI thread (Textual's event loop) only moves text into widgets;
 - the engine thread steps the model and appends tokens to each RequestStream;
 - one conversation thread runs everything that tokenizes or touches SQLite, in order;
-- a start-up thread builds the engine, reporting each stage to the loading screen.
+- a start-up thread builds the engine, reporting each stage to the loading screen;
+- the MCP thread holds the MCP servers' sessions (nvchat/mcp_tools.py).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from nvchat.app.kv_panel import KVPanel
 from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.services import ChatServices, quit_on_signals
 from nvchat.app.stream_pump import StreamPump
+from nvchat.app.tool_rounds import ToolRounds
 from nvchat.backend import model_name
 from nvchat.conversation import Conversation
 from nvchat.default_model import GIBBERISH_NOTE
@@ -85,6 +88,7 @@ class NvchatApp(ChatActions, App[None]):
         self._tabs = ChatTabs(background=self.in_background, new_conversation=self.new_conversation,
                               keymap=self.keymap, note=self.note, id="chats")
         self.pump: StreamPump | None = None  # from on_mount: its timer needs the running app
+        self.tool_rounds = ToolRounds(self, settings.mcp_servers)
         self._loading: LoadingScreen | None = None
         self._theme_applied = False
         self._stop_quitting_on_signals = None
@@ -150,8 +154,10 @@ class NvchatApp(ChatActions, App[None]):
         return self.services.in_background(fn, *args)
 
     def new_conversation(self) -> Conversation:
-        return Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
-                            model_name=model_name(self.settings, self.engine), settings=self.settings)
+        conversation = Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
+                                    model_name=model_name(self.settings, self.engine), settings=self.settings)
+        conversation.toolbox = self.tool_rounds.tools
+        return conversation
 
     # --- start-up ------------------------------------------------------------------------------------
 
@@ -164,6 +170,7 @@ class NvchatApp(ChatActions, App[None]):
         if self._loading is not None and self.screen is self._loading:
             self.pop_screen()
         self._loading = None
+        self.tool_rounds.start()
         if self.store.moved_aside is not None:
             self.notify(f"It was moved to {self.store.moved_aside}; new conversations go to a fresh file.",
                         title="The conversation store could not be read", severity="error", timeout=30)
@@ -182,6 +189,16 @@ class NvchatApp(ChatActions, App[None]):
 
     def on_chat_pane_reply_started(self, event: ChatPane.ReplyStarted) -> None:
         self.pump.start(event.pane)
+
+    def on_chat_pane_tool_calls_made(self, event: ChatPane.ToolCallsMade) -> None:
+        self.run_worker(self._run_tool_calls(event.pane, event.message))
+
+    async def _run_tool_calls(self, pane: ChatPane, message) -> None:
+        try:
+            await self.tool_rounds.run(pane, message)
+        except Exception as e:  # the chat must not stay busy for good
+            self.notify(f"{type(e).__name__}: {e}", title="The tool calls could not be run", severity="error")
+            pane.end_tool_round()
 
     def on_chat_pane_state_changed(self, event: ChatPane.StateChanged) -> None:
         self.pump.defer_full_collections()
@@ -220,3 +237,4 @@ class NvchatApp(ChatActions, App[None]):
         for pane in panes:
             pane.stop_draft_timer()
         await self.services.close(live, drafts)
+        await self.tool_rounds.close()

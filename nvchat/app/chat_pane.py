@@ -35,6 +35,7 @@ from engine import RequestStream
 from nvchat.app.events import PromptSubmitted, ScrollTranscript
 from nvchat.app.message_view import AlternativesView, ReplyView, UserMessageView
 from nvchat.app.prompt_input import PromptInput
+from nvchat.app.tool_views import ToolCallView
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
 from nvchat.slash_table import as_typed
 
@@ -71,6 +72,15 @@ class ChatPane(Vertical):
         def __init__(self, pane: ChatPane) -> None:
             super().__init__()
             self.pane = pane
+
+    class ToolCallsMade(TextualMessage):
+        """The stored reply calls tools: the app asks for approval and runs them; the pane stays busy
+        until it continues the reply (continue_after_tools) or ends the turn (end_tool_round)."""
+
+        def __init__(self, pane: ChatPane, message: Message) -> None:
+            super().__init__()
+            self.pane = pane
+            self.message = message
 
     # The unsent text is stored once typing pauses this long (not per key), at least this often
     # while typing goes on, and at once when the tab closes, another tab is shown or the app quits:
@@ -244,6 +254,8 @@ class ChatPane(Vertical):
 
     @staticmethod
     def _view_for(message: Message):
+        if message.role == "tool" and message.answered_call is not None:
+            return ToolCallView(message.answered_call, message)
         return UserMessageView(message) if message.role == "user" else ReplyView(message)
 
     def _banner_text(self) -> Content:
@@ -305,7 +317,7 @@ class ChatPane(Vertical):
         then `reply`, the turn's view, not mounted yet: it goes last, live or standing for the stored
         message(s) it holds. Alternatives up for picking stay, standing for the last message."""
         kept = {id(m) for m in self.conversation.messages}
-        views = [v for v in self.transcript.children if isinstance(v, (UserMessageView, ReplyView))]
+        views = [v for v in self.transcript.children if isinstance(v, (UserMessageView, ReplyView, ToolCallView))]
         stale = [v for v in views if v.message is None or id(v.message) not in kept]
         if stale:
             await self.transcript.remove_children(stale)
@@ -601,6 +613,7 @@ class ChatPane(Vertical):
             await view.catch_up()
 
     async def _store_replies(self, replies: list[LiveReply], view: ReplyView | AlternativesView) -> None:
+        stored = []
         for live in replies:
             try:
                 message = await live.stored
@@ -610,11 +623,19 @@ class ChatPane(Vertical):
             if message is None and live.view.is_attached and view is live.view:
                 await live.view.remove()  # failed before producing anything: nothing to keep
             live.view.message = message
+            stored.append(message)
         if isinstance(view, AlternativesView):
             await self._show_first_alternative(view)
         if self._reply_view is view:
             self._reply_view = None
         self._replies = []
+        # A single reply that calls tools: the app asks for approval and runs them (alternatives'
+        # calls are not run: none of them is the branch the chat goes on from until one is picked).
+        if (not isinstance(view, AlternativesView) and len(stored) == 1 and stored[0] is not None
+                and stored[0].tool_calls and not self._stop_requested):
+            self._set_status("the reply calls tools…")
+            self.post_message(self.ToolCallsMade(self, stored[0]))
+            return
         self._refresh_hint()
         self._refresh_marks()
         self._set_busy(False)
@@ -731,6 +752,32 @@ class ChatPane(Vertical):
             self.prompt.text = self.conversation.draft
         self.post_message(self.StateChanged(self))
         self.notify("The other nvchat let this conversation go: it is writable here now.")
+
+    # --- tool calls (the app runs them: ToolCallsMade) -----------------------------------------------
+
+    @property
+    def stop_requested(self) -> bool:
+        """Esc was pressed since the turn started: its tool calls should not run."""
+        return self._stop_requested
+
+    async def show_tool_call(self, call: dict) -> ToolCallView:
+        # A reply that ended in a hidden tab has views still to mount: they go first.
+        await self.catch_up()
+        view = ToolCallView(call)
+        await self.transcript.mount(view)
+        return view
+
+    def set_tool_status(self, text: str) -> None:
+        self._set_status(text)
+
+    def continue_after_tools(self) -> None:
+        """Every call has its result stored: the reply goes on."""
+        self.run_worker(self._turn(self.conversation.continue_after_tools))
+
+    def end_tool_round(self) -> None:
+        """The turn ends without the reply going on (Esc, or the conversation could not store a result)."""
+        self._refresh_hint()
+        self._set_busy(False)
 
     # --- chat settings -------------------------------------------------------------------------------
 

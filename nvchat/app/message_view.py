@@ -22,7 +22,7 @@ from nvchat.app.code_block import ReplyMarkdown
 from nvchat.app.streaming_markdown import QuietResize, StreamingMarkdown
 from nvchat.conversation import Message, split_thinking
 
-_FINISH_NOTES = {"abort": "stopped", "length": "hit max tokens", "error": "failed"}
+_FINISH_NOTES = {"abort": "stopped", "length": "hit max tokens", "error": "failed", "tool_calls": "calls tools"}
 _INTERRUPTED_REASONS = ("abort", "error")
 
 
