@@ -151,14 +151,14 @@ def conversation(store=None) -> Conversation:
 def test_calls_and_results_are_stored_and_a_call_left_without_a_result_is_sent_as_not_run(tmp_path):
     store = ChatStore(tmp_path / "chats.sqlite3")
     chat = conversation(store)
-    chat._append(Message("user", "weather?"))
-    chat._append(Message("assistant", "", tool_calls=[call(1), call(2)]))
+    question = chat._add(Message("user", "weather?"), None)
+    reply = chat._add(Message("assistant", "", tool_calls=[call(1), call(2)]), question)
     assert chat.pending_tool_calls == [call(1), call(2)]
     chat.add_tool_result(call(1), "sunny")
     assert chat.pending_tool_calls == [call(2)]
     with pytest.raises(ValueError, match="every call's result"):
         chat.continue_after_tools()
-    chat._append(Message("user", "never mind"))  # the app quit before call 2 was approved
+    chat._add(Message("user", "never mind"), chat.messages[-1])  # the app quit before call 2 was approved
     loaded = Conversation.load(None, store, chat.id, Settings())
     assert [(m.role, m.tool_calls) for m in loaded.messages] == [
         ("user", None), ("assistant", [call(1), call(2)]), ("tool", [call(1)]), ("user", None)]
