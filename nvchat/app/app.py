@@ -38,6 +38,7 @@ from nvchat.app.stream_pump import StreamPump
 from nvchat.backend import model_name
 from nvchat.conversation import Conversation
 from nvchat.default_model import GIBBERISH_NOTE
+from nvchat import startup_trace
 from nvchat.settings import Settings
 from nvchat.store import ChatStore
 from themes import load_themes
@@ -172,6 +173,7 @@ class NvchatApp(ChatActions, App[None]):
             pane.prompt.insert(typed)
         self.ready = True
         self.refresh_bindings()
+        startup_trace.mark("ready")
 
     def _start_failed(self, detail: str) -> None:
         if self._loading is not None:
