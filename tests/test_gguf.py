@@ -57,20 +57,23 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tiny_llama_gguf):
 
 
 def test_the_tokenizer_is_cached_for_later_starts(tiny_llama_gguf, cache_dir):
-    from engine.checkpoints.gguf import GGUFCheckpoint
-    checkpoint = GGUFCheckpoint(tiny_llama_gguf)
-    built = checkpoint.load_tokenizer()
+    """The first start builds the tokenizer through transformers; later ones read nvchat's copy
+    without it (ChatTokenizer), and a damaged copy is built again."""
+    from engine.text.chat_tokenizer import ChatTokenizer
+    from engine.text.tokenizer import load_tokenizer
+    built = load_tokenizer(tiny_llama_gguf)
     [entry] = (cache_dir / "gguf-tokenizers").iterdir()
-    cached = checkpoint.load_tokenizer()
+    cached = load_tokenizer(tiny_llama_gguf)
+    assert isinstance(cached, ChatTokenizer) and not isinstance(built, ChatTokenizer)
     assert cached.chat_template == built.chat_template and cached.eos_token_id == built.eos_token_id
     text = "<|im_start|>user\nthe in an<|im_end|>"
     assert cached.encode(text) == built.encode(text)
     (entry / "chat_template.jinja").write_text("marked")  # later starts read the cached copy...
-    assert checkpoint.load_tokenizer().chat_template == "marked"
+    assert load_tokenizer(tiny_llama_gguf).chat_template == "marked"
     (entry / "tokenizer.json").write_text("not json")  # ...and a damaged one is built again
-    rebuilt = checkpoint.load_tokenizer()
+    rebuilt = load_tokenizer(tiny_llama_gguf)
     assert rebuilt.encode(text) == built.encode(text) and rebuilt.chat_template == CHAT_TEMPLATE
-    assert checkpoint.load_tokenizer().chat_template == CHAT_TEMPLATE
+    assert load_tokenizer(tiny_llama_gguf).chat_template == CHAT_TEMPLATE
 
 
 def test_the_metadata_is_read_once_then_from_the_cache(tiny_llama_gguf, cache_dir, monkeypatch):

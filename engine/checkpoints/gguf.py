@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp's one-file format): the model's config is built from the file's
 metadata, its tensors are dequantized to float32 at load time and placed in the engine's own
-layers (which cast them to the engine's dtype), and its tokenizer and chat template come from the
-metadata through transformers. The `gguf` package reads and dequantizes; nothing here parses the
+layers (which cast them to the engine's dtype); its tokenizer and chat template come from the
+metadata (engine/text/tokenizer.py builds it). The `gguf` package reads and dequantizes; nothing here parses the
 format itself. Its reader turns every string of the vocabulary into numpy views (seconds for a
 real one), so what the engine needs of the metadata (the scalar fields, the arrays' lengths, the
 tensor table) is kept in nvchat's cache, keyed by the file's path, size and time, for later starts."""
@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 from engine.checkpoints.demo_model import default_cache_dir
 from engine.checkpoints.errors import ModelError
+from engine.checkpoints.model_config import ModelConfig
 from engine.models.qwen3 import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 ARCHITECTURES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
@@ -69,11 +69,11 @@ def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _cache_entry(path: Path, cache_dir: Path | None, kind: str) -> Path:
+def cache_entry(path: Path, cache_dir: Path | None, kind: str, suffix: str = "") -> Path:
     """Where something built from the file is kept: changes with the file's path, size and time."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return (cache_dir or default_cache_dir()) / kind / f"{path.stem}-{key}"
+    return (cache_dir or default_cache_dir()) / kind / f"{path.stem}-{key}{suffix}"
 
 
 _INDEX_VERSION = 1
@@ -98,7 +98,9 @@ def _read_index(path: Path) -> dict:
 
 
 def _cached_index(path: Path, cache_dir: Path | None) -> dict:
-    entry = _cache_entry(path, cache_dir, "gguf-index").with_suffix(".json")
+    # The key stays in the name: a stem with dots in it ("SmolLM2-135M-Instruct.Q4_1") is cut at
+    # its last dot by with_suffix, which left every such file of one name sharing one entry.
+    entry = cache_entry(path, cache_dir, "gguf-index", ".json")
     try:
         index = json.loads(entry.read_text())
         if index.get("version") == _INDEX_VERSION:
@@ -151,8 +153,7 @@ class GGUFCheckpoint:
             return default
         return self.fields[key]
 
-    def _hf_config(self):
-        import transformers  # start-up: ~2 s, not needed to read a GGUF file's cached index
+    def _hf_config(self) -> ModelConfig:
         arch = self.architecture_name
         key = lambda name, default=...: self._field(f"{arch}.{name}", default)  # noqa: E731
         heads = key("attention.head_count")
@@ -178,13 +179,9 @@ class GGUFCheckpoint:
         if self._field(f"{arch}.rope.scaling.type", "none") not in ("none", None) or any(
                 name == "rope_freqs.weight" for name in names):
             raise ModelError(f"{self.path.name}: RoPE scaling in a GGUF file is not supported yet")
-        config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                      "qwen3": transformers.Qwen3Config}[arch]
-        config = config_cls(**values)
-        config.architectures = [self.architecture.__name__]
         if arch == "llama":
-            config.attention_bias = any(name.endswith("attn_q.bias") for name in names)
-        return config
+            values["attention_bias"] = any(name.endswith("attn_q.bias") for name in names)
+        return ModelConfig(arch, architectures=[self.architecture.__name__], **values)
 
     def tensors(self):
         """(Hugging Face name, float32 tensor) for each tensor of the file, dequantized one at a time."""
@@ -216,31 +213,6 @@ class GGUFCheckpoint:
                 w = unpermute_rope_rows(w, c.num_key_value_heads)
             w = np.ascontiguousarray(w, dtype=np.float32)
             yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 reads map the file
-
-    def load_tokenizer(self, cache_dir: Path | None = None):
-        """transformers builds the tokenizer from the metadata (seconds for a real vocabulary); the
-        result is kept in nvchat's cache, keyed by the file's path, size and time, for later starts."""
-        from transformers import AutoTokenizer  # start-up: as in _hf_config
-        cached = _cache_entry(self.path, cache_dir or self.cache_dir, "gguf-tokenizers")
-        if (cached / "tokenizer_config.json").exists():
-            try:
-                return AutoTokenizer.from_pretrained(cached)
-            except Exception:  # a damaged cache entry: build it again
-                shutil.rmtree(cached, ignore_errors=True)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
-        except Exception as e:
-            raise ModelError(f"{self.path.name}: can't build a tokenizer from its GGUF metadata: {e}") from None
-        tmp = None
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=cached.parent))
-            tokenizer.save_pretrained(tmp)
-            os.rename(tmp, cached)
-        except OSError:  # a read-only cache, or another process got there first: no harm
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-        return tokenizer
 
 
 @functools.lru_cache(maxsize=1)
