@@ -2,7 +2,8 @@
 
 The public API is `LLM` (batch generation and step-by-step control), `EngineThread` (the engine on a
 background thread, streaming to any number of callers), `EngineOptions` (every option either takes),
-`SamplingParams`, `RequestStream`, and `Backend`, the interface EngineThread offers a chat app.
+`SamplingParams` (with `StructuredOutput`), `RequestStream`, `TokenLogprobs` (what logprobs=N reports
+per token), and `Backend`, the interface EngineThread offers a chat app.
 
 The package is layered; a module imports only from layers below its own (tests/test_layering.py
 checks it), bottom to top:
@@ -37,6 +38,8 @@ _EXPORTS = {
     "RequestStream": "engine.request_stream",
     "Delta": "engine.request_stream",
     "SamplingParams": "engine.core.sampling_params",
+    "StructuredOutput": "engine.core.sampling_params",
+    "TokenLogprobs": "engine.core.sequence",
 }
 
 __all__ = list(_EXPORTS)

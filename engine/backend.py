@@ -7,7 +7,7 @@ callers read instead of probing for methods. tests/test_backend_protocol.py chec
 
 Torch-free, like the RequestStream and SamplingParams it names.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Self
 
 from engine.core.sampling_params import SamplingParams
@@ -20,6 +20,9 @@ class BackendCapabilities:
     context_length: int | None  # tokens a prompt and its reply may fill together; None where unknown
     tokenizes: bool  # tokenize_chat() works here: a caller can fit a conversation and submit its token ids
     block_stats: bool  # stats() returns the KV cache's state (the KV panel's blocks, /stats)
+    # The sampling values the model's checkpoint recommends ({SamplingParams field: value}), which a
+    # chat app offers as its defaults; empty where the backend knows none.
+    recommended_sampling: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import torch
 from engine.checkpoints.errors import ModelError
 from engine.checkpoints.gguf import open_gguf
 from engine.checkpoints.model_config import MODEL_TYPES, ModelConfig
+from engine.checkpoints.quantization import fp8_block
 from engine.checkpoints.resolve import (
     architecture_of,
     check_checkpoint,
@@ -26,6 +27,11 @@ def parse_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
     raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
+
+
+def _has_fp8(device: torch.device) -> bool:
+    """Whether `device` multiplies FP8: Triton's e4m3 type needs compute capability 8.9 or more."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _parse_device(device) -> torch.device:
@@ -54,7 +60,10 @@ class EngineConfig(EngineOptions):
     kvcache_block_size: int
     attention_backend: str
     prefill_cuda_graphs: bool
-    # quantization stays an option's value: "int8", "int4", or None ("auto" and "none" decided).
+    # quantization stays an option's value, "auto" and "none" decided: "int8" or "int4" (CPU,
+    # engine/layers/quantized.py), "fp8" (block-wise FP8 on CUDA, engine/layers/fp8.py: a block-FP8
+    # checkpoint's own, kept by default on a GPU that has FP8, or quantized at load time), or None:
+    # the weights in `dtype`, as HF computes them (a block-FP8 checkpoint dequantized).
 
     def __post_init__(self):
         pass  # built by create() from options already checked; the resolved ones have other types
@@ -72,24 +81,38 @@ class EngineConfig(EngineOptions):
         if path.is_file():  # a GGUF file (resolve_model_path refuses other files)
             gguf = open_gguf(path)
             raw, hf_config, architecture = {}, gguf.hf_config, gguf.architecture
+            checkpoint_fp8 = False
         else:
             raw = check_checkpoint(path, need_weights=options.load_format == "safetensors")
+            checkpoint_fp8 = fp8_block(raw.get("quantization_config"), str(path / "config.json")) is not None
             architecture = architecture_of(raw)
             hf_config = _model_config(path, raw)
 
         tp = options.tensor_parallel_size
         quantization = options.quantization
-        if quantization == "auto":
+        if quantization in (None, "auto") and checkpoint_fp8 and _has_fp8(device):
+            quantization = "fp8"
+        elif quantization == "auto":
             four_bit_file = gguf is not None and gguf.projections_at_four_bits
             quantization = "int4" if device.type == "cpu" and tp == 1 and four_bit_file else None
         elif quantization == "none":
             quantization = None
-        if quantization is not None and device.type != "cpu":
+        if quantization == "fp8":
+            if not _has_fp8(device):
+                raise ValueError("quantization='fp8' needs a CUDA GPU with FP8 (compute capability 8.9 or more: "
+                                 "Ada, Hopper, Blackwell); elsewhere leave it unset (an FP8 checkpoint then loads "
+                                 "dequantized)")
+        elif quantization is not None and device.type != "cpu":
             raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's quantized weight kernels); "
-                             f"on {device.type} leave it unset")
+                             f"on {device.type} leave it unset or use fp8")
         prefill_cuda_graphs = options.prefill_cuda_graphs
+        torch_on_cuda = options.attention_backend == "torch" and device.type == "cuda"
         if prefill_cuda_graphs is None:
-            prefill_cuda_graphs = options.attention_backend != "flash_attn"
+            # The torch backend's prefill reads context lengths on the host (on CPU nothing is captured).
+            prefill_cuda_graphs = options.attention_backend != "flash_attn" and not torch_on_cuda
+        if prefill_cuda_graphs and torch_on_cuda:
+            raise ValueError("prefill_cuda_graphs needs attention_backend='triton': the torch backend's prefill "
+                             "reads each sequence's context length on the host, which a CUDA graph can't capture")
         dtype = options.dtype
         if dtype is None:
             ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"

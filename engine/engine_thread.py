@@ -77,7 +77,8 @@ class EngineThread:
         self._live.clear()
         for cmd in self._inbox:
             if cmd[0] == "submit":
-                cmd[2]._finish("abort")
+                for stream in cmd[2]:
+                    stream._finish("abort")
         self._inbox.clear()
         if self._owns_llm:
             self.llm.shutdown()
@@ -91,7 +92,8 @@ class EngineThread:
     @property
     def capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(model_name=None, context_length=self.llm.config.max_model_len,
-                                   tokenizes=self.llm.tokenizer is not None, block_stats=True)
+                                   tokenizes=self.llm.tokenizer is not None, block_stats=True,
+                                   recommended_sampling=self.llm.recommended_sampling)
 
     def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
         """Chat messages as prompt token ids through the chat template, not checked against the
@@ -104,15 +106,25 @@ class EngineThread:
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
                tag=None) -> RequestStream:
         """Queues a request and returns its stream at once. prompt: text, token ids, or chat messages
-        ({"role", "content"} dicts, rendered with the chat template). Bad input raises ValueError."""
+        ({"role", "content"} dicts, rendered with the chat template). Bad input raises ValueError.
+        One sample only: submit_n() takes n > 1."""
+        if sampling_params is not None and sampling_params.n > 1:
+            raise ValueError(f"submit() streams one sample; use submit_n() for n={sampling_params.n}")
+        return self.submit_n(prompt, sampling_params, enable_thinking=enable_thinking, tag=tag)[0]
+
+    def submit_n(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
+                 tag=None) -> list[RequestStream]:
+        """submit() for sampling_params.n samples of one prompt, prefilled once: a stream per sample,
+        in order (stream.sample_index), each ended or aborted on its own."""
         self._check_open()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             with _template_errors_as_value_errors():
                 prompt = self.llm.encode_chat(prompt, enable_thinking)
         seq = self.llm.make_sequence(prompt, sampling_params, stream=True)
-        stream = RequestStream(seq.seq_id, seq.num_prompt_tokens, self._request_abort, tag)
-        self._post(("submit", seq, stream))
-        return stream
+        streams = [RequestStream(s.seq_id, s.num_prompt_tokens, self._request_abort, tag, s.sample_index)
+                   for s in (seq, *seq.forks)]
+        self._post(("submit", [seq, *seq.forks], streams))
+        return streams
 
     def _check_open(self) -> None:
         if self.fatal_error:
@@ -151,7 +163,7 @@ class EngineThread:
         except BaseException as e:  # a bug outside llm.step(): no stream may wait forever on a dead thread
             with self._cv:
                 self.fatal_error = f"engine thread crashed: {type(e).__name__}: {e}"
-                pending = [cmd[2] for cmd in self._inbox if cmd[0] == "submit"]
+                pending = [stream for cmd in self._inbox if cmd[0] == "submit" for stream in cmd[2]]
                 self._inbox.clear()
             for stream in pending + [stream for _, stream in self._live.values()]:
                 stream._finish("error", self.fatal_error)
@@ -189,7 +201,7 @@ class EngineThread:
                 stream = entry[1]
                 if not stream.token_ids:
                     stream.num_cached_tokens = out.seq.num_cached_tokens
-                stream._push(out.new_text, out.new_token_ids)
+                stream._push(out.new_text, out.new_token_ids, out.logprobs)
                 if out.finished:
                     del self._live[out.seq.seq_id]
                     stream._finish(out.seq.finish_reason)
@@ -197,9 +209,10 @@ class EngineThread:
 
     def _apply(self, command) -> None:
         if command[0] == "submit":
-            _, seq, stream = command
-            self.llm.enqueue(seq)
-            self._live[seq.seq_id] = (seq, stream)
+            _, seqs, streams = command
+            self.llm.enqueue(seqs[0])  # the others are its forks
+            for seq, stream in zip(seqs, streams):
+                self._live[seq.seq_id] = (seq, stream)
         else:
             stream = command[1]
             entry = self._live.pop(stream.request_id, None)

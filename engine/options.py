@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field, fields
 
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
-QUANTIZATIONS = ("int8", "int4")  # weight-only, on CPU (engine/layers/quantized.py)
+QUANTIZATIONS = ("int8", "int4", "fp8")  # int8/int4: weight-only on CPU (engine/layers/quantized.py); fp8: CUDA
 LOAD_FORMATS = ("safetensors", "random")
 
 # A chat engine serves streams that someone is reading, so an EngineThread that builds its own
@@ -61,9 +61,12 @@ class EngineOptions:
     prefill_cuda_graphs: bool | None = option(None, "CUDA graphs for small prefill and mixed steps too, not only "
                                                     "decode", unset="on, except with flash_attn")
     quantization: str | None = option(None, "int8 or int4: weight-only quantized projections on CPU, faster, not "
-                                            "bit-exact; auto: int4 on one CPU rank for a GGUF file stored in 4 bits "
-                                            "or fewer, else none; none: the weights in dtype, bit-exact",
-                                      unset="none", choices=("auto", *QUANTIZATIONS, "none"))
+                                            "bit-exact; fp8: block-wise FP8 weights on a CUDA GPU with FP8; auto: "
+                                            "int4 on one CPU rank for a GGUF file stored in 4 bits or fewer, else "
+                                            "none; none: the weights in dtype, bit-exact (an FP8 checkpoint "
+                                            "dequantized)",
+                                      unset="none, but a block-FP8 checkpoint stays FP8 on a GPU with FP8",
+                                      choices=("auto", *QUANTIZATIONS, "none"))
     # engine/llm.py's docstring says how.
     async_scheduling: bool = option(True, "the GPU runs each step while the host settles the one before")
 

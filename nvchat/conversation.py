@@ -114,12 +114,22 @@ class Conversation:
             self.store.set_draft(self.id, text)
         self.draft = text
 
+    @property
+    def _recommended_sampling(self) -> dict:
+        """What the model's checkpoint recommends (a remote backend's model recommends nothing here)."""
+        return self.engine.capabilities.recommended_sampling
+
+    def sampling_defaults(self) -> dict:
+        """The sampling values this chat follows where it sets none of its own: the settings', else
+        the model's recommendation."""
+        return self.settings.sampling_defaults(self._recommended_sampling)
+
     def sampling_params(self) -> SamplingParams:
-        return self.settings.sampling_params(**self.sampling)
+        return self.settings.sampling_params(recommended=self._recommended_sampling, **self.sampling)
 
     def set_sampling(self, sampling: dict) -> None:
         """Checks the values (ValueError names a bad one), then keeps and stores them."""
-        self.settings.sampling_params(**sampling)
+        self.settings.sampling_params(recommended=self._recommended_sampling, **sampling)
         self.sampling = dict(sampling)
         self._ensure_stored()
         if self.store is not None:

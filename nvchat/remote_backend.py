@@ -64,7 +64,7 @@ class RemoteStream(RequestStream):
 
 
 # Request fields past OpenAI's own API that vLLM, SGLang and `nvchat serve` understand.
-EXTENSION_FIELDS = ("top_k", "ignore_eos", "chat_template_kwargs")
+EXTENSION_FIELDS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_template_kwargs")
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -191,9 +191,16 @@ class RemoteBackend:
                 "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens}
         # Not in OpenAI's own API (which refuses unknown fields): sent only when they change
         # something, and no longer once the server has refused one (see _run).
+        for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's own
+            if getattr(params, name):
+                body[name] = getattr(params, name)
         if not self._openai_fields_only:
             if params.top_k:
                 body["top_k"] = params.top_k
+            if params.min_p:
+                body["min_p"] = params.min_p
+            if params.repetition_penalty != 1.0:
+                body["repetition_penalty"] = params.repetition_penalty
             if params.ignore_eos:
                 body["ignore_eos"] = True
             if enable_thinking is not None:

@@ -15,6 +15,13 @@ from nvchat import default_model, paths
 DEMO_MODEL = "demo"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer concisely."
 
+# What a chat samples with where neither config.toml, a flag nor the model's checkpoint says
+# (Settings.sampling_defaults). The repetition penalty (vLLM's: over the prompt and the reply) stops
+# SmolLM2-135M-Instruct's loops ("A sea of wonders, a sea of wonders...", issue 28): of 20 everyday
+# prompts (benchmarks/bench_reply_loops.py, one random-sampled run each), 5 replies ran to the
+# 1024-token limit without it, none with 1.1.
+FALLBACK_SAMPLING = dict(temperature=0.7, top_p=0.95, top_k=20, min_p=0.0, repetition_penalty=1.1,
+                         presence_penalty=0.0, frequency_penalty=0.0)
 
 class SettingsError(ValueError):
     """config.toml can't be used; the message names the file and the problem."""
@@ -42,9 +49,15 @@ class Settings(EngineOptions):
 
     model: str | None = None
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 20
+    # Sampling: None means not set here, so the model's recommendation applies, else
+    # FALLBACK_SAMPLING (sampling_defaults).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     max_tokens: int = 1024
     enable_thinking: bool | None = None
     theme: str = "nvchat-dark"
@@ -84,10 +97,18 @@ class Settings(EngineOptions):
         """The engine's options among these settings, for LLM / EngineThread."""
         return EngineOptions(**{name: getattr(self, name) for name in OPTION_NAMES})
 
-    def sampling_params(self, **overrides) -> SamplingParams:
-        values = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens)
-        values.update(overrides)
-        return SamplingParams(**values)
+    def sampling_defaults(self, recommended: dict | None = None) -> dict:
+        """What a chat samples with unless it sets its own: each value as config.toml or a flag set
+        it, else as the model recommends (`recommended`: EngineThread.recommended_sampling), else
+        FALLBACK_SAMPLING's."""
+        recommended = recommended or {}
+        values = {name: getattr(self, name) if getattr(self, name) is not None else recommended.get(name, fallback)
+                  for name, fallback in FALLBACK_SAMPLING.items()}
+        values["max_tokens"] = self.max_tokens
+        return values
+
+    def sampling_params(self, recommended: dict | None = None, **overrides) -> SamplingParams:
+        return SamplingParams(**(self.sampling_defaults(recommended) | overrides))
 
     def updated(self, **changes) -> "Settings":
         """A copy with the given non-None values applied (command-line flags over the file)."""

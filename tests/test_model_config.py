@@ -10,10 +10,15 @@ import transformers
 from engine.checkpoints.model_config import MODEL_TYPES, ModelConfig
 from engine.config import _model_config
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.qwen3 import ARCHITECTURES, rope_settings
+from engine.models.qwen3 import rope_settings
+from engine.models.registry import ARCHITECTURES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
-ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step")
 
 
 def engine_view(config, architecture: str) -> dict:
@@ -31,7 +36,10 @@ def engine_view(config, architecture: str) -> dict:
         rope=(rope.cos.tolist(), rope.sin.tolist()), tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         attention_bias=getattr(config, "attention_bias", ARCHITECTURES[architecture].attention_bias),
         eos_token_id=getattr(config, "eos_token_id", None), bos_token_id=getattr(config, "bos_token_id", None),
-        hidden_act=config.hidden_act)
+        hidden_act=config.hidden_act,
+        # Qwen3-MoE's (engine/models/qwen3_moe.py); absent elsewhere.
+        **{name: getattr(config, name, None) for name in MOE_FIELDS},
+        mlp_only_layers=list(getattr(config, "mlp_only_layers", None) or []))
 
 
 def both_ways(tmp_path, raw: dict):
@@ -52,10 +60,14 @@ def test_a_config_that_names_only_its_type_gets_transformers_defaults(tmp_path, 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_a_config_written_by_transformers_reads_the_same(tmp_path, model_type):
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "qwen3": transformers.Qwen3Config}[model_type]
+                  "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[model_type]
+    # transformers writes num_experts as num_local_experts.
+    moe = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True,
+               mlp_only_layers=[1]) if model_type == "qwen3_moe" else {}
     config_cls(vocab_size=211, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
                num_key_value_heads=2, max_position_embeddings=777, rms_norm_eps=3e-5, tie_word_embeddings=True,
-               bos_token_id=5, eos_token_id=[6, 7], architectures=[ARCHITECTURE[model_type]]).save_pretrained(tmp_path)
+               bos_token_id=5, eos_token_id=[6, 7], architectures=[ARCHITECTURE[model_type]],
+               **moe).save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     ours, theirs = both_ways(tmp_path, raw)
     assert ours == theirs
@@ -83,10 +95,10 @@ def test_rope_settings_read_the_same_in_either_transformers_style(tmp_path, rope
 
 
 def test_a_model_type_without_built_in_defaults_goes_through_transformers(tmp_path):
-    raw = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4}
+    raw = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     config = _model_config(tmp_path, raw)
-    assert isinstance(config, transformers.PretrainedConfig) and config.num_experts == 4
+    assert isinstance(config, transformers.PretrainedConfig) and config.sliding_window == 64
 
 
 def test_fields_the_defaults_do_not_list_are_kept():

@@ -17,8 +17,18 @@ _DEFAULTS = {
                   num_attention_heads=32, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
                   rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, bos_token_id=None,
                   eos_token_id=None, hidden_act="silu"),
+    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
+                      bos_token_id=None, eos_token_id=None, hidden_act="silu", num_experts=128,
+                      num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=()),
 }
 MODEL_TYPES = tuple(_DEFAULTS)
+# Fields transformers writes under another name than the engine reads (its config class's attribute_map).
+_ALIASES = {"qwen3_moe": {"num_local_experts": "num_experts"}}
+# A GGUF file's general.architecture, as the model type it stands for.
+GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 
 class ModelConfig:
@@ -28,6 +38,9 @@ class ModelConfig:
     def __init__(self, model_type: str, **fields):
         if model_type not in _DEFAULTS:
             raise ValueError(f"no built-in defaults for model type {model_type!r}")
+        for written, read in _ALIASES.get(model_type, {}).items():
+            if written in fields:
+                fields[read] = fields.pop(written)
         values = {**_DEFAULTS[model_type], **fields, "model_type": model_type}
         if values.get("num_key_value_heads") is None:
             values["num_key_value_heads"] = values["num_attention_heads"]

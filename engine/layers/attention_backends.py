@@ -9,8 +9,18 @@ from engine.layers import paged_attention_torch as torch_ref
 from engine.options import ATTENTION_BACKENDS
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class TorchBackend:
+    """Attention in torch ops. Its prefill reads context lengths on the host, so only decode steps
+    run in CUDA graphs, through a variant of each op that reads nothing on the host. That variant
+    gathers a whole table's width of K/V for every row, so its graphs stop at max_graph_rows rows:
+    at 4K context Qwen3-0.6B's layer gathers 16 MiB a row."""
+
     name = "torch"
+    max_graph_rows = 64
 
     def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
         pass
@@ -18,18 +28,28 @@ class TorchBackend:
     @staticmethod
     def plan_prefill(q_lens, context_lens, bucket_tokens):
         return None
-    store_kv = staticmethod(torch_ref.store_kv)
+
+    @staticmethod
+    def store_kv(key, value, k_cache, v_cache, slot_mapping):
+        if _capturing(key):
+            return torch_ref.store_kv_in_graph(key, value, k_cache, v_cache, slot_mapping)
+        return torch_ref.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     @staticmethod
     def prefill(q, k_cache, v_cache, meta, scale):
         return torch_ref.sdpa_prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale)
 
-    decode = staticmethod(torch_ref.sdpa_decode_attention)
+    @staticmethod
+    def decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+        if _capturing(q):
+            return torch_ref.sdpa_decode_attention_in_graph(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return torch_ref.sdpa_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 class TritonBackend:
     name = "triton"
+    max_graph_rows = None  # decode graphs of any size the runner captures
 
     def __init__(self):
         # start-up: Triton loads only where its kernels run
@@ -92,6 +112,7 @@ class FlashAttnBackend:
     Triton store kernel, since flash-attn reads but does not write the paged cache here."""
 
     name = "flash_attn"
+    max_graph_rows = None
 
     def __init__(self):
         # optional: the flash-attn package (nvchat[flash-attn])

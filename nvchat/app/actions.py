@@ -22,7 +22,6 @@ from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import KVPanel
 from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.rename_screen import RenameScreen
-from nvchat.app.sampling_screen import FIELDS as SAMPLING_FIELDS
 from nvchat.app.sampling_screen import SamplingScreen
 from nvchat.app.services import ChatServices
 from nvchat.app.stream_pump import StreamPump
@@ -147,7 +146,7 @@ class ChatActions:
         pane = self.active_pane
         if pane is None:
             return
-        defaults = {name: getattr(self.settings, name) for name, _, _ in SAMPLING_FIELDS}
+        defaults = pane.conversation.sampling_defaults()  # the dialog's fields, each as the chat follows it
 
         def chosen(sampling: dict | None) -> None:
             if sampling is not None:
