@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoints.errors import ModelError
+from engine.checkpoints.gguf import SUPPORTED_TYPES
 from tests.conftest import random_prompts
 from tests.gguf_files import (
     CHAT_TEMPLATE,
@@ -145,3 +146,19 @@ def test_unsupported_architecture_is_named(tmp_path):
     _write_metadata_only(path, "gemma", [("token_embd.weight", np.zeros((8, 64), np.float32), None)])
     with pytest.raises(ModelError, match="unsupported GGUF architecture 'gemma'; nvchat runs llama, qwen2, qwen3"):
         LLM(str(path), device="cpu")
+
+
+@pytest.mark.parametrize("type_name", sorted(set(SUPPORTED_TYPES) - {"F32", "F16"}))
+def test_quantized_tensors_dequantize_to_the_same_floats_as_the_gguf_package(type_name):
+    """Random bytes as a tensor of each quantized type, more rows than one dequantizing call takes:
+    the engine's chunked dequantization gives gguf.quants.dequantize's floats bit for bit."""
+    import gguf
+
+    from engine.checkpoints.gguf import _DEQUANTIZE_ROWS, _dequantize
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows = _DEQUANTIZE_ROWS + 37
+    raw = np.random.default_rng().integers(0, 256, (rows, 2 * block_bytes), dtype=np.uint8)
+    ours = _dequantize(raw, qtype)
+    assert ours.shape == (rows, 2 * block)
+    assert np.array_equal(ours, gguf.quants.dequantize(raw, qtype).reshape(ours.shape), equal_nan=True)
