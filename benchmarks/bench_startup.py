@@ -128,7 +128,7 @@ def run_once(mode: str, tree: Path, nvchat_args: list[str], cold: bool, python_f
 def _first_output(process: subprocess.Popen) -> float | None:
     """When the process first wrote to its stdout (pipe mode's first token); reads it to the end."""
     first = None
-    while chunk := os.read(process.stdout.fileno(), 65536):
+    while os.read(process.stdout.fileno(), 65536):
         if first is None:
             first = time.time()
     process.stdout.close()

@@ -7,10 +7,10 @@ import json
 import os
 import sys
 
+from nvchat import startup_trace
 from nvchat.backend import model_name as backend_model_name
 from nvchat.backend import open_backend
 from nvchat.conversation import Conversation, reply_stats
-from nvchat import startup_trace
 from nvchat.default_model import GIBBERISH_NOTE
 from nvchat.settings import Settings
 

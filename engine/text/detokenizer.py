@@ -33,7 +33,9 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
         return partial(backend.decode, skip_special_tokens=True)
     if "transformers" not in sys.modules:  # so the tokenizer is not one of its classes
         return partial(tokenizer.decode, skip_special_tokens=True)
-    from transformers import PreTrainedTokenizerFast  # start-up: loaded already, see above
+    from transformers import (
+        PreTrainedTokenizerFast,  # start-up: loaded already, see above
+    )
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     cls = type(tokenizer)
     if (isinstance(tokenizer, PreTrainedTokenizerFast)

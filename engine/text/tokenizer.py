@@ -40,7 +40,9 @@ def _gguf_tokenizer(path: Path, cache_dir: Path | None):
             return AutoTokenizer.from_pretrained(cached)
         except Exception:  # a damaged cache entry: build it again
             shutil.rmtree(cached, ignore_errors=True)
-    from transformers import AutoTokenizer  # start-up: only the first start on a file builds its tokenizer
+    from transformers import (
+        AutoTokenizer,  # start-up: only the first start on a file builds its tokenizer
+    )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:

@@ -373,7 +373,8 @@ class ChatPane(Vertical):
                 self._next_save = now + SAVE_EVERY_S
                 self.background(self.conversation.save_reply_so_far, stream).add_done_callback(self._saved)
         if ended:
-            self._show_context(stream.num_prompt_tokens + stream.num_completion_tokens)
+            if stream.num_prompt_tokens is not None:  # None: a server that reports no usage
+                self._show_context(stream.num_prompt_tokens + stream.num_completion_tokens)
             # Claimed and queued before any await: a tab closed or an app quit meanwhile finds no
             # stream to store, so the reply is stored exactly once, and the write already waits.
             self.stream = None
@@ -403,10 +404,10 @@ class ChatPane(Vertical):
         else:
             await self.transcript.mount(note)
 
-    def _show_context(self, tokens: int) -> None:
+    def _show_context(self, tokens: int | None) -> None:
         """The context the conversation fills, under the prompt box."""
         limit = self.conversation.max_context
-        if limit:
+        if limit and tokens is not None:
             self.prompt.border_subtitle = f"context {tokens} / {limit} tokens"
 
     async def _show_stored_context(self) -> None:

@@ -33,7 +33,10 @@ def footer_text(stats: dict | None, interrupted: bool = False) -> str:
     if stats.get("ttft_s") is not None:
         parts.append(f"TTFT {stats['ttft_s'] * 1000:.0f} ms")
     if stats.get("prompt_tokens"):
-        parts.append(f"prompt {stats['prompt_tokens']} ({stats.get('cached_tokens') or 0} cached)")
+        cached = stats.get("cached_tokens")
+        parts.append(f"prompt {stats['prompt_tokens']} ({'cached unknown' if cached is None else f'{cached} cached'})")
+    elif "prompt_tokens" in stats and stats["prompt_tokens"] is None:  # a server that reports no usage
+        parts.append("prompt size unknown")
     reason = stats.get("finish_reason") or ""
     if interrupted:
         # One word for it: "stopped" or "failed" where the numbers say which, else "interrupted".
