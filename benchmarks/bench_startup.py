@@ -62,12 +62,16 @@ def phase_label(stage: str) -> str:
     return re.sub(r"\s*\(\d+/\d+\)$", "", stage.split(":")[0]).strip()
 
 
+# What runs after a mark, where the mark names a moment rather than a stage.
+_AFTER = {"ready": "ready, to the first token (the prompt's prefill)", "first token": "first token, to the exit"}
+
+
 def phases(started: float, marks: list[tuple[float, str]], ended: float) -> dict[str, float]:
     """Seconds in each phase: from the start to the first mark ("python and nvchat's imports"), from
     each mark to the next, and from the last mark to the exit."""
     if not marks:
         return {"whole run (this tree writes no trace)": ended - started}
-    points = [(started, "python and nvchat's imports")] + [(t, phase_label(s)) for t, s in marks]
+    points = [(started, "python and nvchat's imports")] + [(t, _AFTER.get(s, phase_label(s))) for t, s in marks]
     out: dict[str, float] = {}
     for (t, label), (t_next, _) in zip(points, points[1:] + [(ended, "")]):
         out[label] = out.get(label, 0.0) + max(t_next - t, 0.0)
