@@ -63,15 +63,16 @@ def phase_label(stage: str) -> str:
 
 
 # What runs after a mark, where the mark names a moment rather than a stage.
-_AFTER = {"ready": "ready, to the first token (the prompt's prefill)", "first token": "first token, to the exit"}
+_AFTER = {"pipe": {"ready": "ready, to the first token (the prompt's prefill)", "first token": "first token, to the exit"},
+          "app": {"ready": "ready, to the exit"}}
 
 
-def phases(started: float, marks: list[tuple[float, str]], ended: float) -> dict[str, float]:
+def phases(started: float, marks: list[tuple[float, str]], ended: float, mode: str = "pipe") -> dict[str, float]:
     """Seconds in each phase: from the start to the first mark ("python and nvchat's imports"), from
     each mark to the next, and from the last mark to the exit."""
     if not marks:
         return {"whole run (this tree writes no trace)": ended - started}
-    points = [(started, "python and nvchat's imports")] + [(t, _AFTER.get(s, phase_label(s))) for t, s in marks]
+    points = [(started, "python and nvchat's imports")] + [(t, _AFTER[mode].get(s, phase_label(s))) for t, s in marks]
     out: dict[str, float] = {}
     for (t, label), (t_next, _) in zip(points, points[1:] + [(ended, "")]):
         out[label] = out.get(label, 0.0) + max(t_next - t, 0.0)
@@ -124,7 +125,7 @@ def run_once(mode: str, tree: Path, nvchat_args: list[str], cold: bool, python_f
     reached = next((t for t, s in marks if s == goal), first_output)
     if reached is None:
         raise RuntimeError(f"{mode} start (exit {code}) never reached {goal!r}:\n{stderr[-3000:]}")
-    return {"to_goal_s": reached - started, "phases": phases(started, marks, ended), "exit_code": code,
+    return {"to_goal_s": reached - started, "phases": phases(started, marks, ended, mode), "exit_code": code,
             "peak_rss_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
             "triton_kernels_added": kernels_added, "stderr": stderr}
 
