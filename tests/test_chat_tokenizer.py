@@ -98,7 +98,7 @@ def test_what_the_engine_reads_matches(pair):
 
 def with_template(tokenizer: ChatTokenizer, template: str) -> ChatTokenizer:
     other = copy.copy(tokenizer)
-    other.chat_template, other._compiled = template, None
+    other.chat_template = template
     return other
 
 

@@ -162,11 +162,12 @@ class ChatTokenizer:
         tokens by name, tools and documents unset) and kwargs; their token ids if tokenize."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        if self._compiled is None:
-            self._compiled = compile_chat_template(self.chat_template)
+        # Compiled once per template text: a caller may set chat_template (a server's override, a test).
+        if self._compiled is None or self._compiled[0] != self.chat_template:
+            self._compiled = (self.chat_template, compile_chat_template(self.chat_template))
         # transformers drops keys whose value is None: templates handle a missing key, not None.
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        text = self._compiled.render(messages=messages, tools=None, documents=None,
+        text = self._compiled[1].render(messages=messages, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt,
                                      **{**self.special_tokens_map, **kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
