@@ -24,6 +24,9 @@ class BackendCapabilities:
     # The sampling values the model's checkpoint recommends ({SamplingParams field: value}), which a
     # chat app offers as its defaults; empty where the backend knows none.
     recommended_sampling: dict = field(default_factory=dict)
+    # The backend serves one request at a time (a remote server with one slot): submissions wait for
+    # each other, and a caller with several chats open should say so.
+    one_request_at_a_time: bool = False
 
 
 @dataclass

@@ -7,6 +7,7 @@ import torch
 
 from engine.checkpoints.errors import ModelError
 from engine.checkpoints.gguf import open_gguf
+from engine.checkpoints.model_config import MODEL_TYPES, ModelConfig
 from engine.checkpoints.quantization import fp8_block
 from engine.checkpoints.resolve import (
     architecture_of,
@@ -109,10 +110,6 @@ class EngineConfig(EngineOptions):
 
     @classmethod
     def create(cls, model, options: EngineOptions, progress=None) -> "EngineConfig":
-        from transformers import (
-            AutoConfig,  # start-up: ~2 s, and a GGUF file does without it
-        )
-
         # Before the model: a bad device must not wait for a download.
         device = _parse_device(options.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -133,10 +130,7 @@ class EngineConfig(EngineOptions):
             raw = check_checkpoint(path, need_weights=options.load_format == "safetensors")
             checkpoint_fp8 = fp8_block(raw.get("quantization_config"), str(path / "config.json")) is not None
             architecture = architecture_of(raw)
-            try:
-                hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-            except Exception as e:
-                raise ModelError(f"can't read {path / 'config.json'}: {e}") from None
+            hf_config = _model_config(path, raw)
 
         tp = options.tensor_parallel_size
         quantization = options.quantization
@@ -193,3 +187,20 @@ class EngineConfig(EngineOptions):
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = max(1, c.num_key_value_heads // self.tensor_parallel_size)
         return 2 * c.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+
+
+def _model_config(path: Path, raw: dict):
+    """config.json as the engine reads it: a ModelConfig for the model types it knows the defaults
+    of, else transformers' AutoConfig."""
+    if raw.get("model_type") in MODEL_TYPES:
+        try:
+            return ModelConfig(**raw)
+        except TypeError as e:  # a field that clashes with the model type's, or no model_type
+            raise ModelError(f"can't read {path / 'config.json'}: {e}") from None
+    from transformers import (
+        AutoConfig,  # start-up: ~4 s of CPU; only for model types ModelConfig does not know
+    )
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:
+        raise ModelError(f"can't read {path / 'config.json'}: {e}") from None

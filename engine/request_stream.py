@@ -69,13 +69,15 @@ class Delta:
 
 
 class RequestStream:
-    def __init__(self, request_id: int, num_prompt_tokens: int, abort_fn, tag=None, sample_index: int = 0,
+    def __init__(self, request_id: int, num_prompt_tokens: int | None, abort_fn, tag=None, sample_index: int = 0,
                  tool_parser=None):
         """tool_parser: a parser of engine.text.tool_calls, for a request that offers tools: the
         stream's text is then the reply's without its calls, which are in tool_calls."""
         self.request_id = request_id
         self.tag = tag
         self.sample_index = sample_index  # which of its request's n samples (EngineThread.submit_n)
+        # The prompt's tokens and those the prefix cache held: None in a backend that can't know them
+        # (a remote server that reports no usage; nvchat/remote_backend.py), never a made-up 0.
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.text = ""

@@ -31,10 +31,13 @@ _CONNECT_TIMEOUT_S = 10.0
 
 class RemoteStream(RequestStream):
     """A RequestStream fed from server-sent chunks. The server sends text, not token ids, so until its
-    usage report arrives a chunk counts as one token (as OpenAI-compatible servers stream them)."""
+    usage report arrives a chunk counts as one token (as OpenAI-compatible servers stream them). The
+    prompt's tokens and those the server's prefix cache held are None (unknown) unless it reports
+    them: some servers send no usage (llama-cpp-python's), and 0 would claim an empty prompt."""
 
     def __init__(self, request_id: int, abort_fn, tag=None):
-        super().__init__(request_id, 0, abort_fn, tag)
+        super().__init__(request_id, None, abort_fn, tag)
+        self.num_cached_tokens = None
         self._chunks = 0
         self._reported_tokens: int | None = None
 
@@ -53,8 +56,8 @@ class RemoteStream(RequestStream):
             self._wake()
 
     def _set_usage(self, usage: dict) -> None:
-        self.num_prompt_tokens = usage.get("prompt_tokens") or 0
-        self.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self.num_prompt_tokens = usage.get("prompt_tokens")
+        self.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         self._reported_tokens = usage.get("completion_tokens")
 
     @property
@@ -69,6 +72,13 @@ class RemoteStream(RequestStream):
         end = self.finished_at or time.perf_counter()
         return (n - 1) / max(end - self.first_token_at, 1e-9)
 
+
+# /v1/models' owned_by of llama.cpp's own server (llama-server): with one slot it serves one request
+# at a time. llama-cpp-python's server names itself "me", and is found by its behaviour instead.
+ONE_AT_A_TIME_OWNERS = ("llamacpp",)
+ENDED_BY_ANOTHER_REQUEST = ("the server ended this reply early, when another request reached it: it serves one "
+                            "request at a time, so replies in other tabs now wait for each other")
+ENDED_EARLY = "the server ended the stream before the reply was finished (it sent no finish reason)"
 
 # Request fields past OpenAI's own API that vLLM, SGLang and `nvchat serve` understand.
 EXTENSION_FIELDS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_template_kwargs")
@@ -109,6 +119,11 @@ class RemoteBackend:
         self._closed = False
         self._lock = threading.Lock()  # a submission and a shutdown don't interleave
         self._openai_fields_only = False  # the server refused a field of EXTENSION_FIELDS
+        # Set when the server is known to serve one request at a time (by its /v1/models answer, or
+        # when a stream ended early while another of ours arrived): requests then queue here.
+        self.one_request_at_a_time = False
+        self._turn: asyncio.Semaphore | None = None  # made on the client's loop
+        self._started_requests = 0  # requests sent so far, to tell whether another arrived during one
 
     # --- lifetime ------------------------------------------------------------------------------------
 
@@ -123,32 +138,45 @@ class RemoteBackend:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         timeout = httpx.Timeout(_CONNECT_TIMEOUT_S, read=_READ_TIMEOUT_S)
         self._client = self._call(self._make_client(headers, timeout))
-        if self.model_name is None:
-            try:
-                self.model_name = self._call(self._first_model())
-            except BaseException:
-                self.shutdown()
-                raise
+        try:
+            self._call(self._read_models())
+        except BaseException:
+            self.shutdown()
+            raise
         return self
 
     async def _make_client(self, headers, timeout) -> httpx.AsyncClient:
+        self._turn = asyncio.Semaphore(1)
         return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
 
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    async def _first_model(self) -> str:
+    async def _read_models(self) -> None:
+        """The server's models: the first is the one used when none is named (RuntimeError if the
+        server can't be reached or lists none), and their owner tells llama.cpp's server. With a
+        model named, a server without /models, or not reachable yet, is still used."""
         try:
             response = await self._client.get("/models")
         except httpx.HTTPError as e:
+            if self.model_name is not None:  # a request says it can't reach the server, as it happens
+                return
             raise RuntimeError(f"could not reach {self.base_url}: {e or type(e).__name__}") from None
+        try:
+            models = response.json()["data"] if response.status_code < 400 else None
+            first = models[0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            models = first = None
+        if isinstance(first, dict) and first.get("owned_by") in ONE_AT_A_TIME_OWNERS:
+            self.one_request_at_a_time = True
+        if self.model_name is not None:
+            return
         if response.status_code >= 400:
             raise RuntimeError(f"{self.base_url}/models: {_error_message(response)}")
-        try:
-            return response.json()["data"][0]["id"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise RuntimeError(f"{self.base_url}/models lists no model; name one with --model") from None
+        if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+            raise RuntimeError(f"{self.base_url}/models lists no model; name one with --model")
+        self.model_name = first["id"]
 
     def shutdown(self) -> None:
         """Stops every open reply (finish_reason "abort") and the client's loop."""
@@ -178,7 +206,7 @@ class RemoteBackend:
         # The server tokenizes its prompts and keeps its KV cache to itself; its context length
         # is not part of the OpenAI API.
         return BackendCapabilities(model_name=self.model_name, context_length=None, tokenizes=False,
-                                   block_stats=False)
+                                   block_stats=False, one_request_at_a_time=self.one_request_at_a_time)
 
     def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
                       tools: Tools | None = None) -> list[int]:
@@ -283,18 +311,19 @@ class RemoteBackend:
 
     async def _run(self, stream: RemoteStream, path: str, body: dict) -> None:
         try:
-            try:
-                finish_reason = await self._read(stream, path, body)
-            except _RefusedExtension:
-                # vLLM and SGLang take top_k and the rest; OpenAI's own API refuses them (400). The
-                # request goes again without them, and later ones leave them out.
-                self._openai_fields_only = True
-                finish_reason = await self._read(stream, path, {k: v for k, v in body.items()
-                                                                if k not in EXTENSION_FIELDS})
-            if finish_reason is None:
-                stream._finish("error", "the server closed the stream before the reply ended")
+            if self.one_request_at_a_time:
+                async with self._turn:
+                    finish_reason, others_arrived = await self._send(stream, path, body)
             else:
+                finish_reason, others_arrived = await self._send(stream, path, body)
+            if finish_reason is not None:
                 stream._finish(finish_reason)
+            elif others_arrived:
+                # llama-cpp-python's server ends a stream when the next request arrives.
+                self.one_request_at_a_time = True
+                stream._finish("error", ENDED_BY_ANOTHER_REQUEST)
+            else:
+                stream._finish("error", ENDED_EARLY)
         except asyncio.CancelledError:
             stream._finish("abort")
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -306,6 +335,21 @@ class RemoteBackend:
             stream._finish("error", str(e))
         except Exception as e:  # a malformed event: the stream must still end
             stream._finish("error", f"unreadable answer from {self.base_url}: {type(e).__name__}: {e}")
+
+    async def _send(self, stream: RemoteStream, path: str, body: dict) -> tuple[str | None, bool]:
+        """The request's finish reason (None if the stream ended without one), and whether another
+        request of this backend was sent while it streamed."""
+        self._started_requests += 1
+        sent_before = self._started_requests
+        try:
+            finish_reason = await self._read(stream, path, body)
+        except _RefusedExtension:
+            # vLLM and SGLang take top_k and the rest; OpenAI's own API refuses them (400). The
+            # request goes again without them, and later ones leave them out.
+            self._openai_fields_only = True
+            finish_reason = await self._read(stream, path, {k: v for k, v in body.items()
+                                                            if k not in EXTENSION_FIELDS})
+        return finish_reason, self._started_requests > sent_before
 
     async def _read(self, stream: RemoteStream, path: str, body: dict) -> str | None:
         finish_reason = None

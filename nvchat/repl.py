@@ -20,7 +20,7 @@ from prompt_toolkit.keys import Keys
 
 from engine import RequestStream
 from engine.backend import Backend
-from nvchat import paths, repl_slash_handlers, slash_table
+from nvchat import paths, repl_slash_handlers, slash_table, startup_trace
 from nvchat.backend import model_name, open_backend
 from nvchat.conversation import Conversation, first_line
 from nvchat.default_model import GIBBERISH_NOTE
@@ -227,6 +227,7 @@ def run_repl(settings: Settings) -> int:
         print(f"nvchat: {verb} {settings.model_name}...", file=sys.stderr, flush=True)
         engine = open_backend(settings)
         engine.start()
+        startup_trace.mark("ready")
     except (ValueError, RuntimeError, OSError) as e:
         store.close()
         print(f"nvchat: {e}", file=sys.stderr)

@@ -103,6 +103,14 @@ def _mib(n: int) -> str:
 NO_BLOCK_STATS = "KV cache: block statistics are not available from a remote backend"
 
 
+def _prompt_figures(prompt_tokens: int | None, cached_tokens: int | None) -> str:
+    # None: the server did not report it (unknown, not 0).
+    if prompt_tokens is None:
+        return "; prompt size unknown (the server did not report it)"
+    cached = "prefix-cache use unknown" if cached_tokens is None else f"{cached_tokens} from the prefix cache"
+    return f"; prompt {prompt_tokens} tokens, {cached}"
+
+
 def format_stats(snap, last_stream=None) -> str:
     lines = [NO_BLOCK_STATS] if snap is None else [
         f"KV cache: {snap.num_used_blocks}/{snap.num_blocks} blocks in use ({snap.block_size} tokens each), "
@@ -118,7 +126,7 @@ def format_stats(snap, last_stream=None) -> str:
             f"last reply: {last_stream.num_completion_tokens} tokens"
             + (f", {tps:.1f} tok/s" if tps else "")
             + (f", first token after {ttft:.2f} s" if ttft is not None else "")
-            + f"; prompt {last_stream.num_prompt_tokens} tokens, {last_stream.num_cached_tokens} from the prefix cache"
+            + _prompt_figures(last_stream.num_prompt_tokens, last_stream.num_cached_tokens)
             + (f" ({last_stream.finish_reason})" if last_stream.finish_reason else ""))
     return "\n".join(lines)
 

@@ -1,5 +1,6 @@
 """The remote backend (`--backend URL`) against a real `nvchat serve` app on a socket: streams,
-abort, connection and HTTP errors, the REPL's /stats, and pipe mode in a subprocess."""
+abort, connection and HTTP errors, the REPL's /stats, and pipe mode in a subprocess; and against a
+stand-in for llama.cpp's servers (tests/one_slot_server.py): no usage reported, one request at a time."""
 import json
 import os
 import socket
@@ -12,10 +13,11 @@ import pytest
 
 from engine import EngineThread, SamplingParams
 from engine.text.tool_calls import Tools
-from nvchat.remote_backend import RemoteBackend
+from nvchat.remote_backend import ENDED_BY_ANOTHER_REQUEST, ENDED_EARLY, RemoteBackend
 from nvchat.server.app import ServerState, create_app
 from nvchat.settings import Settings
 from nvchat.slash_table import NO_BLOCK_STATS
+from tests.one_slot_server import MODEL, REPLY, OneSlotServer
 from tests.serving import serving
 from tests.waiting import wait_until
 
@@ -64,19 +66,6 @@ def test_streams_match_the_engine_and_run_concurrently(backend, engine):
     assert streams[1].finish_reason == "length" and streams[1].text
     assert streams[0].num_completion_tokens == 10 and streams[0].num_prompt_tokens == local.num_prompt_tokens
     assert streams[0].time_to_first_token is not None and streams[0].tokens_per_second
-
-
-def test_n_replies_are_requests_sent_at_once_each_with_the_seed_the_engine_gives_that_sample(backend, engine):
-    params = SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=9, n=3, ignore_eos=True)
-    with pytest.raises(ValueError, match="submit_n"):
-        backend.submit(CHAT, params)
-    streams = backend.submit_n(CHAT, params)
-    local = engine.submit_n(CHAT, params)
-    for stream in (*streams, *local):
-        stream.wait()
-    assert [s.sample_index for s in streams] == [0, 1, 2]
-    assert [s.text for s in streams] == [s.text for s in local] and len({s.text for s in streams}) == 3
-    assert all(s.finish_reason == "length" for s in streams)
 
 
 def test_abort_ends_the_stream_and_frees_the_servers_blocks(backend, engine):
@@ -235,6 +224,106 @@ def test_a_server_gone_mid_reply_keeps_the_text_and_says_what_happened():
         # It was reached: "could not reach" would send the user looking at the wrong thing.
         assert "could not reach" not in stream.error
         assert stream.error.startswith(f"the connection to {url} broke mid-reply")
+
+
+def test_what_a_server_does_not_report_is_unknown_not_zero():
+    from nvchat.app.message_view import footer_text
+    from nvchat.conversation import reply_stats
+    from nvchat.slash_table import format_stats
+    server = OneSlotServer(held=False)
+    with serving(server.app) as url, RemoteBackend(url) as backend:
+        stream = backend.submit(CHAT)
+        assert stream.wait(30) and stream.finish_reason == "stop" and stream.text == "".join(REPLY)
+    assert stream.num_prompt_tokens is None and stream.num_cached_tokens is None
+    stats = reply_stats(stream)
+    assert stats["prompt_tokens"] is None and stats["cached_tokens"] is None
+    assert stats["tokens"] == len(REPLY)  # one a chunk, as the server streamed them
+    assert "prompt size unknown" in footer_text(stats) and "prompt 0" not in footer_text(stats)
+    assert "prompt size unknown" in format_stats(None, stream)
+    assert "0 from the prefix cache" not in format_stats(None, stream)
+
+
+def test_a_reported_prompt_without_cached_tokens_leaves_the_cache_unknown(backend):
+    from nvchat.app.message_view import footer_text
+    from nvchat.conversation import reply_stats
+    stream = backend.submit(CHAT, SamplingParams(max_tokens=4))
+    assert stream.wait(60) and stream.num_prompt_tokens > 0 and stream.num_cached_tokens is not None
+    stream._set_usage({"prompt_tokens": 12, "completion_tokens": 4})  # as a server with no prompt_tokens_details
+    assert stream.num_cached_tokens is None
+    assert "prompt 12 (cached unknown)" in footer_text(reply_stats(stream))
+
+
+def test_a_server_that_ends_a_stream_for_the_next_request_is_found_and_then_queued():
+    server = OneSlotServer(owned_by="me")
+    with serving(server.app) as url, RemoteBackend(url) as backend:
+        assert backend.model_name == MODEL and not backend.capabilities.one_request_at_a_time
+        first = backend.submit(CHAT)
+        wait_until(lambda: first.text, 30, "the first reply's first chunk")
+        second = backend.submit(CHAT)
+        assert first.wait(30) and first.finish_reason == "error"
+        assert first.error == ENDED_BY_ANOTHER_REQUEST and first.text == REPLY[0]  # its text is kept
+        assert backend.capabilities.one_request_at_a_time
+        server.release()
+        assert second.wait(30) and second.finish_reason == "stop"
+        # From now on tabs' requests wait for each other: none is cut off by the next.
+        streams = [backend.submit(CHAT) for _ in range(3)]
+        for stream in streams:
+            assert stream.wait(30) and (stream.finish_reason, stream.text) == ("stop", "".join(REPLY))
+        assert server.interrupted == 1 and server.requests == 5
+
+
+def test_llama_servers_models_answer_queues_requests_from_the_start():
+    server = OneSlotServer(owned_by="llamacpp", held=False)
+    with serving(server.app) as url, RemoteBackend(url) as backend:
+        assert backend.capabilities.one_request_at_a_time
+        streams = [backend.submit(CHAT) for _ in range(4)]
+        for stream in streams:
+            assert stream.wait(30) and (stream.finish_reason, stream.text) == ("stop", "".join(REPLY))
+        assert server.interrupted == 0 and server.most_at_once == 1
+
+
+def test_a_stream_ended_without_a_finish_reason_says_so():
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def chat(request):
+        async def events():
+            yield 'data: {"choices":[{"index":0,"delta":{"content":"Half"},"finish_reason":null}]}\n\n'
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    with serving(app) as url, RemoteBackend(url, model="m") as backend:
+        stream = backend.submit(CHAT)
+        assert stream.wait(30) and (stream.finish_reason, stream.error, stream.text) == ("error", ENDED_EARLY, "Half")
+        assert not backend.capabilities.one_request_at_a_time
+
+
+def test_pipe_mode_names_the_servers_model_and_prints_unknown_usage_as_null():
+    server = OneSlotServer(held=False)
+    with serving(server.app) as url:
+        done = _pipe(url, "--json")
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout)
+    assert reply["model"] == MODEL and reply["text"] == "".join(REPLY)
+    assert reply["prompt_tokens"] is None and reply["cached_tokens"] is None
+
+
+
+
+
+
+def test_n_replies_are_requests_sent_at_once_each_with_the_seed_the_engine_gives_that_sample(backend, engine):
+    params = SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=9, n=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="submit_n"):
+        backend.submit(CHAT, params)
+    streams = backend.submit_n(CHAT, params)
+    local = engine.submit_n(CHAT, params)
+    for stream in (*streams, *local):
+        stream.wait()
+    assert [s.sample_index for s in streams] == [0, 1, 2]
+    assert [s.text for s in streams] == [s.text for s in local] and len({s.text for s in streams}) == 3
+    assert all(s.finish_reason == "length" for s in streams)
 
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -11,26 +11,33 @@ is never shown and no other text waits for it.
 """
 import json
 import re
+import sys
 from collections.abc import Callable
 from functools import partial
+
+from engine.text.chat_tokenizer import ChatTokenizer
 
 REPLACEMENT = "\ufffd"
 
 
 def text_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """tokenizer.decode(ids, skip_special_tokens=True) as one function. For a stock transformers
-    fast tokenizer that decode is the Rust backend's plus an optional clean-up pass; with the pass
-    off, calling the backend directly gives the same text in ~1 us instead of ~5 (transformers
-    converts and checks its arguments first), and it runs twice per streamed token. Anything else
-    (a subclass with its own decode, clean-up on) goes through tokenizer.decode."""
-    try:  # start-up: transformers is loaded by now only where the tokenizer came from it
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    except ImportError:
-        PreTrainedTokenizerFast = PreTrainedTokenizerBase = None
-    cls = type(tokenizer)
+    """tokenizer.decode(ids, skip_special_tokens=True) as one function. A ChatTokenizer's, and a
+    stock transformers fast tokenizer's, is the Rust backend's (plus, in transformers, an optional
+    clean-up pass); with the pass off, calling the backend directly gives the same text in ~1 us
+    instead of ~5 (transformers converts and checks its arguments first), and it runs twice per
+    streamed token. Anything else (a subclass with its own decode, clean-up on) goes through
+    tokenizer.decode."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
+    if isinstance(tokenizer, ChatTokenizer):
+        return partial(backend.decode, skip_special_tokens=True)
+    if "transformers" not in sys.modules:  # so the tokenizer is not one of its classes
+        return partial(tokenizer.decode, skip_special_tokens=True)
+    from transformers import (
+        PreTrainedTokenizerFast,  # start-up: loaded already, see above
+    )
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, PreTrainedTokenizerFast)
             and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode
             and not tokenizer.clean_up_tokenization_spaces and backend is not None):
         return partial(backend.decode, skip_special_tokens=True)

@@ -25,6 +25,7 @@ from textual.containers import Horizontal
 from textual.widgets import Header
 
 from engine.backend import Backend
+from nvchat import startup_trace
 from nvchat.app.actions import ChatActions
 from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
 from nvchat.app.chat_pane import ChatPane
@@ -48,9 +49,16 @@ from themes import load_themes
 FALLBACK_THEME = "nvchat-dark"
 
 
-def model_label(settings: Settings) -> str:
+ONE_AT_A_TIME_NOTE = "This server serves one request at a time: replies in several tabs wait for each other."
+
+
+def model_label(settings: Settings, backend: Backend | None = None) -> str:
+    """The model as the title bar names it: a local checkpoint by its file or folder name; a remote
+    server's by the name the server gives it once it has answered, its address before."""
     if settings.uses_demo_model:
         return "demo model"
+    if settings.backend is not None:
+        return (backend.capabilities.model_name if backend is not None else None) or settings.model_name
     return Path(settings.model_name).name or settings.model_name
 
 
@@ -174,11 +182,15 @@ class NvchatApp(ChatActions, App[None]):
         if self.store.moved_aside is not None:
             self.notify(f"It was moved to {self.store.moved_aside}; new conversations go to a fresh file.",
                         title="The conversation store could not be read", severity="error", timeout=30)
+        self.sub_title = self.note or model_label(self.settings, self.engine)
+        if self.engine.capabilities.one_request_at_a_time:
+            self.notify(ONE_AT_A_TIME_NOTE, title=model_label(self.settings, self.engine), timeout=15)
         pane = await self.tabs.open(self.new_conversation())
         if typed:
             pane.prompt.insert(typed)
         self.ready = True
         self.refresh_bindings()
+        startup_trace.mark("ready")
 
     def _start_failed(self, detail: str) -> None:
         if self._loading is not None:

@@ -557,7 +557,8 @@ class ChatPane(Vertical):
         all_ended = not self._live
         if all_ended:
             last = self._replies[0].stream
-            self._show_context(last.num_prompt_tokens + last.num_completion_tokens)
+            if last.num_prompt_tokens is not None:  # None: a server that reports no usage
+                self._show_context(last.num_prompt_tokens + last.num_completion_tokens)
         try:
             if shown and (draw or ended_now):
                 await self._reply_view.catch_up()
@@ -583,10 +584,10 @@ class ChatPane(Vertical):
         else:
             await self.transcript.mount(note)
 
-    def _show_context(self, tokens: int) -> None:
+    def _show_context(self, tokens: int | None) -> None:
         """The context the conversation fills, under the prompt box."""
         limit = self.conversation.max_context
-        if limit:
+        if limit and tokens is not None:
             self.prompt.border_subtitle = f"context {tokens} / {limit} tokens"
 
     async def _show_stored_context(self) -> None:

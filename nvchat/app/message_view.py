@@ -37,9 +37,15 @@ def footer_text(stats: dict | None, interrupted: bool = False) -> str:
     if stats.get("ttft_s") is not None:
         parts.append(f"TTFT {stats['ttft_s'] * 1000:.0f} ms")
     if stats.get("prompt_tokens"):
-        # What the engine's prefix cache held of this prompt: most of it, for a branch or a next
-        # turn of a long chat, whose earlier part was computed before.
-        parts.append(f"{stats.get('cached_tokens') or 0} of {stats['prompt_tokens']} prompt tokens from the cache")
+        cached = stats.get("cached_tokens")
+        if cached is None:  # a server that reports the prompt's size and not what it had cached
+            parts.append(f"prompt {stats['prompt_tokens']} (cached unknown)")
+        else:
+            # What the engine's prefix cache held of this prompt: most of it, for a branch or a
+            # next turn of a long chat, whose earlier part was computed before.
+            parts.append(f"{cached} of {stats['prompt_tokens']} prompt tokens from the cache")
+    elif "prompt_tokens" in stats and stats["prompt_tokens"] is None:  # a server that reports no usage
+        parts.append("prompt size unknown")
     reason = stats.get("finish_reason") or ""
     if interrupted:
         # One word for it: "stopped" or "failed" where the numbers say which, else "interrupted".

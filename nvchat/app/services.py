@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 
 from engine import RequestStream
 from engine.backend import Backend
+from nvchat import startup_trace
 from nvchat.backend import open_backend
 from nvchat.conversation import Conversation
 from nvchat.settings import Settings
@@ -94,16 +95,20 @@ class ChatServices:
         def report(stage: str) -> None:
             self._to_ui(progress, stage)
 
+        def begin(stage: str) -> None:  # a stage of its own; open_backend marks the engine's
+            startup_trace.mark(stage)
+            report(stage)
+
         engine, store = self.engine, self.store
         try:
             if engine is None:
                 if self.settings.uses_demo_model:
-                    report("preparing the demo model")
+                    begin("preparing the demo model")
                 engine = open_backend(self.settings, report)
-                report("connecting to the server" if self.settings.backend else "starting the engine thread")
+                begin("connecting to the server" if self.settings.backend else "starting the engine thread")
                 engine.start()
             if store is None:
-                report("opening the conversation store")
+                begin("opening the conversation store")
                 store = ChatStore()
         except Exception as e:  # shown on the loading screen rather than as a traceback
             detail = str(e) if isinstance(e, (ValueError, OSError, RuntimeError)) else f"{type(e).__name__}: {e}"
