@@ -14,22 +14,40 @@ class TorchBackend:
     name = "torch"
 
     def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
-        pass
+        self._dtype = dtype
 
     @staticmethod
     def plan_prefill(q_lens, context_lens, bucket_tokens):
         return None
-    store_kv = staticmethod(torch_ref.store_kv)
+
+    def step_context(self, plan, inputs: dict, block_size: int) -> torch_ref.StepContext:
+        return torch_ref.StepContext(plan, inputs["block_tables"], inputs["context_lens"], block_size, self._dtype)
+
+    store = staticmethod(torch_ref.store_step_kv)
 
     @staticmethod
     def prefill(q, k_cache, v_cache, meta, scale):
         return torch_ref.sdpa_prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale)
 
-    decode = staticmethod(torch_ref.sdpa_decode_attention)
+    @staticmethod
+    def decode(q, k_cache, v_cache, meta, scale):
+        return torch_ref.sdpa_decode_attention(q, k_cache, v_cache, meta.context, scale)
 
 
-class TritonBackend:
+class _KernelBackend:
+    """What the Triton and flash-attn backends share: no host-side step context, and K/V written
+    by the Triton store kernel."""
+
+    @staticmethod
+    def step_context(plan, inputs: dict, block_size: int) -> None:
+        return None
+
+    def store(self, k, v, k_cache, v_cache, meta) -> None:
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+
+class TritonBackend(_KernelBackend):
     name = "triton"
 
     def __init__(self):
@@ -52,8 +70,8 @@ class TritonBackend:
         self._kv_heads = kv_heads
         self._counters = self._decode.split_counters(torch.device(device))
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
-        return self._decode.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        return self._decode.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                                    counters=self._counters)
 
     def decode_from_qkv(self, qkv, positions, cos, sin, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
@@ -88,7 +106,7 @@ class TritonBackend:
                              scale, work=meta.prefill_work)
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(_KernelBackend):
     """flash-attn's paged KV API; its block size must be a multiple of 256. K/V are written with our
     Triton store kernel, since flash-attn reads but does not write the paged cache here."""
 
@@ -102,7 +120,9 @@ class FlashAttnBackend:
         self.store_kv = store_kv
         self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
-    setup = TorchBackend.setup
+    def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
+        pass
+
     plan_prefill = TorchBackend.plan_prefill
 
     def prefill(self, q, k_cache, v_cache, meta, scale):
@@ -111,9 +131,9 @@ class FlashAttnBackend:
                             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=int(meta.context_lens.max()),
                             softmax_scale=scale, causal=True, block_table=meta.block_tables)
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
-        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
-                                 block_table=block_tables, softmax_scale=scale, causal=True)
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+                                 block_table=meta.block_tables, softmax_scale=scale, causal=True)
         return out.squeeze(1)
 
 

@@ -44,6 +44,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     # not measured.
     fused = False
 
+    # How many of each row's largest logits the quantized head recomputes in float32.
+    LEADERS = 8
+
     def quantize(self, method: str, tied: bool) -> None:
         """A quantized copy of the head for the logits; a tied table stays float for the
         embedding's lookups (one row a token, so its bytes barely count)."""
@@ -55,6 +58,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Full-vocabulary logits on rank 0 (None elsewhere)."""
         if self.quantized is not None:
             logits = self.quantized(hidden)
+            if self.tp_size == 1:
+                self._recompute_leaders(hidden, logits)
         elif self.fused and hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.stride(1) == 1:
             from kernels.gemv import (
                 gemv,  # start-up: Triton loads only where its kernels run
@@ -67,3 +72,15 @@ class ParallelLMHead(VocabParallelEmbedding):
             if logits is None:
                 return None
         return logits[..., : self.vocab_size]
+
+    def _recompute_leaders(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Recomputes each row's largest logits in float32, from the float table where the head is
+        tied to the embedding (which keeps it) and from the quantized rows otherwise. The quantized
+        kernels write bf16, where a logit near 25 is a multiple of 0.125: close leaders tie or swap.
+        For "What is the capital of France?" SmolLM2's "The" and "L'" are 0.08 apart in float32 and
+        tied in bf16, where argmax took "L'". Whatever leads in float32 is among the eight largest
+        in bf16 unless more than eight tie within a bf16 step of the top."""
+        top = logits.topk(min(self.LEADERS, logits.shape[-1]), dim=-1).indices  # [rows, leaders]
+        weight = self.weight[top] if self.weight is not None else self.quantized.rows(top)
+        exact = torch.matmul(weight, hidden.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
+        logits.scatter_(-1, top, exact.to(logits.dtype))

@@ -12,6 +12,7 @@ from engine.core.step_plan import StepPlan
 from engine.distributed import collectives
 from engine.layers.attention import AttentionMetadata
 from engine.layers.attention_backends import make_backend
+from engine.models.cpu_decode import CpuDecode
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.sampler import Sampler
 from engine.runner.step_graphs import StepGraphs, decode_buckets, prefill_buckets
@@ -168,6 +169,10 @@ class ModelRunner:
         self.num_blocks = config.num_kvcache_blocks or self.tp_group.min(self._blocks_that_fit(), self.device)
         progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
+        # Decode steps on CPU run as one loop over the layers where the model allows it.
+        self._cpu_decode = None
+        if self.device.type == "cpu" and self.backend.name == "torch" and CpuDecode.supports(self.model):
+            self._cpu_decode = CpuDecode(self.model)
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(progress)
         if self.device.type == "cuda":
@@ -410,6 +415,7 @@ class ModelRunner:
             max_seqlen_q=plan.max_seqlen_q,
             is_decode=plan.is_decode,
             prefill_work=work,
+            context=self.backend.step_context(plan, inputs, self.block_size),
         )
 
     def _feed(self, plan: StepPlan, inputs: dict[str, torch.Tensor]) -> None:
@@ -447,6 +453,8 @@ class ModelRunner:
         meta = self.metadata(plan, inputs, work)
         if bucket is not None:
             hidden = graphs.run(bucket, inputs["input_ids"], inputs["positions"], meta)
+        elif plan.is_decode and self._cpu_decode is not None and meta.context.all_slots_valid:
+            hidden = self._cpu_decode(inputs["input_ids"], inputs["positions"], meta)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], meta)
         if not rows:
@@ -485,6 +493,7 @@ class ModelRunner:
         """Frees the model, KV cache and graphs, so the memory is there for another engine even if
         this runner object lives on."""
         self.decode_graphs = self.prefill_graphs = None
+        self._cpu_decode = None
         self.kv_cache = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.empty(0)
