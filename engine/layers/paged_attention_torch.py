@@ -56,6 +56,7 @@ class StepContext:
 
 
 def _consecutive(table, blocks: int) -> bool:
+    """Whether the table's first `blocks` block ids run one after another."""
     first = table[0]
     return table[blocks - 1] - first == blocks - 1 and all(table[i] == first + i for i in range(1, blocks - 1))
 

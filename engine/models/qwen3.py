@@ -110,8 +110,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # One set of cos/sin tables for every layer: gathered once a step, and stored once (at
-        # Qwen3's 40,960 positions, 21 MB a layer).
+        # One set of cos/sin tables for every layer: gathered once a step, and stored once (42 MB a
+        # layer at head_dim 128 and 40,960 positions).
         rotary = rotary_embedding(config, head_dim, max_position)
         self.layers = nn.ModuleList(
             DecoderLayer(config, max_position, qk_norm, bias, rotary) for _ in range(config.num_hidden_layers))
