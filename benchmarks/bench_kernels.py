@@ -1,6 +1,9 @@
 """Times each Triton kernel against its torch-eager equivalent at Qwen3-0.6B shapes (16 query heads,
 8 KV heads, head_dim 128, hidden 1024, intermediate 3072, bf16) and prints a table; JSON goes to
---out.
+--out. The mixture-of-experts kernels run at Qwen3-30B-A3B's experts (128 of hidden 2048 and 768
+columns, 8 chosen a token) against a loop over the chosen experts with cuBLAS (HF transformers'
+way), and the FP8 GEMV and GEMM at Qwen3-8B's projections against cuBLAS in bf16, the bf16
+Triton GEMV and torch._scaled_mm (FP8 with a scale per row of x and of W, not per block).
 
 Times are medians from triton.testing.do_bench, per call. 'eager' launches every call from Python,
 as an uncaptured engine step does; 'graph' replays a CUDA graph of the calls, as the engine's
@@ -12,8 +15,11 @@ bytes of K/V read / graph time, against the H200's 4.25 TB/s.
 
 --sweep also times the decode and prefill kernels over launch configs (tile size, warps, stages,
 split count), which is how their defaults were chosen. --decode-launches only compares the ways a
-decode step's attention can launch (see run_decode_launches), with PDL on and off. Without CUDA (TRITON_INTERPRET=1) it runs
-tiny shapes once, as a smoke test of this script, and times nothing meaningful.
+decode step's attention can launch (see run_decode_launches), with PDL on and off. --moe-fp8 runs
+only the mixture-of-experts and FP8 rows; --sweep-moe-fp8 times those kernels over launch configs
+(their defaults are untuned). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
+smoke test of this script, and times nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot
+wrong, so the grouped MoE path's smoke diffs are garbage there).
 """
 import argparse
 import datetime
@@ -32,14 +38,18 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.layers.activation import SiluAndMul  # noqa: E402
+from engine.layers.fp8 import quantize_blocks  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
+from kernels import fp8 as fp8_kernels  # noqa: E402
+from kernels import fused_moe  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_from_qkv,
     split_counters,
 )
+from kernels.gemv import gemv  # noqa: E402
 from kernels.norm_rope_store import norm_rope_store  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention, plan_on_device  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
@@ -226,6 +236,166 @@ def fused_cases():
     for t in tokens:
         x = torch.randn(t, 2 * INTERMEDIATE, device=DEVICE).to(DTYPE)
         yield ("silu_and_mul", f"tokens={t}", lambda x=x: silu_and_mul(x), lambda x=x: act(x))
+
+
+# -- mixture of experts and FP8 ------------------------------------------------------------------
+
+# Qwen3-30B-A3B's experts; the smoke run's are tiny.
+MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOP_K = (8, 64, 32, 2) if SMOKE else (128, 2048, 768, 8)
+# Qwen3-8B's qkv, o, gate_up and down projections (N, K).
+FP8_SHAPES = [(96, 64), (64, 128)] if SMOKE else [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+FP8_BLOCK = (32, 32) if SMOKE else (128, 128)
+HAS_FP8 = SMOKE or torch.cuda.get_device_capability() >= (8, 9)
+
+
+def moe_loop(x, w13, w2, weights, ids):
+    """The baseline: each expert some token chose, a cuBLAS GEMM pair over its tokens, as HF
+    transformers' Qwen3MoeExperts runs (its shapes come from the routing: eager only)."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        tokens, slot = torch.where(ids == e)
+        gate, up = F.linear(x[tokens], w13[e]).chunk(2, -1)
+        out.index_add_(0, tokens, F.linear(F.silu(gate) * up, w2[e]) * weights[tokens, slot, None].to(x.dtype))
+    return out
+
+
+def moe_setup(tokens, fp8=False):
+    w13 = (torch.randn(MOE_EXPERTS, 2 * MOE_INTER, MOE_HIDDEN, device=DEVICE) / MOE_HIDDEN ** 0.5).to(DTYPE)
+    w2 = (torch.randn(MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, device=DEVICE) / MOE_INTER ** 0.5).to(DTYPE)
+    x = torch.randn(tokens, MOE_HIDDEN, device=DEVICE).to(DTYPE)
+    weights, ids = fused_moe.route(torch.randn(tokens, MOE_EXPERTS, device=DEVICE), MOE_TOP_K, True)
+    s = dict(x=x, w13=w13, w2=w2, weights=weights, ids=ids, scales={})
+    if fp8:
+        (q13, s13), (q2, s2) = quantize_blocks(w13, FP8_BLOCK), quantize_blocks(w2, FP8_BLOCK)
+        s.update(q13=q13, q2=q2, scales=dict(w13_scale=s13, w2_scale=s2, scale_block=FP8_BLOCK))
+    chosen = len(ids.unique())  # distinct experts the tokens chose: what a step reads
+    s["bytes"] = chosen * 3 * MOE_HIDDEN * MOE_INTER * (1 if fp8 else DTYPE.itemsize)
+    return s
+
+
+def moe_tokens():
+    return [1, 12] if SMOKE else [1, 4, 8, 64, 512, 4096]
+
+
+def run_moe():
+    rows = []
+    for fp8 in ((False, True) if HAS_FP8 else (False,)):
+        for t in moe_tokens():
+            s = moe_setup(t, fp8)
+            w13, w2 = (s["q13"], s["q2"]) if fp8 else (s["w13"], s["w2"])
+
+            def fused(s=s, w13=w13, w2=w2):
+                return fused_moe.fused_moe(s["x"], w13, w2, s["weights"], s["ids"], **s["scales"])
+
+            def loop(s=s):
+                return moe_loop(s["x"], s["w13"], s["w2"], s["weights"], s["ids"])
+
+            t_graph = time_graph(fused)
+            note = f"max|diff| vs loop {max_diff(fused(), loop()):.1e}" + (" (FP8 rounding)" if fp8 else "")
+            if t_graph is not None:
+                note += f"; {s['bytes'] / (t_graph * 1e-3) / 1e9:.0f} GB/s of chosen experts"
+            rows.append(row("fused moe" + (" fp8" if fp8 else ""), f"tokens={t} E={MOE_EXPERTS} k={MOE_TOP_K}",
+                            time_eager(fused), time_eager(loop), t_graph, None, note))
+            print_row(rows[-1])
+            del s
+    return rows
+
+
+def fp8_setup(N, K):
+    w = (torch.randn(N, K, device=DEVICE) / K ** 0.5).to(DTYPE)
+    q, scales = quantize_blocks(w, FP8_BLOCK)
+    # torch._scaled_mm's FP8: W per output row (x is quantized per row in the timed call).
+    w_row_scale = (w.float().abs().amax(1, keepdim=True) / 448).clamp(min=1e-12)
+    w_rows = (w.float() / w_row_scale).to(torch.float8_e4m3fn)
+    return dict(w=w, q=q, scales=scales, w_rows=w_rows, w_row_scale=w_row_scale.T.contiguous())
+
+
+def scaled_mm(x, s):
+    """torch._scaled_mm with x quantized per row (part of the call, as fp8_gemm's is)."""
+    x_scale = (x.float().abs().amax(1, keepdim=True) / 448).clamp(min=1e-12)
+    xq = (x.float() / x_scale).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, s["w_rows"].t(), scale_a=x_scale, scale_b=s["w_row_scale"], out_dtype=DTYPE)
+
+
+def run_fp8():
+    if not HAS_FP8:
+        print("FP8 rows skipped: the GPU has no FP8 (compute capability below 8.9)")
+        return []
+    rows = []
+    for N, K in FP8_SHAPES:
+        s = fp8_setup(N, K)
+        fp8_bytes = N * K * (1 + 4 / (FP8_BLOCK[0] * FP8_BLOCK[1]))
+        for m in ([1, 8] if SMOKE else [1, 2, 4, 8]):
+            x = torch.randn(m, K, device=DEVICE).to(DTYPE)
+            ours = lambda x=x, s=s: fp8_kernels.fp8_gemv(x, s["q"], s["scales"], FP8_BLOCK)  # noqa: E731
+            want = x.float() @ (s["w"].float()).T
+            t_graph = time_graph(ours)
+            note = f"max|diff| vs bf16 {max_diff(ours(), want):.1e}"
+            if t_graph is not None:
+                note += f"; {fp8_bytes / (t_graph * 1e-3) / 1e9:.0f} GB/s"
+            for name, base in (("bf16 cuBLAS", lambda x=x, s=s: F.linear(x, s["w"])),
+                               ("bf16 Triton gemv", lambda x=x, s=s: gemv(x, s["w"])),
+                               ("_scaled_mm rowwise", lambda x=x, s=s: scaled_mm(x, s))):
+                rows.append(row("fp8 gemv", f"{N}x{K} m={m} vs {name}", time_eager(ours), time_eager(base), t_graph,
+                                time_graph(base), note))
+                print_row(rows[-1])
+        for m in ([12] if SMOKE else [16, 64, 512, 4096]):
+            x = torch.randn(m, K, device=DEVICE).to(DTYPE)
+            ours = lambda x=x, s=s: fp8_kernels.fp8_gemm(x, s["q"], s["scales"], FP8_BLOCK)  # noqa: E731
+            t_graph = time_graph(ours)
+            note = f"max|diff| vs bf16 {max_diff(ours(), x.float() @ s['w'].float().T):.1e}"
+            if t_graph is not None:
+                note += f"; {2 * m * N * K / (t_graph * 1e-3) / 1e12:.0f} TFLOP/s"
+            for name, base in (("bf16 cuBLAS", lambda x=x, s=s: F.linear(x, s["w"])),
+                               ("_scaled_mm rowwise", lambda x=x, s=s: scaled_mm(x, s))):
+                rows.append(row("fp8 gemm", f"{N}x{K} m={m} vs {name}", time_eager(ours), time_eager(base), t_graph,
+                                time_graph(base), note))
+                print_row(rows[-1])
+        del s
+    return rows
+
+
+def sweep_moe_fp8():
+    """Launch configs of the fused MoE (GEMV path at 1 and 8 tokens, grouped at 64 and 512) and
+    of the FP8 GEMV (1 and 8 rows) and GEMM, graph-timed; the best 8 of each."""
+    out = []
+
+    def report(name, results):
+        results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
+        print(f"\nsweep {name} (graph us/call), best 8 of {len(results)}:")
+        for cfg, ms in results[:8]:
+            print(f"  {us(ms)!s:>9}  {cfg}")
+        out.append(dict(case=name, results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
+
+    for t in ([1, 12] if SMOKE else [1, 8, 64, 512]):
+        s = moe_setup(t)
+        if t <= fused_moe.GEMV_MAX_TOKENS:
+            grid = itertools.product((2, 4, 8, 16), (128, 256, 512), (1, 2, 4), (2, 3, 4))
+            configs = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st) for n, k, w, st in grid]
+        else:
+            grid = itertools.product((16, 32, 64), (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+            configs = [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st) for m, n, k, w, st in grid]
+        if SMOKE:
+            configs = configs[:2]
+        report(f"fused moe tokens={t}", [(cfg, timed_graph(lambda cfg=cfg, s=s: fused_moe.fused_moe(
+            s["x"], s["w13"], s["w2"], s["weights"], s["ids"], **cfg), 1)) for cfg in configs])
+    if not HAS_FP8:
+        return out
+    for N, K in FP8_SHAPES:
+        s = fp8_setup(N, K)
+        for m in ([1, 8] if SMOKE else [1, 8]):
+            x = torch.randn(m, K, device=DEVICE).to(DTYPE)
+            configs = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st)
+                       for n, k, w, st in itertools.product((1, 2, 4, 8, 16), (64, 128), (1, 2, 4), (2, 3, 4, 6))]
+            report(f"fp8 gemv {N}x{K} m={m}", [(cfg, timed_graph(lambda cfg=cfg, x=x, s=s: fp8_kernels.fp8_gemv(
+                x, s["q"], s["scales"], FP8_BLOCK, **cfg), 1)) for cfg in configs[:2 if SMOKE else None]])
+        for m in ([12] if SMOKE else [64, 4096]):
+            x = torch.randn(m, K, device=DEVICE).to(DTYPE)
+            configs = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                       for bm, bn, w, st in itertools.product((16, 64, 128), (64, 128, 256), (4, 8), (3, 4))]
+            report(f"fp8 gemm {N}x{K} m={m}", [(cfg, timed_graph(lambda cfg=cfg, x=x, s=s: fp8_kernels.fp8_gemm(
+                x, s["q"], s["scales"], FP8_BLOCK, **cfg), 1)) for cfg in configs[:2 if SMOKE else None]])
+    return out
 
 
 # -- runs ---------------------------------------------------------------------------------------
@@ -490,6 +660,9 @@ def main():
     parser.add_argument("--decode-launches", action="store_true",
                         help="only the decode launch comparison (split+merge, one-launch, from-qkv; PDL on/off), then exit")
     parser.add_argument("--block-sizes", default="16,256", help="KV cache block sizes for the attention cases")
+    parser.add_argument("--moe-fp8", action="store_true", help="only the mixture-of-experts and FP8 rows, then exit")
+    parser.add_argument("--sweep-moe-fp8", action="store_true",
+                        help="only the mixture-of-experts and FP8 launch-config sweeps, then exit")
     args = parser.parse_args()
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
     torch.manual_seed(0)
@@ -507,6 +680,15 @@ def main():
     def save():
         out_path.write_text(json.dumps(result, indent=1))
 
+    if args.moe_fp8:
+        print_header()
+        result["rows"] = run_moe() + run_fp8()
+        save()
+        return
+    if args.sweep_moe_fp8:
+        result["sweep_moe_fp8"] = sweep_moe_fp8()
+        save()
+        return
     if args.decode_launches:
         print_header()
         result["rows"] = run_decode_launches(block_sizes)
@@ -534,6 +716,8 @@ def main():
         result["rows"] += run_prefill(bs)
         save()
     result["rows"] += run_fused()
+    save()
+    result["rows"] += run_moe() + run_fp8()
     save()
     print(f"\nwrote {out_path}")
 

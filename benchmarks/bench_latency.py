@@ -15,6 +15,7 @@ from benchmarks.common import (
     graph_replay_ms,
     model_bytes_and_kv,
     print_table,
+    step_weight_bytes,
     write_json,
 )
 from engine import LLM, SamplingParams
@@ -77,7 +78,7 @@ def main():
     args = p.parse_args()
     random.seed(0)
 
-    params, weight_bytes, kv_per_token = model_bytes_and_kv(Path(args.config))
+    _, _, kv_per_token = model_bytes_and_kv(Path(args.config))
     llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=args.tp, max_model_len=8192,
               max_num_seqs=64, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               prefill_cuda_graphs=args.prefill_cuda_graphs)
@@ -87,7 +88,9 @@ def main():
         for batch in args.batches:
             runs = [decode_ms_per_step(llm, ctx, batch) for _ in range(args.repeats)]
             ms = statistics.median(runs)
-            floor = decode_floor_ms(weight_bytes, kv_per_token // args.tp * args.tp, ctx, batch)
+            # A mixture of experts reads more of its experts the more rows a step has.
+            floor = decode_floor_ms(step_weight_bytes(Path(args.config), batch), kv_per_token // args.tp * args.tp,
+                                    ctx, batch)
             result["decode"][f"{ctx}x{batch}"] = {"context": ctx, "batch": batch, "ms_per_step": ms, "runs": runs,
                                                   "floor_ms": floor}
             vs1 = ms / result["decode"][f"{ctx}x1"]["ms_per_step"] if f"{ctx}x1" in result["decode"] else None

@@ -12,7 +12,7 @@ import time
 
 from benchmarks.common import CONFIGS, print_table, write_json
 from engine import EngineThread, SamplingParams
-from engine.engine_thread import CHAT_PREFILL_CHUNK
+from engine.options import CHAT_PREFILL_CHUNK
 
 
 def percentile(values, q):

@@ -8,6 +8,7 @@ import torch
 
 from benchmarks.common import (
     CONFIGS,
+    active_params,
     model_bytes_and_kv,
     nano_vllm_workload,
     print_table,
@@ -79,8 +80,8 @@ def main():
     args = p.parse_args()
 
     prompts, max_tokens = nano_vllm_workload(args.num_seqs)
-    params, weight_bytes, kv_per_token = model_bytes_and_kv(Path(args.config))
-    roofline = throughput_roofline(prompts, max_tokens, weight_bytes, kv_per_token, params)
+    _, weight_bytes, kv_per_token = model_bytes_and_kv(Path(args.config))
+    roofline = throughput_roofline(prompts, max_tokens, weight_bytes, kv_per_token, active_params(Path(args.config)))
     results = [run_nvchat(args, prompts, max_tokens)]
     if args.compare == "hf":
         n = args.hf_num_seqs or len(prompts)

@@ -45,7 +45,7 @@ from benchmarks.thread_sampler import sample_current_thread
 from engine import EngineThread, RequestStream
 from engine.checkpoints.demo_model import ensure_demo_model
 from engine.core.block_manager import FREE, USED
-from engine.engine_thread import EngineSnapshot
+from engine.backend import BackendCapabilities, EngineSnapshot
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
 
 
@@ -89,9 +89,13 @@ def throughput(streams: list[RequestStream]) -> dict:
 
 
 class ReplayEngine:
-    """Stands in for EngineThread (submit, stats, shutdown): each request gets the next recorded
-    reply, one token per step, steps rate times a second. Its thread sleeps between steps, as the
-    engine thread waits on the GPU, and needs the GIL only briefly to hand tokens over."""
+    """Stands in for EngineThread as the app's Backend: each request gets the next recorded reply,
+    one token per step, steps rate times a second. Its thread sleeps between steps, as the engine
+    thread waits on the GPU, and needs the GIL only briefly to hand tokens over."""
+
+    # No tokenizer: conversations send their messages whole, as to a remote server.
+    capabilities = BackendCapabilities(model_name=None, context_length=None, tokenizes=False, block_stats=True)
+    fatal_error = None
 
     def __init__(self, replies: list[list[str]], rate: float, template: EngineSnapshot) -> None:
         self.replies, self.step_s, self.template = replies, 1 / rate, template
@@ -155,6 +159,9 @@ class ReplayEngine:
                                    kv_bytes_used=t.kv_bytes_total * at // max(1, t.num_blocks),
                                    block_states=bytes(states), block_holders=holders, taken_at=time.perf_counter())
 
+    def tokenize_chat(self, messages, enable_thinking=None) -> list[int]:
+        raise RuntimeError("a replay has no tokenizer")
+
     def stats(self) -> EngineSnapshot:
         return self._snapshot
 
@@ -187,7 +194,7 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
                       fixed_rate: bool = False) -> dict:
     # start-up: Textual loads only for the runs that draw
     from nvchat.app import NvchatApp
-    from nvchat.app.messages import PromptSubmitted
+    from nvchat.app.events import PromptSubmitted
 
     class RecordingApp(NvchatApp):
         """Keeps each reply's stream for the numbers. Textual also runs NvchatApp's own handler."""
@@ -197,7 +204,7 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
         MIN_DRAW_HZ = pump_hz if fixed_rate else getattr(NvchatApp, "MIN_DRAW_HZ", None)
         streams: list[RequestStream] = []
 
-        def on_reply_started(self, event) -> None:
+        def on_chat_pane_reply_started(self, event) -> None:
             self.streams.append(event.pane.stream)
 
     app = RecordingApp(settings, engine=engine)
@@ -209,8 +216,8 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
         if kv_panel:
             await app.run_action("toggle_kv_panel")
         await pilot.pause(0.2)
-        panes = list(app._panes)
-        app.frame_stats.reset()
+        panes = list(app.tabs.panes)
+        app.pump.frame_stats.reset()
         with sample_current_thread() if profile else contextlib.nullcontext() as sampler, \
                 _cprofiled(cprofile) as profiler:
             cpu_start, wall_start = time.thread_time(), time.perf_counter()
@@ -228,10 +235,10 @@ async def run_with_ui(engine: EngineThread, settings: Settings, tabs: int, kv_pa
         if sampler is not None:
             print(f"--- UI thread profile, switch interval {switch_interval * 1000:g} ms, pump {pump_hz} Hz ---")
             print(sampler.report())
-        intervals, durations = list(app.frame_stats.intervals), list(app.frame_stats.durations)
-    pct = app.frame_stats.percentile
+        intervals, durations = list(app.pump.frame_stats.intervals), list(app.pump.frame_stats.durations)
+    pct = app.pump.frame_stats.percentile
     # An app from before the pump paced its draws drew the visible reply on every tick.
-    draws = getattr(app.frame_stats, "draws", len(durations))
+    draws = getattr(app.pump.frame_stats, "draws", len(durations))
     return {**throughput(app.streams), "frames": len(durations), "draws": draws,
             "ui_thread_cpu_s": ui_cpu_s,
             "ui_thread_cpu_share": ui_cpu_s / wall_s, "ui_cpu_ms_per_tick": 1000 * ui_cpu_s / max(1, len(durations)),
@@ -299,10 +306,10 @@ def main() -> None:
     settings = BenchSettings(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                              max_num_seqs=max(16, args.tabs), max_tokens=args.max_tokens, temperature=0.8,
                              system_prompt=DEFAULT_SYSTEM_PROMPT)
-    kwargs = settings.engine_kwargs()
+    model, options = settings.engine_model(), settings.engine_options().keywords()
     if args.shape:
-        kwargs.update(model=str(shaped_demo_model(args.shape, scratch)), load_format="random")
-    engine = EngineThread(kwargs.pop("model"), **kwargs).start()
+        model, options["load_format"] = str(shaped_demo_model(args.shape, scratch)), "random"
+    engine = EngineThread(model, **options).start()
     cols, rows = (int(x) for x in args.size.split("x"))
     kv_panel = not args.no_kv_panel
     runs = []

@@ -35,20 +35,65 @@ def nano_vllm_workload(num_seqs: int = 256, seed: int = 0):
     return prompts, max_tokens
 
 
-def model_bytes_and_kv(config_dir: Path, dtype_bytes: int = 2) -> tuple[int, int, int]:
-    """(parameter count, weight bytes, KV bytes per token) of a config, counted from its shapes."""
+def _parameter_groups(config_dir: Path) -> dict:
+    """A config's parameters by what reads them: "projections" (attention and dense MLPs, every
+    layer), "experts" (all of them) and "expert" (one expert of one layer) with the count of
+    "sparse_layers" and "top_k", and "other" (embeddings, head, norms, routers); "fp8": whether the
+    projections and experts are block-FP8 (quantization_config)."""
     c = json.loads((config_dir / "config.json").read_text())
-    h, inter, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     d = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h + 2 * d
-    params = layers * per_layer + vocab * h * (1 if c.get("tie_word_embeddings") else 2) + h
-    return params, params * dtype_bytes, 2 * layers * kv * dtype_bytes
+    experts = c.get("num_experts") or 0
+    dense_only = set(c.get("mlp_only_layers") or [])
+    step = c.get("decoder_sparse_step") or 1
+    sparse = sum(1 for i in range(layers) if experts and i not in dense_only and (i + 1) % step == 0)
+    expert = 3 * h * c.get("moe_intermediate_size", 0)
+    projections = layers * (h * (q + 2 * kv) + q * h) + (layers - sparse) * 3 * h * c["intermediate_size"]
+    other = vocab * h * (1 if c.get("tie_word_embeddings") else 2) + h + layers * (2 * h + 2 * d) + sparse * experts * h
+    fp8 = (c.get("quantization_config") or {}).get("quant_method") == "fp8"
+    return dict(projections=projections, experts=sparse * experts * expert, expert=expert, sparse_layers=sparse,
+                num_experts=experts, top_k=c.get("num_experts_per_tok", 0), other=other, fp8=fp8,
+                kv_per_token_elems=2 * layers * kv)
+
+
+def _weight_bytes(g: dict, matrix_params: float, dtype_bytes: int) -> float:
+    # FP8: a byte a weight and a float32 scale per 128x128 block.
+    per_param = (1 + 4 / 128 ** 2) if g["fp8"] else dtype_bytes
+    return matrix_params * per_param + g["other"] * dtype_bytes
+
+
+def model_bytes_and_kv(config_dir: Path, dtype_bytes: int = 2) -> tuple[int, int, int]:
+    """(parameter count, weight bytes, KV bytes per token) of a config, counted from its shapes:
+    every parameter, experts included; FP8 projections and experts at a byte each."""
+    g = _parameter_groups(config_dir)
+    params = g["projections"] + g["experts"] + g["other"]
+    return params, int(_weight_bytes(g, g["projections"] + g["experts"], dtype_bytes)), \
+        g["kv_per_token_elems"] * dtype_bytes
+
+
+def active_params(config_dir: Path) -> int:
+    """Parameters one token runs through: a mixture of experts' chosen experts only."""
+    g = _parameter_groups(config_dir)
+    return g["projections"] + g["sparse_layers"] * g["top_k"] * g["expert"] + g["other"]
+
+
+def step_weight_bytes(config_dir: Path, batch: int, dtype_bytes: int = 2) -> int:
+    """Weight bytes a decode step of `batch` rows reads: all of a dense model's; of a mixture of
+    experts, the experts its rows choose, E * (1 - (1 - k/E)**batch) a layer if the router picks
+    uniformly (Qwen3-30B-A3B: 8 of 128 at batch 1, ~60 at 8)."""
+    g = _parameter_groups(config_dir)
+    experts = 0.0
+    if g["num_experts"]:
+        chosen = g["num_experts"] * (1 - (1 - g["top_k"] / g["num_experts"]) ** batch)
+        experts = g["sparse_layers"] * chosen * g["expert"]
+    return int(_weight_bytes(g, g["projections"] + experts, dtype_bytes))
 
 
 def throughput_roofline(prompts, max_tokens, weight_bytes: int, kv_per_token: int, params: int) -> float:
     """Output tok/s if every decode step read all weights once plus each active sequence's KV at
-    the copy bandwidth, and prefill ran at the GEMM rate."""
+    the copy bandwidth, and prefill ran at the GEMM rate. params: those a token runs through
+    (active_params: a mixture of experts' chosen experts)."""
     steps = max(max_tokens)
     kv_bytes = sum(kv_per_token * sum(len(p) + t for t in range(n)) for p, n in zip(prompts, max_tokens))
     decode_s = (steps * weight_bytes + kv_bytes) / COPY_BANDWIDTH

@@ -1,3 +1,4 @@
+"""EngineConfig: the engine's options (engine/options.py) resolved against the machine and the checkpoint."""
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -5,13 +6,14 @@ import torch
 
 from engine.checkpoints.errors import ModelError
 from engine.checkpoints.gguf import open_gguf
+from engine.checkpoints.quantization import fp8_block
 from engine.checkpoints.resolve import (
     architecture_of,
     check_checkpoint,
     resolve_model_path,
 )
 from engine.layers.attention_backends import default_backend
-from engine.layers.quantized import QUANTIZATIONS
+from engine.options import EngineOptions
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
@@ -26,6 +28,11 @@ def parse_dtype(dtype) -> torch.dtype:
     raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
 
 
+def _has_fp8(device: torch.device) -> bool:
+    """Whether `device` multiplies FP8: Triton's e4m3 type needs compute capability 8.9 or more."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _parse_device(device) -> torch.device:
     if not device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,52 +45,36 @@ def _parse_device(device) -> torch.device:
     return parsed
 
 
-@dataclass
-class EngineConfig:
-    """Every engine setting, resolved and checked once: the path, device, dtype and sizes."""
+@dataclass(kw_only=True)
+class EngineConfig(EngineOptions):
+    """The engine's options resolved and checked once, against the machine and the checkpoint: the
+    model's path and config, and every option with None ("decide for me") decided."""
 
     model_path: Path
     hf_config: object
     architecture: type
+    # Resolved from the options of the same name: parsed, and never None.
     device: torch.device
     dtype: torch.dtype
-    tensor_parallel_size: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int
-    num_kvcache_blocks: int | None
-    gpu_memory_utilization: float
-    enforce_eager: bool
+    kvcache_block_size: int
     attention_backend: str
-    # Prompt tokens one step may prefill while other sequences decode; keeps their tokens flowing.
-    max_prefill_chunk: int | None = None
-    # "safetensors" (a GGUF file's weights too), or "random" for benchmarks in real model shapes
-    # without weights on disk.
-    load_format: str = "safetensors"
-    # CUDA graphs for small prefill and mixed steps too, not only decode: a chat turn after a cached
-    # prefix, or a prompt chunk mixed into decoding streams, is otherwise bound by launch cost.
-    # On by default, except with flash-attn (see create).
-    prefill_cuda_graphs: bool = True
-    # "int8" or "int4": weight-only quantized projections and LM head on CPU
-    # (engine/layers/quantized.py); None: the weights in `dtype`, as HF computes them. create()
-    # also takes "none", and "auto": int4 on one CPU rank for a GGUF file whose layers are
-    # stored in 4 bits or fewer (~2.5x the decode rate of float32 weights), else none.
-    quantization: str | None = None
+    prefill_cuda_graphs: bool
+    # quantization stays an option's value, "auto" and "none" decided: "int8" or "int4" (CPU,
+    # engine/layers/quantized.py), "fp8" (block-wise FP8 on CUDA, engine/layers/fp8.py: a block-FP8
+    # checkpoint's own, kept by default on a GPU that has FP8, or quantized at load time), or None:
+    # the weights in `dtype`, as HF computes them (a block-FP8 checkpoint dequantized).
+
+    def __post_init__(self):
+        pass  # built by create() from options already checked; the resolved ones have other types
 
     @classmethod
-    def create(cls, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
-               max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
-               gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-               load_format="safetensors", prefill_cuda_graphs=None, quantization=None, progress=None):
+    def create(cls, model, options: EngineOptions, progress=None) -> "EngineConfig":
         from transformers import (
             AutoConfig,  # start-up: ~2 s, and a GGUF file does without it
         )
 
-        if load_format not in ("safetensors", "random"):
-            raise ValueError(f"load_format must be 'safetensors' or 'random', got {load_format!r}")
         # Before the model: a bad device must not wait for a download.
-        device = _parse_device(device)
+        device = _parse_device(options.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' asked for, but no CUDA device is available")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
@@ -93,66 +84,59 @@ class EngineConfig:
         if path.is_file():  # a GGUF file (resolve_model_path refuses other files)
             gguf = open_gguf(path)
             raw, hf_config, architecture = {}, gguf.hf_config, gguf.architecture
+            checkpoint_fp8 = False
         else:
-            raw = check_checkpoint(path, need_weights=load_format == "safetensors")
+            raw = check_checkpoint(path, need_weights=options.load_format == "safetensors")
+            checkpoint_fp8 = fp8_block(raw.get("quantization_config"), str(path / "config.json")) is not None
             architecture = architecture_of(raw)
             try:
                 hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
             except Exception as e:
                 raise ModelError(f"can't read {path / 'config.json'}: {e}") from None
 
-        if quantization == "auto":
+        tp = options.tensor_parallel_size
+        quantization = options.quantization
+        if quantization in (None, "auto") and checkpoint_fp8 and _has_fp8(device):
+            quantization = "fp8"
+        elif quantization == "auto":
             four_bit_file = gguf is not None and gguf.projections_at_four_bits
-            quantization = "int4" if device.type == "cpu" and tensor_parallel_size == 1 and four_bit_file else None
+            quantization = "int4" if device.type == "cpu" and tp == 1 and four_bit_file else None
         elif quantization == "none":
             quantization = None
-        if quantization is not None:
-            if quantization not in QUANTIZATIONS:
-                raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)}, auto or none")
-            if device.type != "cpu":
-                raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's quantized weight kernels); "
-                                 f"on {device.type} leave it unset")
+        if quantization == "fp8":
+            if not _has_fp8(device):
+                raise ValueError("quantization='fp8' needs a CUDA GPU with FP8 (compute capability 8.9 or more: "
+                                 "Ada, Hopper, Blackwell); elsewhere leave it unset (an FP8 checkpoint then loads "
+                                 "dequantized)")
+        elif quantization is not None and device.type != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's quantized weight kernels); "
+                             f"on {device.type} leave it unset or use fp8")
+        prefill_cuda_graphs = options.prefill_cuda_graphs
+        torch_on_cuda = options.attention_backend == "torch" and device.type == "cuda"
         if prefill_cuda_graphs is None:
-            prefill_cuda_graphs = attention_backend != "flash_attn"
-        if prefill_cuda_graphs and attention_backend == "flash_attn":
-            raise ValueError("prefill_cuda_graphs needs attention_backend='triton': flash-attn's varlen call "
-                             "reads the longest context on the host, which a CUDA graph can't capture")
+            # The torch backend's prefill reads context lengths on the host (on CPU nothing is captured).
+            prefill_cuda_graphs = options.attention_backend != "flash_attn" and not torch_on_cuda
+        if prefill_cuda_graphs and torch_on_cuda:
+            raise ValueError("prefill_cuda_graphs needs attention_backend='triton': the torch backend's prefill "
+                             "reads each sequence's context length on the host, which a CUDA graph can't capture")
+        dtype = options.dtype
         if dtype is None:
             ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
             dtype = parse_dtype(ckpt_dtype) if device.type == "cuda" else torch.float32
         dtype = parse_dtype(dtype)
 
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
-        if hf_config.num_attention_heads % tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide the model's "
+        if hf_config.num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
                              f"{hf_config.num_attention_heads} attention heads")
-        for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        max_model_len = min(max_model_len, getattr(hf_config, "max_position_embeddings", max_model_len))
+        max_model_len = min(options.max_model_len, getattr(hf_config, "max_position_embeddings", options.max_model_len))
+        backend = options.attention_backend or default_backend(device.type)
+        block_size = options.kvcache_block_size or (256 if backend == "flash_attn" else 16)
 
-        backend = attention_backend or default_backend(device.type)
-        if kvcache_block_size is None:
-            kvcache_block_size = 256 if backend == "flash_attn" else 16
-        if not isinstance(kvcache_block_size, int) or kvcache_block_size < 1:
-            raise ValueError(f"kvcache_block_size must be a positive integer, got {kvcache_block_size!r}")
-        if num_kvcache_blocks is not None and (not isinstance(num_kvcache_blocks, int) or num_kvcache_blocks < 1):
-            raise ValueError(f"num_kvcache_blocks must be a positive integer, got {num_kvcache_blocks!r}")
-        if max_prefill_chunk is not None and max_prefill_chunk < 1:
-            raise ValueError(f"max_prefill_chunk must be a positive integer, got {max_prefill_chunk!r}")
-
-        return cls(model_path=path, hf_config=hf_config, architecture=architecture, device=device,
-                   dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
-                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                   block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
-                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                   attention_backend=backend, max_prefill_chunk=max_prefill_chunk,
-                   load_format=load_format, prefill_cuda_graphs=bool(prefill_cuda_graphs),
-                   quantization=quantization)
+        resolved = dict(device=device, dtype=dtype, max_model_len=max_model_len, kvcache_block_size=block_size,
+                        attention_backend=backend, prefill_cuda_graphs=bool(prefill_cuda_graphs),
+                        quantization=quantization)
+        return cls(**{**options.keywords(), **resolved}, model_path=path, hf_config=hf_config,
+                   architecture=architecture)
 
     @property
     def kv_bytes_per_token(self) -> int:

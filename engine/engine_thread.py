@@ -1,4 +1,5 @@
-"""EngineThread: the engine on a background thread, fed by any number of caller threads.
+"""EngineThread: the engine on a background thread, fed by any number of caller threads; a Backend
+(engine/backend.py).
 
 Callers submit() requests and get RequestStreams back at once; the thread owns the LLM, applies
 submissions and aborts between steps, and steps whenever work is pending. It also publishes a
@@ -9,49 +10,17 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from engine.backend import BackendCapabilities, EngineSnapshot
 from engine.core.sampling_params import SamplingParams
 from engine.llm import LLM
+from engine.options import CHAT_PREFILL_CHUNK
 from engine.request_stream import RequestStream
 
 _RATE_WINDOW_S = 2.0
 _SNAPSHOT_EVERY_S = 0.05
-# A chat engine serves streams that someone is reading, so a long prompt is prefilled in chunks of
-# this many tokens (decode tokens included) between their tokens. On an H200 (0.6B shape, 8
-# streams, an 8192-token prompt) chunks of 64 kept the streams' p99 inter-token latency at 1.9x
-# their p50 before the prompt, against 2.2x with 128, for a prefill of about 0.3 s instead of 0.2.
-CHAT_PREFILL_CHUNK = 64
-
-
-@dataclass
-class EngineSnapshot:
-    num_blocks: int
-    block_size: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    prefix_hit_tokens: int
-    prompt_tokens: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    kv_bytes_total: int
-    kv_bytes_used: int
-    block_states: bytes  # one byte per block, codes as in engine.core.block_manager
-    block_holders: dict[int, list[int]]  # request id -> block ids it holds
-    taken_at: float
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @contextlib.contextmanager
@@ -65,14 +34,17 @@ def _template_errors_as_value_errors():
 
 
 class EngineThread:
-    def __init__(self, llm_or_model, **llm_kwargs):
+    def __init__(self, llm_or_model, *, progress=None, **options):
+        """llm_or_model: an LLM to run (and leave running), or the model to build one from, with
+        EngineOptions' fields as keywords (engine/options.py); max_prefill_chunk defaults to
+        CHAT_PREFILL_CHUNK here. progress: as LLM's."""
         if isinstance(llm_or_model, LLM):
-            if llm_kwargs:
+            if options or progress is not None:
                 raise ValueError("pass either an LLM or the arguments to build one, not both")
             self.llm, self._owns_llm = llm_or_model, False
         else:
-            llm_kwargs.setdefault("max_prefill_chunk", CHAT_PREFILL_CHUNK)
-            self.llm, self._owns_llm = LLM(llm_or_model, **llm_kwargs), True
+            options.setdefault("max_prefill_chunk", CHAT_PREFILL_CHUNK)
+            self.llm, self._owns_llm = LLM(llm_or_model, progress=progress, **options), True
         self._cv = threading.Condition()
         self._inbox: deque = deque()
         self._live: dict[int, tuple] = {}  # request id -> (sequence, stream); engine thread only
@@ -105,7 +77,8 @@ class EngineThread:
         self._live.clear()
         for cmd in self._inbox:
             if cmd[0] == "submit":
-                cmd[2]._finish("abort")
+                for stream in cmd[2]:
+                    stream._finish("abort")
         self._inbox.clear()
         if self._owns_llm:
             self.llm.shutdown()
@@ -117,31 +90,41 @@ class EngineThread:
         self.shutdown()
 
     @property
-    def tokenizer(self):
-        return self.llm.tokenizer
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(model_name=None, context_length=self.llm.config.max_model_len,
+                                   tokenizes=self.llm.tokenizer is not None, block_stats=True,
+                                   recommended_sampling=self.llm.recommended_sampling)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.llm.config.max_model_len
-
-    def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+        """Chat messages as prompt token ids through the chat template, not checked against the
+        context (submit() checks them). Runs on the caller's thread."""
         with _template_errors_as_value_errors():
-            return self.llm.count_chat_tokens(messages, enable_thinking)
+            return self.llm.tokenize_chat(messages, enable_thinking)
 
     # --- caller side ---------------------------------------------------------------------------------
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
                tag=None) -> RequestStream:
         """Queues a request and returns its stream at once. prompt: text, token ids, or chat messages
-        ({"role", "content"} dicts, rendered with the chat template). Bad input raises ValueError."""
+        ({"role", "content"} dicts, rendered with the chat template). Bad input raises ValueError.
+        One sample only: submit_n() takes n > 1."""
+        if sampling_params is not None and sampling_params.n > 1:
+            raise ValueError(f"submit() streams one sample; use submit_n() for n={sampling_params.n}")
+        return self.submit_n(prompt, sampling_params, enable_thinking=enable_thinking, tag=tag)[0]
+
+    def submit_n(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
+                 tag=None) -> list[RequestStream]:
+        """submit() for sampling_params.n samples of one prompt, prefilled once: a stream per sample,
+        in order (stream.sample_index), each ended or aborted on its own."""
         self._check_open()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             with _template_errors_as_value_errors():
                 prompt = self.llm.encode_chat(prompt, enable_thinking)
         seq = self.llm.make_sequence(prompt, sampling_params, stream=True)
-        stream = RequestStream(seq.seq_id, seq.num_prompt_tokens, self._request_abort, tag)
-        self._post(("submit", seq, stream))
-        return stream
+        streams = [RequestStream(s.seq_id, s.num_prompt_tokens, self._request_abort, tag, s.sample_index)
+                   for s in (seq, *seq.forks)]
+        self._post(("submit", [seq, *seq.forks], streams))
+        return streams
 
     def _check_open(self) -> None:
         if self.fatal_error:
@@ -180,7 +163,7 @@ class EngineThread:
         except BaseException as e:  # a bug outside llm.step(): no stream may wait forever on a dead thread
             with self._cv:
                 self.fatal_error = f"engine thread crashed: {type(e).__name__}: {e}"
-                pending = [cmd[2] for cmd in self._inbox if cmd[0] == "submit"]
+                pending = [stream for cmd in self._inbox if cmd[0] == "submit" for stream in cmd[2]]
                 self._inbox.clear()
             for stream in pending + [stream for _, stream in self._live.values()]:
                 stream._finish("error", self.fatal_error)
@@ -218,7 +201,7 @@ class EngineThread:
                 stream = entry[1]
                 if not stream.token_ids:
                     stream.num_cached_tokens = out.seq.num_cached_tokens
-                stream._push(out.new_text, out.new_token_ids)
+                stream._push(out.new_text, out.new_token_ids, out.logprobs)
                 if out.finished:
                     del self._live[out.seq.seq_id]
                     stream._finish(out.seq.finish_reason)
@@ -226,9 +209,10 @@ class EngineThread:
 
     def _apply(self, command) -> None:
         if command[0] == "submit":
-            _, seq, stream = command
-            self.llm.enqueue(seq)
-            self._live[seq.seq_id] = (seq, stream)
+            _, seqs, streams = command
+            self.llm.enqueue(seqs[0])  # the others are its forks
+            for seq, stream in zip(seqs, streams):
+                self._live[seq.seq_id] = (seq, stream)
         else:
             stream = command[1]
             entry = self._live.pop(stream.request_id, None)

@@ -15,18 +15,27 @@ free list, where any later user of them is queued behind step N+1 on the same st
 writes the K/V of the sequence's last token, whose block is never a committed (cached) one: a
 block is committed only once all its tokens are known, by the schedule of the step that computes
 it (a prompt's blocks) or when its last token lands (a completion's).
+
+A row under structured output needs its grammar's state after the token it runs on, which is still
+being sampled when its step is launched. So a step with such rows is launched without its sampling
+(the forward pass and the logits are queued), the step before is settled (each grammar takes its
+token), and then the masks are computed and the sampling queued, while the GPU runs the forward
+pass: constrained and unconstrained rows alike keep the overlap.
 """
 import atexit
+import dataclasses
 import gc
 import threading
 from dataclasses import dataclass
 
+from engine.checkpoints.generation_defaults import recommended_sampling
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import PENDING_TOKEN, Sequence
+from engine.core.sequence import PENDING_TOKEN, Sequence, TokenLogprobs
 from engine.core.step_plan import plan_step
+from engine.options import EngineOptions
 from engine.runner.model_runner import ModelRunner, SampledTokens
 from engine.runner.tp_runner import TensorParallelRunner
 from engine.text.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
@@ -65,6 +74,8 @@ class StepOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
+    # With SamplingParams.logprobs: one TokenLogprobs per new token.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -72,42 +83,41 @@ class _Launched:
     """A step queued on the device whose tokens are not yet settled."""
 
     # Per sequence run: (sequence, its computed tokens once the step has run, its preemption count
-    # at launch, whether the step samples its next token). A sampled token goes at index = count.
-    entries: list[tuple[Sequence, int, int, bool]]
+    # at launch, the sequences whose next token the step samples: none, itself, or with a prompt's
+    # forks those too, each a row of tokens in turn). A sampled token goes at index = count.
+    entries: list[tuple[Sequence, int, int, list[Sequence]]]
     rows: dict[Sequence, int]  # sampled sequences -> their row in tokens
-    tokens: SampledTokens
+    tokens: SampledTokens | None  # None until a deferred step is sampled (LLM._sample_deferred)
+    constrained: list[tuple[int, Sequence]]  # rows under structured output, with their sequences
 
 
 class LLM:
-    def __init__(self, model, *, device=None, dtype=None, tensor_parallel_size=1, max_model_len=4096,
-                 max_num_seqs=512, max_num_batched_tokens=16384, kvcache_block_size=None, num_kvcache_blocks=None,
-                 gpu_memory_utilization=0.9, enforce_eager=False, attention_backend=None, max_prefill_chunk=None,
-                 load_format="safetensors", prefill_cuda_graphs=None, quantization=None, async_scheduling=None,
-                 progress=None):
-        """progress: optional callable taking one string, told each start-up stage (for a UI).
-        async_scheduling: overlap each step's host work with the GPU (see the module docstring); on
-        by default. It can be turned off (set the attribute) between steps."""
+    def __init__(self, model, *, progress=None, **options):
+        """model: a checkpoint directory, a GGUF file or a Hub repo id. options: EngineOptions'
+        fields (engine/options.py) as keywords; an unknown one is a TypeError naming the valid ones.
+        progress: optional callable taking one string, told each start-up stage (for a UI).
+        async_scheduling can be turned off between steps by setting the attribute."""
+        self.options = EngineOptions.from_keywords("LLM", options)  # as given; self.config holds them resolved
         self._progress = progress or (lambda message: None)
         self._progress("reading the model config")
-        self.config = EngineConfig.create(
-            model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            attention_backend=attention_backend, max_prefill_chunk=max_prefill_chunk, load_format=load_format,
-            prefill_cuda_graphs=prefill_cuda_graphs, quantization=quantization, progress=self._progress)
+        self.config = EngineConfig.create(model, self.options, progress=self._progress)
         self._progress("loading the tokenizer")
         self.tokenizer = load_tokenizer(self.config.model_path)
         self._tokenizer_lock = threading.Lock()
         self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
         self._byte_run_ids = byte_run_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
+        self._eos_tuple = tuple(sorted(self.eos_ids))
+        # What the checkpoint recommends for sampling ({SamplingParams field: value}); not applied
+        # here: front ends offer it as their defaults.
+        self.recommended_sampling = recommended_sampling(self.config.model_path)
+        self._grammars = None  # GrammarCompiler, made by the first request with structured output
         self.runner = self._make_runner()
-        self.block_size = self.config.block_size
+        self.block_size = self.config.kvcache_block_size
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.max_prefill_chunk)
-        self.async_scheduling = True if async_scheduling is None else async_scheduling
+        self.async_scheduling = self.config.async_scheduling
         self._inflight: _Launched | None = None
         self._closed = False
         self.last_step_tokens = (0, 0)  # (prefill, decode) tokens run by the last step launched
@@ -164,7 +174,9 @@ class LLM:
         with self._tokenizer_lock:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
-    def _chat_ids(self, messages: list[dict], enable_thinking: bool | None) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+        """Chat messages as prompt token ids, not yet checked against the model and cache limits
+        (encode() checks them): for fitting a conversation to max_model_len."""
         # The template writes the special tokens it wants (a Llama-2 or Mistral one starts with
         # <s>): the tokenizer's own BOS on top would make two, so none is added, as HF's
         # apply_chat_template(tokenize=True) does.
@@ -174,25 +186,63 @@ class LLM:
 
     def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
         """Chat messages as prompt token ids, checked as encode() checks them."""
-        return self.encode(self._chat_ids(messages, enable_thinking))
-
-    def count_chat_tokens(self, messages: list[dict], enable_thinking: bool | None = None) -> int:
-        """How many prompt tokens the chat messages make: for fitting a conversation to max_model_len."""
-        return len(self._chat_ids(messages, enable_thinking))
+        return self.encode(self.tokenize_chat(messages, enable_thinking))
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
         """A checked, tokenized request, not yet queued; safe to call from any thread. With
-        stream=True the sequence is detokenized step by step and step() reports its new text."""
+        stream=True the sequence is detokenized step by step and step() reports its new text.
+        With params.n > 1 it is the first of n samples and holds the others in its forks (each
+        reported as a sequence of its own: [seq, *seq.forks]). Structured output is compiled here,
+        on the caller's thread (the first time, after building the grammar library's view of the
+        tokenizer: see engine.text.structured_output)."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        seq = Sequence(self.encode(prompt), params, self.block_size, self.config.max_model_len)
-        if (stream or params.stop) and self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._tokenizer_lock,
-                                                     self._decode_text, self._byte_run_ids)
-        return seq
+        ids = self.encode(prompt)
+        self._check_params(params)
+        matchers = [None] * params.n
+        if params.structured_output is not None:
+            matchers = self.grammars().matchers(params.structured_output, params.n)
+        samples = []
+        for index, matcher in enumerate(matchers):
+            # Every sample but the first draws from its own seed (SamplingParams.sample_seed).
+            sample_params = params if index == 0 else dataclasses.replace(params, seed=params.sample_seed(index))
+            seq = Sequence(ids, sample_params, self.block_size, self.config.max_model_len)
+            seq.sample_index, seq.matcher = index, matcher
+            if (stream or params.stop) and self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._tokenizer_lock,
+                                                         self._decode_text, self._byte_run_ids, params.min_tokens)
+            samples.append(seq)
+        samples[0].forks = samples[1:]
+        return samples[0]
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: its values against this model and engine."""
+        vocab = self.config.hf_config.vocab_size
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= vocab]
+            if bad:
+                raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples cannot run at once with max_num_seqs={self.config.max_num_seqs}")
+        if params.structured_output is not None and self.tokenizer is None:
+            raise ValueError(f"model at {self.config.model_path} has no tokenizer: structured output needs one")
+
+    def grammars(self):
+        """The structured-output compiler for this model's tokenizer (engine.text.structured_output).
+        grammars().prepare() builds its tokenizer view ahead of the first constrained request."""
+        if self.tokenizer is None:
+            raise ValueError(f"model at {self.config.model_path} has no tokenizer: structured output needs one")
+        with self._tokenizer_lock:
+            if self._grammars is None:
+                from engine.text.structured_output import (
+                    GrammarCompiler,  # start-up: llguidance loads only for the first constrained request
+                )
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, self.eos_ids,
+                                                 self._tokenizer_lock)
+        return self._grammars
 
     def enqueue(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -224,6 +274,8 @@ class LLM:
             previous, self._inflight = self._inflight, launched
             if previous is not None:
                 outputs += self._settle(previous)
+            if launched is not None and launched.tokens is None:
+                self._sample_deferred(launched)
             if not self.async_scheduling and self._inflight is not None:
                 outputs += self._settle(self._take_inflight())
             for seq in cut_short:
@@ -244,46 +296,90 @@ class LLM:
         """Plans and queues a step, then moves its sequences on as though it had run: each sampled
         sequence gets a pending token, so the next step can be scheduled before this one ends."""
         previous = self._inflight
-        plan = plan_step(batch, self.block_size, previous.rows if previous is not None else None)
+        plan = plan_step(batch, self.block_size, previous.rows if previous is not None else None, self._eos_tuple)
         tokens = self.runner.execute(plan)
         self.blocks.launched()
         # Runs for every sequence of every step, on the host while the GPU works: keep it lean.
-        entries, rows = [], {}
-        decode = 0
+        entries, rows, constrained = [], {}, []
+        decode = num_rows = 0
         for seq, n in batch:
             if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 decode += 1
             seq.num_computed_tokens += n
             count = seq.num_computed_tokens
-            samples = count == len(seq.token_ids)  # a prompt chunk that does not reach the end samples nothing
-            if samples:
-                rows[seq] = len(rows)
+            # A prompt chunk that does not reach the end samples nothing; a prompt's last chunk
+            # samples its forks too.
+            sampled = seq.samples_at(count)
+            if sampled:
+                rows[seq] = num_rows
+                if plan.defer_sampling:
+                    constrained += [(num_rows + i, s) for i, s in enumerate(sampled) if s.matcher is not None]
+                num_rows += len(sampled)
                 seq.token_ids.append(PENDING_TOKEN)
-            entries.append((seq, count, seq.num_preemptions, samples))
+            entries.append((seq, count, seq.num_preemptions, sampled))
         self.last_step_tokens = (len(plan.input_ids) - decode, decode)
-        return _Launched(entries, rows, tokens)
+        return _Launched(entries, rows, tokens, constrained)
+
+    def _sample_deferred(self, launched: _Launched) -> None:
+        """Samples a launched step that has rows under structured output, with their masks: each
+        computed from its grammar's state once the step before has landed (step() settles it
+        first), so that state includes the token this step's row runs on. The GPU meanwhile runs
+        the step's forward pass. A sequence that the step before ended gets an open mask; its
+        token is dropped."""
+        matchers = [None if seq.is_finished else seq.matcher for _, seq in launched.constrained]
+        masks = self.grammars().masks(matchers)
+        launched.tokens = self.runner.sample_deferred(([row for row, _ in launched.constrained], masks))
 
     def _settle(self, launched: _Launched) -> list[StepOutput]:
         """Waits for a launched step's tokens and post-processes its sequences."""
-        tokens = iter(launched.tokens.tolist())
+        tokens = launched.tokens.tolist()
+        logprobs = launched.tokens.logprobs()
         commit = self.blocks.commit_full_blocks
         outputs = []
-        for seq, count, preemptions, samples in launched.entries:
-            token = next(tokens) if samples else None
+        row = 0
+        for seq, count, preemptions, sampled in launched.entries:
+            first, row = row, row + len(sampled)
             if seq.is_finished:
                 continue  # aborted, or ended by its token of the step before: this one is dropped
             if seq.num_preemptions == preemptions:  # else its blocks went back and it recomputes
                 commit(seq, count)
-            if token is None:
+            if not sampled:
                 continue
-            seq.token_ids[count] = token
-            text = seq.detokenizer.push([token]) if seq.detokenizer else ""
-            reason = self._finish_reason(seq, token, count + 1)
-            if reason:
-                self.scheduler.finish(seq, reason)
-                text += self.flush_text(seq)
-            outputs.append(StepOutput(seq, [token], text, reason is not None))
+            if len(sampled) > 1:  # forks first: seq's own token may end it, and end them with it
+                started = []
+                for i, fork in enumerate(sampled[1:], first + 1):
+                    if not fork.is_finished:
+                        fork.num_cached_tokens = seq.num_cached_tokens
+                        outputs.append(self._accept(fork, count, tokens[i], logprobs, i))
+                        if not fork.is_finished:
+                            started.append(fork)
+                self.scheduler.start_forks(seq, started)
+            outputs.append(self._accept(seq, count, tokens[first], logprobs, first))
         return outputs
+
+    def _accept(self, seq: Sequence, count: int, token: int, logprobs, row: int) -> StepOutput:
+        """Gives seq the token sampled after its first `count` tokens (its pending token, or a
+        fork's first), and ends it if that token does."""
+        if count < len(seq.token_ids):
+            seq.token_ids[count] = token
+        else:
+            seq.token_ids.append(token)
+        new_logprobs = None
+        if seq.logprobs is not None:
+            top = list(zip(logprobs[1][row][:seq.params.logprobs], logprobs[2][row][:seq.params.logprobs]))
+            new_logprobs = [TokenLogprobs(token, logprobs[0][row], top)]
+            seq.logprobs += new_logprobs
+        grammar_done = False
+        if seq.matcher is not None:
+            # A token outside the mask (only ever the end of the reply, let through by min_tokens'
+            # fallback) ends the grammar as well.
+            grammar_done = not seq.matcher.consume_token(token) or seq.matcher.is_stopped()
+        text = seq.detokenizer.push([token]) if seq.detokenizer else ""
+        reason = self._finish_reason(seq, token, count + 1) or ("stop" if grammar_done else None)
+        if reason:
+            self.scheduler.finish(seq, reason)
+            text += self.flush_text(seq)
+        return StepOutput(seq, [token], text, reason is not None, new_logprobs)
 
     def _fail_inflight(self) -> None:
         """After a failed step: a token still pending can no longer be trusted to arrive, so its
@@ -325,6 +421,9 @@ class LLM:
         return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[dict]:
+        """A dict per prompt: "text", "token_ids", "finish_reason" and "logprobs" (a TokenLogprobs
+        per token, or None unless asked for) of its first sample; with n > 1, "samples" lists all
+        n as such dicts (else None)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -332,8 +431,10 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         # Every prompt is checked before any is queued, so a bad one leaves nothing behind.
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for seq in seqs:
+        firsts = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        groups = [[first, *first.forks] for first in firsts]
+        seqs = [s for group in groups for s in group]
+        for seq in firsts:
             self.enqueue(seq)
         bar = None
         if use_tqdm:
@@ -351,8 +452,15 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [{"text": self.completion_text(s), "token_ids": s.completion_token_ids,
-                 "finish_reason": s.finish_reason} for s in seqs]
+        results = []
+        for group in groups:
+            samples = [self._result(s) for s in group]
+            results.append({**samples[0], "samples": samples if len(group) > 1 else None})
+        return results
+
+    def _result(self, seq: Sequence) -> dict:
+        return {"text": self.completion_text(seq), "token_ids": seq.completion_token_ids,
+                "finish_reason": seq.finish_reason, "logprobs": seq.logprobs}
 
     # --- introspection and lifetime --------------------------------------------------------------
 

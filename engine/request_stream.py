@@ -61,16 +61,20 @@ def _waker(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
 class Delta:
     text: str
     token_ids: list[int] = field(default_factory=list)
+    # With SamplingParams.logprobs: a TokenLogprobs (engine.core.sequence) per token, else None.
+    logprobs: list | None = None
 
 
 class RequestStream:
-    def __init__(self, request_id: int, num_prompt_tokens: int, abort_fn, tag=None):
+    def __init__(self, request_id: int, num_prompt_tokens: int, abort_fn, tag=None, sample_index: int = 0):
         self.request_id = request_id
         self.tag = tag
+        self.sample_index = sample_index  # which of its request's n samples (EngineThread.submit_n)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.text = ""
         self.token_ids: list[int] = []
+        self.logprobs: list | None = None  # every token's TokenLogprobs so far, when asked for
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.submitted_at = time.perf_counter()
@@ -89,16 +93,23 @@ class RequestStream:
             waker.set_soon(event)
         self._async_waiters.clear()
 
-    def _push(self, text: str, token_ids: list[int]) -> None:
+    def _push(self, text: str, token_ids: list[int], logprobs: list | None = None) -> None:
         with self._cond:
             if self.first_token_at is None and token_ids:
                 self.first_token_at = time.perf_counter()
             self.text += text
             self.token_ids += token_ids
-            if self._pending and not self._pending[-1].text and not text:
-                self._pending[-1].token_ids += token_ids
+            if logprobs is not None:
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs += logprobs
+            last = self._pending[-1] if self._pending else None
+            if last is not None and not last.text and not text and (last.logprobs is None) == (logprobs is None):
+                last.token_ids += token_ids
+                if logprobs is not None:
+                    last.logprobs += logprobs
             else:
-                self._pending.append(Delta(text, list(token_ids)))
+                self._pending.append(Delta(text, list(token_ids), None if logprobs is None else list(logprobs)))
             self._wake()
 
     def _finish(self, reason: str, error: str | None = None) -> None:
@@ -127,7 +138,8 @@ class RequestStream:
                 return None
             parts = list(self._pending)
             self._pending.clear()
-        return Delta("".join(p.text for p in parts), [t for p in parts for t in p.token_ids])
+        logprobs = [lp for p in parts for lp in p.logprobs or ()] if any(p.logprobs is not None for p in parts) else None
+        return Delta("".join(p.text for p in parts), [t for p in parts for t in p.token_ids], logprobs)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the request ends; True if it did."""

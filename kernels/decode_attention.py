@@ -18,14 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import launch_limits, pdl
 from kernels.norm_rope_store import check_norm_rope_inputs
 
 LOG2E = 1.4426950408889634
 # A split shorter than this spends more on its fixed cost (load q, write a partial) than it saves.
 MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
-# Partials the last split merges at a time; bounds its registers whatever num_splits is.
+# Partials the last split merges at a time (at most); bounds its registers whatever num_splits is.
 MERGE_TILE = 16
 
 
@@ -352,7 +352,7 @@ def _sm_count(device_index: int) -> int:
 def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
     """Enough splits to give every SM about four programs, but none shorter than MIN_SPLIT_TOKENS
     of the table's capacity. Static in shapes, so a captured graph keeps its grid. Four, not two:
-    in bench_latency (H200, RESULTS.md eleventh session) batches 2, 4 and 8 at 4096 context took
+    in bench_latency (H200) batches 2, 4 and 8 at 4096 context took
     1.22, 1.45 and 2.00 ms per step against 1.27, 1.60 and 2.12 with two, and batch 8 at 512 took
     1.235 against 1.19: the grid is fixed by the table's capacity, not the context, so one count
     serves both, and the long contexts a conversation grows into gain more."""
@@ -371,15 +371,36 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(max(4096, 4 * sms), dtype=torch.int32, device=device)
 
 
-def _config(dtype: torch.dtype, head_dim: int, on_gpu: bool):
-    """(BLOCK_N, num_warps, num_stages). From `benchmarks/bench_kernels.py --sweep` on an H200
-    (bf16, head_dim 128): within 10% of the best of 27 configs at batch 1 (ctx 512, 4096) and
-    batch 256 (ctx ~600), where the split count mattered far more."""
-    if not on_gpu:
-        return 32, 1, 1
-    if dtype == torch.float32:
-        return 32, 4, 2
-    return 64, 4, 2
+def shared_memory(config: tuple[int, int, int, int], group: int, head_dim: int, itemsize: int) -> int:
+    """An upper estimate of a launch's shared memory in bytes (kernels/launch_limits.py says how it
+    counts): per stage of the attention loop a K and a V tile, q and the probabilities on their
+    way into the dots, and per stage of the last split's merge a tile of fp32 partial outputs."""
+    block_n, _, num_stages, split_tile = config
+    block_d = triton.next_power_of_2(head_dim)
+    group_pad = max(16, triton.next_power_of_2(group))
+    attend = (num_stages * 2 * block_n * block_d + group_pad * (block_d + block_n)) * itemsize
+    merge = num_stages * triton.next_power_of_2(group) * split_tile * (block_d + 1) * 4
+    return attend + merge
+
+
+@functools.cache  # every launch asks: the search stays off the decode step's host path
+def launch_config(dtype: torch.dtype, head_dim: int, group: int, limits: launch_limits.DeviceLimits | None
+                  ) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, merge tile). The tuned configuration from
+    `benchmarks/bench_kernels.py --sweep` on an H200 (bf16, head_dim 128): within 10% of the best
+    of 27 configs at batch 1 (ctx 512, 4096) and batch 256 (ctx ~600), where the split count
+    mattered far more. With `limits` (a GPU's), the first of it and its fallbacks (a narrower
+    merge tile, fewer stages, then narrower K/V tiles) whose shared memory fits them; None (Triton's
+    CPU interpreter) gives small tiles, which it runs faster."""
+    if limits is None:
+        return 32, 1, 1, MERGE_TILE
+    block_n, num_warps, num_stages = (32, 4, 2) if dtype == torch.float32 else (64, 4, 2)
+    candidates = ((n, num_warps, stages, tile) for n in launch_limits.halvings(block_n, 16)
+                  for stages in launch_limits.stages_down(num_stages)
+                  for tile in launch_limits.halvings(MERGE_TILE, 2))
+    return launch_limits.first_fit(f"decode attention (head_dim {head_dim}, group {group}, {dtype})", candidates,
+                                   lambda c: shared_memory(c, group, head_dim, dtype.itemsize), lambda c: c[1],
+                                   limits)
 
 
 def _launch_args(batch, num_heads, kv_heads, head_dim, block_size, block_tables, dtype, device, num_splits,
@@ -387,8 +408,8 @@ def _launch_args(batch, num_heads, kv_heads, head_dim, block_size, block_tables,
     """(num_splits, partial buffers, counters, constexprs and launch options) shared by both entry points."""
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, device)
-    cfg_n, cfg_warps, cfg_stages = _config(dtype, head_dim, device.type == "cuda")
     group = num_heads // kv_heads
+    cfg_n, cfg_warps, cfg_stages, merge_tile = launch_config(dtype, head_dim, group, launch_limits.device_limits(device))
     if num_splits > 1:
         part_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
@@ -403,7 +424,7 @@ def _launch_args(batch, num_heads, kv_heads, head_dim, block_size, block_tables,
         part_o = part_lse = counters = block_tables  # unused
     meta = dict(BLOCK_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(group)),
                 GROUP_M=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(head_dim),
-                BLOCK_N=block_n or cfg_n, SPLIT_TILE=min(MERGE_TILE, triton.next_power_of_2(num_splits)),
+                BLOCK_N=block_n or cfg_n, SPLIT_TILE=min(merge_tile, triton.next_power_of_2(num_splits)),
                 SPLIT=num_splits > 1, **dot_flags(dtype), PDL=pdl.enabled(device),
                 num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
     return num_splits, part_o, part_lse, counters, meta

@@ -10,7 +10,7 @@ projections spread over every SM with many loads in flight. It also beat or tied
 projection of the 1.7B, 4B and 8B shapes (8B: 99 against 108 us per layer; bench_gemv).
 
 Two to eight rows (two to eight chat streams) must load each weight tile once and use it for every
-row. Two kernels do that, each best somewhere (bench_gemv --rows-sweep, RESULTS.md tenth session):
+row. Two kernels do that, each best somewhere (bench_gemv --rows-sweep, on an H100 and an H200):
 - _gemv_rows_dot_kernel puts a [BLOCK_N, BLOCK_K] weight tile against x's rows (padded to the 16
   an MMA takes) on the tensor cores: the arithmetic is free, and x comes in once per tile. Its
   tiles need 16+ weight rows each, so a 1024-row projection gets only 64 programs.
@@ -31,21 +31,22 @@ fusions and PDL cut that:
   to the whole row, and lost more than the launch it saved.
 - PDL (kernels/pdl.py): a program loads its first weight tile(s), which no kernel writes, before
   waiting on the kernel before, so they stream in while that one finishes.
-What paid (bench_gemv --fused, 28 layers' projections in a graph, H200, RESULTS.md eleventh
-session): PDL, 22.5 -> 16.6 µs per layer at one row. With PDL the fusions are a wash at one row
+What pays (bench_gemv --fused, 28 layers' projections in a graph, H200): PDL, 22.5 -> 16.6 µs per
+layer at one row. With PDL the fusions are a wash at one row
 (16.6 either way) and slower at 2-8 rows (the fused row kernels read x, the residual and the norm
 weight again in every program); without PDL (GPUs before Hopper) they save 2.9 µs per layer at
 one row. So the engine fuses at one row only (engine/layers/linear.py).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import launch_limits, pdl
 
 
 @triton.jit
@@ -223,11 +224,9 @@ _LAUNCH_KNOBS = ("kernel", "block_n", "block_k", "num_warps", "num_stages")
 _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 
 
-def launch_config(N: int, K: int, rows: int = 1, silu: bool = False) -> tuple[str, int, int, int, int]:
-    """(kernel, block_n, block_k, num_warps, num_stages) from sweeps of Qwen3-0.6B's projections
-    (one row and, with PDL, 2-8 rows on an H200; RESULTS.md): "one" (the one-row kernel), "fma" or
-    "dot" (the row kernels). N counts W's rows; with silu a program takes block_n rows each of gate
-    and up, so it gets half as many (the same weight per program)."""
+def _tuned_config(N: int, rows: int, silu: bool) -> tuple[str, int, int, int, int]:
+    """From sweeps of Qwen3-0.6B's projections in bf16 (one row and, with PDL, 2-8 rows on an
+    H200; bench_gemv's sweeps)."""
     if rows == 1:
         # A weight row per program for the 1024-row projections, so that they too fill the GPU.
         config = ("one", 1, 1024, 8, 3) if N <= 2048 else ("one", 2, 512, 2, 3)
@@ -239,8 +238,45 @@ def launch_config(N: int, K: int, rows: int = 1, silu: bool = False) -> tuple[st
         config = "dot", 32, 512, 4, 4 if N <= 4096 else 3
     kernel, block_n, *rest = config
     if silu:
-        block_n = max(block_n // 2, 16 if kernel == "dot" else 1)
+        block_n = max(block_n // 2, _DOT_ROWS if kernel == "dot" else 1)
     return kernel, block_n, *rest
+
+
+def shared_memory(config: tuple[str, int, int, int, int], rows: int, silu: bool, norm: bool, itemsize: int) -> int:
+    """An upper estimate of a launch's shared memory in bytes (kernels/launch_limits.py says how it
+    counts): each pipeline stage holds a weight tile (gate and up with silu) and an input tile (x
+    padded to the kernel's rows; with norm, x and the residual, and the norm's weight)."""
+    kernel, block_n, block_k, _, num_stages = config
+    weight = block_n * block_k * (2 if silu else 1)
+    x_rows = {"one": 1, "fma": triton.next_power_of_2(max(rows, 2)), "dot": _DOT_ROWS}[kernel]
+    x = x_rows * block_k
+    if norm:
+        x = 2 * x + block_k
+    return num_stages * (weight + x) * itemsize
+
+
+@functools.cache  # every launch asks: the search stays off the decode step's host path
+def launch_config(N: int, K: int, rows: int = 1, silu: bool = False, *, dtype: torch.dtype = torch.bfloat16,
+                  norm: bool = False, limits: launch_limits.DeviceLimits | None = None
+                  ) -> tuple[str, int, int, int, int]:
+    """(kernel, block_n, block_k, num_warps, num_stages): "one" (the one-row kernel), "fma" or "dot"
+    (the row kernels). N counts W's rows; with silu a program takes block_n rows each of gate and
+    up, so it gets half as many (the same weight per program); norm: the RMSNorm prologue. The
+    tuned configuration, block_k no wider than K's power of two; with `limits`, the first of it
+    and its fallbacks (fewer stages, then narrower block_k, then fewer rows) whose shared memory
+    fits them (in float32 on an H100, the 2-8 row launches of a 2049-4096-row weight drop from 4
+    stages to 2)."""
+    kernel, block_n, block_k, num_warps, num_stages = _tuned_config(N, rows, silu)
+    block_k = min(block_k, triton.next_power_of_2(K))
+    if limits is None:
+        return kernel, block_n, block_k, num_warps, num_stages
+    candidates = ((kernel, n, k, num_warps, stages)
+                  for n in launch_limits.halvings(block_n, _DOT_ROWS if kernel == "dot" else 1)
+                  for k in launch_limits.halvings(block_k, min(block_k, 64))
+                  for stages in launch_limits.stages_down(num_stages))
+    return launch_limits.first_fit(f"the {kernel} GEMV ({N} x {K}, {rows} rows, {dtype})", candidates,
+                                   lambda c: shared_memory(c, rows, silu, norm, dtype.itemsize), lambda c: c[3],
+                                   limits)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False, **launch) -> torch.Tensor:
@@ -276,7 +312,8 @@ def _launch(x, residual, norm_weight, eps, weight, silu, launch):
     if set(launch) - set(_LAUNCH_KNOBS):
         raise TypeError(f"gemv's launch knobs are {_LAUNCH_KNOBS}; got {sorted(launch)}")
     (M, K), rows_w = x.shape, weight.shape[0]
-    config = launch_config(rows_w, K, M, silu)
+    norm, has_residual = norm_weight is not None, residual is not None
+    config = launch_config(rows_w, K, M, silu, dtype=x.dtype, norm=norm, limits=launch_limits.device_limits(x.device))
     kernel, block_n, block_k, num_warps, num_stages = (launch.get(name) or c for name, c in zip(_LAUNCH_KNOBS, config))
     if "block_n" not in launch and os.environ.get("TRITON_INTERPRET") == "1":
         # Triton's CPU interpreter runs the programs one by one in numpy: a few wide ones take a
@@ -285,7 +322,6 @@ def _launch(x, residual, norm_weight, eps, weight, silu, launch):
     block_k = min(block_k, triton.next_power_of_2(K))  # not wider than the row (tiny test models)
     N = rows_w // 2 if silu else rows_w
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    norm, has_residual = norm_weight is not None, residual is not None
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if has_residual else x
     # Unused pointers stand in for the inputs a variant does not read.
     res, nw = (residual if has_residual else x), (norm_weight if norm else x)

@@ -13,13 +13,14 @@ steps runs exactly the units of the step it replays: a padding slot or a decode 
 idle programs, and a long key range is split (then merged by log-sum-exp) only where the queries
 alone would leave SMs idle, such as a prompt chunk or a short turn after a long cached prefix.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import launch_limits, pdl
 from kernels.decode_attention import (
     LOG2E,
     _dot,
@@ -36,7 +37,7 @@ MIN_SPLIT_KEYS = 128
 # to fill the GPU unsplit, so its split cap shrinks to keep the partials near this many token rows.
 PARTIAL_TOKEN_ROWS = 2048
 ITEM_FIELDS = 4  # a work item: (sequence, query tile, split, splits of that tile)
-# Steps of at most this many query tokens get the small-step launch config (see _config).
+# Steps of at most this many query tokens get the small-step launch config (see launch_config).
 SMALL_STEP_TOKENS = 128
 
 
@@ -109,10 +110,37 @@ def _split_share(keys: list[int], slots: int) -> float:
         share = wider
 
 
-def _config(dtype: torch.dtype, head_dim: int, on_gpu: bool, tokens: int):
-    """(rows per tile, BLOCK_N, num_warps, num_stages, programs per SM) for a step of `tokens` query
-    tokens (a CUDA graph's bucket size, or the eager step's own count); rows are queries x padded
-    group. From sweeps on an H200 (bf16, head_dim 128, 16/8 heads):
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_q: int  # queries per tile
+    block_m: int  # rows per tile: queries x the GQA group padded to a power of two
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+    per_sm: int  # programs per SM
+
+
+def shared_memory(config: LaunchConfig, head_dim: int, itemsize: int) -> int:
+    """An upper estimate of a launch's shared memory in bytes (kernels/launch_limits.py says how it
+    counts): per stage a K and a V tile, and q and the probabilities on their way into the dots."""
+    block_d = triton.next_power_of_2(head_dim)
+    per_stage = 2 * config.block_n * block_d
+    return (config.num_stages * per_stage + config.block_m * (block_d + config.block_n)) * itemsize
+
+
+def _tiles(rows: int, group: int) -> tuple[int, int]:
+    """(queries, rows) of a tile of about `rows` rows: whole padded GQA groups, 16 rows at least
+    (tl.dot wants them)."""
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(16 // group_pad, rows // group_pad, 1)
+    return block_q, block_q * group_pad
+
+
+@functools.cache  # every launch and every step's plan ask: the search stays off the host path
+def launch_config(dtype: torch.dtype, head_dim: int, group: int, tokens: int,
+                  limits: launch_limits.DeviceLimits | None, block_m: int | None = None) -> LaunchConfig:
+    """The launch for a step of `tokens` query tokens (a CUDA graph's bucket size, or the eager
+    step's own count). Tuned by sweeps on an H200 (bf16, head_dim 128, 16/8 heads):
     - Big steps: 128 x 128 tiles were best or within 7% for a 120-query chunk over 2K and 8K keys
       and a 50-query turn after 2K cached keys (`benchmarks/bench_kernels.py --sweep-prefill-only`).
       Such a program fills an SM's shared memory, hence one per SM.
@@ -120,26 +148,42 @@ def _config(dtype: torch.dtype, head_dim: int, on_gpu: bool, tokens: int):
       64 x 64 tiles at two programs per SM hide more of the paged loads' latency, and a decode
       token's tile wastes half as many rows. A 56-query chunk beside 8 decode tokens took 26 us
       instead of 44 at 4K keys; a 32-query one 30 instead of 53 at 8K (both with decode tokens at
-      300 keys); a 50-query turn after 2K cached keys 19 instead of 20."""
-    if not on_gpu:
-        return 32, 32, 1, 1, 1
-    if dtype == torch.float32 or head_dim > 128:
-        return 64, 32, 4, 2, 2
-    if tokens <= SMALL_STEP_TOKENS:
-        return 64, 64, 4, 3, 2
-    return 128, 128, 8, 2, 1
+      300 keys); a 50-query turn after 2K cached keys 19 instead of 20.
+    With `limits` (a GPU's), the first of the tuned launch and its fallbacks (fewer stages, then
+    fewer keys, then fewer rows per tile) whose shared memory fits them; None (Triton's CPU
+    interpreter) gives small tiles, which it runs faster. block_m overrides the rows (tests)."""
+    if limits is None:
+        rows, block_n, num_warps, num_stages, per_sm = 32, 32, 1, 1, 1
+    elif dtype == torch.float32 or head_dim > 128:
+        rows, block_n, num_warps, num_stages, per_sm = 64, 32, 4, 2, 2
+    elif tokens <= SMALL_STEP_TOKENS:
+        rows, block_n, num_warps, num_stages, per_sm = 64, 64, 4, 3, 2
+    else:
+        rows, block_n, num_warps, num_stages, per_sm = 128, 128, 8, 2, 1
+    rows = block_m or rows
+    if limits is None:
+        return LaunchConfig(*_tiles(rows, group), block_n, num_warps, num_stages, per_sm)
+    candidates = (LaunchConfig(*_tiles(m, group), n, num_warps, stages, per_sm)
+                  for m in launch_limits.halvings(rows, rows if block_m else 16)
+                  for n in launch_limits.halvings(block_n, 16)
+                  for stages in launch_limits.stages_down(num_stages))
+    return launch_limits.first_fit(f"prefill attention (head_dim {head_dim}, group {group}, {dtype})", candidates,
+                                   lambda c: shared_memory(c, head_dim, dtype.itemsize), lambda c: c.num_warps,
+                                   limits)
 
 
 def launch_shape(dtype: torch.dtype, head_dim: int, group: int, device: torch.device, tokens: int,
                  block_m: int | None = None) -> tuple[int, int]:
     """(queries per tile, programs) that paged_prefill_attention uses for a step of `tokens` query
     tokens: what the host needs to plan the step's work list."""
-    rows, _, _, _, per_sm = _config(dtype, head_dim, device.type == "cuda", tokens)
-    group_pad = triton.next_power_of_2(group)
-    block_q = max(16 // group_pad, (block_m or rows) // group_pad, 1)  # tl.dot wants >= 16 rows
-    programs = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * per_sm \
-        if device.type == "cuda" else 4
-    return block_q, programs
+    config = launch_config(dtype, head_dim, group, tokens, launch_limits.device_limits(device), block_m)
+    return config.block_q, _programs(config, device)
+
+
+def _programs(config: LaunchConfig, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * config.per_sm
 
 
 @triton.jit
@@ -290,8 +334,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         return out
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
-    _, cfg_n, cfg_warps, cfg_stages, _ = _config(q.dtype, head_dim, q.is_cuda, tokens)
-    block_q, programs = launch_shape(q.dtype, head_dim, group, q.device, tokens, block_m)
+    config = launch_config(q.dtype, head_dim, group, tokens, launch_limits.device_limits(q.device), block_m)
+    block_q, programs = config.block_q, _programs(config, q.device)
     if work is None:
         work = plan_on_device(q, k_cache, cu_seqlens_q, context_lens, num_splits=num_splits, block_m=block_m)
     # Eagerly the list is exact; in a graph its buffer is the bucket's bound and every program runs.
@@ -312,8 +356,9 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         num_heads, kv_heads, work.max_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        BLOCK_M=block_q * group_pad, BLOCK_D=block_d, BLOCK_N=block_n or cfg_n,
-        **dot_flags(q.dtype), PDL=use_pdl, num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
+        BLOCK_M=block_q * group_pad, BLOCK_D=block_d, BLOCK_N=block_n or config.block_n,
+        **dot_flags(q.dtype), PDL=use_pdl, num_warps=num_warps or config.num_warps,
+        num_stages=num_stages or config.num_stages,
         launch_pdl=use_pdl)
     if split:
         # Rows of tokens instead of sequences, each merging the splits of its own tile.

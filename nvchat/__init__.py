@@ -1,1 +1,17 @@
-"""nvchat: chat with local LLMs on NVIDIA GPUs from a terminal."""
+"""nvchat: chat with local LLMs on NVIDIA GPUs from a terminal.
+
+The package is layered: a module imports only from its own layer and the layers below it
+(tests/test_layering.py checks it), bottom to top:
+
+    paths, default_model, settings, flags, store, slash_table
+        what every mode shares: where files live, the settings and their command-line flags, the
+        SQLite conversation store, the table of slash commands
+    conversation, export, backend, remote_backend
+        one chat, its Markdown export, and what it runs on: the in-process engine or a remote server
+    app, repl, repl_slash_handlers, pipe, server
+        the front-ends: the Textual app, the plain REPL and its slash commands, pipe mode, `nvchat serve`
+    cli
+        the `nvchat` command, which picks a front-end
+
+The engine (engine/) sits below all of it and never imports nvchat.
+"""

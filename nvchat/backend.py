@@ -1,9 +1,10 @@
 """The chat backend the settings ask for: the in-process engine, or a remote OpenAI-compatible
-server (--backend URL). Both have the same surface: start / submit / stats / shutdown."""
+server (--backend URL). Either is a Backend (engine/backend.py)."""
+from engine.backend import Backend
 from nvchat.settings import Settings
 
 
-def open_backend(settings: Settings, progress=None):
+def open_backend(settings: Settings, progress=None) -> Backend:
     """A backend, not yet started (start() loads the model or reaches the server)."""
     if settings.backend:
         from nvchat.remote_backend import (
@@ -13,12 +14,9 @@ def open_backend(settings: Settings, progress=None):
     from engine import (
         EngineThread,  # start-up: torch and the engine only for the local one
     )
-    kwargs = settings.engine_kwargs()
-    if progress is not None:
-        kwargs["progress"] = progress
-    return EngineThread(kwargs.pop("model"), **kwargs)
+    return EngineThread(settings.engine_model(), progress=progress, **settings.engine_options().keywords())
 
 
-def model_name(settings: Settings, backend) -> str:
+def model_name(settings: Settings, backend: Backend) -> str:
     """The name stored with conversations: the remote server's model, else the settings' model."""
-    return getattr(backend, "model_name", None) or settings.model_name
+    return backend.capabilities.model_name or settings.model_name

@@ -12,7 +12,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="`nvchat serve --help`: serve the engine over the OpenAI API.")
     add_engine_flags(p)
     p.add_argument("--max-tokens", type=int, help="longest reply in tokens (default 1024)")
-    p.add_argument("--temperature", type=float, help="sampling temperature, 0 for greedy (default 0.7)")
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature, 0 for greedy (default: the model's recommendation, else 0.7)")
     p.add_argument("--theme", help="colour theme for the app (default nvchat-dark)")
     p.add_argument("--system", dest="system_prompt", metavar="TEXT", help="system prompt for new conversations (\"\" for none)")
     p.add_argument("--plain", action="store_true", help="a plain line-based REPL instead of the full-screen app")

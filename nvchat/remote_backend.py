@@ -1,6 +1,7 @@
-"""RemoteBackend: any OpenAI-compatible server (nvchat serve, vLLM, SGLang...) behind the surface the
-app, the REPL and pipe mode use from EngineThread: start / submit / stats / shutdown, and streams
-with RequestStream's interface.
+"""RemoteBackend: any OpenAI-compatible server (nvchat serve, vLLM, SGLang...) as a Backend
+(engine/backend.py), the interface the app, the REPL and pipe mode use, with streams that have
+RequestStream's interface. It can't tokenize (the server does) or show the server's KV cache, and its
+capabilities say so.
 
 One asyncio loop on a background thread runs every request as a task over one httpx client, so
 tabs stream concurrently; aborting a stream cancels its task, which closes the HTTP stream (the
@@ -17,6 +18,7 @@ import time
 import httpx
 
 from engine import SamplingParams
+from engine.backend import BackendCapabilities
 from engine.request_stream import Delta, RequestStream
 
 # Long enough for a big server's queue or a long prefill before the first token; the user can stop
@@ -62,7 +64,7 @@ class RemoteStream(RequestStream):
 
 
 # Request fields past OpenAI's own API that vLLM, SGLang and `nvchat serve` understand.
-EXTENSION_FIELDS = ("top_k", "ignore_eos", "chat_template_kwargs")
+EXTENSION_FIELDS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_template_kwargs")
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -86,8 +88,7 @@ def _error_message(response: httpx.Response) -> str:
 
 
 class RemoteBackend:
-    tokenizer = None  # prompts are tokenized by the server
-    fatal_error = None
+    fatal_error = None  # never set: a failure ends the requests it hits, not the backend
 
     def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None):
         self.base_url = base_url.rstrip("/")
@@ -165,7 +166,17 @@ class RemoteBackend:
 
     # --- caller side ---------------------------------------------------------------------------------
 
-    def stats(self):
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        # The server tokenizes its prompts and keeps its KV cache to itself; its context length
+        # is not part of the OpenAI API.
+        return BackendCapabilities(model_name=self.model_name, context_length=None, tokenizes=False,
+                                   block_stats=False)
+
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+        raise RuntimeError("a remote server tokenizes its prompts itself")
+
+    def stats(self) -> None:
         """None: a remote server's KV-cache blocks are not visible through the OpenAI API."""
         return None
 
@@ -180,9 +191,16 @@ class RemoteBackend:
                 "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens}
         # Not in OpenAI's own API (which refuses unknown fields): sent only when they change
         # something, and no longer once the server has refused one (see _run).
+        for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's own
+            if getattr(params, name):
+                body[name] = getattr(params, name)
         if not self._openai_fields_only:
             if params.top_k:
                 body["top_k"] = params.top_k
+            if params.min_p:
+                body["min_p"] = params.min_p
+            if params.repetition_penalty != 1.0:
+                body["repetition_penalty"] = params.repetition_penalty
             if params.ignore_eos:
                 body["ignore_eos"] = True
             if enable_thinking is not None:

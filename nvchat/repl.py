@@ -18,8 +18,9 @@ from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
 from prompt_toolkit.key_binding import KeyBindings, KeyPress
 from prompt_toolkit.keys import Keys
 
-from engine import EngineThread, RequestStream
-from nvchat import paths, repl_commands, slash_commands
+from engine import RequestStream
+from engine.backend import Backend
+from nvchat import paths, repl_slash_handlers, slash_table
 from nvchat.backend import model_name, open_backend
 from nvchat.conversation import Conversation, first_line
 from nvchat.default_model import GIBBERISH_NOTE
@@ -56,7 +57,7 @@ def _key_bindings() -> KeyBindings:
 
 
 class Repl:
-    def __init__(self, engine: EngineThread, settings: Settings, *, store: ChatStore | None,
+    def __init__(self, engine: Backend, settings: Settings, *, store: ChatStore | None,
                  out: TextIO | None = None, history: History | None = None, input=None, output=None,
                  model_name: str | None = None, note: str | None = None):
         """out: where replies and messages go (default stdout); input/output: prompt-toolkit's
@@ -115,18 +116,18 @@ class Repl:
                 text = line.strip()
                 if not text:
                     continue
-                invocation = slash_commands.parse(text, slash_commands.REPL)
+                invocation = slash_table.parse(text, slash_table.REPL)
                 if invocation is not None:
                     try:
-                        message = repl_commands.dispatch(self, invocation)
-                    except repl_commands.QuitRepl:
+                        message = repl_slash_handlers.dispatch(self, invocation)
+                    except repl_slash_handlers.QuitRepl:
                         break
                     except (OSError, ValueError, sqlite3.Error) as e:  # /save to a bad path, a locked store
                         message = f"error: {e}"
                     if message:
                         self._print(message)
                 else:
-                    await self.ask(slash_commands.message_text(text))
+                    await self.ask(slash_table.message_text(text))
         return 0
 
     @contextmanager

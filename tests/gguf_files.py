@@ -80,24 +80,40 @@ def _types(layer: int):
             "ffn_gate": T.F16, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K}
 
 
+# A mixture-of-experts layer's stacked experts, [experts, rows, columns], as llama.cpp's
+# converter writes them: gate and up apart (HF holds them as one gate_up tensor).
+_EXPERT_TYPES = {"ffn_gate_exps": "Q8_0", "ffn_up_exps": "F16", "ffn_down_exps": "Q4_0"}
+
+
 def write_tiny_gguf(path, *, arch: str = "llama", tie: bool = False, seed: int = 0, quantized: bool = True,
                     tokenizer: str = "gpt2"):
-    """Writes path (a .gguf file) from a tiny random HF model of the given architecture, with a
-    byte-level BPE tokenizer (tokenizer="gpt2") or a SentencePiece one ("llama")."""
+    """Writes path (a .gguf file) from a tiny random HF model of the given architecture (llama,
+    qwen2, qwen3 or qwen3_moe), with a byte-level BPE tokenizer (tokenizer="gpt2") or a
+    SentencePiece one ("llama")."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
     shape = dict(SHAPE, vocab_size=len(tokenizer_tokens(tokenizer)))
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         shape["head_dim"] = 128  # what HF assumes for a qwen3 GGUF (it ignores key_length)
+    if arch == "qwen3_moe":
+        # HF reads no expert_feed_forward_length from a qwen3moe file: it takes Qwen3MoeConfig's
+        # default of 768, so the experts here have that many columns.
+        shape.update(moe_intermediate_size=768, num_experts=4)
     model = save_tiny_hf_model(path.parent / f"{path.stem}-hf", tie=tie, arch=arch, seed=seed, **shape)
     c = model.config
     rng = np.random.default_rng(seed)
 
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch.replace("_", ""))
     _add_metadata(w, arch, c, tokenizer)
 
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _split_experts(model.state_dict()):
+        if name.endswith("_exps.weight"):
+            qtype = T[_EXPERT_TYPES[name.split(".")[-2]]] if quantized else T.F32
+            t = tensor.float().numpy()
+            data = t.astype(np.float16) if qtype == T.F16 else t if qtype == T.F32 else gguf.quants.quantize(t, qtype)
+            w.add_tensor(name, data, raw_dtype=None if qtype in (T.F32, T.F16) else qtype)
+            continue
         if tie and name == "lm_head.weight":
             continue
         t = tensor.float().numpy()
@@ -127,6 +143,21 @@ def write_tiny_gguf(path, *, arch: str = "llama", tie: bool = False, seed: int =
     return path
 
 
+def _split_experts(state_dict):
+    """(name, tensor) of the HF model's state dict with each layer's stacked experts under
+    llama.cpp's names: gate_up split into ffn_gate_exps and ffn_up_exps, down as ffn_down_exps."""
+    for name, tensor in state_dict.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            layer = name.split(".")[2]
+            gate, up = tensor.chunk(2, dim=1)
+            yield f"blk.{layer}.ffn_gate_exps.weight", gate
+            yield f"blk.{layer}.ffn_up_exps.weight", up
+        elif name.endswith("mlp.experts.down_proj"):
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", tensor
+        else:
+            yield name, tensor
+
+
 def write_tokenizer_gguf(path, tokenizer: str = "llama"):
     """A GGUF file with a tiny llama's metadata and a tokenizer but no tensors: enough to load the
     tokenizer from, in a fraction of the time a model takes to build."""
@@ -146,6 +177,10 @@ def _add_metadata(w, arch: str, c, tokenizer: str) -> None:
     import gguf
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_name(f"tiny-{arch}")
+    if arch == "qwen3_moe":
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -195,7 +230,7 @@ _GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", 
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
                "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+               "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
 
 
 def _gguf_name(hf_name: str) -> str:

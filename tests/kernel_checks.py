@@ -197,3 +197,57 @@ def norm_gemv_reference(x, residual, norm_weight, weight, silu, eps, rounding=No
         gate, up = y.float().chunk(2, -1)
         y = to(torch.nn.functional.silu(gate) * up, x.dtype)
     return y, h
+
+
+# --- block-FP8 weights and mixture-of-experts: references written apart from engine/layers/fp8.py ---
+
+def fp8_blocks(weight, block):
+    """weight [..., N, K] -> (e4m3 values, float32 scales [..., ceil(N/bn), ceil(K/bk)]) as Qwen's
+    FP8 checkpoints hold them: each block's largest magnitude at 448."""
+    *lead, n, k = weight.shape
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    rows = torch.arange(n, device=weight.device) // block[0]
+    cols = torch.arange(k, device=weight.device) // block[1]
+    block_of = (rows[:, None] * grid[1] + cols[None, :]).expand(*weight.shape).reshape(*lead, n * k)
+    amax = torch.zeros(*lead, grid[0] * grid[1], device=weight.device).scatter_reduce_(
+        -1, block_of, weight.abs().float().reshape(*lead, n * k), "amax")
+    scales = (amax / 448).clamp(min=1e-12).view(*lead, *grid)
+    q = (weight.float() / fp8_scales_per_weight(scales, n, k, block)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def fp8_scales_per_weight(scales, n, k, block):
+    """Each weight's scale: the scale of the block its row and column fall in."""
+    rows, cols = torch.arange(n, device=scales.device) // block[0], torch.arange(k, device=scales.device) // block[1]
+    return scales[..., rows, :][..., cols]
+
+
+def fp8_dequantized(q, scales, block):
+    return q.float() * fp8_scales_per_weight(scales.float(), *q.shape[-2:], block)
+
+
+def quantized_rows_reference(x, group):
+    """Activations quantized per row and `group` columns: (e4m3 values, float32 scales)."""
+    m, k = x.shape
+    groups = -(-k // group)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scales = xf.abs().amax(-1).clamp(min=1e-10) / 448
+    q = (xf / scales[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, -1)[:, :k]
+    return q, scales
+
+
+def moe_reference(x, w13, w2, topk_weights, topk_ids):
+    """Token by token, each chosen expert's SwiGLU MLP in fp32, rounded to x's dtype where the
+    fused kernels round (gate and up, silu(gate) * up; the grouped path also rounds each expert's
+    down projection, the GEMV path not: one rounding of difference), weighted and summed in fp32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    to = lambda t: t.to(x.dtype).float()  # noqa: E731
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            gate_up = x[t].float() @ w13[e].float().T
+            gate, up = to(gate_up[:inter]), to(gate_up[inter:])
+            h = to(torch.nn.functional.silu(gate) * up)
+            out[t] += to(h @ w2[e].float().T) * topk_weights[t, j].float()
+    return out.to(x.dtype)

@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, EngineThread, RequestStream, SamplingParams
 from engine.core.block_manager import SHARED, USED
-from engine.engine_thread import CHAT_PREFILL_CHUNK
+from engine.options import CHAT_PREFILL_CHUNK
 from engine.text.detokenizer import IncrementalDetokenizer
 
 

@@ -156,15 +156,16 @@ def test_logits_for_a_padded_row_count_give_the_same_tokens(tiny_qwen3):
             llm.runner._logits_ladder = ladder if padded else None
             model, logits_rows, sampled_rows = llm.runner.model, [], []
             compute_logits, sampler = model.compute_logits, llm.runner.sampler
+            sample = sampler.sample
 
             def logits_spy(hidden):
                 logits_rows.append(hidden.shape[0])
                 return compute_logits(hidden)
 
-            def sampler_spy(logits, params, positions):
+            def sampler_spy(logits, *args):
                 sampled_rows.append(logits.shape[0])
-                return sampler(logits, params, positions)
-            model.compute_logits, llm.runner.sampler = logits_spy, sampler_spy
+                return sample(logits, *args)
+            model.compute_logits, sampler.sample = logits_spy, sampler_spy
             outs.append([o["token_ids"] for o in llm.generate(prompts, params)])
         if padded:
             assert set(logits_rows) <= set(ladder)

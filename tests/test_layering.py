@@ -1,6 +1,7 @@
 """The code's shape, checked from its own imports: no import circles, each engine layer imports only
-from the layers below it (as engine/__init__.py lists them), the engine never reaches the UI, and an
-import inside a function says why it is there (start-up time, or an optional package)."""
+from the layers below it (as engine/__init__.py lists them), nvchat's and its app's modules only from
+their own layer and those below (as their __init__.py docstrings list them), the engine never reaches
+the UI, and an import inside a function says why it is there (start-up time, or an optional package)."""
 import ast
 import re
 from pathlib import Path
@@ -10,8 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "kernels", "nvchat", "themes", "benchmarks")
 # Bottom to top, as engine/__init__.py's docstring lists them.
-ENGINE_LAYERS = ("core", "distributed", "layers", "models", "checkpoints", "text", "config", "runner", "llm",
-                 "request_stream", "engine_thread")
+ENGINE_LAYERS = ("options", "core", "distributed", "layers", "models", "checkpoints", "text", "config", "runner",
+                 "llm", "request_stream", "backend", "engine_thread")
 # What an import inside a function must say about itself, on its line or in the comment above it.
 REASON = re.compile(r"#.*\b(start-up|optional)\b", re.IGNORECASE)
 
@@ -144,6 +145,63 @@ def test_the_engine_never_imports_the_app_and_kernels_never_import_the_engine():
     assert not wrong, "\n".join(wrong)
 
 
+def declared_layers(package: str) -> list[set[str]]:
+    """The layers a package's docstring lists after a line ending "bottom to top:", bottom first:
+    each layer's modules on lines indented four spaces (a trailing comma continues them on the
+    next), its description on lines indented further."""
+    init = ROOT.joinpath(*package.split("."), "__init__.py")
+    lines = ast.get_docstring(ast.parse(init.read_text())).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.rstrip().endswith("bottom to top:")) + 1
+    layers, continued = [], False
+    for line in lines[start:]:
+        if not line.strip():
+            continue
+        if not line.startswith("    "):
+            break
+        if line.startswith("     "):  # a description
+            continue
+        names = {name.strip() for name in line.strip().rstrip(",").split(",")}
+        if continued:
+            layers[-1] |= names
+        else:
+            layers.append(names)
+        continued = line.rstrip().endswith(",")
+    return layers
+
+
+def package_layer(module: str, package: str, layers: list[set[str]]) -> int | None:
+    """The layer of the package's module (a subpackage's modules sit in the subpackage's)."""
+    if not module.startswith(package + "."):
+        return None
+    name = module[len(package) + 1:].split(".")[0]
+    return next((i for i, layer in enumerate(layers) if name in layer), None)
+
+
+LAYERED_PACKAGES = ("nvchat", "nvchat.app")
+
+
+@pytest.mark.parametrize("package", LAYERED_PACKAGES)
+def test_every_module_sits_in_a_layer_its_package_lists(package):
+    layers = declared_layers(package)
+    assert layers, f"{package}/__init__.py lists no layers"
+    inside = {m[len(package) + 1:].split(".")[0] for m in MODULES if m.startswith(package + ".")}
+    unlisted = sorted(inside - set().union(*layers))
+    assert not unlisted, f"modules outside the layers {package}'s docstring lists: {unlisted}"
+    missing = sorted(set().union(*layers) - inside)
+    assert not missing, f"{package}'s docstring lists modules that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("package", LAYERED_PACKAGES)
+def test_imports_run_only_down_the_layers_a_package_lists(package):
+    layers = declared_layers(package)
+    upward = []
+    for source, target, line, _ in project_edges():
+        s, t = package_layer(source, package, layers), package_layer(target, package, layers)
+        if s is not None and t is not None and t > s:
+            upward.append(f"{MODULES[source].relative_to(ROOT)}:{line} imports {target}")
+    assert not upward, f"imports running up {package}'s layers:\n" + "\n".join(upward)
+
+
 def function_import_runs(tree: ast.AST):
     """Runs of consecutive import statements inside functions, as lists of nodes."""
     for func in ast.walk(tree):
@@ -185,4 +243,13 @@ def test_the_scheduling_core_loads_without_torch():
     import sys
     code = ("import sys, engine.core.scheduler, engine.core.step_plan; "
             "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_the_command_line_and_the_backend_interface_load_without_torch():
+    """`nvchat --help`, a bad flag, and a remote backend's modes need no torch (seconds to import)."""
+    import subprocess
+    import sys
+    code = ("import sys, engine.options, engine.backend, nvchat.cli, nvchat.flags, nvchat.conversation, "
+            "nvchat.remote_backend, nvchat.backend; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

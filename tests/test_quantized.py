@@ -84,10 +84,15 @@ def test_auto_quantization_keeps_files_not_stored_in_4_bits_exact(tiny_qwen3, tm
     """"auto" picks int4 only for a GGUF file whose layers are all stored in 4 bits or fewer (the
     bundled SmolLM2: test_smollm2); a safetensors checkpoint, or a GGUF file with a layer in
     more bits, keeps the weights as HF computes them, as "none" does everywhere."""
-    from engine.config import EngineConfig as Config
+    from engine.config import EngineConfig
+    from engine.options import EngineOptions
     from tests.gguf_files import write_tiny_gguf
+
+    def resolved(model, quantization):
+        return EngineConfig.create(model, EngineOptions(device="cpu", quantization=quantization)).quantization
+
     mixed = write_tiny_gguf(tmp_path / "mixed.gguf")  # Q5 to F16 layers among the Q4 ones
-    assert Config.create(mixed, device="cpu", quantization="auto").quantization is None
-    assert Config.create(tiny_qwen3, device="cpu", quantization="auto").quantization is None
-    assert Config.create(tiny_qwen3, device="cpu", quantization="none").quantization is None
-    assert Config.create(tiny_qwen3, device="cpu", quantization="int8").quantization == "int8"
+    assert resolved(mixed, "auto") is None
+    assert resolved(tiny_qwen3, "auto") is None
+    assert resolved(tiny_qwen3, "none") is None
+    assert resolved(tiny_qwen3, "int8") == "int8"

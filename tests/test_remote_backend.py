@@ -15,7 +15,7 @@ from engine import EngineThread, SamplingParams
 from nvchat.remote_backend import RemoteBackend
 from nvchat.server.app import ServerState, create_app
 from nvchat.settings import Settings
-from nvchat.slash_commands import NO_BLOCK_STATS
+from nvchat.slash_table import NO_BLOCK_STATS
 from tests.serving import serving
 
 REPO = Path(__file__).resolve().parent.parent

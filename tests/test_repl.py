@@ -252,5 +252,5 @@ def test_second_ctrl_c_at_an_empty_prompt_quits(drive):
 
 
 def test_every_repl_command_has_a_handler():
-    from nvchat import repl_commands, slash_commands
-    assert set(repl_commands.HANDLERS) == {c.name for c in slash_commands.commands_for(slash_commands.REPL)}
+    from nvchat import repl_slash_handlers, slash_table
+    assert set(repl_slash_handlers.HANDLERS) == {c.name for c in slash_table.commands_for(slash_table.REPL)}

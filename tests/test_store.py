@@ -38,7 +38,7 @@ def test_settings_file(tmp_path):
     save_setting("max_tokens", 99, path)
     assert load_settings(path).keys == {"new_tab": "ctrl+n"} and load_settings(path).max_tokens == 99
     path.write_text("max_tokens = 'lots'\n")
-    with pytest.raises(SettingsError, match="max_tokens must be a int"):
+    with pytest.raises(SettingsError, match="max_tokens must be an integer"):
         load_settings(path)
     path.write_text("colour = 1\n")
     with pytest.raises(SettingsError, match="unknown setting 'colour'"):

@@ -225,7 +225,7 @@ def test_worker_exception_carries_its_traceback(tmp_path):
     assert message.startswith("tensor-parallel worker rank 1 (pid ")
     assert "Traceback (most recent call last)" in message
     assert "tp_worker.py" in message and "load_weights" in message
-    assert "q_proj has 32 rows, need 64" in message
+    assert "q_proj.weight: has 32 rows, need 64" in message
 
 
 _PARENT = """

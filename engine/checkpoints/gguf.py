@@ -19,9 +19,10 @@ import torch
 
 from engine.checkpoints.demo_model import default_cache_dir
 from engine.checkpoints.errors import ModelError
-from engine.models.qwen3 import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.registry import ARCHITECTURES as MODELS
 
-ARCHITECTURES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+ARCHITECTURES = {"llama": MODELS["LlamaForCausalLM"], "qwen2": MODELS["Qwen2ForCausalLM"],
+                 "qwen3": MODELS["Qwen3ForCausalLM"], "qwen3moe": MODELS["Qwen3MoeForCausalLM"]}
 
 # Tensor types dequantized at load time. gguf can read more (the i-quants, ternary types), but
 # these are the ones checked here; anything else is refused by name rather than trusted blindly.
@@ -36,7 +37,9 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
                 "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+                "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}
+# A mixture-of-experts layer's experts, stacked in one tensor [experts, rows, columns] each.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -51,12 +54,15 @@ def is_gguf(path: Path) -> bool:
 
 
 def hf_tensor_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None for one the engine has no place for."""
+    """The Hugging Face name of a GGUF tensor, or None for one the engine has no place for. A
+    stacked experts tensor's name has "{expert}" where each expert's number goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK_TENSOR.fullmatch(name)
     if m and m.group(2) in _BLOCK_NAMES:
         return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _EXPERT_NAMES:
+        return f"model.layers.{m.group(1)}.mlp.experts.{{expert}}.{_EXPERT_NAMES[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -163,14 +169,22 @@ class GGUFCheckpoint:
         vocab = key("vocab_size", None) or self.array_lengths.get("tokenizer.ggml.tokens")
         if not vocab:
             raise ModelError(f"{self.path.name}: GGUF metadata lacks 'tokenizer.ggml.tokens'")
-        values = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=key("feed_forward_length"),
+        if arch == "qwen3moe":
+            expert_ffn = key("expert_feed_forward_length")
+            # llama.cpp's qwen3moe graph always renormalizes the chosen experts' weights.
+            moe = dict(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                       moe_intermediate_size=expert_ffn, norm_topk_prob=True)
+            ffn = key("feed_forward_length", expert_ffn)
+        else:
+            moe, ffn = {}, key("feed_forward_length")
+        values = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
                       num_hidden_layers=key("block_count"), num_attention_heads=heads,
                       num_key_value_heads=kv_heads, head_dim=key("attention.key_length", hidden // heads),
                       max_position_embeddings=key("context_length"),
                       rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
                       rope_theta=key("rope.freq_base", 10000.0), tie_word_embeddings=not has_output,
                       bos_token_id=self._field("tokenizer.ggml.bos_token_id", None),
-                      eos_token_id=self._field("tokenizer.ggml.eos_token_id", None))
+                      eos_token_id=self._field("tokenizer.ggml.eos_token_id", None), **moe)
         rotary = key("rope.dimension_count", values["head_dim"])
         if rotary != values["head_dim"]:
             raise ModelError(f"{self.path.name}: RoPE over {rotary} of each head's {values['head_dim']} dimensions "
@@ -179,7 +193,7 @@ class GGUFCheckpoint:
                 name == "rope_freqs.weight" for name in names):
             raise ModelError(f"{self.path.name}: RoPE scaling in a GGUF file is not supported yet")
         config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                      "qwen3": transformers.Qwen3Config}[arch]
+                      "qwen3": transformers.Qwen3Config, "qwen3moe": transformers.Qwen3MoeConfig}[arch]
         config = config_cls(**values)
         config.architectures = [self.architecture.__name__]
         if arch == "llama":
@@ -187,7 +201,8 @@ class GGUFCheckpoint:
         return config
 
     def tensors(self):
-        """(Hugging Face name, float32 tensor) for each tensor of the file, dequantized one at a time."""
+        """(Hugging Face name, float32 tensor) for each tensor of the file, dequantized one at a time;
+        a stacked experts tensor as one tensor per expert."""
         import gguf  # start-up: as in _read_index, only once the weights are read
         c = self.hf_config
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
@@ -215,7 +230,12 @@ class GGUFCheckpoint:
             elif self.architecture_name == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                 w = unpermute_rope_rows(w, c.num_key_value_heads)
             w = np.ascontiguousarray(w, dtype=np.float32)
-            yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 reads map the file
+            w = torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 reads map the file
+            if "{expert}" in name:
+                for expert, part in enumerate(w):
+                    yield name.format(expert=expert), part
+            else:
+                yield name, w
 
     def load_tokenizer(self, cache_dir: Path | None = None):
         """transformers builds the tokenizer from the metadata (seconds for a real vocabulary); the

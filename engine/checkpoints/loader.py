@@ -15,20 +15,27 @@ from torch import nn
 
 from engine.checkpoints.errors import ModelError
 from engine.checkpoints.gguf import forget_opened, is_gguf, open_gguf
+from engine.checkpoints.quantization import dequantized
 from engine.checkpoints.resolve import weight_files
+from engine.layers import fp8
 from engine.layers.weights import default_weight_loader
 
 # Buffers some exporters write that the engine recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
-    """Weights from a safetensors checkpoint directory or a GGUF file."""
+def load_weights(model: nn.Module, path: Path, fp8_block: tuple[int, int] | None = None) -> None:
+    """Weights from a safetensors checkpoint directory or a GGUF file. fp8_block: the checkpoint's
+    FP8 block shape, if it is block-FP8 (engine/checkpoints/quantization.py): its weights go into
+    the model's FP8 parameters as they are, or are dequantized if the model was built without any."""
     if path.is_file() and is_gguf(path):
         place_weights(model, ((path.name, name, w) for name, w in open_gguf(path).tensors()), path)
         forget_opened()  # the parsed metadata is not needed again
-    else:
-        place_weights(model, _safetensors_weights(path), path)
+        return
+    weights = _safetensors_weights(path)
+    if fp8_block is not None and not any(p.dtype == fp8.FP8 for p in model.parameters()):
+        weights = dequantized(weights, fp8_block)
+    place_weights(model, weights, path)
 
 
 def _safetensors_weights(path: Path):
@@ -43,16 +50,11 @@ def place_weights(model: nn.Module, weights, path: Path) -> None:
     owns it, then checks that every parameter was loaded."""
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
-    packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
     for source, name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        target, shard_id = name, None
-        for ckpt_part, (our_part, shard) in packed.items():
-            if f".{ckpt_part}." in name:
-                target, shard_id = name.replace(ckpt_part, our_part), shard
-                break
+        target, shard_id = model.weight_target(name)
         param = params.get(target)
         if param is None:
             raise ModelError(f"{source} has weight {name!r}, which this model has no place for")
@@ -68,16 +70,27 @@ def place_weights(model: nn.Module, weights, path: Path) -> None:
             raise ModelError(f"{source}: {name}: {e}") from None
         loaded.add(target)
     missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
+    # Layers whose parameters take many checkpoint tensors each (a layer's stacked experts) say
+    # which parts no tensor filled.
+    for name, module in model.named_modules():
+        if hasattr(module, "missing_weights"):
+            missing += [f"{name}.{part}" for part in module.missing_weights()]
     if missing:
         raise ModelError(f"checkpoint in {path} lacks weights: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
 def init_random_weights(model: nn.Module, seed: int = 0) -> None:
-    """Fills every parameter with small random values in place: real shapes, no file read."""
+    """Fills every parameter with small random values in place: real shapes, no file read. FP8
+    weights get standard normal values and scales of 0.02, the same spread once scaled."""
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
+        elif name.endswith("_scale_inv"):
+            param.data.fill_(0.02)
+        elif param.dtype == fp8.FP8:
+            for part in param.data.view(-1, param.shape[-1]).split(4096):  # bounded float32 scratch
+                part.copy_(torch.randn(part.shape, generator=g, device=part.device))
         else:
             param.data.normal_(0.0, 0.02, generator=g)

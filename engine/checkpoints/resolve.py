@@ -7,7 +7,7 @@ from pathlib import Path
 from engine.checkpoints.errors import ModelError
 from engine.checkpoints.gguf import is_gguf
 from engine.checkpoints.hub import fetch_repo, looks_like_repo_id
-from engine.models.qwen3 import ARCHITECTURES
+from engine.models.registry import ARCHITECTURES
 
 
 def resolve_model_path(model: str | os.PathLike, progress=None) -> Path:

@@ -42,6 +42,10 @@ class Scheduler:
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Places among max_num_seqs held for the samples that running prompts will fork (n > 1):
+        # the step that ends such a prompt samples a row for each, and a step samples at most
+        # max_num_seqs rows.
+        self.reserved = 0
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
@@ -100,10 +104,12 @@ class Scheduler:
                 self._register(seq, n)
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + self.reserved < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_tokens >= seq.max_num_tokens:
                 break  # preempted while its last token was sampled: it ends when that token lands
+            if seq.forks and len(self.running) + self.reserved + 1 + len(seq.forks) > self.max_num_seqs:
+                break
             hits = self.blocks.lookup_prefix(seq)  # never covers the last token, which must run
             if hits and self._next_block_is_being_prefilled(seq, hits):
                 break
@@ -124,6 +130,9 @@ class Scheduler:
                 self.prefix_hit_tokens += computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.forks:
+                seq.forks_reserved = len(seq.forks)
+                self.reserved += seq.forks_reserved
             self._register(seq, n)
             batch.append((seq, n))
             budget -= n
@@ -173,7 +182,21 @@ class Scheduler:
         fits = self.max_prefill_chunk * self.full_chunk_context // max(context + self.max_prefill_chunk, 1)
         return max(fits, min(self.min_chunk, self.max_prefill_chunk))
 
+    def _release_forks(self, seq: Sequence) -> None:
+        self.reserved -= seq.forks_reserved
+        seq.forks_reserved = 0
+
+    def start_forks(self, seq: Sequence, started: list[Sequence]) -> None:
+        """seq's prompt has been sampled for all its samples: those of them still going (`started`,
+        each holding its first token) wait at the head of the queue, where the prefix cache gives
+        each the prompt's full blocks that seq holds; only the last, partial one is computed again."""
+        self._release_forks(seq)
+        seq.forks = []
+        for fork in reversed(started):
+            self.waiting.appendleft(fork)
+
     def _preempt(self, seq: Sequence) -> None:
+        self._release_forks(seq)
         self.blocks.free_blocks_of(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -189,6 +212,12 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.forks:
+            # Its samples had not started: each prefills the prompt itself now, from the prefix
+            # cache as far as it holds the prompt.
+            self._release_forks(seq)
+            self.waiting.extend(f for f in seq.forks if not f.is_finished)
+            seq.forks = []
         self.blocks.free_blocks_of(seq)
         seq.drop_pending_tokens()
         seq.status = SequenceStatus.FINISHED

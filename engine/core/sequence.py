@@ -1,6 +1,7 @@
 import itertools
 from array import array
 from enum import Enum, auto
+from typing import NamedTuple
 
 from engine.core.sampling_params import SamplingParams
 
@@ -8,6 +9,16 @@ from engine.core.sampling_params import SamplingParams
 # work overlapped with the GPU (engine.llm), the next step is planned before this one's tokens are
 # known, and takes the sampled token as its input on the device. Never a valid token id.
 PENDING_TOKEN = -1
+
+
+class TokenLogprobs(NamedTuple):
+    """A generated token's log-probability and the most likely tokens' at its step (SamplingParams'
+    logprobs says under which distribution), most likely first; -inf for a token that was not
+    allowed there."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability)
 
 
 class SequenceStatus(Enum):
@@ -23,6 +34,11 @@ class Sequence:
     KV when it is scheduled again, so nothing it generated is lost or repeated. While a step that
     samples its next token is in flight, token_ids ends in PENDING_TOKEN (counted by num_tokens);
     the finished sequence holds none.
+
+    A request for n > 1 samples is n sequences: the first prefills the prompt and holds the others
+    in `forks` until then. The step that finishes its prompt samples every one of them from the
+    prompt's last logits; each then goes its own way from its first token, taking the prompt's full
+    blocks from the prefix cache (engine.llm: LLM._fork).
     """
 
     _ids = itertools.count()
@@ -53,6 +69,16 @@ class Sequence:
         self.num_preemptions = 0
         # Set when the caller wants text as it is generated (streaming or stop strings).
         self.detokenizer = None
+        # Which of its request's n samples this is, and (the first only) the others, not yet
+        # started: its prompt's last step samples them too.
+        self.sample_index = 0
+        self.forks: list[Sequence] = []
+        # Set by the scheduler while the forks hold places among its max_num_seqs.
+        self.forks_reserved = False
+        # Structured output's grammar state (engine.text.structured_output), advanced token by token.
+        self.matcher = None
+        # With params.logprobs set: a TokenLogprobs per completion token.
+        self.logprobs: list | None = [] if params.logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +99,15 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def samples_at(self, end: int) -> list["Sequence"]:
+        """The sequences whose next token a step running this one's tokens up to `end` samples:
+        itself when that is all its tokens, with its forks when those are the prompt's."""
+        if end != len(self.token_ids):
+            return []
+        if self.forks and end == self.num_prompt_tokens:
+            return [self, *(f for f in self.forks if not f.is_finished)]
+        return [self]
 
     def drop_pending_tokens(self) -> None:
         """Forgets tokens still being sampled: the request has ended, so they are not its tokens."""

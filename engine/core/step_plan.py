@@ -1,9 +1,36 @@
 """Turns the scheduler's choice for one step into plain lists: which tokens run, where their K/V
 go, which rows get sampled. Plain data, so tensor-parallel workers can be sent the same plan."""
+from array import array
 from dataclasses import dataclass, field
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import PENDING_TOKEN, Sequence
+
+
+@dataclass(slots=True)
+class SampleContext:
+    """What sampling one row needs beyond its SamplingParams (a row whose params are plain has
+    None in StepPlan.sample_contexts)."""
+
+    # The sequence's tokens before the row's input token, for the penalties (None without them).
+    # The input token itself is on the device: the step before may still be sampling it.
+    history: array | None
+    num_prompt_tokens: int
+    # Tokens the row may not sample now: the end-of-sequence ids while min_tokens is not reached.
+    banned: tuple[int, ...] = ()
+    # Under structured output: the row's token mask is computed from its grammar's state when the
+    # step samples (LLM.step), after the token before it has landed.
+    constrained: bool = False
+
+
+def sample_context(seq: Sequence, end: int, eos_ids: tuple[int, ...]) -> SampleContext | None:
+    """The context of sampling seq's token after its first `end` tokens."""
+    p = seq.params
+    if p.plain:
+        return None
+    history = array("q", seq.token_ids[:end - 1]) if p.has_penalties else None
+    banned = eos_ids if p.min_tokens and end - seq.num_prompt_tokens < p.min_tokens else ()
+    return SampleContext(history, seq.num_prompt_tokens, banned, p.structured_output is not None)
 
 
 @dataclass
@@ -21,6 +48,11 @@ class StepPlan:
     # input_ids), and each one's row in that step's sampled tokens, which the device copies in.
     feed_rows: list[int] = field(default_factory=list)
     feed_from: list[int] = field(default_factory=list)
+    # Per sampled row: its SampleContext, or None when its params are plain. Empty: all plain.
+    sample_contexts: list[SampleContext | None] = field(default_factory=list)
+    # Some row is under structured output: the runner computes the logits and waits for its masks
+    # (ModelRunner.sample_deferred) before sampling.
+    defer_sampling: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -40,12 +72,13 @@ class StepPlan:
 
 
 def plan_step(batch: list[tuple[Sequence, int]], block_size: int,
-              pending: dict[Sequence, int] | None = None) -> StepPlan:
+              pending: dict[Sequence, int] | None = None, eos_ids: tuple[int, ...] = ()) -> StepPlan:
     """batch: each sequence with the number of its uncomputed tokens to run this step (at least one).
     pending: the sequences whose last token the step in flight is sampling, each with its row
-    among that step's sampled tokens."""
+    among that step's sampled tokens. eos_ids: the tokens min_tokens keeps out. A prompt's last
+    chunk samples one row for each sequence samples_at() names (n > 1: the same query row)."""
     input_ids, positions, slots, cu, lens, tables, rows, params = [], [], [], [0], [], [], [], []
-    feed_rows, feed_from = [], []
+    feed_rows, feed_from, contexts = [], [], []
     total = 0
     for seq, n in batch:
         start = seq.num_computed_tokens
@@ -65,8 +98,10 @@ def plan_step(batch: list[tuple[Sequence, int]], block_size: int,
         lens.append(end)
         tables.append(table)
         if end == len(token_ids):  # the chunk reaches the end: its last row predicts the next token
-            rows.append(total - 1)
-            params.append(seq.params)
+            for sampled in seq.samples_at(end):
+                rows.append(total - 1)
+                params.append(sampled.params)
+                contexts.append(None if sampled.params.plain else sample_context(sampled, end, eos_ids))
             # A pending token is only ever a sequence's last, so this is the one row it can be in.
             row = pending.get(seq) if pending else None
             if row is not None:
@@ -75,5 +110,8 @@ def plan_step(batch: list[tuple[Sequence, int]], block_size: int,
             elif token_ids[-1] == PENDING_TOKEN:
                 raise RuntimeError(f"sequence {seq.seq_id} would run a token that no step in flight is sampling")
     # Every sequence runs at least one token, so one token per sequence is a decode step.
+    if not any(contexts):
+        contexts = []
     return StepPlan(input_ids, positions, slots, cu, lens, tables, rows, params, is_decode=total == len(batch),
-                    feed_rows=feed_rows, feed_from=feed_from)
+                    feed_rows=feed_rows, feed_from=feed_from, sample_contexts=contexts,
+                    defer_sampling=any(c is not None and c.constrained for c in contexts))

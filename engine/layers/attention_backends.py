@@ -6,12 +6,19 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers import paged_attention_torch as torch_ref
-
-BACKENDS = ("torch", "triton", "flash_attn")
+from engine.options import ATTENTION_BACKENDS
 
 
 class TorchBackend:
+    """Attention in torch ops. A step the runner prepares carries a StepContext, worked out on the
+    host. Its prefill reads context lengths on the host, so only decode steps run in CUDA graphs,
+    whose metadata has no step context: they take a variant of each op that reads nothing on the
+    host (as does the graph's warmup run before capture). That variant gathers a whole table's
+    width of K/V for every row, so its graphs stop at max_graph_rows rows: at 4K context
+    Qwen3-0.6B's layer gathers 16 MiB a row."""
+
     name = "torch"
+    max_graph_rows = 64
 
     def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
         self._dtype = dtype
@@ -23,7 +30,11 @@ class TorchBackend:
     def step_context(self, plan, inputs: dict, block_size: int) -> torch_ref.StepContext:
         return torch_ref.StepContext(plan, inputs["block_tables"], inputs["context_lens"], block_size, self._dtype)
 
-    store = staticmethod(torch_ref.store_step_kv)
+    @staticmethod
+    def store(key, value, k_cache, v_cache, meta) -> None:
+        if meta.context is None:
+            return torch_ref.store_kv_in_graph(key, value, k_cache, v_cache, meta.slot_mapping)
+        return torch_ref.store_step_kv(key, value, k_cache, v_cache, meta)
 
     @staticmethod
     def prefill(q, k_cache, v_cache, meta, scale):
@@ -32,6 +43,9 @@ class TorchBackend:
 
     @staticmethod
     def decode(q, k_cache, v_cache, meta, scale):
+        if meta.context is None:
+            return torch_ref.sdpa_decode_attention_in_graph(q, k_cache, v_cache, meta.block_tables,
+                                                            meta.context_lens, scale)
         return torch_ref.sdpa_decode_attention(q, k_cache, v_cache, meta.context, scale)
 
 
@@ -49,6 +63,7 @@ class _KernelBackend:
 
 class TritonBackend(_KernelBackend):
     name = "triton"
+    max_graph_rows = None  # decode graphs of any size the runner captures
 
     def __init__(self):
         # start-up: Triton loads only where its kernels run
@@ -111,6 +126,7 @@ class FlashAttnBackend(_KernelBackend):
     Triton store kernel, since flash-attn reads but does not write the paged cache here."""
 
     name = "flash_attn"
+    max_graph_rows = None
 
     def __init__(self):
         # optional: the flash-attn package (nvchat[flash-attn])
@@ -148,8 +164,8 @@ def default_backend(device_type: str) -> str:
 
 
 def make_backend(name: str, device_type: str, block_size: int):
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "torch":
         return TorchBackend()
     if name == "triton":

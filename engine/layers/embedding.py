@@ -40,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     quantized = None  # the head in fewer bits, after quantize (engine/layers/quantized.py)
     # Set by the runner with the Triton backend: one-row steps take the Triton GEMV, which read
-    # Qwen3-0.6B's 311 MB head in 100 µs against cuBLAS's 111 (H100, RESULTS.md). More rows were
+    # Qwen3-0.6B's 311 MB head in 100 µs against cuBLAS's 111 (H100, in a CUDA graph). More rows were
     # not measured.
     fused = False
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import collectives
+from engine.layers import fp8
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.quantized import quantize
@@ -45,26 +46,61 @@ class _Linear(nn.Module):
         self.tp = collectives.current_group()
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.tp_dim = tp_dim
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        # (block_n, block_k) while the weight is FP8 with block scales (engine/layers/fp8.py), else None.
+        self.scale_block = fp8.current_block()
+        weight_dtype = fp8.FP8 if self.scale_block else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype), requires_grad=False)
+        if self.scale_block:
+            grid = fp8.scale_grid((out_features, in_features), self.scale_block)
+            self.weight_scale_inv = nn.Parameter(torch.empty(grid, dtype=torch.float32), requires_grad=False)
+        else:
+            self.register_parameter("weight_scale_inv", None)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
-        if not (param.dim() == 1 and self.tp_dim == 1):  # a row-parallel bias is whole on every rank
-            size = param.shape[self.tp_dim]
-            loaded = narrow(loaded, self.tp_dim, self.tp_rank * size, size)
-        copy_into(param, loaded)
+        if param.dim() == 1 and self.tp_dim == 1:  # a row-parallel bias is whole on every rank
+            copy_into(param, loaded)
+            return
+        size = self.weight.shape[self.tp_dim]
+        self._load_part(param, loaded, self.tp_dim, 0, self.tp_rank * size, size)
+
+    def _load_part(self, param: nn.Parameter, loaded, dim: int, at: int, start: int, size: int) -> None:
+        """Copies rows (along dim) [start, start + size) of the checkpoint tensor into rows
+        [at, at + size) of param, counted in the weight's rows; an FP8 weight's scales take the
+        blocks those rows fall in."""
+        if param is self.weight_scale_inv:
+            block = self.scale_block[dim]
+            at, count = fp8.scale_span(at, size, block, param.shape[dim], "this rank's part")
+            start, _ = fp8.scale_span(start, size, block, shape_of(loaded)[dim], "the checkpoint's scales")
+            size = count
+        elif param is self.weight and self.scale_block and not fp8.is_fp8(loaded):
+            raise ValueError("stored unquantized in a block-FP8 checkpoint; nvchat keeps every projection of "
+                             "such a checkpoint in FP8 (quantization='none' loads it dequantized)")
+        if shape_of(loaded)[dim] < start + size:
+            raise ValueError(f"has {shape_of(loaded)[dim]} {('rows', 'columns')[dim]}, need {start + size}")
+        copy_into(param.data.narrow(dim, at, size), narrow(loaded, dim, start, size))
 
     def quantize(self, method: str) -> None:
-        """Swaps the float weight for its quantized form."""
+        """Swaps the float weight for its quantized form: for "fp8", e4m3 with block scales
+        (engine/layers/fp8.py); otherwise a CPU quantized weight (engine/layers/quantized.py)."""
+        if method == "fp8":
+            self.scale_block = fp8.DEFAULT_BLOCK
+            q, scale = fp8.quantize_blocks(self.weight.data, self.scale_block)
+            self.weight = nn.Parameter(q, requires_grad=False)
+            self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+            return
         self.quantized = quantize(self.weight.data, method)
         self.weight = None
 
     def _multiply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None:
             y = self.quantized.product(x) if self.keeps_product_dtype else self.quantized(x)
+            return y if bias is None else y + bias
+        if self.scale_block:
+            y = fp8.linear(x, self.weight, self.weight_scale_inv, self.scale_block)
             return y if bias is None else y + bias
         return _project(x, self.weight, bias, self.fused)
 
@@ -93,9 +129,9 @@ class _Linear(nn.Module):
         # Not with a quantized weight or a bias (Qwen2's qkv), nor where the norm also sums the
         # ranks' partial outputs (tensor parallel, reduce_slot).
         # One row only: at 2-8 rows the fused row kernels ran 5-7 µs per layer slower than the norm
-        # and SiLU-mul kernels beside the plain GEMVs (bench_gemv --fused, H200, RESULTS.md).
+        # and SiLU-mul kernels beside the plain GEMVs (bench_gemv --fused, H200).
         return (self.fused and norm.fused and (act is None or act.fused) and self.quantized is None
-                and self.bias is None and norm.reduce_slot is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+                and not self.scale_block and self.bias is None and norm.reduce_slot is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
                 and x.dtype == norm.weight.dtype
                 and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1))
 
@@ -116,8 +152,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        shard = narrow(loaded, 0, self.tp_rank * size, size)
-        copy_into(param.data.narrow(0, offset, size), shard)
+        self._load_part(param, loaded, 0, offset, self.tp_rank * size, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -145,9 +180,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, (self.tp_rank // self.kv_replicas) * kv_size
-        if shape_of(loaded)[0] < start + size:
-            raise ValueError(f"checkpoint {shard_id}_proj has {shape_of(loaded)[0]} rows, need {start + size}")
-        copy_into(param.data.narrow(0, offset, size), narrow(loaded, 0, start, size))
+        self._load_part(param, loaded, 0, offset, start, size)
 
 
 class RowParallelLinear(_Linear):

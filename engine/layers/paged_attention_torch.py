@@ -150,3 +150,43 @@ def sdpa_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, bloc
                                                   scale=scale, enable_gqa=True)
         out[qs:qe] = attended[0].transpose(0, 1)
     return out
+
+
+# --- For CUDA graphs: no host syncs, shapes fixed by the inputs' ----------------------------------
+
+
+def store_kv_in_graph(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """store_kv without reading anything on the host, so a CUDA graph can capture it (store_kv's
+    boolean mask counts the kept rows on the host). Every row writes: a skipped row (slot -1)
+    writes what the first kept row writes, where it writes it, or, when no row is kept, slot 0's
+    own contents back to slot 0. Writes to one slot then carry equal bytes, whichever lands last."""
+    if slot_mapping.shape[0] == 0:
+        return
+    rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
+    keep = slot_mapping >= 0
+    first_kept = torch.where(keep, rows, slot_mapping.shape[0]).amin() % slot_mapping.shape[0]
+    source = torch.where(keep, rows, first_kept)
+    slots = slot_mapping.index_select(0, source).clamp(min=0)
+    any_kept = keep.any()
+    for new, cache in ((key, k_cache), (value, v_cache)):
+        flat = cache.view(-1, *cache.shape[2:])
+        kept = torch.where(any_kept, new.index_select(0, source), flat.index_select(0, slots))
+        flat.index_copy_(0, slots, kept)
+
+
+def sdpa_decode_attention_in_graph(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """sdpa_decode_attention for a CUDA graph: every sequence reads its table's whole width (the
+    graph's fixed shape) and masks the positions past its context, all in one batched call. Table
+    entries past a sequence's blocks may hold anything, so they are clamped to a real block: what
+    they point at is masked. A sequence of context 0 would attend to nothing (NaN); the decode
+    graphs pad with context 1."""
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    width = block_tables.shape[1]
+    blocks = block_tables.clamp(0, num_blocks - 1).flatten()
+    k = k_cache.index_select(0, blocks).view(batch, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, blocks).view(batch, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    visible = torch.arange(width * block_size, device=q.device)[None, :] < context_lens[:, None]
+    grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=visible[:, None, None, :], scale=scale)
+    return out.reshape(batch, num_heads, head_dim)

@@ -15,7 +15,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP = 32
 
 

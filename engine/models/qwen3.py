@@ -79,6 +79,7 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
         self.act = SiluAndMul()
+        self.output_layer = self.down_proj  # whose `reduce` sums the ranks' partial outputs
 
     def forward(self, x, residual, norm: RMSNorm):
         """The MLP of norm(x + residual); returns (its output, the new residual)."""
@@ -92,12 +93,13 @@ def rotary_embedding(config, head_dim: int, max_position: int) -> RotaryEmbeddin
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool, rotary: RotaryEmbedding | None = None):
+    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool, mlp: nn.Module,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, max_position, qk_norm, bias, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp
 
     def forward(self, positions, x, residual, meta):
         # Each sublayer applies its pre-norm, so that its first projection can take the norm in.
@@ -106,7 +108,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool):
+    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool, make_mlp):
+        """make_mlp(config, layer index) builds each layer's MLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -114,7 +117,8 @@ class DecoderModel(nn.Module):
         # layer at head_dim 128 and 40,960 positions).
         rotary = rotary_embedding(config, head_dim, max_position)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, max_position, qk_norm, bias, rotary) for _ in range(config.num_hidden_layers))
+            DecoderLayer(config, max_position, qk_norm, bias, make_mlp(config, i), rotary)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -126,7 +130,7 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    # checkpoint name -> (our parameter name, shard id passed to its weight_loader)
+    # checkpoint module name -> (our module name, shard id passed to its weight_loader)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -140,11 +144,23 @@ class CausalLM(nn.Module):
     def __init__(self, config, max_position: int):
         super().__init__()
         bias = getattr(config, "attention_bias", self.attention_bias)
-        self.model = DecoderModel(config, max_position, self.qk_norm, bias)
+        self.model = DecoderModel(config, max_position, self.qk_norm, bias, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def make_mlp(config, layer_index: int) -> nn.Module:
+        return MLP(config)
+
+    def weight_target(self, name: str) -> tuple[str, object]:
+        """(our parameter's name, the shard id its layer's weight_loader takes, or None) for a
+        checkpoint tensor's name."""
+        for ckpt_part, (our_part, shard) in self.packed_modules.items():
+            if f".{ckpt_part}." in name:
+                return name.replace(ckpt_part, our_part), shard
+        return name, None
 
     def forward(self, input_ids, positions, meta) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
@@ -159,22 +175,28 @@ class CausalLM(nn.Module):
         layers = self.model.layers
         norms = []
         for i, layer in enumerate(layers):
-            layer.self_attn.o_proj.reduce = layer.mlp.down_proj.reduce = False
+            layer.self_attn.o_proj.reduce = layer.mlp.output_layer.reduce = False
             after_mlp = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             norms += [layer.post_attention_layernorm, after_mlp]
         for i, norm in enumerate(norms):
             norm.reduce_slot = i % 2
 
     def quantize(self, method: str) -> None:
-        """Every projection to `method`'s weights and the LM head to int8 (engine/layers/quantized.py).
-        The head stays at 8 bits even for int4: at 4 bits SmolLM2's greedy answer to "What is the
-        capital of France?" lost Paris in its first token; at 8 it matched the float model's."""
+        """Every projection (and expert) to `method`'s weights. With int8 or int4 (CPU,
+        engine/layers/quantized.py) the LM head goes to int8: it stays at 8 bits even for int4, since at
+        4 bits SmolLM2's greedy answer to "What is the capital of France?" lost Paris in its first
+        token; at 8 it matched the float model's. With fp8 (CUDA, engine/layers/fp8.py) the head
+        stays in the model's dtype, as Qwen's FP8 checkpoints keep it."""
         for module in self.modules():
             if hasattr(module, "quantize") and module is not self and module is not self.lm_head:
                 module.quantize(method)
+        if method == "fp8":
+            return
         self.lm_head.quantize("int8", tied=self.tie_word_embeddings)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if type(mlp) is not MLP:  # a mixture of experts: its products keep their float32
+                continue
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 # Not where a row-parallel sum would add the ranks' bf16 partial sums.
                 proj.keeps_product_dtype = proj.tp_size == 1
@@ -195,5 +217,3 @@ class Qwen2ForCausalLM(CausalLM):
 class LlamaForCausalLM(CausalLM):
     qk_norm = False
 
-
-ARCHITECTURES = {cls.__name__: cls for cls in (Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)}

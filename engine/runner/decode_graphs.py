@@ -2,9 +2,9 @@
 
 The point is how few torch calls a decode step makes. Each one lets go of the GIL and has to win
 it back. While the app's UI thread draws, each win costs the engine thread tens of µs, so a busy
-UI slows generation in proportion to the calls per step, not only their own host time
-(RESULTS.md, eighth session). A decode step through the general path made about 32. Here it
-makes six:
+UI slows generation in proportion to the calls per step, not only their own host time: beside a
+thread running Python in 40 ms bursts, 8 streams kept 81% of their rate at the general path's ~32
+torch calls a step and 88% at six (bench_gil_contention, H200). Here a decode step makes six:
 - the host writes all of a step's inputs, at the fixed offsets of its bucket, into a pinned
   buffer (plain memory writes, no torch call), and one copy moves them to the device;
 - the captured graph reads them where they land, and takes each pending input id (a token the
@@ -99,6 +99,9 @@ class DecodeGraphs:
         self._pads = {name: array(code, [pad]) * buckets[-1] for name, _, code, pad in _FIELDS}
         self._cu_seqlens_q = torch.arange(buckets[-1] + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(buckets[-1], hidden_size, dtype=dtype, device=device)
+        # Each row's input token as the graph saw it (fed ones included), for the eager sampler's
+        # penalties: the last token of each sequence.
+        self.input_ids = torch.zeros(buckets[-1], dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self._sampling = sample
@@ -153,16 +156,18 @@ class DecodeGraphs:
 
     def _stage_params(self, plan: StepPlan) -> str | None:
         """The per-row sampling settings as bytes (kept while the rows keep their settings, as
-        streams do from step to step); returns the kind of sampling, None for a seeded row."""
+        streams do from step to step); returns the kind of sampling, None for a seeded row or one
+        whose params are not plain (penalties, min_p, logit_bias, min_tokens, logprobs, structured
+        output: the runner's eager Sampler does those, for the whole step)."""
         params = plan.sample_params
-        key = [(p.temperature, p.top_k, p.top_p, p.seed is None) for p in params]
+        key = [(p.temperature, p.top_k, p.top_p, p.seed is None, p.plain) for p in params]
         if key != self._params_key:
             greedy = [p.temperature == 0 for p in params]
             self._params_bytes = {
                 "temperatures": array("f", [1.0 if g else p.temperature for p, g in zip(params, greedy)]),
                 "top_p": array("f", [p.top_p for p in params]), "top_k": array("i", [min(p.top_k, _TOP_K_MAX) for p in params]),
                 "greedy": array("B", greedy)}
-            if any(not g and p.seed is not None for p, g in zip(params, greedy)):
+            if any((not g and p.seed is not None) or not p.plain for p, g in zip(params, greedy)):
                 self._kind = None
             elif all(greedy):
                 self._kind = "greedy"
@@ -194,6 +199,7 @@ class DecodeGraphs:
         v = self.views[bucket]
         fed = v["feed_from"] >= 0
         input_ids = torch.where(fed, self.sampled.index_select(0, v["feed_from"].clamp(min=0)), v["input_ids"])
+        self.input_ids[:bucket].copy_(input_ids)
         meta = AttentionMetadata(slot_mapping=v["slot_mapping"], context_lens=v["context_lens"],
                                  block_tables=v["block_tables"], cu_seqlens_q=self._cu_seqlens_q[:bucket + 1],
                                  max_seqlen_q=1, is_decode=True)

@@ -6,10 +6,12 @@ from array import array
 import torch
 
 from engine.checkpoints.loader import init_random_weights, load_weights
+from engine.checkpoints.quantization import fp8_block
 from engine.config import EngineConfig
-from engine.core.sampling_params import SamplingParams
-from engine.core.step_plan import StepPlan
+from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.core.step_plan import SampleContext, StepPlan
 from engine.distributed import collectives
+from engine.layers import fp8
 from engine.layers.attention import AttentionMetadata
 from engine.layers.attention_backends import make_backend
 from engine.models.cpu_decode import CpuDecode
@@ -24,24 +26,29 @@ _CPU_KV_MAX_BYTES = 4 << 30
 # Prefill graphs hold this many sequence slots at most; bigger mixed batches run eagerly (they are
 # decode-heavy, and their GPU time hides the launch cost anyway). Every slot costs the prefill
 # kernel programs that find no queries and exit: at 64 slots a 128-token mixed step paid ~2 ms
-# for them on the H200 (RESULTS.md), more than a chat's handful of tabs ever needs.
+# for them on the H200 (profile_step), more than a chat's handful of tabs ever needs.
 _PREFILL_GRAPH_SEQS = 16
 # Decode graphs and the logits ladder stop at this many rows; bigger decode steps run eagerly.
 _DECODE_GRAPH_ROWS = 512
-# The costliest sampling a step can ask for (a sort over the vocabulary for top-k/top-p), which the
-# warmup runs to size the KV cache around its memory.
-_COSTLIEST_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+# The costliest sampling a step can ask for (the penalties' counts, logprobs' log_softmax and top 20,
+# a sort over the vocabulary for top-k/top-p), which the warmup runs to size the KV cache around
+# its memory.
+_COSTLIEST_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                                     frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
+# Its context: the penalties' token counts are [rows, vocab] whatever the history's length.
+_COSTLIEST_CONTEXT = SampleContext(array("q"), 0)
 
 
 class SampledTokens:
-    """One step's sampled tokens, one per sampled row, as the host will read them. On a GPU their
-    copy to pinned memory is queued without waiting: tolist() waits for that copy, not for
-    anything queued after it."""
+    """One step's sampled tokens, one per sampled row, as the host will read them, and their
+    log-probabilities when a row asked for them. On a GPU their copy to pinned memory is queued
+    without waiting: tolist() waits for that copy, not for anything queued after it."""
 
-    def __init__(self, values, copied: "torch.cuda.Event | None" = None, still_mine=None):
+    def __init__(self, values, copied: "torch.cuda.Event | None" = None, still_mine=None, logprobs=None):
         self._values = values  # anything with tolist(): pinned memory seen through numpy, or a CPU tensor
         self._copied = copied
         self._still_mine = still_mine  # () -> False once a later step was given the same buffer
+        self._logprobs = logprobs  # (chosen, top ids, top values) host tensors, or None
 
     def tolist(self) -> list[int]:
         if self._copied is not None:
@@ -51,6 +58,13 @@ class SampledTokens:
             raise RuntimeError("a step's sampled tokens were read after a later step reused their buffer: "
                                "read each step's tokens before launching the step after the next")
         return values
+
+    def logprobs(self) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
+        """Per row: the chosen token's log-probability, and the top tokens' ids and values (as many
+        as the row's request wants lead the lists). None when no row asked. Call after tolist()."""
+        if self._logprobs is None:
+            return None
+        return tuple(t.tolist() for t in self._logprobs)
 
 
 class _TokenReadback:
@@ -63,15 +77,22 @@ class _TokenReadback:
         self._events = [torch.cuda.Event() for _ in range(2)]
         self._queued = 0  # steps queued so far; step n (from 0) uses buffer n % 2
 
-    def queue(self, tokens: torch.Tensor) -> SampledTokens:
+    def queue(self, tokens: torch.Tensor, logprobs=None) -> SampledTokens:
         step = self._queued
         self._queued += 1
         i = step % 2
         rows = tokens.shape[0]
         self._host[i][:rows].copy_(tokens, non_blocking=True)
+        host_logprobs = None
+        if logprobs is not None:
+            # Rare enough (a request that asked) for pinned tensors of their own; torch's host
+            # allocator keeps them for the next step that asks.
+            host_logprobs = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                  for t in (logprobs.chosen, logprobs.top_ids, logprobs.top_values))
         self._events[i].record()
         # Step n's buffer goes to step n + 2.
-        return SampledTokens(self._arrays[i][:rows], self._events[i], lambda: self._queued <= step + 2)
+        return SampledTokens(self._arrays[i][:rows], self._events[i], lambda: self._queued <= step + 2,
+                             host_logprobs)
 
 
 def _use_expandable_segments() -> None:
@@ -88,7 +109,7 @@ def _use_cpu_threads() -> None:
     """On CPU, torch's matmuls use one thread fewer than the cores the process may run on, leaving
     one to the engine's own Python work and to an app's UI thread. With every core in torch's pool,
     each op waits at its barrier for whichever worker another thread displaced: on a 2-core box with
-    other work running, batch-1 decode of SmolLM2-135M fell from 9 to 0.6 tok/s (RESULTS.md).
+    other work running, batch-1 decode of SmolLM2-135M ran at 0.6 tok/s on 2 threads against 9 on 1.
     OMP_NUM_THREADS, when set, is the user's choice and stands."""
     if "OMP_NUM_THREADS" in os.environ:
         return
@@ -109,7 +130,7 @@ class ModelRunner:
         progress = progress or (lambda message: None)
         self.config = config
         self.rank = rank
-        self.block_size = config.block_size
+        self.block_size = config.kvcache_block_size
         # Rank r runs on the r-th GPU counted from the one asked for (cuda:2 with TP=2 is GPUs 2 and 3).
         base = config.device.index or 0
         self.device = torch.device("cuda", base + rank) if config.device.type == "cuda" else config.device
@@ -123,10 +144,14 @@ class ModelRunner:
             raise ValueError(f"rank {rank} of tensor_parallel_size={config.tensor_parallel_size} was given the "
                              f"group of rank {self.tp_group.rank} of {self.tp_group.size}")
         progress("building the model")
+        # A block-FP8 checkpoint's weights go into FP8 parameters as they are, when they stay FP8.
+        checkpoint_block = fp8_block(getattr(config.hf_config, "quantization_config", None), str(config.model_path))
+        built_fp8 = config.quantization == "fp8" and checkpoint_block is not None
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
-            with torch.device(self.device), collectives.building(self.tp_group):
+            with torch.device(self.device), collectives.building(self.tp_group), \
+                    fp8.building(checkpoint_block if built_fp8 else None):
                 self.model = config.architecture(config.hf_config, max_position=config.max_model_len)
         finally:
             torch.set_default_dtype(old_dtype)
@@ -134,18 +159,19 @@ class ModelRunner:
         if config.load_format == "random":
             init_random_weights(self.model)
         else:
-            load_weights(self.model, config.model_path)
-        if config.quantization is not None:
+            load_weights(self.model, config.model_path, checkpoint_block)
+        if config.quantization is not None and not built_fp8:
             self.model.quantize(config.quantization)
         self.model.eval()
-        self.backend = make_backend(config.attention_backend, self.device.type, config.block_size)
+        self.backend = make_backend(config.attention_backend, self.device.type, config.kvcache_block_size)
         self.attention_layers = self.model.attention_layers()
         for attn in self.attention_layers:
             attn.backend = self.backend
         attn0 = self.attention_layers[0]
         self.backend.setup(config.dtype, attn0.head_dim, attn0.num_heads, attn0.num_kv_heads, self.device)
         if self.backend.name == "triton":
-            # The fused Triton norm, RoPE and SiLU kernels beat torch eager on the H200 (RESULTS.md).
+            # The fused Triton norm, RoPE and SiLU kernels beat torch eager on the H200 (bench_kernels,
+            # 256 tokens in a CUDA graph: 6.56 / 7.46 / 6.69 µs against 25.41 / 41.92 / 12.86).
             for module in self.model.modules():
                 if hasattr(type(module), "fused"):
                     module.fused = True
@@ -157,6 +183,8 @@ class ModelRunner:
         # rank can feed the next step without rank 0's host in between, as the overlapped step needs.
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._readback = _TokenReadback(config.max_num_seqs) if self.device.type == "cuda" and rank == 0 else None
+        # A step whose sampling waits for structured output's masks: (plan, logits, last tokens).
+        self._deferred = None
         self.decode_graphs = self.prefill_graphs = None  # the warmup below runs eagerly
         self._logits_ladder = None  # logits for exactly the rows sampled, until _warm_logits
         # On a GPU, how its memory was shared out, in bytes: "total", "used" before the KV cache,
@@ -262,7 +290,7 @@ class ModelRunner:
         fragmentation around them. The fragmentation varies from run to run with what it holds
         cached: with Qwen3-0.6B's 256 sampled rows, reservations ran 0.013-0.080 GiB over the
         allocated peak in the warmup and 0.049-0.070 GiB (3.5-5% of it) in the GPU memory test's
-        steps, on the H100 and the H200 (RESULTS.md, eleventh session). So what the warmup saw is
+        steps, on the H100 and the H200 (the GPU memory test and an allocator probe). So what the warmup saw is
         counted twice, and never less than a 16th of the allocated peak."""
         before = self._settled_reserved()
         allocated_before = torch.cuda.memory_allocated(self.device)
@@ -293,7 +321,8 @@ class ModelRunner:
         """The decode graphs' batch sizes and the prefill graphs' token counts."""
         c = self.config
         prefill = prefill_buckets(c.max_num_batched_tokens) if c.prefill_cuda_graphs else []
-        return decode_buckets(min(c.max_num_seqs, _DECODE_GRAPH_ROWS)), prefill
+        rows = min(c.max_num_seqs, _DECODE_GRAPH_ROWS, self.backend.max_graph_rows or _DECODE_GRAPH_ROWS)
+        return decode_buckets(rows), prefill
 
     def _make_graphs(self, decode: list[int], prefill: list[int], progress=None):
         """Captures decode graphs for the batch sizes in decode and prefill graphs for the token
@@ -317,7 +346,7 @@ class ModelRunner:
         one-row GEMV, for one), and the device memory they first take (CUDA loads code lazily)
         lies outside torch's allocator and stays after the graphs are dropped. Capturing only the largest graphs and counting torch's pool
         missed 0.027 GiB of it (H100, Qwen3-0.6B shape), which took the GPU memory test past its
-        budget (RESULTS.md, tenth session). What this first capture loads stays loaded, so it is
+        budget (by 0.032 GiB on an H200). What this first capture loads stays loaded, so it is
         also in the "used" figure measured after it: counted twice, up to ~0.13 GiB the first time
         a process builds an engine."""
         before = self._settled_use()
@@ -432,7 +461,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> SampledTokens | None:
         """Queues one step on the device and returns without waiting for it: rank 0 returns the
         tokens it samples, one per sampled row, others None. The plan's feed_rows take their input
-        ids from the tokens the step before sampled, on the device."""
+        ids from the tokens the step before sampled, on the device. With plan.defer_sampling it
+        queues the forward pass and the logits only, returns None, and sample_deferred() samples."""
         rows = len(plan.sample_rows)
         if plan.is_decode and self.decode_graphs is not None and rows == len(plan.input_ids):
             bucket = self.decode_graphs.bucket_for(rows)
@@ -463,31 +493,59 @@ class ModelRunner:
         # where the hidden states hold the padded row count already (a graph's bucket).
         if rows < len(plan.input_ids) or hidden.shape[0] != padded:
             hidden = hidden[inputs["sample_rows"]]
-        return self._sample(plan, self.model.compute_logits(hidden))
+        last_tokens = inputs["input_ids"][inputs["sample_rows"][:rows]] if plan.sample_contexts else None
+        return self._sample_or_defer(plan, self.model.compute_logits(hidden), last_tokens)
 
     def _execute_decode_graph(self, plan: StepPlan, bucket: int) -> SampledTokens | None:
         graphs = self.decode_graphs
         kind = graphs.stage(plan, bucket)
         graphs.replay(bucket, kind)
         if kind is None:
-            # The bucket is a size from the logits ladder: no gather, no new cuBLAS shape.
-            return self._sample(plan, self.model.compute_logits(graphs.hidden[:bucket]))
+            # Sampled eagerly (a seeded row, or a row whose params are not plain): the forward pass
+            # stayed in the graph. The bucket is a size from the logits ladder: no gather, no new
+            # cuBLAS shape.
+            last_tokens = graphs.input_ids[:len(plan.input_ids)] if plan.sample_contexts else None
+            return self._sample_or_defer(plan, self.model.compute_logits(graphs.hidden[:bucket]), last_tokens)
         return self._read_back(self.sampled[:len(plan.input_ids)])
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor | None) -> SampledTokens | None:
+    def _sample_or_defer(self, plan: StepPlan, logits, last_tokens) -> SampledTokens | None:
+        if plan.defer_sampling:
+            self._deferred = (plan, logits, last_tokens)
+            return None
+        return self._sample(plan, logits, last_tokens)
+
+    @torch.inference_mode()
+    def sample_deferred(self, masks: tuple[list[int], torch.Tensor] | None) -> SampledTokens | None:
+        """Samples the step execute() left unsampled (plan.defer_sampling), with structured
+        output's token masks (Sampler.sample's masks; rank 0's only, None elsewhere), computed once
+        the step before had landed. Every rank calls it, in step order: the tokens' broadcast is a
+        collective."""
+        if self._deferred is None:
+            raise RuntimeError("sample_deferred() without a step waiting to be sampled")
+        (plan, logits, last_tokens), self._deferred = self._deferred, None
+        return self._sample(plan, logits, last_tokens, masks)
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor | None, last_tokens: torch.Tensor | None = None,
+                masks=None) -> SampledTokens | None:
         """Samples the plan's rows from logits (every rank computed them: the vocabulary shards
-        meet on rank 0) into self.sampled on every rank; rank 0 returns them."""
+        meet on rank 0) into self.sampled on every rank; rank 0 returns them. last_tokens: each
+        sampled row's input token, when a row's SampleContext needs it (the penalties)."""
         rows = len(plan.sample_rows)
         tokens = self.sampled[:rows]
+        logprobs = None
         if self.rank == 0:
-            tokens.copy_(self.sampler(logits[:rows], plan.sample_params, plan.sample_positions))
+            sampled, logprobs = self.sampler.sample(logits[:rows], plan.sample_params, plan.sample_positions,
+                                                    plan.sample_contexts or None, last_tokens, masks)
+            tokens.copy_(sampled)
         self.tp_group.broadcast_from_rank0(tokens)
-        return self._read_back(tokens) if self.rank == 0 else None
+        return self._read_back(tokens, logprobs) if self.rank == 0 else None
 
-    def _read_back(self, tokens: torch.Tensor) -> SampledTokens:
+    def _read_back(self, tokens: torch.Tensor, logprobs=None) -> SampledTokens:
         if self._readback is None:
-            return SampledTokens(tokens.clone())  # the next step overwrites self.sampled before this is read
-        return self._readback.queue(tokens)
+            # Cloned: the next step overwrites self.sampled before this is read.
+            return SampledTokens(tokens.clone(), logprobs=None if logprobs is None else
+                                 (logprobs.chosen, logprobs.top_ids, logprobs.top_values))
+        return self._readback.queue(tokens, logprobs)
 
     def shutdown(self) -> None:
         """Frees the model, KV cache and graphs, so the memory is there for another engine even if
@@ -514,7 +572,8 @@ def _sampled_prefill_plan(tokens: int, rows: int, block_size: int, num_blocks: i
                     slot_mapping=[-1] * (rows * per_seq), cu_seqlens_q=[i * per_seq for i in range(rows + 1)],
                     context_lens=[per_seq] * rows,
                     block_tables=[[(i * blocks + j) % num_blocks for j in range(blocks)] for i in range(rows)],
-                    sample_rows=[(i + 1) * per_seq - 1 for i in range(rows)], sample_params=params, is_decode=False)
+                    sample_rows=[(i + 1) * per_seq - 1 for i in range(rows)], sample_params=params, is_decode=False,
+                    sample_contexts=[None] + [_COSTLIEST_CONTEXT] * (rows - 1))
 
 
 def _decode_plan(rows: int, sample: bool) -> StepPlan:
@@ -524,4 +583,4 @@ def _decode_plan(rows: int, sample: bool) -> StepPlan:
     return StepPlan(input_ids=[0] * rows, positions=[0] * rows, slot_mapping=[-1] * rows,
                     cu_seqlens_q=list(range(rows + 1)), context_lens=[1] * rows, block_tables=[[0]] * rows,
                     sample_rows=list(range(rows)) if sample else [], sample_params=params if sample else [],
-                    is_decode=True)
+                    is_decode=True, sample_contexts=[None] + [_COSTLIEST_CONTEXT] * (rows - 1) if sample else [])

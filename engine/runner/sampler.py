@@ -1,6 +1,10 @@
+import math
+from array import array
+
 import torch
 
 from engine.core.sampling_params import SamplingParams
+from engine.core.step_plan import SampleContext
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the generator's seed space
 # Rows sampled at a time. Sampling holds several float32 copies of each row's logits (and with
@@ -38,11 +42,16 @@ def _filter_sorted(logits: torch.Tensor, beyond_k: torch.Tensor, top_p: torch.Te
 
 
 class Sampler:
-    """Greedy, temperature, top-k and top-p sampling for a batch of rows with mixed settings.
+    """Turns a batch of rows' logits into tokens, each row with its own settings.
 
     Sampling is argmax(p / E) with E ~ Exp(1), which draws from p. A seeded request draws E from a
     generator seeded by (seed, token position), so its tokens do not depend on what else shares
     the batch, nor on preemption and recompute.
+
+    Rows whose SamplingParams are plain (temperature, top-k, top-p, seed) take the short path that
+    a decode CUDA graph also captures (draw). Any other row (penalties, min_p, logit_bias,
+    min_tokens, logprobs, structured output) sends its whole chunk of rows through adjust_logits
+    first, eagerly: SamplingParams' docstring gives the order of the adjustments.
     """
 
     def __init__(self, device: torch.device):
@@ -54,10 +63,13 @@ class Sampler:
         self._rows_key = None
         self._rows = None
 
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         # Pinned and non-blocking: a plain copy to the GPU would wait for the forward pass to end
         # before the host could queue the rest of sampling.
-        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        if isinstance(values, torch.Tensor):
+            host = values.pin_memory() if self.device.type == "cuda" else values
+        else:
+            host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)
 
     def _row_settings(self, params: list[SamplingParams], vocab: int):
@@ -79,26 +91,179 @@ class Sampler:
         return self._rows
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+        return self.sample(logits, params, positions)[0]
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+               contexts: list[SampleContext | None] | None = None, last_tokens: torch.Tensor | None = None,
+               masks: tuple[list[int], torch.Tensor] | None = None):
         """logits: [rows, vocab] in the model's dtype; positions: each row's token position, which
-        keys seeded draws. Returns the int64 tokens on the logits' device, without waiting for them."""
+        keys seeded draws. contexts: each row's SampleContext or None (StepPlan.sample_contexts);
+        last_tokens: each row's input token on the device (the last token of its sequence, which
+        the penalties count; needed when a context has history); masks: (rows, int32 bitmasks
+        [len(rows), ceil(vocab / 32)] on the CPU, bit t of a row set when token t is allowed), for
+        the rows under structured output. Returns (tokens, logprobs): the int64 tokens on the logits'
+        device, without waiting for them, and None or Logprobs when some row asked for them."""
         # Up-casting is exact and keeps order, so the argmax of bf16 logits is the argmax of their
         # float32 copy (first index on ties in both), without writing that copy.
-        if all(p.temperature == 0 for p in params):
-            return logits.argmax(-1)
+        plain = all(p.plain for p in params)
+        if plain and all(p.temperature == 0 for p in params):
+            return logits.argmax(-1), None
         temps, greedy_rows, filters = self._row_settings(params, logits.shape[-1])
         seeded = [(row, (p.seed * _SEED_MIX + positions[row]) % (2**63))
                   for row, p in enumerate(params) if p.seed is not None and p.temperature > 0]
         rows = logits.shape[0]
-        if rows <= SAMPLE_CHUNK_ROWS:
-            return draw(logits, temps, greedy_rows, filters, seeded, self.generator)
-        tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        want = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        logprobs = Logprobs.empty(rows, want, logits.device) if want is not None else None
+        tokens = torch.empty(rows, dtype=torch.int64, device=logits.device) if rows > SAMPLE_CHUNK_ROWS else None
         for start in range(0, rows, SAMPLE_CHUNK_ROWS):
             chunk = slice(start, start + SAMPLE_CHUNK_ROWS)
-            tokens[chunk] = draw(logits[chunk], temps[chunk], None if greedy_rows is None else greedy_rows[chunk],
-                                 None if filters is None else (filters[0][chunk], filters[1][chunk]),
-                                 [(row - start, seed) for row, seed in seeded if chunk.start <= row < chunk.stop],
-                                 self.generator)
-        return tokens
+            whole = rows <= SAMPLE_CHUNK_ROWS
+            c_temps = temps if whole else temps[chunk]
+            c_greedy = None if greedy_rows is None else greedy_rows if whole else greedy_rows[chunk]
+            c_filters = None if filters is None else filters if whole else (filters[0][chunk], filters[1][chunk])
+            c_seeded = [(row - start, seed) for row, seed in seeded if chunk.start <= row < chunk.stop]
+            c_logits = logits if whole else logits[chunk]
+            if plain:
+                out = draw(c_logits, c_temps, c_greedy, c_filters, c_seeded, self.generator)
+            else:
+                adjusted = self.adjust_logits(c_logits, params[chunk], (contexts or [None] * rows)[chunk],
+                                              None if last_tokens is None else last_tokens[chunk],
+                                              _masks_in(masks, chunk.start, min(chunk.stop, rows)))
+                scaled = adjusted / c_temps
+                if logprobs is not None:
+                    logprobs.fill(chunk, scaled)
+                scaled = self._min_p(scaled, params[chunk])
+                greedy_tokens = adjusted.argmax(-1) if c_greedy is not None else None
+                out = _draw_from(scaled, greedy_tokens, c_greedy, c_filters, c_seeded, self.generator)
+            if whole:
+                tokens = out
+            else:
+                tokens[chunk] = out
+        if logprobs is not None:
+            logprobs.chosen_of(tokens)
+        return tokens, logprobs
+
+    def adjust_logits(self, logits: torch.Tensor, params: list[SamplingParams], contexts: list,
+                      last_tokens: torch.Tensor | None, masks: tuple[list[int], torch.Tensor] | None) -> torch.Tensor:
+        """The logits, in float32, with logit_bias added, the tokens each row may not sample now set
+        to -inf (structured output's mask, then min_tokens' bans unless they would leave nothing)
+        and the penalties applied."""
+        # A float32 copy to write into (the caller's logits stay as they are).
+        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
+        rows, vocab = logits.shape
+        bias = [(row, token, value) for row, p in enumerate(params) if p.logit_bias
+                for token, value in p.logit_bias.items()]
+        if bias:
+            r, t, v = zip(*bias)
+            logits.index_put_((self._to_device(r, torch.int64), self._to_device(t, torch.int64)),
+                              self._to_device(v, torch.float32), accumulate=True)
+        if masks is not None and masks[0]:
+            mask_rows = self._to_device(masks[0], torch.int64)
+            allowed = _unpack_bitmask(self._to_device(masks[1], torch.int32), vocab)
+            logits[mask_rows] = logits[mask_rows].masked_fill(~allowed, float("-inf"))
+        bans = [(row, token) for row, c in enumerate(contexts) if c is not None for token in c.banned if token < vocab]
+        if bans:
+            r, t = zip(*bans)
+            banned = logits.index_put((self._to_device(r, torch.int64), self._to_device(t, torch.int64)),
+                                      torch.tensor(float("-inf"), device=logits.device))
+            # A row that the bans would leave with no token (structured output that allows only the
+            # end of the reply, before min_tokens) keeps its end: a reply must end somewhere.
+            logits = torch.where(torch.isfinite(banned).any(-1, keepdim=True), banned, logits)
+        penalized = [row for row, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            logits[penalized] = self._penalize(logits[penalized], [params[r] for r in penalized],
+                                               [contexts[r] for r in penalized], last_tokens[penalized])
+        return logits
+
+    def _penalize(self, logits: torch.Tensor, params: list[SamplingParams], contexts: list[SampleContext],
+                  last_tokens: torch.Tensor) -> torch.Tensor:
+        """vLLM's and OpenAI's penalties over each row's tokens: its history (every token before the
+        row's input) and its input token, which only the device knows while the step before is
+        still sampling it."""
+        rows, vocab = logits.shape
+        width = max(len(c.history) for c in contexts) + 1
+        # One flat host buffer: each row's history, padded with `vocab` (a column dropped below).
+        ids = array("q")
+        for c in contexts:
+            ids += c.history
+            ids += array("q", [vocab]) * (width - 1 - len(c.history))
+        ids.append(0)  # frombuffer refuses an empty buffer: one spare entry, dropped by the view
+        history = self._to_device(torch.frombuffer(ids, dtype=torch.int64)[:-1], torch.int64).view(rows, width - 1)
+        ids = torch.cat([history, last_tokens[:, None]], dim=1)
+        # Whether each position is in the completion: the last (input) token is when the history
+        # reaches past the prompt.
+        lengths = self._to_device([len(c.history) for c in contexts], torch.int64)[:, None]
+        prompt = self._to_device([c.num_prompt_tokens for c in contexts], torch.int64)[:, None]
+        position = torch.arange(width, device=logits.device)[None, :].expand(rows, width)
+        position = torch.where(position == width - 1, lengths, position)
+        in_completion = (position >= prompt).float()
+        counts = torch.zeros(rows, vocab + 1, device=logits.device).scatter_add_(1, ids, in_completion)[:, :vocab]
+        seen = torch.zeros(rows, vocab + 1, device=logits.device).scatter_add_(
+            1, ids, torch.ones_like(in_completion))[:, :vocab] > 0
+        rep = self._to_device([p.repetition_penalty for p in params], torch.float32)[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        freq = self._to_device([p.frequency_penalty for p in params], torch.float32)[:, None]
+        presence = self._to_device([p.presence_penalty for p in params], torch.float32)[:, None]
+        return logits - freq * counts - presence * (counts > 0).float()
+
+    def _min_p(self, scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Drops tokens less likely than min_p times the row's most likely one (on the scaled
+        logits: p_t < min_p * p_max exactly when logit_t < logit_max + log(min_p))."""
+        if not any(p.min_p > 0 for p in params):
+            return scaled
+        log_min_p = self._to_device([math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params],
+                                    torch.float32)[:, None]
+        return scaled.masked_fill(scaled < scaled.max(-1, keepdim=True).values + log_min_p, float("-inf"))
+
+
+class Logprobs:
+    """One step's log-probabilities on the device: the chosen token's [rows] and the `top` most
+    likely tokens' ids and values [rows, top], for rows that asked (others hold whatever their
+    logits gave; nobody reads them)."""
+
+    def __init__(self, chosen: torch.Tensor, top_ids: torch.Tensor, top_values: torch.Tensor, all_rows):
+        self.chosen, self.top_ids, self.top_values = chosen, top_ids, top_values
+        self._log_probs = all_rows  # per chunk, until chosen_of()
+
+    @classmethod
+    def empty(cls, rows: int, top: int, device) -> "Logprobs":
+        return cls(torch.zeros(rows, device=device), torch.zeros(rows, top, dtype=torch.int64, device=device),
+                   torch.zeros(rows, top, device=device), [])
+
+    def fill(self, chunk: slice, scaled: torch.Tensor) -> None:
+        log_probs = scaled.log_softmax(-1)
+        top = self.top_ids.shape[1]
+        if top:
+            values, ids = log_probs.topk(top, dim=-1)
+            self.top_ids[chunk], self.top_values[chunk] = ids, values
+        self._log_probs.append((chunk, log_probs))
+
+    def chosen_of(self, tokens: torch.Tensor) -> None:
+        for chunk, log_probs in self._log_probs:
+            self.chosen[chunk] = log_probs.gather(1, tokens[chunk][:, None])[:, 0]
+        self._log_probs = []
+
+
+def _masks_in(masks, start: int, stop: int):
+    """The part of (rows, bitmasks) for rows start..stop, renumbered from start."""
+    if masks is None:
+        return None
+    picked = [(i, row - start) for i, row in enumerate(masks[0]) if start <= row < stop]
+    if not picked:
+        return None
+    if len(picked) == len(masks[0]):
+        return [row for _, row in picked], masks[1]
+    return [row for _, row in picked], masks[1][[i for i, _ in picked]]
+
+
+def _unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32 words -> [rows, vocab] bool, bit t % 32 of word t // 32 for
+    token t; tokens past the words' bits are not allowed."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    bits = ((words[:, :, None] >> shifts) & 1).bool().view(words.shape[0], -1)
+    if bits.shape[1] >= vocab:
+        return bits[:, :vocab]
+    return torch.cat([bits, bits.new_zeros(bits.shape[0], vocab - bits.shape[1])], dim=1)
 
 
 def draw(logits: torch.Tensor, temps: torch.Tensor, greedy_rows: torch.Tensor | None, filters, seeded=(),
@@ -111,10 +276,15 @@ def draw(logits: torch.Tensor, temps: torch.Tensor, greedy_rows: torch.Tensor | 
     greedy_tokens = logits.argmax(-1) if greedy_rows is not None else None
     # Dividing by float32 temperatures promotes to float32: the values .float() would give,
     # in one pass over the logits instead of two.
-    logits = logits / temps
+    return _draw_from(logits / temps, greedy_tokens, greedy_rows, filters, seeded, generator)
+
+
+def _draw_from(scaled: torch.Tensor, greedy_tokens: torch.Tensor | None, greedy_rows: torch.Tensor | None, filters,
+               seeded, generator) -> torch.Tensor:
+    """draw() from logits already divided by their temperatures, with the greedy rows' tokens."""
     if filters is not None:
-        logits = _filter_sorted(logits, *filters)
-    probs = logits.softmax(-1)
+        scaled = _filter_sorted(scaled, *filters)
+    probs = scaled.softmax(-1)
     noise = torch.empty_like(probs).exponential_()
     for row, seed in seeded:
         generator.manual_seed(seed)

@@ -215,6 +215,9 @@ class _GroupTokens:
             self._runner._fail(None)
         return values
 
+    def logprobs(self):
+        return self._tokens.logprobs()
+
 
 class TensorParallelRunner:
     """ModelRunner's interface (num_blocks, execute) over tensor_parallel_size ranks, plus
@@ -307,13 +310,18 @@ class TensorParallelRunner:
 
     # --- running calls on every rank -------------------------------------------------------------
 
-    def execute(self, plan: StepPlan) -> "_GroupTokens":
+    def execute(self, plan: StepPlan) -> "_GroupTokens | None":
         # No reply is awaited: the collectives inside keep the ranks in step, and a worker that
         # fails exits, which fails rank 0's next collective. That keeps a round trip off every step.
-        # Workers don't sample, so the sampling params, the slowest part to unpickle, stay here.
+        # Workers don't sample, so the sampling params and contexts, the slowest part to unpickle,
+        # stay here.
         tokens = self._run("execute", (plan,), wants_reply=False,
-                           worker_args=(dataclasses.replace(plan, sample_params=[]),))
-        return _GroupTokens(tokens, self)
+                           worker_args=(dataclasses.replace(plan, sample_params=[], sample_contexts=[]),))
+        return None if plan.defer_sampling else _GroupTokens(tokens, self)
+
+    def sample_deferred(self, masks) -> "_GroupTokens":
+        """ModelRunner.sample_deferred on every rank: workers join the tokens' broadcast."""
+        return _GroupTokens(self._run("sample_deferred", (masks,), wants_reply=False, worker_args=(None,)), self)
 
     def call(self, method: str, *args):
         """Runs ModelRunner.<method>(*args) on every rank, waits for all, returns rank 0's result."""

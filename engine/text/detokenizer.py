@@ -60,9 +60,11 @@ def byte_run_ids(tokenizer) -> frozenset[int]:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | None = None, lock=None, decode=None, run_ids=None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, lock=None, decode=None, run_ids=None,
+                 min_tokens: int = 0):
         """decode: text_decoder(tokenizer), and run_ids: byte_run_ids(tokenizer), when the caller
-        has made them already."""
+        has made them already. min_tokens: stop strings count only from that many tokens on (the
+        text before is released as it comes), as vLLM's min_tokens has it."""
         self.tokenizer = tokenizer
         self.decode = decode or text_decoder(tokenizer)
         self.run_ids = byte_run_ids(tokenizer) if run_ids is None else run_ids
@@ -78,6 +80,7 @@ class IncrementalDetokenizer:
         self.emitted = 0
         self.stop = stop or []
         self.stopped = False
+        self.min_tokens = min_tokens
 
     def _settled_end(self) -> int:
         """Where the byte-fallback run at the end of the tokens starts (their end if none)."""
@@ -137,7 +140,7 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         old_len = len(self.text)
         self._advance(final=False)
-        if not self.stop:
+        if not self.stop or len(self.ids) < self.min_tokens:
             return self._release(len(self.text))
         if len(self.text) > old_len or self.pending:
             self._find_stop()
@@ -147,7 +150,7 @@ class IncrementalDetokenizer:
         """At the end of the request: whatever was held back, partial characters included."""
         if not self.stopped:
             self._advance(final=True)
-            if self.stop:
+            if self.stop and len(self.ids) >= self.min_tokens:
                 self._find_stop()
         return self._release(len(self.text))
 

@@ -1,4 +1,22 @@
-"""nvchat's Textual app."""
+"""nvchat's Textual app.
+
+Its modules are layered as nvchat's are (tests/test_layering.py checks it), bottom to top:
+
+    bindings, events, pacing, frame_stats, code_block, chat_screen, footer
+        parts that use no other part of the app: the key table, the prompt box's events, draw
+        pacing, the screen's compositor, the key footer
+    streaming_markdown, message_view, prompt_input, chat_pane, kv_panel
+        the widgets: a reply as it streams, messages, the prompt box, one chat's tab, the KV panel
+    loading_screen, rename_screen, system_prompt_screen, sampling_screen, conversations_screen,
+    help_screen, command_palette
+        the screens and dialogs, and the command palette's commands
+    services, chat_tabs, stream_pump, actions
+        the app's jobs: the backend's start-up and shutdown, the tabs, the stream pump, the actions
+    app
+        NvchatApp, which composes the screen from these parts and wires them together
+
+Widgets never reach up into the app: they are handed what they need and post messages.
+"""
 from nvchat.app.app import NvchatApp
 
 __all__ = ["NvchatApp"]

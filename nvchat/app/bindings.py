@@ -1,4 +1,5 @@
-"""Every key the app binds, with the id a user names in config.toml's [keys] table to remap it.
+"""Every key the app binds, with the id a user names in config.toml's [keys] table to remap it, and
+the slash command that runs the same action.
 
 One table feeds the bindings, the help screen and the command palette, so they can't drift apart.
 Ids must be TOML bare keys (letters, digits, _ and -).
@@ -54,6 +55,17 @@ PROMPT_KEYS: tuple[KeySpec, ...] = (
 
 ALL_KEYS = APP_KEYS + PROMPT_KEYS
 KEY_IDS = frozenset(spec.id for spec in ALL_KEYS)
+
+# The action each slash command (nvchat/slash_table.py) runs, as its key would. With text, /system,
+# /rename and /save do without their dialog (ChatActions.run_slash_command); /stats has no key.
+SLASH_ACTIONS = {"help": "help", "new": "new_tab", "system": "system_prompt", "rename": "rename_tab",
+                 "save": "export_markdown", "sampling": "sampling", "stop": "stop_reply", "regenerate": "regenerate",
+                 "edit": "edit_last", "quit": "quit"}
+
+
+def command_for_action(action: str) -> str | None:
+    """'/new' for new_tab: for the help screen's key table."""
+    return next((f"/{name}" for name, bound in SLASH_ACTIONS.items() if bound == action), None)
 
 
 def bindings(specs: tuple[KeySpec, ...]) -> list[Binding]:

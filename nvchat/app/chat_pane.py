@@ -4,6 +4,10 @@ Conversation calls (tokenizing, SQLite writes) run on the app's conversation thr
 `background` callable, never on the UI thread. While a turn is in flight (from submit until its
 reply is stored) the pane is busy and refuses new turns, so the transcript always matches
 conversation.messages once it is idle.
+
+The pane is handed what it needs from outside (that callable, the keymap, whether its tab is the
+one shown) and tells the app what happened through its own messages (ReplyStarted, StateChanged);
+it reaches into the app for nothing but Textual's own services (notify).
 """
 from __future__ import annotations
 
@@ -14,20 +18,16 @@ from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
+from textual.message import Message as TextualMessage
 from textual.timer import Timer
 from textual.widgets import Static, TextArea
 
 from engine import RequestStream
+from nvchat.app.events import PromptSubmitted, ScrollTranscript
 from nvchat.app.message_view import ReplyView, UserMessageView
-from nvchat.app.messages import (
-    ChatStateChanged,
-    PromptSubmitted,
-    ReplyStarted,
-    ScrollTranscript,
-)
 from nvchat.app.prompt_input import PromptInput
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
-from nvchat.slash_commands import as_typed
+from nvchat.slash_table import as_typed
 
 Background = Callable[..., Awaitable]
 _DEFAULT_TITLE = "New chat"
@@ -37,17 +37,34 @@ SAVE_EVERY_S = 2.0
 
 
 class ChatPane(Vertical):
+    class ReplyStarted(TextualMessage):
+        """The pane has a new stream for the app's pump to drain."""
+
+        def __init__(self, pane: ChatPane) -> None:
+            super().__init__()
+            self.pane = pane
+
+    class StateChanged(TextualMessage):
+        """The chat's title or busy state changed: its tab label needs redrawing."""
+
+        def __init__(self, pane: ChatPane) -> None:
+            super().__init__()
+            self.pane = pane
+
     # The unsent text is stored once typing pauses this long (not per key), at least this often
     # while typing goes on, and at once when the tab closes, another tab is shown or the app quits:
     # what a kill while typing can lose.
     DRAFT_SAVE_DELAY_S = 1.5
     DRAFT_SAVE_MAX_WAIT_S = 10.0
 
-    def __init__(self, conversation: Conversation, *, background: Background, color: str, color_slot: int,
-                 note: str | None = None, id: str | None = None) -> None:
+    def __init__(self, conversation: Conversation, *, background: Background, is_shown: Callable[[], bool],
+                 keymap: dict[str, str], color: str, color_slot: int, note: str | None = None,
+                 id: str | None = None) -> None:
+        """is_shown: whether this chat's tab is the one shown; keymap: config.toml's [keys]."""
         super().__init__(id=id)
         self.conversation = conversation
         self.background = background
+        self.is_shown = is_shown
         self.color = color
         self.color_slot = color_slot  # which tab colour this chat wears, kept when tabs close
         self.note = note
@@ -65,7 +82,8 @@ class ChatPane(Vertical):
         self._draft = ""  # what the box held when F3 put the last message there; back after the edit
         self._draft_timer: Timer | None = None  # a draft save waiting for typing to pause
         self._draft_due = 0.0  # when that save is made even if typing goes on
-        self._prompt = PromptInput(id="prompt")  # held: the app reads its draft after the DOM is gone
+        # Held: the app reads its draft after the DOM is gone.
+        self._prompt = PromptInput(keymap=keymap, id="prompt")
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -207,7 +225,7 @@ class ChatPane(Vertical):
             self._stop_requested = False
         self.prompt.accepting = not busy
         self._set_status("generating… Esc stops" if busy else "")
-        self.post_message(ChatStateChanged(self))
+        self.post_message(self.StateChanged(self))
 
     async def _sync_views(self, reply: ReplyView | None = None) -> None:
         """Makes the transcript show exactly conversation.messages (after a turn dropped or added some),
@@ -277,14 +295,14 @@ class ChatPane(Vertical):
         self.prompt.move_cursor(self.prompt.document.end)
         self.prompt.focus()
         self._set_status("editing your last message: Enter resends, Esc cancels")
-        self.post_message(ChatStateChanged(self))
+        self.post_message(self.StateChanged(self))
 
     def cancel_edit(self) -> None:
         self.editing = False
         self.prompt.clear()
         self._give_back_draft()
         self._set_status("")
-        self.post_message(ChatStateChanged(self))
+        self.post_message(self.StateChanged(self))
 
     def stop(self) -> None:
         """Esc: stops the reply, or leaves edit mode."""
@@ -319,7 +337,7 @@ class ChatPane(Vertical):
             stream.abort()
         self._reply_view = self._last_reply = ReplyView()
         self._refresh_hint()
-        if self.app.active_pane is self:
+        if self.is_shown():
             await self._sync_views(self._reply_view)
         else:
             # Eight tabs mounting and laying out their views at once held the UI thread for about
@@ -333,13 +351,13 @@ class ChatPane(Vertical):
             if self.stream is not stream:
                 return
         self._show_context(stream.num_prompt_tokens)
-        self.post_message(ReplyStarted(self))
+        self.post_message(self.ReplyStarted(self))
         if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
             await self.rename(first_line(args[0], _AUTO_TITLE_CHARS))
 
     async def pump(self, shown: bool, draw: bool = True) -> bool:
         """Moves what the stream produced since the last tick into the reply; True once it has ended.
-        Called by the app's pump timer (NvchatApp.PUMP_HZ). Shown, it draws when draw says a frame
+        Called by the app's stream pump (NvchatApp.PUMP_HZ). Shown, it draws when draw says a frame
         is due (the app paces them), and always its last one. A chat in a hidden tab keeps receiving
         but draws nothing until it is shown (catch_up()): nobody sees it, and parsing and laying it
         out would take time from the visible chat and, through the GIL, from the engine."""
@@ -439,7 +457,7 @@ class ChatPane(Vertical):
 
     async def rename(self, title: str) -> None:
         await self._store("title", self.conversation.rename, title)
-        self.post_message(ChatStateChanged(self))
+        self.post_message(self.StateChanged(self))
 
     async def set_sampling(self, sampling: dict) -> None:
         if await self._store("sampling settings", self.conversation.set_sampling, sampling):

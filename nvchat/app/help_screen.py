@@ -8,15 +8,20 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label
 
-from nvchat.app.bindings import ALL_KEYS, describe_key, effective_key
-from nvchat.app.slash import ACTIONS, command_for_action
-from nvchat.slash_commands import APP, commands_for
+from nvchat.app.bindings import (
+    ALL_KEYS,
+    SLASH_ACTIONS,
+    command_for_action,
+    describe_key,
+    effective_key,
+)
+from nvchat.slash_table import APP, commands_for
 
 
 def _slash_note() -> str:
     commands = commands_for(APP)
     with_text = ", ".join(c.usage for c in commands if " " in c.usage)
-    keyless = "".join(f"\n{c.usage}: {c.summary}; " for c in commands if c.name not in ACTIONS) or "\n"
+    keyless = "".join(f"\n{c.usage}: {c.summary}; " for c in commands if c.name not in SLASH_ACTIONS) or "\n"
     return f"Commands that take text: {with_text}.{keyless}//x sends /x."
 
 

@@ -1,7 +1,7 @@
 """The live KV-cache panel: the engine's block map as a grid, coloured by the chat holding each
 block, with counters and a throughput sparkline.
 
-It reads EngineThread.stats(), a snapshot the engine publishes between steps, so refreshing it
+It reads the backend's stats(), a snapshot the engine publishes between steps, so refreshing it
 never waits on (or slows) generation. Its timer runs only while the panel is shown.
 """
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The message box under each transcript: a TextArea where the send key sends and the newline
 keys (shift+enter, ctrl+j) break lines. A line that names a slash command runs it instead of being
-sent (nvchat.slash_commands), and a command's name is offered as it is typed (Right or Tab takes it)."""
+sent (nvchat.slash_table), and a command's name is offered as it is typed (Right or Tab takes it)."""
 from textual import events
 from textual.widgets import TextArea
 
 from nvchat.app.bindings import PROMPT_KEYS, bindings, effective_key
-from nvchat.app.messages import PromptSubmitted, ScrollTranscript, SlashCommandSubmitted
-from nvchat.slash_commands import APP, completion, message_text, parse, unknown_notice
+from nvchat.app.events import PromptSubmitted, ScrollTranscript, SlashCommandSubmitted
+from nvchat.slash_table import APP, completion, message_text, parse, unknown_notice
 
 
 class PromptInput(TextArea):
@@ -16,9 +16,11 @@ class PromptInput(TextArea):
     # tmux send-keys, keys typed while the UI thread is busy) sent an empty box and then filled it.
     BINDINGS = bindings(PROMPT_KEYS)
 
-    def __init__(self, *, id: str | None = None) -> None:
+    def __init__(self, *, keymap: dict[str, str], id: str | None = None) -> None:
+        """keymap: config.toml's [keys], which may remap the box's keys too."""
         super().__init__(id=id, soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
                          placeholder="Message…  (Enter sends, Shift+Enter or Ctrl+J for a new line)")
+        self._keymap = keymap
         self._key_actions: dict[str, str] | None = None
         # False from a send until the chat can take another turn (its pane sets it back). Decided
         # here, in key order: Enter, more text, Enter in one burst keeps the second text in the box.
@@ -26,9 +28,8 @@ class PromptInput(TextArea):
 
     def _action_for(self, key: str) -> str | None:
         if self._key_actions is None:
-            keymap = getattr(self.app, "keymap", None) or {}
             self._key_actions = {k.strip(): spec.action for spec in PROMPT_KEYS
-                                 for k in effective_key(spec, keymap).split(",") if k.strip()}
+                                 for k in effective_key(spec, self._keymap).split(",") if k.strip()}
         return self._key_actions.get(key)
 
     async def _on_key(self, event: events.Key) -> None:

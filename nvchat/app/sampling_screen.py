@@ -1,5 +1,6 @@
-"""A small dialog for one chat's sampling: temperature, top-p, top-k and max tokens. It starts from
-the chat's values; "Defaults" puts back config.toml's."""
+"""A small dialog for one chat's sampling: temperature, top-p, top-k, max tokens, min-p and the
+penalties. It starts from the chat's values; "Defaults" puts back what the chat follows when it sets
+none (config.toml's, else the model's recommendation, else nvchat's)."""
 from pathlib import Path
 
 from textual.app import ComposeResult
@@ -12,7 +13,10 @@ from engine import SamplingParams
 
 # (field, label, Input type)
 FIELDS = (("temperature", "Temperature (0 is greedy)", "number"), ("top_p", "Top-p (0 < p ≤ 1)", "number"),
-          ("top_k", "Top-k (0 is off)", "integer"), ("max_tokens", "Max tokens per reply", "integer"))
+          ("top_k", "Top-k (0 is off)", "integer"), ("max_tokens", "Max tokens per reply", "integer"),
+          ("min_p", "Min-p (0 is off)", "number"), ("repetition_penalty", "Repetition penalty (1 is off)", "number"),
+          ("presence_penalty", "Presence penalty (-2 to 2)", "number"),
+          ("frequency_penalty", "Frequency penalty (-2 to 2)", "number"))
 
 
 def _shown_name(label: str) -> str:
@@ -53,7 +57,7 @@ class SamplingScreen(ModalScreen[dict | None]):
                     yield Button("Cancel  esc", id="cancel")
 
     def _read(self) -> dict:
-        """The four values, checked as the engine checks them (ValueError names a bad one)."""
+        """The values, checked as the engine checks them (ValueError names a bad one)."""
         values = {}
         for name, label, kind in FIELDS:
             text = self.query_one(f"#sampling-{name}", Input).value.strip()

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over one EngineThread, as a FastAPI app.
+"""The OpenAI-compatible HTTP API over one Backend (the in-process EngineThread), as a FastAPI app.
 
 Every request becomes one engine request whose RequestStream is read on the event loop
 (`async for`), so concurrent clients batch together in the engine and share its prefix cache.
@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import EngineThread, RequestStream
+from engine import RequestStream
+from engine.backend import Backend
 from nvchat.server.schemas import ChatCompletionRequest, CompletionRequest
 from nvchat.server.sse import TEXT_SLOT, EventStreamResponse, sse_event, text_events
 
@@ -47,7 +48,7 @@ class ServerState:
     """What the routes share: the engine (None while it loads), the served model's name, and the
     requests in flight, which a shutdown ends."""
 
-    def __init__(self, model_name: str, engine: EngineThread | None = None):
+    def __init__(self, model_name: str, engine: Backend | None = None):
         self.model_name = model_name
         self.engine = engine
         self.load_error: str | None = None
@@ -55,7 +56,7 @@ class ServerState:
         self.open_streams: set[RequestStream] = set()
         self.created = int(time.time())
 
-    def ready_engine(self) -> EngineThread:
+    def ready_engine(self) -> Backend:
         if self.stopping:
             raise _shutting_down()
         if self.load_error:
@@ -186,7 +187,7 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
         try:
-            params = body.sampling_params(engine.llm.config.max_model_len)
+            params = body.sampling_params(engine.capabilities.context_length)
             stream = engine.submit(prompt() if callable(prompt) else prompt, params)
         except ValueError as e:
             raise APIError(400, str(e)) from None
@@ -301,6 +302,6 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
 
 def _model_card(state: ServerState) -> dict:
     card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "nvchat"}
-    if state.engine is not None:
-        card["max_model_len"] = state.engine.llm.config.max_model_len
+    if state.engine is not None and state.engine.capabilities.context_length is not None:
+        card["max_model_len"] = state.engine.capabilities.context_length
     return card

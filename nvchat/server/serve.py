@@ -91,7 +91,7 @@ def _api_model_id(settings: Settings) -> str:
 def run_serve(settings: Settings, *, host: str, port: int, api_key: str | None = None,
               model_name: str | None = None) -> int:
     try:
-        kwargs = settings.engine_kwargs()
+        model = settings.engine_model()
         sock = _bind(host, port)
     except (ValueError, OSError) as e:
         _say(str(e))
@@ -106,7 +106,7 @@ def run_serve(settings: Settings, *, host: str, port: int, api_key: str | None =
 
     def load() -> None:
         try:
-            engine = EngineThread(kwargs.pop("model"), **kwargs)
+            engine = EngineThread(model, **settings.engine_options().keywords())
         except Exception as e:  # reported, and the server stops: it has nothing to serve
             state.load_error = str(e) or type(e).__name__
             _say(f"the model could not be loaded: {state.load_error}")
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
-    except SettingsError as e:
+    except (SettingsError, ValueError) as e:  # config.toml, or a value the engine refuses
         _say(str(e))
         return 2
     return run_serve(settings, host=args.host, port=args.port, api_key=args.api_key,

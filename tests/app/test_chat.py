@@ -10,9 +10,9 @@ from textual.widgets import Collapsible, Markdown, TabPane
 from nvchat import paths
 from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
+from nvchat.app.events import PromptSubmitted
 from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.message_view import ReplyView, ThinkSplitter, UserMessageView
-from nvchat.app.messages import ChatStateChanged, PromptSubmitted
 from nvchat.conversation import Message
 from nvchat.store import ChatStore
 from tests.app.conftest import app_settings
@@ -53,7 +53,7 @@ async def test_startup_builds_the_engine_behind_a_loading_screen():
 
 
 async def test_typing_while_the_model_loads_is_kept_for_the_first_chat(monkeypatch):
-    from nvchat.app import app as app_module
+    from nvchat.app import services as app_module
     loaded = threading.Event()  # holds the start-up until the keys are in
     real_open_backend = app_module.open_backend
 
@@ -305,12 +305,12 @@ async def test_a_pump_tick_that_sees_a_tab_shown_before_its_views_mount_loses_no
         hidden = app.active_pane
         await press_now(pilot, "ctrl+t")
         hidden.post_message(PromptSubmitted("a question"))
-        await wait_for(pilot, lambda: hidden in app._streaming, what="the hidden tab's reply")
-        app._pump_timer.pause()  # this test plays the pump's ticks itself
+        await wait_for(pilot, lambda: hidden in app.pump.streaming, what="the hidden tab's reply")
+        app.pump.timer.pause()  # this test plays the pump's ticks itself
         await wait_for(pilot, lambda: hidden.stream.finished, what="the reply's last token")
         assert await hidden.pump(shown=True, draw=True)
         await idle(pilot, hidden)
-        app._pump_timer.resume()
+        app.pump.timer.resume()
         reply = hidden.conversation.messages[-1]
         assert reply.role == "assistant" and reply.stats["tokens"] == 40
         await press_now(pilot, "ctrl+pageup")
@@ -345,14 +345,14 @@ async def test_the_visible_reply_streams_whole_while_other_chats_stream(make_app
         # The reply's view mounts its parts after the stream starts: wait for them too.
         await wait_for(pilot, lambda: pane.stream is not None and pane.query(ReplyView)
                        and pane.query(ReplyView).last().query("#answer"), what="the watched reply to start")
-        started_at, draws = time.perf_counter(), app.frame_stats.draws
+        started_at, draws = time.perf_counter(), app.pump.frame_stats.draws
         view = pane.query(ReplyView).last()
         answer = view.query_one("#answer", Markdown)
         sizes = set()
         while pane.busy:
             sizes.add(len(answer.source))
             await pilot.pause(0.02)
-        elapsed, draws = time.perf_counter() - started_at, app.frame_stats.draws - draws
+        elapsed, draws = time.perf_counter() - started_at, app.pump.frame_stats.draws - draws
         assert len(sizes) > 3  # it grew as it streamed, not once at the end
         drawn, received = drawn_and_received(view)
         assert drawn == received and len(view.text) == len(pane.conversation.messages[-1].content)
@@ -361,9 +361,9 @@ async def test_the_visible_reply_streams_whole_while_other_chats_stream(make_app
         # (Textual skips the ones it missed), so the window holds at most elapsed * PUMP_HZ + 1 of
         # them, plus one tick that was due before started_at but ran, on a busy loop, after it.
         assert draws <= app.PUMP_HZ * elapsed + 2, (draws, elapsed)
-        for other in app._panes[:2]:
+        for other in app.tabs.panes[:2]:
             await idle(pilot, other)
-        await wait_for(pilot, lambda: not app._streaming, what="the pump to stop")
+        await wait_for(pilot, lambda: not app.pump.streaming, what="the pump to stop")
         # Full collections are deferred only while chats are busy.
         await wait_for(pilot, lambda: gc.get_threshold() == gc_threshold, what="full collections to be let through")
 
@@ -409,8 +409,8 @@ class DeferralAtReplyStart(NvchatApp):
         super().__init__(*args, **kwargs)
         self.deferring_at_reply_start: list[bool] = []
 
-    def on_reply_started(self, event) -> None:
-        self.deferring_at_reply_start.append(self._gc_deferral.deferring)
+    def on_chat_pane_reply_started(self, event) -> None:
+        self.deferring_at_reply_start.append(self.pump.gc_deferral.deferring)
 
 
 async def test_full_collections_wait_from_the_start_of_a_turn_until_its_reply_is_stored(shared_engine):
@@ -423,7 +423,7 @@ async def test_full_collections_wait_from_the_start_of_a_turn_until_its_reply_is
         await wait_for(pilot, lambda: app.deferring_at_reply_start, what="the reply to start")
         assert app.deferring_at_reply_start == [True]  # building the turn's views is deferred too
         await idle(pilot, pane)
-        await wait_for(pilot, lambda: not app._gc_deferral.deferring, what="the deferral to end")
+        await wait_for(pilot, lambda: not app.pump.gc_deferral.deferring, what="the deferral to end")
         assert gc.get_threshold() == gc_threshold
 
 
@@ -607,7 +607,7 @@ async def test_quitting_mid_reply_keeps_completed_messages(make_app):
         conversation_id = pane.conversation.id
         await press_now(pilot, "ctrl+q")
     # A reply's last state change can arrive once the screens are gone (seen on a fast GPU).
-    app.on_chat_state_changed(ChatStateChanged(pane))
+    app.on_chat_pane_state_changed(ChatPane.StateChanged(pane))
     store = ChatStore(paths.database_file())
     try:
         rows = store.load_messages(conversation_id)

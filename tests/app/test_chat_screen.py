@@ -110,7 +110,7 @@ async def test_the_chat_app_sends_what_it_draws(make_app):
         await wait_for(pilot, lambda: app.screen.query("#help-table"), what="the help screen")
         await press_now(pilot, "escape")
         await wait_for(pilot, lambda: not app.screen.query("#help-table"), what="the help screen to close")
-        for chat in app._panes:
+        for chat in app.tabs.panes:
             await idle(pilot, chat)
         await pilot.press("f5")  # the panel's timer stops: nothing changes any more
         await pilot.pause()

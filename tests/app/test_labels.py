@@ -47,6 +47,6 @@ async def test_a_reopened_chat_shows_its_context_at_once(make_app):
         pane = await reopen_the_only_past_conversation(pilot, fresh)
         await wait_for(pilot, lambda: pane.prompt.border_subtitle, what="the context figure")
         conversation = pane.conversation
-        expected = fresh.engine.count_chat_tokens(conversation.engine_messages(), conversation.settings.enable_thinking)
+        expected = len(fresh.engine.tokenize_chat(conversation.engine_messages(), conversation.settings.enable_thinking))
         assert len(conversation.messages) == 4 and expected > 0
         assert pane.prompt.border_subtitle == f"context {expected} / 512 tokens"

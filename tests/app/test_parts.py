@@ -4,7 +4,7 @@ import gc
 
 import pytest
 
-from engine.engine_thread import EngineSnapshot
+from engine.backend import EngineSnapshot
 from nvchat.app.bindings import ALL_KEYS, describe_key, unknown_key_ids
 from nvchat.app.kv_panel import counters_text, fold_blocks
 from nvchat.app.message_view import ThinkSplitter, footer_text

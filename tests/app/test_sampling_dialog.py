@@ -15,8 +15,10 @@ async def test_a_chats_sampling_is_set_in_a_dialog_used_and_kept(make_app):
         await pilot.press("f7")
         assert isinstance(app.screen, SamplingScreen)
         values = {i.id: i.value for i in app.screen.query(Input)}
+        # config.toml's values, and nvchat's fallbacks where it sets none (the demo model recommends none)
         assert values == {"sampling-temperature": "0.8", "sampling-top_p": "0.95", "sampling-top_k": "20",
-                          "sampling-max_tokens": "24"}  # config.toml's defaults
+                          "sampling-max_tokens": "24", "sampling-min_p": "0.0", "sampling-repetition_penalty": "1.1",
+                          "sampling-presence_penalty": "0.0", "sampling-frequency_penalty": "0.0"}
         await pilot.press("0", "tab", "tab", "tab", "5", "ctrl+s")
         await wait_for(pilot, lambda: pane.conversation.sampling == {"temperature": 0.0, "max_tokens": 5},
                        what="the chat's sampling")

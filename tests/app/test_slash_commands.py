@@ -1,11 +1,11 @@
 """Slash commands typed in the app's prompt box, driven by real keystrokes against the demo model."""
 from textual.widgets import DataTable
 
+from nvchat.app.bindings import SLASH_ACTIONS
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.help_screen import HelpScreen
-from nvchat.app.slash import ACTIONS
 from nvchat.app.system_prompt_screen import SystemPromptScreen
-from nvchat.slash_commands import APP, commands_for
+from nvchat.slash_table import APP, commands_for
 from tests.app.helpers import idle, send, started, submit_now, wait_for
 
 SIZE = (110, 36)
@@ -16,7 +16,7 @@ def notices(app) -> list[str]:
 
 
 def test_every_app_command_has_a_handler():
-    assert set(ACTIONS) | {"stats"} == {c.name for c in commands_for(APP)}
+    assert set(SLASH_ACTIONS) | {"stats"} == {c.name for c in commands_for(APP)}
 
 
 async def test_new_opens_a_tab_and_help_lists_the_commands(make_app):

@@ -36,6 +36,7 @@ async def test_every_sampling_field_comes_into_view_when_focused(make_app):
             field.focus()
             await pilot.pause()
             assert fully_shown(app, field), field.id
+        app.screen.query_one("#sampling-max_tokens", Input).focus()
         await pilot.press("ctrl+u", "0", "ctrl+s")  # a bad max tokens: named under the fields
         error = app.screen.query_one("#sampling-error")
         assert "Max tokens per reply must be" in str(error.render()) and fully_shown(app, error)

@@ -1,9 +1,13 @@
-"""Engine-level checks on a CUDA device: skipped without one."""
+"""Engine-level checks on a CUDA device: skipped without one.
+
+The tiny float32 engines most tests need are built once for the module (one with CUDA graphs, one
+eager), with a fixed KV cache so that no build spends a warmup on sizing it (test_memory_gpu.py
+does that). Run (one GPU):
+    PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_engine_gpu.py
+"""
 import pytest
 import torch
 
-from benchmarks.bench_memory import peak_use
-from benchmarks.common import CONFIGS
 from engine import LLM, SamplingParams
 from engine.runner.model_runner import _TokenReadback
 from tests.conftest import hf_greedy, random_prompts
@@ -11,52 +15,67 @@ from tests.conftest import hf_greedy, random_prompts
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# max_num_batched_tokens 512: prefill graphs of 32 to 512 tokens, the largest step these prompts make.
+FP32 = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_qwen3):
+    """{enforce_eager: LLM}: float32 engines on the tiny model, prompt chunks of at most 48 tokens
+    beside decoding streams, prefill graphs for the graphed one."""
+    made = {eager: LLM(tiny_qwen3, enforce_eager=eager, max_prefill_chunk=48, num_kvcache_blocks=256, **FP32)
+            for eager in (False, True)}
+    assert made[False].runner.decode_graphs is not None and made[False].runner.prefill_graphs is not None
+    assert made[True].runner.decode_graphs is None and made[True].runner.prefill_graphs is None
+    yield made
+    for llm in made.values():
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 def test_triton_backend_with_cuda_graphs_matches_hf_in_float32(tiny_qwen3, block_size):
     prompts = random_prompts([1, 15, 16, 17, 100, 300], seed=block_size)
     expected = hf_greedy(tiny_qwen3, prompts, 24)
-    with LLM(tiny_qwen3, device="cuda", dtype="float32", kvcache_block_size=block_size, max_model_len=512,
-             max_num_seqs=8, gpu_memory_utilization=0.3) as llm:
+    with LLM(tiny_qwen3, kvcache_block_size=block_size, num_kvcache_blocks=max(64, 2048 // block_size),
+             **FP32) as llm:
         assert llm.runner.decode_graphs is not None
         outs = llm.generate(prompts, GREEDY)
-    assert [o["token_ids"] for o in outs] == expected
+    assert [o["token_ids"] for o in outs] == expected, f"block_size={block_size}"
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
-def test_chat_sized_batches_match_hf_in_float32_with_graphs_and_eagerly(tiny_qwen3, batch):
+@pytest.mark.parametrize("eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_chat_sized_batches_match_hf_in_float32_with_graphs_and_eagerly(tiny_qwen3, engines, batch, eager):
     """1-8 streams decoding together run the Triton GEMV's row kernels (padded to a graph's bucket
     with graphs, at their own count eagerly)."""
     prompts = random_prompts([5 + 11 * i for i in range(batch)], seed=100 + batch)
     expected = hf_greedy(tiny_qwen3, prompts, 24)
-    for eager in (False, True):
-        with LLM(tiny_qwen3, device="cuda", dtype="float32", enforce_eager=eager, max_model_len=512,
-                 max_num_seqs=8, gpu_memory_utilization=0.3) as llm:
-            assert (llm.runner.decode_graphs is None) == eager
-            outs = llm.generate(prompts, GREEDY)
-        assert [o["token_ids"] for o in outs] == expected, f"enforce_eager={eager}"
+    outs = engines[eager].generate(prompts, GREEDY)
+    assert [o["token_ids"] for o in outs] == expected, f"batch {batch}, enforce_eager={eager}"
 
 
-def test_cuda_graphs_match_eager(tiny_qwen3):
-    """Decode graphs, and prefill graphs for small and mixed steps: chunked prompts mixed into
-    decoding, and a second round that hits the prefix cache."""
+def test_cuda_graphs_match_eager(engines):
+    """Decode graphs, and prefill graphs for small and mixed steps: prompts that arrive while two
+    others decode, prefilled in chunks beside them, and a second round that hits the prefix cache."""
     shared = random_prompts([70], seed=2)[0]
     prompts = random_prompts([5, 33, 70, 129], seed=3) + [shared + [1, 2, 3]]
     runs = []
     for eager in (True, False):
-        with LLM(tiny_qwen3, device="cuda", dtype="float32", enforce_eager=eager, max_model_len=512,
-                 max_num_seqs=8, max_prefill_chunk=48, gpu_memory_utilization=0.3, prefill_cuda_graphs=True) as llm:
-            if not eager:
-                assert llm.runner.prefill_graphs is not None
-            first = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
-            second = [o["token_ids"] for o in llm.generate([shared + [9], shared + [4, 5]], GREEDY)]
-            assert llm.stats().prefix_hit_tokens > 0
-            runs.append((first, second))
+        llm = engines[eager]
+        hits = llm.stats().prefix_hit_tokens
+        seqs = [llm.add_request(p, GREEDY) for p in prompts[:2]]
+        for _ in range(3):
+            llm.step()
+        seqs += [llm.add_request(p, GREEDY) for p in prompts[2:]]
+        while llm.has_unfinished():
+            llm.step()
+        second = [o["token_ids"] for o in llm.generate([shared + [9], shared + [4, 5]], GREEDY)]
+        assert llm.stats().prefix_hit_tokens > hits
+        runs.append(([s.completion_token_ids for s in seqs], second))
     assert runs[0] == runs[1]
 
 
-def test_sampling_graphs_draw_within_the_settings_and_afresh_each_replay(tiny_qwen3):
+def test_sampling_graphs_draw_within_the_settings_and_afresh_each_replay(engines):
     """The captured sampling: top_k=1 and a tiny temperature must give the greedy tokens, through
     the filtering and plain sampling graphs, beside greedy rows; identical unseeded requests must
     differ (the graph's noise is new every replay); seeded ones (sampled outside the graphs) must
@@ -64,58 +83,39 @@ def test_sampling_graphs_draw_within_the_settings_and_afresh_each_replay(tiny_qw
     prompts = random_prompts([7, 20, 33, 12, 5, 40], seed=8)
     force = [SamplingParams(temperature=0.8, top_k=1, max_tokens=24, ignore_eos=True),
              SamplingParams(temperature=1e-4, max_tokens=24, ignore_eos=True), GREEDY]
-    with LLM(tiny_qwen3, device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8,
-             gpu_memory_utilization=0.3) as llm:
-        graphs = llm.runner.decode_graphs
-        assert {kind for _, kind in graphs.sample_graphs} == {"greedy", "sample", "filter"}
-        greedy = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
-        forced = [o["token_ids"] for o in llm.generate(prompts, [force[i % 3] for i in range(len(prompts))])]
-        assert forced == greedy
-        free = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True)
-        draws = [o["token_ids"] for o in llm.generate([prompts[0]] * 4, free)]
-        assert len({tuple(d) for d in draws}) > 1
-        seeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=3)
-        repeats = [o["token_ids"] for o in llm.generate([prompts[1]] * 3, seeded)]
-        assert repeats[0] == repeats[1] == repeats[2]
+    llm = engines[False]
+    graphs = llm.runner.decode_graphs
+    assert {kind for _, kind in graphs.sample_graphs} == {"greedy", "sample", "filter"}
+    greedy = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
+    forced = [o["token_ids"] for o in llm.generate(prompts, [force[i % 3] for i in range(len(prompts))])]
+    assert forced == greedy
+    free = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True)
+    draws = [o["token_ids"] for o in llm.generate([prompts[0]] * 4, free)]
+    assert len({tuple(d) for d in draws}) > 1
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=3)
+    repeats = [o["token_ids"] for o in llm.generate([prompts[1]] * 3, seeded)]
+    assert repeats[0] == repeats[1] == repeats[2]
 
 
-def test_torch_backend_on_cuda_matches_triton(tiny_qwen3):
+def test_torch_backend_on_cuda_matches_triton(tiny_qwen3, engines):
+    """The torch backend eagerly and with decode graphs (tests/gpu/test_dtype_matrix_gpu.py holds
+    both against HF in every dtype)."""
     prompts = random_prompts([9, 40, 77], seed=4)
-    runs = []
-    for backend in ("torch", "triton"):
-        with LLM(tiny_qwen3, device="cuda", dtype="float32", attention_backend=backend, enforce_eager=True,
-                 max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3) as llm:
-            runs.append([o["token_ids"] for o in llm.generate(prompts, GREEDY)])
-    assert runs[0] == runs[1]
+    triton = [o["token_ids"] for o in engines[True].generate(prompts, GREEDY)]
+    for eager in (True, False):
+        with LLM(tiny_qwen3, attention_backend="torch", enforce_eager=eager, num_kvcache_blocks=256, **FP32) as llm:
+            assert (llm.runner.decode_graphs is None) == eager and llm.runner.prefill_graphs is None
+            assert [o["token_ids"] for o in llm.generate(prompts, GREEDY)] == triton, f"enforce_eager={eager}"
 
 
-def test_preemption_on_gpu(tiny_qwen3):
+def test_preemption_on_gpu(tiny_qwen3, engines):
     prompts = random_prompts([60, 50, 70, 40], seed=5)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    with LLM(tiny_qwen3, device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8,
-             gpu_memory_utilization=0.3) as roomy:
-        expected = [o["token_ids"] for o in roomy.generate(prompts, params)]
-    with LLM(tiny_qwen3, device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8,
-             num_kvcache_blocks=20) as tight:
+    expected = [o["token_ids"] for o in engines[False].generate(prompts, params)]
+    with LLM(tiny_qwen3, num_kvcache_blocks=20, **FP32) as tight:
         outs = tight.generate(prompts, params)
         assert tight.stats().num_preemptions > 0
     assert [o["token_ids"] for o in outs] == expected
-
-
-@pytest.mark.parametrize("shape, utilization", [("qwen3-0.6b", 0.4), ("qwen3-0.6b", 0.9), ("qwen3-8b", 0.4),
-                                                ("qwen3-8b", 0.9)])
-def test_the_costliest_steps_stay_within_gpu_memory_utilization(shape, utilization):
-    """A small model with a large vocabulary: sampling 256 rows with top-k/top-p sorts more bytes
-    than its prefill needs, which the KV cache's sizing once left out. And an 8B model, whose
-    prefill needs more."""
-    with LLM(str(CONFIGS / shape), load_format="random", dtype="bfloat16", max_model_len=2048,
-             max_num_seqs=256, gpu_memory_utilization=utilization) as llm:
-        plan = llm.runner.memory_plan
-        assert plan["activations"] > 0 and plan["graph_pool"] > 0
-        use = peak_use(llm, 256, 2048)
-    over = (use["peak"] - use["budget"]) / 2**30
-    print(f"{shape} at {utilization}: peak {use['peak'] / 2**30:.3f} GiB, {-over:.3f} GiB within the budget; {plan}")
-    assert over <= 0, f"peak {over:.3f} GiB past the budget; set aside: {plan}"
 
 
 def test_reading_tokens_after_a_later_step_reused_their_buffer_raises():

@@ -1,5 +1,5 @@
 """The plain REPL's handlers for the slash commands (their names, usage and summaries are the shared
-table's: nvchat/slash_commands.py).
+table's: nvchat/slash_table.py).
 
 Handlers get the REPL (anything with `conversation`, `engine`, `last_stream` and
 `new_conversation()`) and the text after the command name, and return the text to show.
@@ -7,12 +7,13 @@ Handlers get the REPL (anything with `conversation`, `engine`, `last_stream` and
 from pathlib import Path
 from typing import Callable
 
-from nvchat.slash_commands import (
+from nvchat import paths
+from nvchat.export import export_markdown, save_markdown_to
+from nvchat.slash_table import (
     REPL,
     Invocation,
     command_lines,
     format_stats,
-    save_markdown,
     unknown_notice,
 )
 
@@ -22,7 +23,7 @@ class QuitRepl(Exception):
 
 
 def dispatch(repl, invocation: Invocation) -> str | None:
-    """Runs the command slash_commands.parse found in a line."""
+    """Runs the command slash_table.parse found in a line."""
     if invocation.command is None:
         return unknown_notice(invocation.name, REPL)
     return HANDLERS[invocation.command.name](repl, invocation.arg)
@@ -65,6 +66,14 @@ def _save(repl, arg: str) -> str:
         return "nothing to save yet: the conversation is empty"
     path = save_markdown(conversation, Path(arg).expanduser() if arg else None)
     return f"saved to {path}"
+
+
+def save_markdown(conversation, path: Path | None = None) -> Path:
+    """/save: to PATH when given (a directory gets a generated name), else into nvchat's exports
+    directory, never over an existing file unless PATH names it."""
+    if path is None:
+        return export_markdown(conversation, [paths.exports_dir()])
+    return save_markdown_to(conversation, path)
 
 
 def _quit(repl, arg: str):

@@ -1,15 +1,11 @@
 """Slash commands: the one table of their names, usage and summaries, which both front-ends (the
 plain REPL and the Textual app) list and parse with, and the helpers their handlers share.
 
-Each front-end keeps its own handlers (nvchat/repl_commands.py, nvchat/app/slash.py). A line
-that starts with "/" is a command; "//" escapes it, so a message may start with a slash.
+Each front-end keeps its own handlers (nvchat/repl_slash_handlers.py, nvchat/app/actions.py). A
+line that starts with "/" is a command; "//" escapes it, so a message may start with a slash.
 """
 import re
 from dataclasses import dataclass
-from pathlib import Path
-
-from nvchat import paths
-from nvchat.export import export_markdown, save_markdown_to
 
 
 @dataclass(frozen=True)
@@ -119,10 +115,3 @@ def format_stats(snap, last_stream=None) -> str:
             + (f" ({last_stream.finish_reason})" if last_stream.finish_reason else ""))
     return "\n".join(lines)
 
-
-def save_markdown(conversation, path: Path | None = None) -> Path:
-    """/save: to PATH when given (a directory gets a generated name), else into nvchat's exports
-    directory, never over an existing file unless PATH names it."""
-    if path is None:
-        return export_markdown(conversation, [paths.exports_dir()])
-    return save_markdown_to(conversation, path)

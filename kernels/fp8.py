@@ -1,0 +1,273 @@
+"""Products with block-wise FP8 weights: W is e4m3 (torch.float8_e4m3fn) with one float32 scale per
+[scale_n, scale_k] tile, W ~= q * scale[n // scale_n, k // scale_k], the layout of Qwen's and
+DeepSeek's FP8 checkpoints (`weight_scale_inv`, blocks of [128, 128]). The weights are never
+dequantized to memory:
+
+- fp8_gemv, 1 to 8 rows (a chat-sized decode step): bound by the bytes of W it reads, half of
+  bf16's. Each program streams a band of W's rows along K once, scales each tile by its block's
+  scale in fp32 and multiplies it into every row of x. x keeps its dtype (weight-only FP8): its
+  rows are not rounded.
+- fp8_gemm, any number of rows (prefill, big batches): with bf16 or fp16 x, the activations are
+  quantized to e4m3 per row and scale_k columns (quantize_activations: a float32 scale each) and
+  each K block is one FP8 tensor-core product scaled by both scales, as vLLM and SGLang run these
+  checkpoints: twice bf16's tensor-core rate on Hopper. With float32 x, W's tiles are converted
+  to float32 and multiplied exactly (input_precision="ieee"): what the tests compare to HF's
+  float32 model.
+
+Both take a K tile inside one scale block (BLOCK_K divides scale_k), so a tile needs one scale
+per weight row. Shapes need not be multiples of the blocks: the last block of a row or column may
+be partial (the checkpoint's scale grid is the ceiling of the shape over the block).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value; torch turns anything beyond it into NaN
+MAX_GEMV_ROWS = 8
+_GEMV_KNOBS = ("block_n", "block_k", "num_warps", "num_stages")
+_GEMM_KNOBS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
+                     SCALE_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, ROWS)
+    k = tl.arange(0, BLOCK_K)
+    n_ok, r_ok = n < N, r < M
+    w_at = w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :]
+    s_at = s_ptr + (n // SCALE_N) * stride_s
+    x_at = x_ptr + r[:, None] * stride_x + k[None, :]
+    # Each weight tile is loaded once, scaled, and multiplied into every row of x.
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + k < K)[None, :]
+        w = tl.load(w_at + k0, mask=n_ok[:, None] & k_ok, other=0.0).to(tl.float32)
+        scale = tl.load(s_at + k0 // SCALE_K, mask=n_ok, other=0.0)
+        x = tl.load(x_at + k0, mask=r_ok[:, None] & k_ok, other=0.0).to(tl.float32)
+        acc += (w * scale[:, None])[None, :, :] * x[:, None, :]
+    y = tl.sum(acc, axis=2)
+    tl.store(y_ptr + r[:, None] * stride_y + n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to e4m3's grid, half to even, in fp32 arithmetic: a step of
+    2**(exponent - 3) (three mantissa bits; subnormals below 2**-6 share its step), rounded by
+    the add-and-subtract of 1.5 * 2**23. The hardware conversion rounds the same way; Triton
+    3.9's interpreter does not (127.2 became 64, not 128: it drops a carry into the exponent),
+    and the tests run this kernel there. Converting an on-grid value is exact everywhere."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    return ((v / step + 12582912.0) - 12582912.0) * step
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
+                          GROUPS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+    # GROUPS groups of GROUP columns of one row, each scaled by its own largest magnitude.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = (group < num_groups)[:, None] & (k < K)
+    x = tl.load(x_ptr + row * stride_x + k, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
+    q = _round_to_e4m3(tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX))
+    tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_s + group, scale, mask=group < num_groups)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, c_ptr, M, N, K, stride_a, stride_as, stride_w, stride_ws,
+                     stride_c, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, QUANT_A: tl.constexpr,
+                     IEEE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # Programs in groups of GROUP_M row tiles walk the column tiles together, so that the weight
+    # tiles they share are read from L2.
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = m < M, n < N
+    a_at = a_ptr + m[:, None].to(tl.int64) * stride_a + k[None, :]
+    w_at = w_ptr + n[None, :].to(tl.int64) * stride_w + k[:, None]  # W's tile, transposed: [BLOCK_K, BLOCK_N]
+    w_s_at = w_s_ptr + (n // SCALE_N) * stride_ws
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + k < K
+        a = tl.load(a_at + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_at + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        w_scale = tl.load(w_s_at + k0 // SCALE_K, mask=n_ok, other=0.0)
+        if QUANT_A:
+            a_scale = tl.load(a_s_ptr + m * stride_as + k0 // SCALE_K, mask=m_ok, other=0.0)
+            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        elif IEEE:  # float32 activations: no tf32 rounding
+            acc += tl.dot(a, w.to(a.dtype), input_precision="ieee") * w_scale[None, :]
+        else:
+            acc += tl.dot(a, w.to(a.dtype)) * w_scale[None, :]
+    tl.store(c_ptr + m[:, None].to(tl.int64) * stride_c + n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_block: tuple[int, int], what: str):
+    N, K = weight.shape
+    scale_n, scale_k = scale_block
+    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{what} takes x [M, K] and weight [N, K], contiguous along K; got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if weight.dtype != FP8:
+        raise ValueError(f"{what} takes a {FP8} weight, got {weight.dtype}")
+    grid = (triton.cdiv(N, scale_n), triton.cdiv(K, scale_k))
+    if tuple(scale.shape) != grid or scale.dtype != torch.float32 or scale.stride(1) != 1:
+        raise ValueError(f"{what}: a weight of {(N, K)} in blocks of {tuple(scale_block)} takes float32 scales of "
+                         f"{grid}, contiguous along K; got {tuple(scale.shape)} {scale.dtype}")
+    if scale_k & (scale_k - 1) or scale_n < 1:
+        raise ValueError(f"{what} takes blocks whose K side is a power of two, got {tuple(scale_block)}")
+
+
+def _knobs(launch: dict, names: tuple[str, ...], what: str) -> None:
+    if set(launch) - set(names):
+        raise TypeError(f"{what}'s launch knobs are {names}; got {sorted(launch)}")
+
+
+def gemv_launch_config(N: int, K: int, rows: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, num_warps, num_stages), untuned (no FP8 sweep has been run yet): 128 K
+    columns a tile, one scale block of Qwen's checkpoints, and 1 KB of weight per tile at one row,
+    half as many weight rows at more rows, so that the fp32 accumulator stays within 64 registers
+    a thread."""
+    if rows == 1:
+        return 8, 128, 2, 4
+    return 4, 128, 2 if rows <= 4 else 4, 4
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_block: tuple[int, int],
+             **launch) -> torch.Tensor:
+    """x [M, K] (1 <= M <= 8) @ dequantized(weight).T, as [M, N] in x's dtype. weight: [N, K] e4m3;
+    scale: float32 [cdiv(N, scale_n), cdiv(K, scale_k)]. `launch` (block_n, block_k, num_warps,
+    num_stages) overrides gemv_launch_config."""
+    _check(x, weight, scale, scale_block, "fp8_gemv")
+    _knobs(launch, _GEMV_KNOBS, "fp8_gemv")
+    M, K = x.shape
+    N = weight.shape[0]
+    if not 1 <= M <= MAX_GEMV_ROWS:
+        raise ValueError(f"fp8_gemv takes 1 to {MAX_GEMV_ROWS} rows, got {M}")
+    scale_n, scale_k = scale_block
+    block_n, block_k, num_warps, num_stages = (launch.get(name) or c for name, c in
+                                               zip(_GEMV_KNOBS, gemv_launch_config(N, K, M)))
+    if "block_n" not in launch and _interpreted():
+        block_n = max(block_n, 32)  # the interpreter runs programs one by one: fewer, wider ones
+    block_k = min(block_k, scale_k, triton.next_power_of_2(K))
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    pdl_on = pdl.enabled(x.device)
+    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, scale, out, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, SCALE_N=scale_n, SCALE_K=scale_k,
+        PDL=pdl_on, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_on)
+    return out
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, cdiv(K, group)]): each row's groups of `group`
+    columns scaled so that their largest magnitude maps to 448; x ~= q * scale."""
+    if x.dim() != 2 or x.stride(1) != 1 or group & (group - 1):
+        raise ValueError(f"quantize_activations takes x [M, K] contiguous along K and a power-of-two group; "
+                         f"got {tuple(x.shape)}, group {group}")
+    M, K = x.shape
+    groups = triton.cdiv(K, group)
+    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    scales = torch.empty(M, groups, dtype=torch.float32, device=x.device)
+    if M:
+        # A program quantizes up to 1024 columns of a row (8 of Qwen's groups of 128).
+        per_program = max(1, min(triton.next_power_of_2(groups), 1024 // group))
+        pdl_on = pdl.enabled(x.device)
+        _quantize_rows_kernel[(M, triton.cdiv(groups, per_program))](
+            x, q, scales, K, groups, x.stride(0), q.stride(0), scales.stride(0), GROUP=group, GROUPS=per_program,
+            FP8_MAX=FP8_MAX, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
+    return q, scales
+
+
+def gemm_launch_config(M: int, N: int, scale_k: int) -> tuple[int, int, int, int, int, int]:
+    """(block_m, block_n, block_k, group_m, num_warps, num_stages), untuned: the tile shapes that
+    Triton's FP8 matmul tutorial and vLLM's block-FP8 kernel default to on Hopper."""
+    block_k = min(128, scale_k)
+    if M <= 64:
+        return max(16, triton.next_power_of_2(M)), 64, block_k, 8, 4, 4
+    if M <= 256:  # a decode step of many streams: more, smaller tiles, to fill the SMs
+        return 64, 128, block_k, 8, 4, 3
+    return 128, 128, block_k, 8, 8, 3
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_block: tuple[int, int], *,
+             quantize_input: bool | None = None, **launch) -> torch.Tensor:
+    """x [M, K] @ dequantized(weight).T as [M, N] in x's dtype, for any M. quantize_input (default:
+    x is bf16 or fp16) quantizes x per row and scale_k columns and multiplies on the FP8 tensor
+    cores; otherwise W's tiles are converted to x's dtype. `launch` (block_m, block_n, block_k,
+    group_m, num_warps, num_stages) overrides gemm_launch_config."""
+    _check(x, weight, scale, scale_block, "fp8_gemm")
+    _knobs(launch, _GEMM_KNOBS, "fp8_gemm")
+    M, K = x.shape
+    N = weight.shape[0]
+    scale_n, scale_k = scale_block
+    if quantize_input is None:
+        quantize_input = x.dtype in (torch.bfloat16, torch.float16)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    block_m, block_n, block_k, group_m, num_warps, num_stages = (
+        launch.get(name) or c for name, c in zip(_GEMM_KNOBS, gemm_launch_config(M, N, scale_k)))
+    block_k = min(block_k, scale_k)
+    if scale_k % block_k:
+        raise ValueError(f"fp8_gemm's block_k ({block_k}) must divide the scale block's K side ({scale_k})")
+    if quantize_input:
+        a, a_scale = quantize_activations(x, scale_k)
+    else:
+        a, a_scale = x, scale  # a_scale is not read
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    pdl_on = pdl.enabled(x.device)
+    _fp8_gemm_kernel[grid](
+        a, a_scale, weight, scale, out, M, N, K, a.stride(0), a_scale.stride(0), weight.stride(0), scale.stride(0),
+        out.stride(0), SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=group_m, QUANT_A=quantize_input, IEEE=x.dtype == torch.float32, PDL=pdl_on, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl_on)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_block: tuple[int, int]) -> torch.Tensor:
+    """x [..., K] @ dequantized(weight).T: the GEMV for 1-8 rows, the GEMM otherwise."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if 1 <= rows.shape[0] <= MAX_GEMV_ROWS:
+        y = fp8_gemv(rows, weight, scale, scale_block)
+    else:
+        y = fp8_gemm(rows, weight, scale, scale_block)
+    return y.view(*x.shape[:-1], weight.shape[0])

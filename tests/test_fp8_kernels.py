@@ -1,0 +1,133 @@
+"""kernels/fp8.py against the torch reference, on CPU through Triton's interpreter: the FP8 GEMV
+(1-8 rows), the activations' quantization, and the FP8 GEMM with activations quantized (W8A8) or
+not (float32, exact), on shapes whose edge blocks are partial; and engine/layers/fp8.py's
+quantizer against the checkpoint format's definition.
+
+Inputs are fresh random numbers each run (the seed is printed on failure); outputs are allocated
+NaN-filled, so an element left unwritten fails.
+"""
+import importlib
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import fp8  # noqa: E402
+from tests.kernel_checks import (  # noqa: E402,F401
+    TOL,
+    assert_close,
+    fp8_blocks,
+    fp8_dequantized,
+    poison,
+    quantized_rows_reference,
+    round_toward_zero,
+    seed,
+)
+
+if type(fp8._fp8_gemv_kernel).__name__ != "InterpretedFunction":
+    if torch.cuda.is_available() or os.environ["TRITON_INTERPRET"] != "1":
+        pytest.skip("the GPU runs tests/gpu/test_moe_fp8_gpu.py", allow_module_level=True)
+    importlib.reload(fp8)  # imported before TRITON_INTERPRET was set: decorate them again
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def weights(N, K, block):
+    return fp8_blocks(torch.randn(N, K) / K ** 0.5, block)
+
+
+@pytest.mark.parametrize("M, block, dtype", [(1, (16, 32), F32), (3, (64, 16), BF16), (8, (16, 32), F16),
+                                             (2, (64, 16), F32)])
+def test_gemv_matches_the_dequantized_product(M, block, dtype, poison):
+    N, K = 70, 100  # neither a multiple of either block side
+    q, scales = weights(N, K, block)
+    x = torch.randn(M, K).to(dtype)
+    with poison():
+        y = fp8.fp8_gemv(x, q, scales, block, block_n=8)
+    want = x.float() @ fp8_dequantized(q, scales, block).T
+    assert_close(y, round_toward_zero(want, dtype), dtype)
+
+
+def test_quantize_activations_matches_the_reference(poison):
+    x = torch.randn(5, 80) * torch.logspace(-3, 3, 5)[:, None]  # rows of very different magnitudes
+    x[2, 32:64] = 0.0  # a group of zeros: scale floored, values zero
+    with poison():
+        q, scales = fp8.quantize_activations(x, 32)
+    want_q, want_scales = quantized_rows_reference(x, 32)
+    torch.testing.assert_close(scales, want_scales, rtol=1e-6, atol=0)
+    assert torch.equal(q.float(), want_q.float())
+
+
+@pytest.mark.parametrize("M, block", [(1, (16, 32)), (17, (32, 16)), (40, (16, 32))])
+def test_gemm_in_float32_is_the_exact_dequantized_product(M, block, poison):
+    N, K = 70, 100
+    q, scales = weights(N, K, block)
+    x = torch.randn(M, K)
+    with poison():
+        y = fp8.fp8_gemm(x, q, scales, block, block_m=16, block_n=32)
+    assert_close(y, x @ fp8_dequantized(q, scales, block).T, F32)
+
+
+@pytest.mark.parametrize("M, dtype", [(9, F16), (33, BF16)])
+def test_gemm_with_quantized_activations_matches_the_reference(M, dtype, poison):
+    """W8A8: x quantized per row and 32 columns, each K block one e4m3 product scaled by both."""
+    block = (16, 32)
+    N, K = 50, 100
+    q, scales = weights(N, K, block)
+    x = torch.randn(M, K).to(dtype)
+    with poison():
+        y = fp8.fp8_gemm(x, q, scales, block, block_m=16, block_n=16)
+    xq, x_scales = quantized_rows_reference(x, 32)
+    x_dequant = xq.float() * x_scales.repeat_interleave(32, 1)[:, :K]
+    want = x_dequant @ fp8_dequantized(q, scales, block).T
+    assert_close(y, round_toward_zero(want, dtype), dtype)
+    # And within FP8's rounding of the unquantized product: activations lose ~3 of 8 bits.
+    exact = x.float() @ fp8_dequantized(q, scales, block).T
+    assert (y.float() - exact).abs().max() < 0.1 * exact.abs().max()
+
+
+def test_linear_takes_the_gemv_up_to_8_rows_and_the_gemm_beyond(monkeypatch, poison):
+    block = (16, 32)
+    q, scales = weights(40, 64, block)
+    calls = []
+    for name in ("fp8_gemv", "fp8_gemm"):
+        real = getattr(fp8, name)
+        monkeypatch.setattr(fp8, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    for rows in (1, 8, 9):
+        x = torch.randn(rows, 64)
+        with poison():
+            y = fp8.fp8_linear(x, q, scales, block)
+        assert_close(y, x @ fp8_dequantized(q, scales, block).T, F32)
+    assert calls == ["fp8_gemv", "fp8_gemv", "fp8_gemm"]
+
+
+@pytest.mark.parametrize("shape, block", [((70, 100), (16, 32)), ((3, 130, 48), (128, 128))])
+def test_engine_quantizer_writes_the_checkpoint_format(shape, block):
+    """engine.layers.fp8.quantize_blocks against the format's definition: the same scales, and
+    values that dequantize back to within e4m3's rounding (3 mantissa bits)."""
+    from engine.layers.fp8 import dequantize_blocks, quantize_blocks
+    w = torch.randn(shape)
+    q, scales = quantize_blocks(w, block)
+    want_q, want_scales = fp8_blocks(w, block)
+    torch.testing.assert_close(scales, want_scales, rtol=1e-6, atol=0)
+    assert torch.equal(q.float(), want_q.float())
+    back = dequantize_blocks(q, scales, block)
+    assert torch.equal(back, fp8_dequantized(want_q, want_scales, block))
+    assert ((back - w).abs() <= w.abs() / 16 + 2 ** -9 * scales.max()).all()
+
+
+def test_bad_input_is_named():
+    q, scales = weights(40, 64, (16, 32))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="float32 scales"):
+        fp8.fp8_gemv(x, q, scales[:, :1], (16, 32))
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        fp8.fp8_gemv(torch.randn(9, 64), q, scales, (16, 32))
+    with pytest.raises(ValueError, match="float8_e4m3fn weight"):
+        fp8.fp8_gemm(x, q.float(), scales, (16, 32))
+    with pytest.raises(TypeError, match="launch knobs"):
+        fp8.fp8_gemm(x, q, scales, (16, 32), block_q=4)

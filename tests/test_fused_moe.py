@@ -1,0 +1,150 @@
+"""kernels/fused_moe.py against the torch reference, on CPU through Triton's interpreter: the
+router's top-k, the expert sort, and both expert paths (GEMV for a few tokens, grouped GEMM for
+more) with bf16-free dtypes (the interpreter's bf16 tl.dot is wrong, see test_fused_gemv), with
+experts no token chose, every token on one expert, and FP8 weights with block scales.
+
+Inputs are fresh random numbers each run (the seed is printed on failure); outputs and the
+intermediate activations are allocated NaN-filled, so an element left unwritten fails.
+"""
+import importlib
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import fused_moe  # noqa: E402
+from tests.kernel_checks import (  # noqa: E402,F401
+    assert_close,
+    fp8_blocks,
+    fp8_dequantized,
+    moe_reference,
+    poison,
+    seed,
+)
+
+if type(fused_moe._route_kernel).__name__ != "InterpretedFunction":
+    if torch.cuda.is_available() or os.environ["TRITON_INTERPRET"] != "1":
+        pytest.skip("the GPU runs tests/gpu/test_moe_fp8_gpu.py", allow_module_level=True)
+    importlib.reload(fused_moe)  # imported before TRITON_INTERPRET was set: decorate them again
+
+F32, F16 = torch.float32, torch.float16
+# Small tiles so that the tiny shapes still take several tiles along N and K, the last one partial.
+GEMV = dict(block_n=32, block_k=32)
+GROUPED = dict(block_m=16, block_n=16, block_k=16)
+
+
+def experts(E, H, inter, dtype):
+    w13 = (torch.randn(E, 2 * inter, H) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter) / inter ** 0.5).to(dtype)
+    return w13, w2
+
+
+def random_routing(T, E, top_k):
+    """Distinct experts per token, weights summing to one, as route() returns them."""
+    ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).int()
+    weights = torch.softmax(torch.randn(T, top_k), -1)
+    return weights, ids
+
+
+def check(T, E, H, inter, top_k, dtype, gemv, poison, ids=None):
+    x = torch.randn(T, H).to(dtype)
+    w13, w2 = experts(E, H, inter, dtype)
+    weights, random_ids = random_routing(T, E, top_k)
+    ids = random_ids if ids is None else ids
+    with poison():
+        out = fused_moe.fused_moe(x, w13, w2, weights, ids, gemv=gemv, **(GEMV if gemv else GROUPED))
+    assert_close(out, moe_reference(x, w13, w2, weights, ids), dtype)
+
+
+@pytest.mark.parametrize("E, top_k, renormalize", [(8, 2, True), (6, 3, False), (10, 1, True)])
+def test_route_takes_the_top_k_of_the_softmax(E, top_k, renormalize, poison):
+    logits = torch.randn(5, E)
+    with poison():
+        weights, ids = fused_moe.route(logits, top_k, renormalize)
+    probs = torch.softmax(logits, -1)
+    want_weights, want_ids = torch.topk(probs, top_k, -1)
+    if renormalize:
+        want_weights = want_weights / want_weights.sum(-1, keepdim=True)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights)
+
+
+@pytest.mark.parametrize("T, dtype", [(1, F32), (5, F16)])
+def test_gemv_path_matches_the_reference(T, dtype, poison):
+    check(T, E=6, H=48, inter=40, top_k=2, dtype=dtype, gemv=True, poison=poison)
+
+
+@pytest.mark.parametrize("T, E, top_k, dtype", [(9, 6, 2, F32), (20, 4, 3, F16)])
+def test_grouped_path_matches_the_reference(T, E, top_k, dtype, poison):
+    check(T, E=E, H=48, inter=40, top_k=top_k, dtype=dtype, gemv=False, poison=poison)
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+def test_every_token_on_the_same_experts_and_most_experts_idle(gemv, poison):
+    """Experts 5 and 2 take every token (all of their rows in a few blocks, the last one partial);
+    the other six take none."""
+    T = 5 if gemv else 21
+    ids = torch.tensor([[5, 2]] * T, dtype=torch.int32)
+    check(T, E=8, H=32, inter=24, top_k=2, dtype=F32, gemv=gemv, poison=poison, ids=ids)
+
+
+def test_one_expert_per_token_all_on_one_expert(poison):
+    ids = torch.full((17, 1), 3, dtype=torch.int32)
+    check(17, E=4, H=32, inter=24, top_k=1, dtype=F32, gemv=False, poison=poison, ids=ids)
+
+
+@pytest.mark.parametrize("gemv, block", [(True, (32, 16)), (False, (16, 32)), (False, (32, 16))])
+def test_fp8_experts_match_the_dequantized_reference(gemv, block, poison):
+    """Block-FP8 experts; 40 and 48 are not multiples of every block side, so edge blocks are
+    partial, and gate's and up's rows meet inside a block where block_n is 32."""
+    T, E, H, inter, top_k = (3 if gemv else 19), 5, 48, 40, 2
+    x = torch.randn(T, H)
+    w13, w2 = experts(E, H, inter, F32)
+    (q13, s13), (q2, s2) = fp8_blocks(w13, block), fp8_blocks(w2, block)
+    weights, ids = random_routing(T, E, top_k)
+    with poison():
+        out = fused_moe.fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, scale_block=block, gemv=gemv,
+                                  **(GEMV if gemv else GROUPED))
+    want = moe_reference(x, fp8_dequantized(q13, s13, block), fp8_dequantized(q2, s2, block), weights, ids)
+    assert_close(out, want, F32)
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_align_by_expert_groups_and_pads_each_experts_pairs(block_m):
+    T, E, top_k = 11, 7, 2
+    _, ids = random_routing(T, E, top_k)
+    ids[:, 0] = 4  # one expert takes every token's first choice
+    sorted_ids, block_expert, filled = fused_moe.align_by_expert(ids, E, block_m)
+    pairs = T * top_k
+    assert sorted_ids.shape[0] == fused_moe.sorted_capacity(pairs, E, block_m)
+    filled = int(filled)
+    flat = ids.flatten().tolist()
+    assert filled % block_m == 0 and sorted(p for p in sorted_ids.tolist() if p < pairs) == list(range(pairs))
+    assert all(p == pairs for p in sorted_ids[filled:].tolist())
+    for b in range(filled // block_m):
+        block = sorted_ids[b * block_m:(b + 1) * block_m].tolist()
+        real = [p for p in block if p < pairs]
+        assert real, "a filled block with no pair"
+        assert all(flat[p] == int(block_expert[b]) for p in real)
+        assert real == sorted(real) and block[:len(real)] == real  # padding only at a run's end
+    assert (block_expert[filled // block_m:] == E).all()
+    counts = torch.bincount(ids.flatten().long(), minlength=E)
+    assert filled == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+def test_bad_input_is_named():
+    x = torch.randn(3, 16)
+    w13, w2 = experts(4, 16, 8, F32)
+    weights, ids = random_routing(3, 4, 2)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_moe.fused_moe(x, w13, w2, weights, ids.long())
+    with pytest.raises(ValueError, match=r"w13 \[E, 2I, H\]"):
+        fused_moe.fused_moe(x, w13[:, :15], w2, weights, ids)
+    with pytest.raises(ValueError, match="needs its block scales"):
+        fused_moe.fused_moe(x, w13.to(torch.float8_e4m3fn), w2, weights, ids)
+    with pytest.raises(TypeError, match="launch knobs"):
+        fused_moe.fused_moe(x, w13, w2, weights, ids, block_q=4)

