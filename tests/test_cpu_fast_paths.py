@@ -6,14 +6,16 @@ it is not."""
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Qwen3Config
 
 from engine import LLM, SamplingParams
 from engine.core.step_plan import StepPlan
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.norm import RMSNorm
 from engine.layers.paged_attention_torch import StepContext, store_kv, store_step_kv
-from engine.layers.quantized import quantize, unpack_int4
+from engine.layers.quantized import Int4Weight, Int8Weight, quantize, unpack_int4
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.qwen3 import Qwen3ForCausalLM
 from tests.conftest import random_prompts, save_tiny_hf_model
 
 
@@ -168,3 +170,30 @@ def test_cpu_decode_equals_the_model_forward_bit_for_bit(tmp_path, arch, quantiz
         assert fast_tokens == tokens
         assert len(fast_logits) == len(logits) == 10
         assert all(torch.equal(a, b) for a, b in zip(fast_logits, logits))
+
+
+def test_int4_tied_head_greedy_picks_float32s_leader():
+    """The int4 head's logits move by 4-bit rounding; the leaders it recomputes from the float
+    table carry float32's own products, so argmax is float32's."""
+    g = _generator()
+    head = ParallelLMHead(300, 64)
+    weight = torch.randn(300, 64, generator=g) / 8
+    head.weight.data = weight.clone()
+    head.quantize("int4", tied=True)
+    hidden = torch.randn(8, 64, generator=g)
+    logits, exact = head.compute_logits(hidden), hidden @ weight.T
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    leaders = exact.argmax(-1, keepdim=True)
+    torch.testing.assert_close(logits.gather(1, leaders), exact.gather(1, leaders), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_int4_models_quantize_the_head_to_int4_only_where_it_is_tied(tied):
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=tied)
+    model = Qwen3ForCausalLM(config, 64)
+    for p in model.parameters():
+        p.data.normal_()
+    model.quantize("int4")
+    assert type(model.lm_head.quantized) is (Int4Weight if tied else Int8Weight)
+    assert (model.lm_head.weight is not None) == tied

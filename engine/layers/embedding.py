@@ -44,8 +44,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     # not measured.
     fused = False
 
-    # How many of each row's largest logits the quantized head recomputes in float32.
-    LEADERS = 8
+    # How many of each row's largest logits the quantized head recomputes in float32. Over 195
+    # greedy steps of SmolLM2 on six chat prompts, float32's leader ranked at most third in the
+    # int4 head's order and second in the int8 head's.
+    LEADERS = 16
 
     def quantize(self, method: str, tied: bool) -> None:
         """A quantized copy of the head for the logits; a tied table stays float for the
@@ -78,8 +80,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         tied to the embedding (which keeps it) and from the quantized rows otherwise. The quantized
         kernels write bf16, where a logit near 25 is a multiple of 0.125: close leaders tie or swap.
         For "What is the capital of France?" SmolLM2's "The" and "L'" are 0.08 apart in float32 and
-        tied in bf16, where argmax took "L'". Whatever leads in float32 is among the eight largest
-        in bf16 unless more than eight tie within a bf16 step of the top."""
+        tied in bf16, where argmax took "L'". Greedy decoding then picks float32's leader wherever
+        it is among the quantized head's LEADERS largest; sampling sees the other logits as the
+        quantized head rounds them."""
         top = logits.topk(min(self.LEADERS, logits.shape[-1]), dim=-1).indices  # [rows, leaders]
         weight = self.weight[top] if self.weight is not None else self.quantized.rows(top)
         exact = torch.matmul(weight, hidden.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
