@@ -197,3 +197,18 @@ def test_int4_models_quantize_the_head_to_int4_only_where_it_is_tied(tied):
     model.quantize("int4")
     assert type(model.lm_head.quantized) is (Int4Weight if tied else Int8Weight)
     assert (model.lm_head.weight is not None) == tied
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_head_multiplies_many_rows_through_its_kernel(method):
+    """Rows enough for a projection to expand its weight: the head's products stay the kernel's."""
+    g = _generator()
+    head = ParallelLMHead(320, 64)
+    head.weight.data = torch.randn(320, 64, generator=g)
+    head.quantize(method, tied=True)  # the engine's int4 heads are tied ones
+    hidden = torch.randn(200, 64, generator=g)
+    kernel = head.quantized.kernel_product(hidden).float()
+    logits = head.compute_logits(hidden)
+    leaders = kernel.topk(head.LEADERS, dim=-1).indices  # as the head picks them
+    others = torch.ones_like(logits, dtype=torch.bool).scatter_(1, leaders, False)
+    assert torch.equal(logits[others], kernel[others])

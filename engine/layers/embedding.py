@@ -59,7 +59,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on rank 0 (None elsewhere)."""
         if self.quantized is not None:
-            logits = self.quantized(hidden)
+            # Through the kernel at any row count: expanded to float32 (quantized.py), SmolLM2's head
+            # would hold 113 MB in the expansion buffer from then on.
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            logits = self.quantized.kernel_product(rows).to(hidden.dtype).view(*hidden.shape[:-1], -1)
             if self.tp_size == 1:
                 self._recompute_leaders(hidden, logits)
         elif self.fused and hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.stride(1) == 1:

@@ -55,9 +55,13 @@ class _QuantizedWeight:
         in bf16; with more through the weight expanded to float32, in float32 (or x's dtype, if
         wider). Callers that keep float32 add its bf16 to theirs, which promotes exactly."""
         if x.shape[0] < self.expanded_rows:
-            return self._kernel_product(_kernel_rows(x))
+            return self.kernel_product(x)
         weight = self.expanded()
         return F.linear(x.to(torch.promote_types(x.dtype, weight.dtype)), weight)
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ weight.T through the quantized kernel at any row count, in bf16."""
+        return self._kernel_product(_kernel_rows(x))
 
 
 class Int8Weight(_QuantizedWeight):
