@@ -60,7 +60,8 @@ def main() -> None:
     first = engines["none"]
 
     def chat_tokens(message: str) -> list[int]:
-        return first.encode_chat([{"role": "user", "content": message}])
+        # tokenize_chat, not encode_chat: the trimming loop measures messages longer than the limit
+        return first.tokenize_chat([{"role": "user", "content": message}])
 
     results = {name: [] for name in (*QUANTIZATIONS, *(["llama.cpp"] if llama else []))}
     prompt_lens = []
