@@ -15,6 +15,7 @@ from engine.layers import fp8
 from engine.layers.attention import AttentionMetadata
 from engine.layers.attention_backends import make_backend
 from engine.core.step_plan import KVTransfers
+from engine.models.cpu_decode import CpuDecode
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.kv_tiers import DiskStore, KVTierCopies, kv_fingerprint
 from engine.runner.sampler import Sampler
@@ -200,6 +201,10 @@ class ModelRunner:
         progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
         self.tiers = self._make_tiers()
+        # Decode steps on CPU run as one loop over the layers where the model allows it.
+        self._cpu_decode = None
+        if self.device.type == "cpu" and self.backend.name == "torch" and CpuDecode.supports(self.model):
+            self._cpu_decode = CpuDecode(self.model)
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(progress)
         if self.device.type == "cuda":
@@ -486,6 +491,7 @@ class ModelRunner:
             max_seqlen_q=plan.max_seqlen_q,
             is_decode=plan.is_decode,
             prefill_work=work,
+            context=self.backend.step_context(plan, inputs, self.block_size),
         )
 
     def _feed(self, plan: StepPlan, inputs: dict[str, torch.Tensor]) -> None:
@@ -524,6 +530,8 @@ class ModelRunner:
         meta = self.metadata(plan, inputs, work)
         if bucket is not None:
             hidden = graphs.run(bucket, inputs["input_ids"], inputs["positions"], meta)
+        elif plan.is_decode and self._cpu_decode is not None and meta.context.all_slots_valid:
+            hidden = self._cpu_decode(inputs["input_ids"], inputs["positions"], meta)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], meta)
         if not rows:
@@ -595,6 +603,7 @@ class ModelRunner:
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
+        self._cpu_decode = None
         self.kv_cache = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.empty(0)
