@@ -9,12 +9,11 @@ from engine.checkpoints.loader import init_random_weights, load_weights
 from engine.checkpoints.quantization import fp8_block
 from engine.config import EngineConfig
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.core.step_plan import SampleContext, StepPlan
+from engine.core.step_plan import KVTransfers, SampleContext, StepPlan
 from engine.distributed import collectives
 from engine.layers import fp8
 from engine.layers.attention import AttentionMetadata
 from engine.layers.attention_backends import make_backend
-from engine.core.step_plan import KVTransfers
 from engine.models.cpu_decode import CpuDecode
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.kv_tiers import DiskStore, KVTierCopies, kv_fingerprint
