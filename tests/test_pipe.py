@@ -44,10 +44,12 @@ def runs(demo_model_path, tmp_path_factory):
     """Every nvchat run of this module, two at a time: each spends most of its seconds importing
     torch on one core, so pairs roughly halve the module's time on a 2-core box."""
     root = tmp_path_factory.mktemp("xdg")
-    # nvchat finds the demo model under $XDG_CACHE_HOME/nvchat: point that at the session's copy
-    # so no subprocess writes its own.
-    (root / "cache").mkdir()
-    (root / "cache" / "nvchat").symlink_to(demo_model_path.parent, target_is_directory=True)
+    # nvchat finds the demo model under $XDG_CACHE_HOME/nvchat: link the session's copy there so
+    # no subprocess writes its own. What the runs write (the KV cache's disk tier) stays here.
+    (root / "cache" / "nvchat").mkdir(parents=True)
+    for entry in demo_model_path.parent.iterdir():
+        if entry.name != "kv":
+            (root / "cache" / "nvchat" / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
     env = {**os.environ, "XDG_CACHE_HOME": str(root / "cache"), "XDG_DATA_HOME": str(root / "data"),
            "XDG_CONFIG_HOME": str(root / "config"), "OMP_NUM_THREADS": "1"}
     missing = root / "no-such-checkpoint"
@@ -93,7 +95,8 @@ def test_json_has_the_reply_and_its_stats(json_reply):
                                "cached_tokens", "model"}
     assert json_reply["text"] and json_reply["model"] == "demo"
     assert json_reply["finish_reason"] in ("stop", "length") and 1 <= json_reply["tokens"] <= 16
-    assert json_reply["prompt_tokens"] > len(QUESTION) and json_reply["cached_tokens"] == 0
+    # The runs share a disk tier: a run may find blocks another one left there.
+    assert json_reply["prompt_tokens"] > len(QUESTION) and 0 <= json_reply["cached_tokens"] < json_reply["prompt_tokens"]
     assert json_reply["ttft_s"] > 0
 
 

@@ -151,7 +151,10 @@ class ChatTokenizer:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it runs (encode holds it): a long prompt tokenized
+        # on the server's worker thread then stalls neither the engine's thread nor the event loop,
+        # as with transformers' fast tokenizer, which goes through encode_batch too.
+        return self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

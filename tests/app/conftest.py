@@ -25,7 +25,9 @@ class FixedLengthSettings(Settings):
 
 
 def app_settings(**changes) -> Settings:
-    values = dict(**ENGINE_ARGS, model="demo", max_tokens=24, temperature=0.8)
+    # No disk tier unless a test asks for one: it would live in the session's shared cache
+    # directory, and one test's saved blocks would be another's prefix hits.
+    values = dict(**ENGINE_ARGS, model="demo", max_tokens=24, temperature=0.8, disk_cache_gib=0)
     values.update(changes)
     return FixedLengthSettings(**values)
 

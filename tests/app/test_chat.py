@@ -707,7 +707,9 @@ async def test_closing_a_tab_mid_reply_keeps_what_it_said(make_app):
         await press_now(pilot, "ctrl+w")
         await wait_for(pilot, lambda: pane not in app.query(ChatPane), what="the tab to close")
         assert len(app.query(ChatPane)) == 1  # a fresh chat takes the last tab's place
-        await wait_for(pilot, lambda: len(stored_messages(pane)) == 2, what="the partial reply to be stored")
+        # The reply's text may be stored mid-stream first (no numbers yet); its end follows.
+        await wait_for(pilot, lambda: len(rows := stored_messages(pane)) == 2 and rows[1].stats is not None,
+                       what="the partial reply to be stored with its end")
         assert stored_messages(pane)[1].stats["finish_reason"] == "abort"
 
 

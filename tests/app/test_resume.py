@@ -18,7 +18,7 @@ def last_footer(pane) -> tuple[int, int]:
 
 
 async def test_a_conversation_reopened_after_a_restart_reads_its_history_from_disk(tmp_path):
-    settings = app_settings(disk_cache_dir=str(tmp_path / "kv"), max_tokens=8)
+    settings = app_settings(disk_cache_dir=str(tmp_path / "kv"), disk_cache_gib=16, max_tokens=8)
     first = NvchatApp(settings)
     async with first.run_test(size=SIZE) as pilot:
         await started(pilot)

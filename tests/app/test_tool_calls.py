@@ -116,8 +116,10 @@ async def test_an_approved_call_runs_and_its_folded_result_is_fed_back_and_store
         view = pane.query_one(ToolCallView)
         folded = view.query_one(Collapsible)
         assert folded.collapsed and result.content in str(folded.query_one(".tool-result-text").render())
-        await pilot.click(folded.query_one("CollapsibleTitle"))
-        assert not folded.collapsed
+        # Unfolded from the keyboard: the title takes the focus (Tab reaches it) and Enter toggles it.
+        folded.query_one("CollapsibleTitle").focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not folded.collapsed, what="the result unfolded by Enter on its title")
 
         # Reopened, the chat shows the call and its result, and its next turn sends them again.
         await pilot.press("ctrl+w")
