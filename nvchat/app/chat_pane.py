@@ -2,8 +2,10 @@
 
 Conversation calls (tokenizing, SQLite writes) run on the app's conversation thread through the
 `background` callable, never on the UI thread. While a turn is in flight (from submit until its
-reply is stored) the pane is busy and refuses new turns, so the transcript always matches
-conversation.messages once it is idle.
+reply is stored) the pane is busy: a message sent meanwhile waits in its queue, shown dimmed at
+the foot of the transcript, and starts the next turn when the reply is stored (Esc puts the queue
+back in the box); regenerating and editing are refused. So the transcript always matches
+conversation.messages, then the queue, once it is idle.
 
 The pane is handed what it needs from outside (that callable, the keymap, whether its tab is the
 one shown) and tells the app what happened through its own messages (ReplyStarted, StateChanged);
@@ -24,7 +26,7 @@ from textual.widgets import Static, TextArea
 
 from engine import RequestStream
 from nvchat.app.events import PromptSubmitted, ScrollTranscript
-from nvchat.app.message_view import ReplyView, UserMessageView
+from nvchat.app.message_view import QueuedMessageView, ReplyView, UserMessageView
 from nvchat.app.prompt_input import PromptInput
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
 from nvchat.slash_table import as_typed
@@ -82,6 +84,7 @@ class ChatPane(Vertical):
         self._draft = ""  # what the box held when F3 put the last message there; back after the edit
         self._draft_timer: Timer | None = None  # a draft save waiting for typing to pause
         self._draft_due = 0.0  # when that save is made even if typing goes on
+        self.queued: list[QueuedMessageView] = []  # messages sent while busy, first out first
         # Held: the app reads its draft after the DOM is gone.
         self._prompt = PromptInput(keymap=keymap, id="prompt")
 
@@ -150,6 +153,8 @@ class ChatPane(Vertical):
         if self.editing:
             return self._draft
         typed = self.prompt.text
+        if self.queued:  # not sent yet either: kept with the draft if the tab closes or the app quits
+            typed = _before_typed(self._queued_text(), typed)
         if self._draft:  # an edit was sent and its reply is starting: the kept draft comes back next
             return _before_typed(self._draft, typed)
         return typed
@@ -223,9 +228,17 @@ class ChatPane(Vertical):
         self.busy = busy
         if not busy:
             self._stop_requested = False
-        self.prompt.accepting = not busy
-        self._set_status("generating… Esc stops" if busy else "")
+        self._show_busy_status()
         self.post_message(self.StateChanged(self))
+
+    def _show_busy_status(self) -> None:
+        if not self.busy:
+            self._set_status("")
+        elif self.queued:
+            self._set_status(f"generating… {len(self.queued)} queued to send next · Esc stops and puts "
+                             f"{'it' if len(self.queued) == 1 else 'them'} back in the box")
+        else:
+            self._set_status("generating… Esc stops")
 
     async def _sync_views(self, reply: ReplyView | None = None) -> None:
         """Makes the transcript show exactly conversation.messages (after a turn dropped or added some),
@@ -243,7 +256,8 @@ class ChatPane(Vertical):
         if reply is not None and (reply is self._reply_view or id(reply.message) in kept):
             new.append(reply)
         if new:
-            await self.transcript.mount_all(new)
+            # Above the queue, which stays at the foot.
+            await self.transcript.mount_all(new, before=self.queued[0] if self.queued else None)
 
     # --- turns -------------------------------------------------------------------------------------
 
@@ -254,13 +268,41 @@ class ChatPane(Vertical):
 
     def on_prompt_submitted(self, event: PromptSubmitted) -> None:
         event.stop()
-        if self._refuse_if_busy():
-            self._restore_prompt(as_typed(event.text))
+        if self.busy or self.queued:
+            self._queue(event.text)
             return
         start = self.conversation.edit_last_user if self.editing else self.conversation.send
         self._set_busy(True)  # now, not when the worker starts: a second turn must not start meanwhile
         self.run_worker(self._turn(start, event.text, restore=event.text, was_editing=self.editing))
         self.editing = False
+
+    # --- the queue -----------------------------------------------------------------------------------
+
+    def _queue(self, text: str) -> None:
+        view = QueuedMessageView(text)
+        self.queued.append(view)
+        self.transcript.mount(view)
+        self._show_busy_status()
+
+    def _queued_text(self) -> str:
+        return "\n".join(as_typed(view.text) for view in self.queued)
+
+    def unqueue(self) -> None:
+        """Puts the queued messages back in the box, in order, before whatever was typed since."""
+        if not self.queued:
+            return
+        text = self._queued_text()
+        views, self.queued = self.queued, []
+        self.transcript.remove_children(views)
+        self._restore_prompt(text)
+        self._show_busy_status()
+
+    def _send_next_queued(self) -> None:
+        """The reply is stored: the first queued message starts the next turn."""
+        view = self.queued.pop(0)
+        view.remove()
+        self._set_busy(True)
+        self.run_worker(self._turn(self.conversation.send, view.text, restore=view.text))
 
     def _give_back_draft(self) -> None:
         draft, self._draft = self._draft, ""
@@ -305,7 +347,8 @@ class ChatPane(Vertical):
         self.post_message(self.StateChanged(self))
 
     def stop(self) -> None:
-        """Esc: stops the reply, or leaves edit mode."""
+        """Esc: stops the reply and puts the queue back in the box, or leaves edit mode."""
+        self.unqueue()
         if self.stream is not None:
             self.stream.abort()
         elif self.busy:
@@ -321,6 +364,7 @@ class ChatPane(Vertical):
             stream = await self.background(start, *args)
         except Exception as e:  # a refused prompt (too long, engine stopped) leaves the conversation as it was
             self._set_busy(False)
+            self.unqueue()  # what was queued after it stays unsent too, back in the box after it
             if restore is not None:
                 self._restore_prompt(as_typed(restore))
                 if was_editing:
@@ -444,6 +488,8 @@ class ChatPane(Vertical):
         self._reply_view = None
         self._refresh_hint()
         self._set_busy(False)
+        if self.queued:
+            self._send_next_queued()
 
     # --- chat settings -------------------------------------------------------------------------------
 
