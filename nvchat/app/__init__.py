@@ -2,9 +2,9 @@
 
 Its modules are layered as nvchat's are (tests/test_layering.py checks it), bottom to top:
 
-    bindings, events, pacing, frame_stats, code_block, chat_screen, footer
+    bindings, events, pacing, frame_stats, code_block, chat_screen, footer, open_tabs
         parts that use no other part of the app: the key table, the prompt box's events, draw
-        pacing, the screen's compositor, the key footer
+        pacing, the screen's compositor, the key footer, the list of open chats kept for a restart
     streaming_markdown, message_view, prompt_input, chat_pane, kv_panel
         the widgets: a reply as it streams, messages, the prompt box, one chat's tab, the KV panel
     loading_screen, rename_screen, system_prompt_screen, sampling_screen, conversations_screen,

@@ -46,6 +46,7 @@ class ChatActions:
     tabs: ChatTabs
     active_pane: ChatPane | None
     new_conversation: Callable[[], Conversation]
+    save_open_tabs: Callable[[], None]
     _loading: LoadingScreen | None  # the start-up's screen, while it is up
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -76,6 +77,7 @@ class ChatActions:
         if pane is not None:
             await self.tabs.close(pane)
             self.pump.forget(pane)
+            self.save_open_tabs()
 
     def action_next_tab(self) -> None:
         self.tabs.cycle(1)

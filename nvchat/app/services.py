@@ -124,21 +124,25 @@ class ChatServices:
     # --- shutdown ------------------------------------------------------------------------------------
 
     async def close(self, live: list[tuple[Conversation, RequestStream]],
-                    drafts: list[tuple[Conversation, str]]) -> None:
+                    drafts: list[tuple[Conversation, str]], then: Callable[[], None] | None = None) -> None:
         """The app is exiting: stops the replies still running (keeping their text), stores what each
-        chat had typed and not sent, lets queued writes finish, then shuts down what the app started,
-        off the UI thread. A start-up still under way closes what it builds itself."""
+        chat had typed and not sent, runs then (on the conversation thread, after those writes), lets
+        queued writes finish, then shuts down what the app started, off the UI thread. A start-up
+        still under way closes what it builds itself."""
         self.closing = True
-        await asyncio.to_thread(self._close, self.engine, self.store, live, drafts)
+        await asyncio.to_thread(self._close, self.engine, self.store, live, drafts, then)
 
     def _close(self, engine: Backend | None, store: ChatStore | None,
-               live: list[tuple[Conversation, RequestStream]], drafts: list[tuple[Conversation, str]] = ()) -> None:
+               live: list[tuple[Conversation, RequestStream]], drafts: list[tuple[Conversation, str]] = (),
+               then: Callable[[], None] | None = None) -> None:
         for _, stream in live:
             stream.abort()
         for conversation, stream in live:
             self._conversation_thread.submit(store_partial_reply, conversation, stream)
         for conversation, text in drafts:
             self._conversation_thread.submit(conversation.save_draft, text)
+        if then is not None:
+            self._conversation_thread.submit(then)
         self._conversation_thread.shutdown(wait=True)
         if engine is not None and self._owns_engine:
             engine.shutdown()
