@@ -8,7 +8,7 @@ Its modules are layered as nvchat's are (tests/test_layering.py checks it), bott
     streaming_markdown, message_view, prompt_input, chat_pane, kv_panel
         the widgets: a reply as it streams, messages, the prompt box, one chat's tab, the KV panel
     loading_screen, rename_screen, system_prompt_screen, sampling_screen, conversations_screen,
-    help_screen, command_palette
+    help_screen, file_picker_screen, command_palette
         the screens and dialogs, and the command palette's commands
     services, chat_tabs, stream_pump, actions
         the app's jobs: the backend's start-up and shutdown, the tabs, the stream pump, the actions

@@ -73,12 +73,17 @@ class NvchatApp(ChatActions, App[None]):
     # Python's default 5 ms, 8 streams on an H200 ran 2.7x slower with the app attached
     # (bench_ui). Set while the app is mounted.
     GIL_SWITCH_INTERVAL_S = 0.0005
+    # Below 100 columns the screen is -narrow, and the KV panel takes less of the width there.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
 
-    def __init__(self, settings: Settings, *, engine: Backend | None = None, store: ChatStore | None = None):
+    def __init__(self, settings: Settings, *, engine: Backend | None = None, store: ChatStore | None = None,
+                 flags: frozenset[str] = frozenset()):
         """engine / store: already running ones to use (and leave running), e.g. shared by tests;
-        by default the app builds its own from settings and shuts them down when it exits."""
+        by default the app builds its own from settings and shuts them down when it exits. flags:
+        the settings the command line set, which its warnings name as flags rather than config.toml."""
         super().__init__()
         self.settings = settings
+        self.flags = flags
         self.services = ChatServices(settings, engine, store)
         self.keymap = dict(settings.keys)
         self.ready = False  # engine and store are up, chats can run
@@ -113,8 +118,9 @@ class NvchatApp(ChatActions, App[None]):
         if self.settings.theme in self.available_themes:
             self.theme = self.settings.theme
         else:
-            self.notify(f"config.toml: unknown theme {self.settings.theme!r}; using {FALLBACK_THEME}",
-                        severity="warning")
+            source = "--theme" if "theme" in self.flags else "config.toml"
+            self.notify(f"{source}: unknown theme {self.settings.theme!r}; using {FALLBACK_THEME} (the palette, "
+                        f"Ctrl+P, lists the themes)", severity="warning", timeout=10)
             self.theme = FALLBACK_THEME
         self._theme_applied = True
         unknown = unknown_key_ids(self.keymap)
@@ -122,6 +128,7 @@ class NvchatApp(ChatActions, App[None]):
             self.notify(f"config.toml [keys]: no binding has the id(s) {', '.join(unknown)} (F1 lists them)",
                         severity="warning", timeout=10)
         self.set_keymap(self.keymap)
+        self.set_class(self.settings.compact_transcript, "-compact")
         self.sub_title = self.note or model_label(self.settings)
         self.pump = StreamPump(self, self.tabs, self.PUMP_HZ, self.MIN_DRAW_HZ, self.UI_CPU_BUDGET_ONE,
                                self.UI_CPU_BUDGET_MANY)

@@ -39,6 +39,7 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("system_prompt", "f4", "system_prompt", "System prompt", show=False),
     KeySpec("sampling", "f7", "sampling", "Sampling", show=False),
     KeySpec("kv_panel", "f5", "toggle_kv_panel", "KV cache"),
+    KeySpec("compact", "f6", "toggle_compact", "Compact view", show=False),
     KeySpec("conversations", "ctrl+o", "open_conversations", "History", show=False),
     KeySpec("export", "ctrl+s", "export_markdown", "Export", show=False),
     KeySpec("help", "f1", "help", "Help"),
@@ -53,6 +54,13 @@ PROMPT_KEYS: tuple[KeySpec, ...] = (
     KeySpec("scroll_chat_down", "pagedown", "scroll_chat(1)", "Scroll down", show=False, priority=False),
 )
 
+# Keys of Textual's focus chain and of the widgets it reaches: not remappable, listed on F1 too.
+FOCUS_KEYS: tuple[tuple[str, str], ...] = (
+    ("tab", "Focus next"),  # the box, the transcript, its code blocks (HelpScreen's note says so)
+    ("shift+tab", "Focus previous"),
+    ("c", "Copy code block"),  # the focused one
+)
+
 ALL_KEYS = APP_KEYS + PROMPT_KEYS
 KEY_IDS = frozenset(spec.id for spec in ALL_KEYS)
 
@@ -60,7 +68,7 @@ KEY_IDS = frozenset(spec.id for spec in ALL_KEYS)
 # /rename and /save do without their dialog (ChatActions.run_slash_command); /stats has no key.
 SLASH_ACTIONS = {"help": "help", "new": "new_tab", "system": "system_prompt", "rename": "rename_tab",
                  "save": "export_markdown", "sampling": "sampling", "stop": "stop_reply", "regenerate": "regenerate",
-                 "edit": "edit_last", "quit": "quit"}
+                 "edit": "edit_last", "quit": "quit", "file": "pick_file"}
 
 
 def command_for_action(action: str) -> str | None:

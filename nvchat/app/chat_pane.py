@@ -28,6 +28,7 @@ from engine import RequestStream
 from nvchat.app.events import PromptSubmitted, ScrollTranscript
 from nvchat.app.message_view import QueuedMessageView, ReplyView, UserMessageView
 from nvchat.app.prompt_input import PromptInput
+from nvchat.attachments import AttachmentError, attach
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
 from nvchat.slash_table import as_typed
 
@@ -447,6 +448,12 @@ class ChatPane(Vertical):
         else:
             await self.transcript.mount(note)
 
+    def show_note(self, text: str, classes: str) -> None:
+        """Text for the user at the foot of the transcript (above any queued messages), not stored:
+        read at leisure and scrolled away, where a notification would cover part of the screen."""
+        self.transcript.mount(Static(Content(text), classes=classes), before=self.queued[0] if self.queued else None)
+        self.transcript.scroll_end(animate=False)
+
     def _show_context(self, tokens: int) -> None:
         """The context the conversation fills, under the prompt box."""
         limit = self.conversation.max_context
@@ -490,6 +497,24 @@ class ChatPane(Vertical):
         self._set_busy(False)
         if self.queued:
             self._send_next_queued()
+
+    async def attach_file(self, name: str, typed: str | None = None) -> None:
+        """Adds the file's text to the message being written, at the cursor (read and checked on
+        the conversation thread); a file that can't go in is a notification that says why, and
+        typed (the /file command) goes back in the box to fix."""
+        try:
+            attachment = await self.background(attach, self.conversation, name)
+        except (AttachmentError, OSError) as e:
+            self.notify(str(e), title="File not added", severity="error", timeout=10)
+            if typed is not None:
+                self._restore_prompt(typed)
+            return
+        if self.prompt.cursor_location[1]:
+            self.prompt.insert("\n")
+        self.prompt.insert(attachment.block)
+        self.prompt.focus()
+        tokens = "" if attachment.tokens is None else f" ({attachment.tokens} tokens)"
+        self.notify(f"{attachment.name}{tokens}", title="File added to the message")
 
     # --- chat settings -------------------------------------------------------------------------------
 
