@@ -12,6 +12,9 @@ threads at once, each with threads/streams CPU threads (at least one).
 
 Decode rates exclude the prefill: the clock starts at each stream's first generated token. Both
 engines decode greedily and ignore the end-of-turn token, so every stream makes --new-tokens.
+Beside each batch-1 rate, tokens per second of the process's CPU time ("cpu"): on a box shared
+with other work, what the engine itself spent, where wall time also counts its waits for a core
+(with one thread, the rate an idle core would give, up to the caches the others disturb).
 """
 import argparse
 import os
@@ -36,18 +39,21 @@ def nvchat_rates(model: str, prompts: list[str], new_tokens: int, streams: int, 
 
     with LLM(model, device="cpu", dtype=dtype, max_model_len=1024, max_num_seqs=max(streams, 1),
              quantization=quantization) as llm:
-        def decode_rate(batch: list[str]) -> float:
+        def decode_rate(batch: list[str]) -> tuple[float, float]:
+            """(tokens per second, tokens per CPU second)."""
             params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
             seqs = [llm.add_request(llm.encode_chat([{"role": "user", "content": p}]), params) for p in batch]
             while any(s.num_completion_tokens == 0 for s in seqs):  # prefill, up to each first token
                 llm.step()
-            start, first = time.perf_counter(), sum(s.num_completion_tokens for s in seqs)
+            start, cpu, first = time.perf_counter(), time.process_time(), sum(s.num_completion_tokens for s in seqs)
             while llm.has_unfinished():
                 llm.step()
-            return (len(batch) * new_tokens - first) / (time.perf_counter() - start)
+            made = len(batch) * new_tokens - first
+            return made / (time.perf_counter() - start), made / (time.process_time() - cpu)
 
         decode_rate(prompts[:1])  # warm-up
-        return {"batch1": decode_rate(prompts[:1]), "streams": decode_rate(prompts[:streams])}
+        batch1, batch1_cpu = decode_rate(prompts[:1])
+        return {"batch1": batch1, "batch1_cpu": batch1_cpu, "streams": decode_rate(prompts[:streams])[0]}
 
 
 def llama_cpp_rates(model: str, prompts: list[str], new_tokens: int, streams: int, threads: int) -> dict:
@@ -70,16 +76,16 @@ def llama_cpp_rates(model: str, prompts: list[str], new_tokens: int, streams: in
         for _ in llm.generate(tokens, temp=0.0, top_k=1, reset=True):
             made += 1
             if made == 1:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
             if made == new_tokens:
                 break
-        out[index] = (made - 1, time.perf_counter() - start)
+        out[index] = (made - 1, time.perf_counter() - start, time.process_time() - cpu)
 
     single = load(threads)
     result = [None]
     decode(single, prompts[0], result, 0)  # warm-up
     decode(single, prompts[0], result, 0)
-    batch1 = result[0][0] / result[0][1]
+    batch1, batch1_cpu = result[0][0] / result[0][1], result[0][0] / result[0][2]
     del single
     per_stream = max(1, threads // streams)
     models = [load(per_stream) for _ in range(streams)]
@@ -93,7 +99,7 @@ def llama_cpp_rates(model: str, prompts: list[str], new_tokens: int, streams: in
         w.join()
     # Streams start their clocks at their own first token; the aggregate is tokens over the span.
     span = time.perf_counter() - start
-    return {"batch1": batch1, "streams": sum(made for made, _ in results) / span,
+    return {"batch1": batch1, "batch1_cpu": batch1_cpu, "streams": sum(made for made, *_ in results) / span,
             "streams_note": f"{streams} Llama objects in {streams} threads, {per_stream} CPU thread(s) each"}
 
 
@@ -138,15 +144,19 @@ def main() -> None:
         if have_llama_cpp:
             runs["llama.cpp"].append(llama_cpp_rates(model, prompts, args.new_tokens, args.streams, args.threads))
 
-    best = {name: {k: max(r[k] for r in rs) for k in ("batch1", "streams")} for name, rs in runs.items() if rs}
-    rows = [(name, f"{b['batch1']:.1f}", f"{b['streams']:.1f}") for name, b in best.items()]
+    best = {name: {k: max(r[k] for r in rs) for k in ("batch1", "batch1_cpu", "streams")}
+            for name, rs in runs.items() if rs}
+    rows = [(name, " ".join(f"{r['batch1']:.1f}" for r in runs[name]), " ".join(f"{r['batch1_cpu']:.1f}" for r in runs[name]),
+             " ".join(f"{r['streams']:.1f}" for r in runs[name])) for name in best]
     print(f"{environment()['commit']}  {model}  threads={args.threads}  nvchat dtype={args.dtype}  "
           f"quantization={args.quantization}  "
           f"new_tokens={args.new_tokens}")
-    print_table(rows, ("engine", "batch-1 decode tok/s", f"{args.streams} streams tok/s"))
+    print_table(rows, ("engine (each round)", "batch-1 decode tok/s", "batch-1 tok per CPU s", f"{args.streams} streams tok/s"))
     if "llama.cpp" in best:
-        ratio = best["nvchat"]["batch1"] / best["llama.cpp"]["batch1"]
-        print(f"nvchat / llama.cpp at batch 1: {ratio:.2f}")
+        for key, what in (("batch1", "batch 1"), ("batch1_cpu", "batch 1 per CPU second"), ("streams", f"{args.streams} streams")):
+            ratios = [n[key] / ll[key] for n, ll in zip(runs["nvchat"], runs["llama.cpp"])]
+            print(f"nvchat / llama.cpp, {what}: best {best['nvchat'][key] / best['llama.cpp'][key]:.2f}, "
+                  f"each round {' '.join(f'{x:.2f}' for x in ratios)}")
     write_json(args.json, {"model": model, "threads": args.threads, "dtype": args.dtype,
                            "quantization": args.quantization, "runs": runs, "best": best,
                            "all_batch1": {n: [round(r["batch1"], 2) for r in rs] for n, rs in runs.items()},

@@ -355,46 +355,89 @@ def run_fp8():
     return rows
 
 
-def sweep_moe_fp8():
-    """Launch configs of the fused MoE (GEMV path at 1 and 8 tokens, grouped at 64 and 512) and
-    of the FP8 GEMV (1 and 8 rows) and GEMM, graph-timed; the best 8 of each."""
+def _fp8_gemv_configs(m):
+    """The FP8 GEMV's candidates: at one row the FMA kernel's bands of 1-8 weight rows by 512-2048
+    columns (at most 8192 weights a tile: the fp32 accumulator's registers) and the tensor-core
+    kernel's; at 8 rows the tensor-core kernel's."""
+    dot = [dict(kernel="dot", block_n=n, block_k=k, num_warps=4, num_stages=st)
+           for n, k, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 5)) if n * k <= 16384]
+    if m > 1:
+        return dot
+    one = [dict(kernel="one", block_n=n, block_k=k, num_warps=w, num_stages=3)
+           for n, k, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4)) if n * k <= 8192]
+    return one + [c for c in dot if c["block_n"] <= 32 and c["block_k"] >= 256 and c["num_stages"] >= 4]
+
+
+def _fp8_gemm_configs(m):
+    if m <= 256:
+        tiles = itertools.product((32, 64), (64, 128), (4,), (3, 4))
+        extra = [(128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 8, 3), (64, 64, 8, 4)]
+    else:
+        tiles = itertools.product((128,), (128, 256), (8,), (3, 4))
+        extra = [(64, 128, 4, 4), (64, 256, 8, 3)]
+    return [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st) for bm, bn, w, st in list(tiles) + extra]
+
+
+def sweep_moe_fp8(budget_s):
+    """Launch configs, graph-timed, in order of what they decide: the FP8 GEMV (1 and 8 rows) and
+    GEMM (256 and 4096 rows) at Qwen3-8B's qkv, gate_up and down projections, then the fused MoE
+    (GEMV path at 1 and 8 tokens, grouped at 64 and 512). Neither's defaults have been swept.
+    Each case prints its default's time and its best 8 (with the GB/s of the weights a call
+    reads); cases, or the rest of one, past budget_s seconds are skipped, and say so."""
     out = []
+    deadline = time.perf_counter() + budget_s
 
-    def report(name, results):
+    def report(name, configs, call, weight_bytes):
+        if time.perf_counter() > deadline:
+            print(f"\nsweep {name}: skipped, past the {budget_s:.0f} s budget", flush=True)
+            return
+        default_ms = timed_graph(lambda: call({}), 1)
+        results = []
+        for cfg in configs[:2] if SMOKE else configs:
+            if time.perf_counter() > deadline:
+                print(f"  (budget spent: {len(results)} of {len(configs)} configs timed)", flush=True)
+                break
+            results.append((cfg, timed_graph(lambda cfg=cfg: call(cfg), 1)))
         results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
-        print(f"\nsweep {name} (graph us/call), best 8 of {len(results)}:")
-        for cfg, ms in results[:8]:
-            print(f"  {us(ms)!s:>9}  {cfg}")
-        out.append(dict(case=name, results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
 
+        def rate(ms):
+            return f"{weight_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s" if ms else ""
+        print(f"\nsweep {name} (graph us/call): default {us(default_ms)} us {rate(default_ms)}; "
+              f"best 8 of {len(results)}:", flush=True)
+        for cfg, ms in results[:8]:
+            print(f"  {us(ms)!s:>9} {rate(ms)}  {cfg}", flush=True)
+        out.append(dict(case=name, default_us=us(default_ms),
+                        results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
+
+    if HAS_FP8:
+        shapes = FP8_SHAPES[:1] if SMOKE else [(6144, 4096), (24576, 4096), (4096, 12288)]
+        for N, K in shapes:
+            s = fp8_setup(N, K)
+            fp8_bytes = N * K * (1 + 4 / (FP8_BLOCK[0] * FP8_BLOCK[1]))
+            for m in (1, 8):
+                x = torch.randn(m, K, device=DEVICE).to(DTYPE)
+                report(f"fp8 gemv {N}x{K} m={m}", _fp8_gemv_configs(m),
+                       lambda cfg, x=x, s=s: fp8_kernels.fp8_gemv(x, s["q"], s["scales"], FP8_BLOCK, **cfg), fp8_bytes)
+            del s
+        for N, K in shapes[1:] or shapes:
+            s = fp8_setup(N, K)
+            for m in ([12] if SMOKE else [256, 4096]):
+                x = torch.randn(m, K, device=DEVICE).to(DTYPE)
+                report(f"fp8 gemm {N}x{K} m={m}", _fp8_gemm_configs(m),
+                       lambda cfg, x=x, s=s: fp8_kernels.fp8_gemm(x, s["q"], s["scales"], FP8_BLOCK, **cfg),
+                       N * K)
+            del s
     for t in ([1, 12] if SMOKE else [1, 8, 64, 512]):
         s = moe_setup(t)
         if t <= fused_moe.GEMV_MAX_TOKENS:
-            grid = itertools.product((2, 4, 8, 16), (128, 256, 512), (1, 2, 4), (2, 3, 4))
-            configs = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st) for n, k, w, st in grid]
+            grid = itertools.product((2, 4, 8, 16), (128, 256, 512), (2, 4))
+            configs = [dict(block_n=n, block_k=k, num_warps=w, num_stages=3) for n, k, w in grid]
         else:
-            grid = itertools.product((16, 32, 64), (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
-            configs = [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st) for m, n, k, w, st in grid]
-        if SMOKE:
-            configs = configs[:2]
-        report(f"fused moe tokens={t}", [(cfg, timed_graph(lambda cfg=cfg, s=s: fused_moe.fused_moe(
-            s["x"], s["w13"], s["w2"], s["weights"], s["ids"], **cfg), 1)) for cfg in configs])
-    if not HAS_FP8:
-        return out
-    for N, K in FP8_SHAPES:
-        s = fp8_setup(N, K)
-        for m in ([1, 8] if SMOKE else [1, 8]):
-            x = torch.randn(m, K, device=DEVICE).to(DTYPE)
-            configs = [dict(block_n=n, block_k=k, num_warps=w, num_stages=st)
-                       for n, k, w, st in itertools.product((1, 2, 4, 8, 16), (64, 128), (1, 2, 4), (2, 3, 4, 6))]
-            report(f"fp8 gemv {N}x{K} m={m}", [(cfg, timed_graph(lambda cfg=cfg, x=x, s=s: fp8_kernels.fp8_gemv(
-                x, s["q"], s["scales"], FP8_BLOCK, **cfg), 1)) for cfg in configs[:2 if SMOKE else None]])
-        for m in ([12] if SMOKE else [64, 4096]):
-            x = torch.randn(m, K, device=DEVICE).to(DTYPE)
-            configs = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-                       for bm, bn, w, st in itertools.product((16, 64, 128), (64, 128, 256), (4, 8), (3, 4))]
-            report(f"fp8 gemm {N}x{K} m={m}", [(cfg, timed_graph(lambda cfg=cfg, x=x, s=s: fp8_kernels.fp8_gemm(
-                x, s["q"], s["scales"], FP8_BLOCK, **cfg), 1)) for cfg in configs[:2 if SMOKE else None]])
+            grid = itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8))
+            configs = [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=3) for m, n, k, w in grid]
+        report(f"fused moe tokens={t}", configs, lambda cfg, s=s: fused_moe.fused_moe(
+            s["x"], s["w13"], s["w2"], s["weights"], s["ids"], **cfg), s["bytes"])
+        del s
     return out
 
 
@@ -652,7 +695,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/out/kernels.json")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs")
-    parser.add_argument("--sweep-budget", type=float, default=150, help="seconds the decode sweep may take, split evenly over its cases")
+    parser.add_argument("--sweep-budget", type=float, default=150,
+                        help="seconds the decode sweep (split evenly over its cases) or --sweep-moe-fp8 may take")
     parser.add_argument("--sweep-occupancy-only", action="store_true",
                         help="only the prefill occupancy sweep (programs per SM x split cap), then exit")
     parser.add_argument("--sweep-prefill-only", action="store_true",
@@ -686,7 +730,7 @@ def main():
         save()
         return
     if args.sweep_moe_fp8:
-        result["sweep_moe_fp8"] = sweep_moe_fp8()
+        result["sweep_moe_fp8"] = sweep_moe_fp8(args.sweep_budget)
         save()
         return
     if args.decode_launches:

@@ -1,7 +1,15 @@
 """Chat-sized decode latency: ms per step at batches 1, 2, 4 and 8 (a chat app's handful of streams;
 at batch 1 that is ms per output token) at 512- and 4096-token contexts, and time to first token
-for a 50-token message after a 2048-token system prompt, cached vs uncached."""
+for a 50-token message after a 2048-token system prompt, cached vs uncached.
+
+--repetition-penalty 1.1 (the app's recommended sampling) decodes with a penalty, which the decode
+graphs sample in their adjusted kinds; --compare-eager-sampling also times each batch with those
+rows sampled on the runner after the graph's forward pass, as before the adjusted kinds, the two
+alternating run by run:
+    python -m benchmarks.bench_latency --repetition-penalty 1.1 --compare-eager-sampling --skip-ttft
+"""
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -26,10 +34,26 @@ def sync():
         torch.cuda.synchronize()
 
 
-def decode_ms_per_step(llm: LLM, context: int, batch: int = 1, new_tokens: int = 128) -> float:
+@contextlib.contextmanager
+def sampling_on_the_runner(llm: LLM):
+    """Rows that are not plain sample on the runner (the eager Sampler), the forward pass staying
+    in the decode graph: the decode graphs as they were before their adjusted kinds."""
+    graphs = getattr(llm.runner, "decode_graphs", None)
+    if graphs is None:
+        yield
+        return
+    graphs._stage_counts = lambda plan: False  # the graphs' own answer for a row they cannot sample
+    try:
+        yield
+    finally:
+        del graphs._stage_counts
+
+
+def decode_ms_per_step(llm: LLM, context: int, batch: int = 1, new_tokens: int = 128,
+                       params: SamplingParams | None = None) -> float:
     """`batch` streams decoding together, each with a mean context of `context`: a prompt stops
     half the generated tokens short of it. The prompts differ, so no prefix is shared."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = params or SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     seqs = [llm.add_request([random.randint(0, 10000) for _ in range(context - new_tokens // 2)], params)
             for _ in range(batch)]
     while any(s.num_completion_tokens < 1 for s in seqs):
@@ -74,8 +98,16 @@ def main():
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="run prefill and mixed steps eagerly (decode steps still use graphs)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="decode with this repetition penalty (the app sends 1.1)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--compare-eager-sampling", action="store_true",
+                   help="also time each batch with the penalized rows sampled on the runner, not in the graph")
     p.add_argument("--out", default="benchmarks/out/latency.json")
     args = p.parse_args()
+    params = SamplingParams(temperature=args.temperature, max_tokens=128, ignore_eos=True,
+                            repetition_penalty=args.repetition_penalty)
+    paths = ["graph", "eager"] if args.compare_eager_sampling else ["graph"]
     random.seed(0)
 
     _, _, kv_per_token = model_bytes_and_kv(Path(args.config))
@@ -83,10 +115,23 @@ def main():
               max_num_seqs=64, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               prefill_cuda_graphs=args.prefill_cuda_graphs)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-    rows, result = [], {"decode": {}, "decode_graph_gpu_ms": {}, "ttft": {}}
+    rows, result = [], {"decode": {}, "decode_graph_gpu_ms": {}, "ttft": {},
+                        "sampling": {"temperature": args.temperature, "repetition_penalty": args.repetition_penalty}}
     for ctx in args.contexts:
         for batch in args.batches:
-            runs = [decode_ms_per_step(llm, ctx, batch) for _ in range(args.repeats)]
+            by_path = {path: [] for path in paths}
+            for _ in range(args.repeats):
+                for path in paths:
+                    with sampling_on_the_runner(llm) if path == "eager" else contextlib.nullcontext():
+                        by_path[path].append(decode_ms_per_step(llm, ctx, batch, params=params))
+            if "eager" in by_path:
+                eager_ms = statistics.median(by_path["eager"])
+                result["decode"][f"{ctx}x{batch}-eager-sampling"] = {
+                    "context": ctx, "batch": batch, "ms_per_step": eager_ms, "runs": by_path["eager"]}
+                rows.append((f"batch-{batch} decode, {ctx} ctx, sampled on the runner", f"{eager_ms:.3f} ms/step",
+                             "", ""))
+                print(*rows[-1], flush=True)
+            runs = by_path["graph"]
             ms = statistics.median(runs)
             # A mixture of experts reads more of its experts the more rows a step has.
             floor = decode_floor_ms(step_weight_bytes(Path(args.config), batch), kv_per_token // args.tp * args.tp,

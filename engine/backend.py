@@ -12,17 +12,21 @@ from typing import Protocol, Self
 
 from engine.core.sampling_params import SamplingParams
 from engine.request_stream import RequestStream
+from engine.text.tool_calls import Tools
 
 
 @dataclass(frozen=True)
 class BackendCapabilities:
     model_name: str | None  # the model's name where the backend knows it (a server's id); else the caller names it
     context_length: int | None  # tokens a prompt and its reply may fill together; None where unknown
-    tokenizes: bool  # tokenize_chat() works here: a caller can fit a conversation and submit its token ids
+    tokenizes: bool  # tokenize(), tokenize_chat() and detokenize() work here: a caller can fit a prompt and submit its ids
     block_stats: bool  # stats() returns the KV cache's state (the KV panel's blocks, /stats)
     # The sampling values the model's checkpoint recommends ({SamplingParams field: value}), which a
     # chat app offers as its defaults; empty where the backend knows none.
     recommended_sampling: dict = field(default_factory=dict)
+    # The backend serves one request at a time (a remote server with one slot): submissions wait for
+    # each other, and a caller with several chats open should say so.
+    one_request_at_a_time: bool = False
 
 
 @dataclass
@@ -45,6 +49,14 @@ class EngineSnapshot:
     block_states: bytes  # one byte per block, codes as in engine.core.block_manager
     block_holders: dict[int, list[int]]  # request id -> block ids it holds
     taken_at: float
+    # The KV cache's lower tiers (engine/core/kv_tiers.py): prompt tokens whose K/V came back from
+    # each (prefix_hit_tokens counts them too), and each one's use and size; zero where one is off.
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    host_bytes_used: int = 0
+    host_bytes_total: int = 0
+    disk_bytes_used: int = 0
+    disk_bytes_total: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -80,14 +92,35 @@ class Backend(Protocol):
         ...
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
-               tag=None) -> RequestStream:
-        """Starts a request and returns its stream at once. prompt: chat messages ({"role",
-        "content"} dicts), text, or token ids."""
+               tools: Tools | None = None, tag=None) -> RequestStream:
+        """Starts a request and returns its stream at once. prompt: chat messages (OpenAI's: {"role",
+        "content"} dicts, an assistant's "tool_calls" and "tool" messages included), text, or token
+        ids. tools: the functions the reply may call; the stream's text is then the reply's without
+        its calls, which come as the stream's tool_calls (and Delta.tool_calls), and a reply that
+        calls ends with finish_reason "tool_calls"."""
         ...
 
-    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def submit_n(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
+                 tools: Tools | None = None, tag=None) -> list[RequestStream]:
+        """sampling_params.n replies to one prompt, a stream each, in order (stream.sample_index),
+        each from its own seed (SamplingParams.sample_seed). The in-process engine prefills the
+        prompt once for all of them; a server gets one request per reply, sent at once."""
+        ...
+
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                      tools: Tools | None = None) -> list[int]:
         """The chat messages as the prompt token ids submit() would make of them, not checked against
         the context; RuntimeError where capabilities.tokenizes is false."""
+        ...
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text as the prompt token ids submit() would make of it (add_special_tokens: the
+        tokenizer's BOS first, where it adds one), not checked against the context; RuntimeError
+        where capabilities.tokenizes is false."""
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens included; RuntimeError where capabilities.tokenizes is false."""
         ...
 
     def stats(self) -> EngineSnapshot | None:

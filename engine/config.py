@@ -1,4 +1,5 @@
 """EngineConfig: the engine's options (engine/options.py) resolved against the machine and the checkpoint."""
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -6,6 +7,7 @@ import torch
 
 from engine.checkpoints.errors import ModelError
 from engine.checkpoints.gguf import open_gguf
+from engine.checkpoints.model_config import MODEL_TYPES, ModelConfig
 from engine.checkpoints.quantization import fp8_block
 from engine.checkpoints.resolve import (
     architecture_of,
@@ -45,6 +47,43 @@ def _parse_device(device) -> torch.device:
     return parsed
 
 
+def _available_ram_bytes() -> int:
+    """What the kernel reckons it can hand out without swapping (MemAvailable), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _default_host_cache_gib(device: torch.device) -> float:
+    """A quarter of the free RAM with a GPU: pinned for fast copies, and allocated only as blocks
+    arrive (engine/runner/kv_tiers.py). Nothing on CPU: there the device's cache is in RAM already, and
+    a second pool in the same RAM holds less than growing the first (num_kvcache_blocks) would,
+    behind a copy."""
+    if device.type != "cuda":
+        return 0.0
+    return round(_available_ram_bytes() / 4 / 2**30, 2)
+
+
+def _check_disk_cache_dir(path: Path) -> None:
+    """Creates the directory if need be; a ValueError naming it if it can't be written to."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        problem = None if os.access(path, os.W_OK | os.X_OK) else "not writable"
+    except OSError as e:
+        problem = e.strerror or str(e)
+    if problem:
+        raise ValueError(f"disk_cache_dir {path} can't be used ({problem}); name another directory, or set "
+                         "disk_cache_gib to 0 to keep no KV blocks on disk")
+
+
 @dataclass(kw_only=True)
 class EngineConfig(EngineOptions):
     """The engine's options resolved and checked once, against the machine and the checkpoint: the
@@ -59,6 +98,8 @@ class EngineConfig(EngineOptions):
     kvcache_block_size: int
     attention_backend: str
     prefill_cuda_graphs: bool
+    host_cache_gib: float
+    disk_cache_dir: Path | None  # None: the disk tier is off (no directory, or disk_cache_gib=0)
     # quantization stays an option's value, "auto" and "none" decided: "int8" or "int4" (CPU,
     # engine/layers/quantized.py), "fp8" (block-wise FP8 on CUDA, engine/layers/fp8.py: a block-FP8
     # checkpoint's own, kept by default on a GPU that has FP8, or quantized at load time), or None:
@@ -69,16 +110,16 @@ class EngineConfig(EngineOptions):
 
     @classmethod
     def create(cls, model, options: EngineOptions, progress=None) -> "EngineConfig":
-        from transformers import (
-            AutoConfig,  # start-up: ~2 s, and a GGUF file does without it
-        )
-
         # Before the model: a bad device must not wait for a download.
         device = _parse_device(options.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' asked for, but no CUDA device is available")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        disk_cache_dir = None
+        if options.disk_cache_dir is not None and options.disk_cache_gib > 0:
+            disk_cache_dir = Path(options.disk_cache_dir).expanduser().resolve()
+            _check_disk_cache_dir(disk_cache_dir)
         path = resolve_model_path(model, progress)
         gguf = None
         if path.is_file():  # a GGUF file (resolve_model_path refuses other files)
@@ -89,10 +130,7 @@ class EngineConfig(EngineOptions):
             raw = check_checkpoint(path, need_weights=options.load_format == "safetensors")
             checkpoint_fp8 = fp8_block(raw.get("quantization_config"), str(path / "config.json")) is not None
             architecture = architecture_of(raw)
-            try:
-                hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-            except Exception as e:
-                raise ModelError(f"can't read {path / 'config.json'}: {e}") from None
+            hf_config = _model_config(path, raw)
 
         tp = options.tensor_parallel_size
         quantization = options.quantization
@@ -132,9 +170,13 @@ class EngineConfig(EngineOptions):
         backend = options.attention_backend or default_backend(device.type)
         block_size = options.kvcache_block_size or (256 if backend == "flash_attn" else 16)
 
+        host_cache_gib = options.host_cache_gib
+        if host_cache_gib is None:
+            host_cache_gib = _default_host_cache_gib(device)
+
         resolved = dict(device=device, dtype=dtype, max_model_len=max_model_len, kvcache_block_size=block_size,
                         attention_backend=backend, prefill_cuda_graphs=bool(prefill_cuda_graphs),
-                        quantization=quantization)
+                        quantization=quantization, host_cache_gib=host_cache_gib, disk_cache_dir=disk_cache_dir)
         return cls(**{**options.keywords(), **resolved}, model_path=path, hf_config=hf_config,
                    architecture=architecture)
 
@@ -145,3 +187,20 @@ class EngineConfig(EngineOptions):
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = max(1, c.num_key_value_heads // self.tensor_parallel_size)
         return 2 * c.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+
+
+def _model_config(path: Path, raw: dict):
+    """config.json as the engine reads it: a ModelConfig for the model types it knows the defaults
+    of, else transformers' AutoConfig."""
+    if raw.get("model_type") in MODEL_TYPES:
+        try:
+            return ModelConfig(**raw)
+        except TypeError as e:  # a field that clashes with the model type's, or no model_type
+            raise ModelError(f"can't read {path / 'config.json'}: {e}") from None
+    from transformers import (
+        AutoConfig,  # start-up: ~4 s of CPU; only for model types ModelConfig does not know
+    )
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:
+        raise ModelError(f"can't read {path / 'config.json'}: {e}") from None

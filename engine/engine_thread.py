@@ -14,10 +14,11 @@ from collections import deque
 from jinja2 import TemplateError
 
 from engine.backend import BackendCapabilities, EngineSnapshot
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, StructuredOutput
 from engine.llm import LLM
 from engine.options import CHAT_PREFILL_CHUNK
 from engine.request_stream import RequestStream
+from engine.text.tool_calls import Tools
 
 _RATE_WINDOW_S = 2.0
 _SNAPSHOT_EVERY_S = 0.05
@@ -31,6 +32,16 @@ def _template_errors_as_value_errors():
         yield
     except TemplateError as e:
         raise ValueError(f"the model's chat template refused these messages: {e}") from None
+
+
+def _with_tool_grammar(params: SamplingParams, grammar: str | None) -> SamplingParams:
+    """params with the grammar that holds the reply's tool calls to their schemas, if there is one."""
+    if grammar is None:
+        return params
+    if params.structured_output is not None:
+        raise ValueError("a reply cannot be held both to a structured output and to tool calls: with tool_choice "
+                         "\"required\" or a function named (or a strict tool), send no other constraint")
+    return dataclasses.replace(params, structured_output=StructuredOutput(grammar=grammar))
 
 
 class EngineThread:
@@ -95,33 +106,51 @@ class EngineThread:
                                    tokenizes=self.llm.tokenizer is not None, block_stats=True,
                                    recommended_sampling=self.llm.recommended_sampling)
 
-    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                      tools: Tools | None = None) -> list[int]:
         """Chat messages as prompt token ids through the chat template, not checked against the
         context (submit() checks them). Runs on the caller's thread."""
         with _template_errors_as_value_errors():
-            return self.llm.tokenize_chat(messages, enable_thinking)
+            return self.llm.tokenize_chat(messages, enable_thinking, tools)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text as prompt token ids, not checked against the context. Runs on the caller's thread."""
+        return self.llm.tokenize(text, add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.llm.detokenize(token_ids)
 
     # --- caller side ---------------------------------------------------------------------------------
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
-               tag=None) -> RequestStream:
+               tools: Tools | None = None, tag=None) -> RequestStream:
         """Queues a request and returns its stream at once. prompt: text, token ids, or chat messages
-        ({"role", "content"} dicts, rendered with the chat template). Bad input raises ValueError.
-        One sample only: submit_n() takes n > 1."""
+        ({"role", "content"} dicts, rendered with the chat template). tools: rendered with chat
+        messages (a token-id prompt holds them already), the reply's calls parsed into the stream's
+        tool_calls, and with tool_choice "required" or a function named (or a strict tool) held to
+        their schemas (engine.text.tool_calls). Bad input raises ValueError. One sample only:
+        submit_n() takes n > 1."""
         if sampling_params is not None and sampling_params.n > 1:
             raise ValueError(f"submit() streams one sample; use submit_n() for n={sampling_params.n}")
-        return self.submit_n(prompt, sampling_params, enable_thinking=enable_thinking, tag=tag)[0]
+        return self.submit_n(prompt, sampling_params, enable_thinking=enable_thinking, tools=tools, tag=tag)[0]
 
     def submit_n(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
-                 tag=None) -> list[RequestStream]:
+                 tools: Tools | None = None, tag=None) -> list[RequestStream]:
         """submit() for sampling_params.n samples of one prompt, prefilled once: a stream per sample,
         in order (stream.sample_index), each ended or aborted on its own."""
         self._check_open()
+        if tools is not None and not isinstance(tools, Tools):
+            raise ValueError(f"tools must be engine.text.tool_calls.Tools, got {type(tools).__name__}")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             with _template_errors_as_value_errors():
-                prompt = self.llm.encode_chat(prompt, enable_thinking)
+                prompt = self.llm.encode_chat(prompt, enable_thinking, tools)
+        fmt = None
+        if tools is not None and tools.offered:
+            fmt = self.llm.tool_call_format()
+            sampling_params = _with_tool_grammar(sampling_params or SamplingParams(), fmt.grammar(tools))
         seq = self.llm.make_sequence(prompt, sampling_params, stream=True)
-        streams = [RequestStream(s.seq_id, s.num_prompt_tokens, self._request_abort, tag, s.sample_index)
+        streams = [RequestStream(s.seq_id, s.num_prompt_tokens, self._request_abort, tag, s.sample_index,
+                                 fmt.parser(tools) if fmt is not None else None)
                    for s in (seq, *seq.forks)]
         self._post(("submit", [seq, *seq.forks], streams))
         return streams
@@ -199,8 +228,9 @@ class EngineThread:
                 if entry is None:
                     continue
                 stream = entry[1]
-                if not stream.token_ids:
-                    stream.num_cached_tokens = out.seq.num_cached_tokens
+                # Each output, not only the first: a fork of an n-sample request has its first token
+                # before it is admitted on its own and finds the prompt's blocks in the cache.
+                stream.num_cached_tokens = out.seq.num_cached_tokens
                 stream._push(out.new_text, out.new_token_ids, out.logprobs)
                 if out.finished:
                     del self._live[out.seq.seq_id]
@@ -251,4 +281,6 @@ class EngineThread:
             kv_bytes_total=s.num_blocks * block_bytes, kv_bytes_used=s.num_used_blocks * block_bytes,
             block_states=bytes(llm.blocks.states),
             block_holders={seq.seq_id: list(seq.block_table) for seq in llm.scheduler.running},
-            taken_at=time.perf_counter())
+            taken_at=time.perf_counter(), host_hit_tokens=s.host_hit_tokens, disk_hit_tokens=s.disk_hit_tokens,
+            host_bytes_used=s.host_blocks * block_bytes, host_bytes_total=s.host_capacity_blocks * block_bytes,
+            disk_bytes_used=s.disk_bytes, disk_bytes_total=s.disk_capacity_bytes)

@@ -21,6 +21,10 @@ being sampled when its step is launched. So a step with such rows is launched wi
 (the forward pass and the logits are queued), the step before is settled (each grammar takes its
 token), and then the masks are computed and the sampling queued, while the GPU runs the forward
 pass: constrained and unconstrained rows alike keep the overlap.
+
+With host_cache_gib or disk_cache_dir, the KV cache has lower tiers (engine/core/kv_tiers.py):
+each step's copies between them are queued ahead of the step (runner.transfer), and once the engine
+is idle its cached blocks are written to disk in the background.
 """
 import atexit
 import dataclasses
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from engine.checkpoints.generation_defaults import recommended_sampling
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
+from engine.core.kv_tiers import DiskTier, KVTiers
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import PENDING_TOKEN, Sequence, TokenLogprobs
@@ -40,6 +45,12 @@ from engine.runner.model_runner import ModelRunner, SampledTokens
 from engine.runner.tp_runner import TensorParallelRunner
 from engine.text.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
 from engine.text.tokenizer import eos_token_ids, load_tokenizer
+from engine.text.tool_calls import ToolCallFormat, Tools, tool_call_format
+
+
+# With nothing to run but a prompt whose blocks are being read from disk, step() waits this long
+# at most for a read to end before it returns.
+_IO_WAIT_S = 0.05
 
 
 @atexit.register
@@ -60,6 +71,14 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
+    # The lower tiers (engine/core/kv_tiers.py): prompt tokens whose K/V came back from each (all
+    # counted in prefix_hit_tokens too), and their use; zeros where a tier is off.
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    host_blocks: int = 0
+    host_capacity_blocks: int = 0
+    disk_bytes: int = 0
+    disk_capacity_bytes: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -102,8 +121,13 @@ class LLM:
         self._progress("reading the model config")
         self.config = EngineConfig.create(model, self.options, progress=self._progress)
         self._progress("loading the tokenizer")
+        # Caller threads encode prompts and render chat templates while the engine thread decodes
+        # replies, on one tokenizer and without a lock: the Rust tokenizer's encode and decode only
+        # read it (transformers changes its truncation and padding settings only for a call that
+        # asks for others, which none here does; 1.4 million decodes beside long encodes raised
+        # nothing). Under a shared lock, tokenizing a 3.2 MB prompt (14 s on a loaded 2-core box)
+        # stopped every stream's text for as long.
         self.tokenizer = load_tokenizer(self.config.model_path)
-        self._tokenizer_lock = threading.Lock()
         self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
         self._byte_run_ids = byte_run_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
@@ -112,11 +136,13 @@ class LLM:
         # here: front ends offer it as their defaults.
         self.recommended_sampling = recommended_sampling(self.config.model_path)
         self._grammars = None  # GrammarCompiler, made by the first request with structured output
+        self._grammars_lock = threading.Lock()  # caller threads that compile at once make one
         self.runner = self._make_runner()
         self.block_size = self.config.kvcache_block_size
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size)
+        self.tiers = self._make_tiers()
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   self.config.max_prefill_chunk)
+                                   self.config.max_prefill_chunk, self.tiers)
         self.async_scheduling = self.config.async_scheduling
         self._inflight: _Launched | None = None
         self._closed = False
@@ -133,6 +159,21 @@ class LLM:
             return TensorParallelRunner(self.config, progress=self._progress)
         return ModelRunner(self.config, progress=self._progress)
 
+    def _make_tiers(self) -> KVTiers | None:
+        c = self.config
+        host_slots = self.runner.host_slots
+        if not host_slots:
+            return None
+        disk = None
+        if c.disk_cache_dir is not None:
+            self._progress("listing the disk's KV blocks")
+            file_bytes = c.kv_bytes_per_token * self.block_size * c.tensor_parallel_size
+            disk = DiskTier(int(c.disk_cache_gib * 2**30), file_bytes, self.runner.disk_files())
+        # On a GPU the blocks the free list hands out next are saved a step early, on a copy stream,
+        # so that the step reusing one rarely waits for its copy: 128 blocks cover 8 steps of 256
+        # decoding streams. On CPU a copy is made where it is needed.
+        return KVTiers(self.blocks, host_slots, disk, spill_ahead=128 if c.device.type == "cuda" else 0)
+
     # --- requests ------------------------------------------------------------------------------
 
     def encode(self, prompt) -> list[int]:
@@ -140,10 +181,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"model at {self.config.model_path} has no tokenizer: pass token ids, not text")
-            with self._tokenizer_lock:
-                ids = self.tokenizer.encode(prompt)
+            ids = self.tokenize(prompt)
         else:
             ids = list(prompt)
             if not all(isinstance(t, int) for t in ids):
@@ -164,29 +202,58 @@ class LLM:
                              f"{self.blocks.num_blocks}; raise num_kvcache_blocks or gpu_memory_utilization")
         return ids
 
-    def render_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> str:
-        """Chat messages as prompt text through the tokenizer's chat template."""
+    def render_chat(self, messages: list[dict], enable_thinking: bool | None = None, tools: Tools | None = None) -> str:
+        """Chat messages as prompt text through the tokenizer's chat template. Messages are
+        OpenAI-shaped, an assistant's tool_calls and tool messages included; tools, where offered,
+        are rendered as the model's format has it (engine.text.tool_calls)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model at {self.config.model_path} has no chat template")
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not messages or not all(isinstance(m, dict) and "role" in m and ("content" in m or m.get("tool_calls"))
+                                   for m in messages):
             raise ValueError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        messages, tools_arg = self.tool_call_format().template_messages(messages, tools)
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        with self._tokenizer_lock:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        if tools_arg is not None:
+            extra["tools"] = tools_arg
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
-    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def tool_call_format(self) -> ToolCallFormat:
+        """The format the model's chat template gives tool calls (engine.text.tool_calls)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: transformers renders tools with "tool_use"
+            template = template.get("tool_use") or template.get("default")
+        return tool_call_format(template)
+
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                      tools: Tools | None = None) -> list[int]:
         """Chat messages as prompt token ids, not yet checked against the model and cache limits
         (encode() checks them): for fitting a conversation to max_model_len."""
         # The template writes the special tokens it wants (a Llama-2 or Mistral one starts with
         # <s>): the tokenizer's own BOS on top would make two, so none is added, as HF's
         # apply_chat_template(tokenize=True) does.
-        text = self.render_chat(messages, enable_thinking)
-        with self._tokenizer_lock:
-            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenize(self.render_chat(messages, enable_thinking, tools), add_special_tokens=False)
 
-    def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text as token ids (the tokenizer's BOS first where it adds one), not checked against the
+        model and cache limits."""
+        if self.tokenizer is None:
+            raise ValueError(f"model at {self.config.model_path} has no tokenizer: pass token ids, not text")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens included."""
+        if self.tokenizer is None:
+            raise ValueError(f"model at {self.config.model_path} has no tokenizer")
+        vocab = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                    tools: Tools | None = None) -> list[int]:
         """Chat messages as prompt token ids, checked as encode() checks them."""
-        return self.encode(self.tokenize_chat(messages, enable_thinking))
+        return self.encode(self.tokenize_chat(messages, enable_thinking, tools))
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, *, stream: bool = False) -> Sequence:
         """A checked, tokenized request, not yet queued; safe to call from any thread. With
@@ -212,8 +279,8 @@ class LLM:
             seq = Sequence(ids, sample_params, self.block_size, self.config.max_model_len)
             seq.sample_index, seq.matcher = index, matcher
             if (stream or params.stop) and self.tokenizer is not None:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._tokenizer_lock,
-                                                         self._decode_text, self._byte_run_ids, params.min_tokens)
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, self._decode_text,
+                                                         self._byte_run_ids, params.min_tokens)
             samples.append(seq)
         samples[0].forks = samples[1:]
         return samples[0]
@@ -235,13 +302,12 @@ class LLM:
         grammars().prepare() builds its tokenizer view ahead of the first constrained request."""
         if self.tokenizer is None:
             raise ValueError(f"model at {self.config.model_path} has no tokenizer: structured output needs one")
-        with self._tokenizer_lock:
+        with self._grammars_lock:
             if self._grammars is None:
                 from engine.text.structured_output import (
                     GrammarCompiler,  # start-up: llguidance loads only for the first constrained request
                 )
-                self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, self.eos_ids,
-                                                 self._tokenizer_lock)
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, self.eos_ids)
         return self._grammars
 
     def enqueue(self, seq: Sequence) -> None:
@@ -263,13 +329,23 @@ class LLM:
     def step(self) -> list[StepOutput]:
         """Runs one step. With async_scheduling it returns the outputs of the step before, which
         the GPU ran while this one was being scheduled; the first step returns none."""
+        tiers = self.tiers
+        transfers_queued = tiers is None
         try:
             # Just after the overlap is turned off, a step is still in flight: this step is scheduled
             # over it as an overlapped one is, and then waited for. (Settling it first would leave
             # its tokens unreported whenever this step's launch then failed.)
             outputs = []
+            if tiers is not None:
+                self._update_tiers()
             batch, cut_short = self.scheduler.schedule()
+            if not batch and not cut_short and tiers is not None and tiers.awaiting:
+                # Only prompts waiting for their copies from a lower tier: run them, and the device waits.
+                batch, cut_short = self.scheduler.schedule(hold_loads=False)
             self.last_step_tokens = (0, 0)
+            if tiers is not None:
+                self._send_transfers()
+                transfers_queued = True
             launched = self._launch(batch) if batch else None
             previous, self._inflight = self._inflight, launched
             if previous is not None:
@@ -282,11 +358,56 @@ class LLM:
                 if not seq.is_finished:  # the token it had in flight may have ended it already
                     self.scheduler.finish(seq, "length")
                     outputs.append(StepOutput(seq, [], self.flush_text(seq), True))
+            if tiers is not None and self._inflight is None:
+                if not self.scheduler.has_work():
+                    self._persist()
+                elif launched is None and tiers.fetching:
+                    self.runner.wait_tier_io(_IO_WAIT_S)  # nothing to run until a read from disk ends
             return outputs
         except BaseException:
             self._fail_inflight()
+            if not transfers_queued:
+                tiers.forget_unqueued()
             self._forget_unlaunched()
             raise
+
+    def _update_tiers(self) -> None:
+        """Hands the tiers what the runner has finished: disk reads and writes, and loads."""
+        tiers = self.tiers
+        if tiers.io_pending:
+            tiers.io_done(self.runner.poll_tier_io())
+        if tiers.awaiting:
+            tiers.loads_ready = self.runner.loads_done()
+
+    def _send_transfers(self) -> None:
+        """Queues the tiers' copies for this step, and the step's waits for them."""
+        kv = self.tiers.take_transfers()
+        if kv is not None:
+            self.runner.transfer(kv)
+        self.tiers.queued()
+
+    def _persist(self) -> None:
+        """Idle: the cached blocks the disk lacks are written to it in the background."""
+        if self.tiers.disk is None:
+            return
+        try:
+            self.tiers.persist()
+            self._send_transfers()
+        except BaseException:
+            self.tiers.forget_unqueued()
+            raise
+
+    def flush_disk_cache(self) -> None:
+        """Writes the cached blocks the disk lacks and waits until every write has ended (shutdown
+        does this); nothing without a disk directory."""
+        if self.tiers is None or self.tiers.disk is None:
+            return
+        self._update_tiers()
+        self._persist()
+        self.runner.drain_tier_io()
+        self._update_tiers()  # the last writes may ask for older files to go, to keep to the cap
+        self._persist()
+        self.runner.drain_tier_io()
 
     def _take_inflight(self) -> _Launched:
         launched, self._inflight = self._inflight, None
@@ -470,13 +591,30 @@ class LLM:
             num_blocks=self.blocks.num_blocks, block_size=self.block_size,
             num_free_blocks=self.blocks.num_free_blocks, num_cached_blocks=self.blocks.num_cached_blocks,
             prefix_hit_tokens=s.prefix_hit_tokens, prompt_tokens=s.prompt_tokens,
-            num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions)
+            num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
+            **self._tier_stats())
+
+    def _tier_stats(self) -> dict:
+        tiers = self.tiers
+        if tiers is None:
+            return {}
+        disk = tiers.disk
+        return dict(host_hit_tokens=tiers.host_hit_tokens, disk_hit_tokens=tiers.disk_hit_tokens,
+                    host_blocks=len(tiers.host), host_capacity_blocks=tiers.host.num_slots,
+                    disk_bytes=disk.bytes if disk else 0, disk_capacity_bytes=disk.cap_bytes if disk else 0)
 
     def shutdown(self) -> None:
+        """Frees the model and the KV cache; with a disk directory, first writes the cached blocks
+        the disk lacks, so that the next start finds them."""
         if self._closed:
             return
         self._closed = True
         self._inflight = None
+        if not getattr(self.runner, "broken", False):
+            try:
+                self.flush_disk_cache()
+            except Exception:
+                pass  # a cache: what could not be written is computed again next time
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()

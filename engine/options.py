@@ -69,6 +69,17 @@ class EngineOptions:
                                       choices=("auto", *QUANTIZATIONS, "none"))
     # engine/llm.py's docstring says how.
     async_scheduling: bool = option(True, "the GPU runs each step while the host settles the one before")
+    # The KV cache's lower tiers (engine/core/kv_tiers.py): blocks the device's cache evicts, kept so
+    # that a prefix comes back by copy instead of being computed again.
+    host_cache_gib: float | None = option(None, "GiB of host memory keeping the KV blocks the device's cache evicts",
+                                          unset="a quarter of the free RAM with a GPU; 0 on CPU, where the cache "
+                                                "is in RAM already (num_kvcache_blocks gives it more)")
+    disk_cache_dir: str | None = option(None, "directory keeping KV blocks across restarts, so that a reopened "
+                                              "conversation prefills only its new message",
+                                        unset="$XDG_CACHE_HOME/nvchat/kv in nvchat's modes; off for LLM and "
+                                              "EngineThread")
+    disk_cache_gib: float = option(16.0, "most GiB the disk tier keeps, least recently used out first; 0 turns "
+                                         "it off")
 
     def __post_init__(self):
         for f in fields(EngineOptions):
@@ -85,6 +96,12 @@ class EngineOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("host_cache_gib", "disk_cache_gib"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:  # NaN too
+                raise ValueError(f"{name} must be zero or more, got {value!r}")
+        if self.disk_cache_dir is not None and not self.disk_cache_dir.strip():
+            raise ValueError("disk_cache_dir must name a directory, got an empty string")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in LOAD_FORMATS:

@@ -10,6 +10,8 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.text.tool_calls import ToolCall
+
 
 class _LoopWaker:
     """Sets asyncio events of one loop from other threads, one call_soon_threadsafe per burst: a
@@ -63,18 +65,26 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     # With SamplingParams.logprobs: a TokenLogprobs (engine.core.sequence) per token, else None.
     logprobs: list | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls the text since the last delta made
 
 
 class RequestStream:
-    def __init__(self, request_id: int, num_prompt_tokens: int, abort_fn, tag=None, sample_index: int = 0):
+    def __init__(self, request_id: int, num_prompt_tokens: int | None, abort_fn, tag=None, sample_index: int = 0,
+                 tool_parser=None):
+        """tool_parser: a parser of engine.text.tool_calls, for a request that offers tools: the
+        stream's text is then the reply's without its calls, which are in tool_calls."""
         self.request_id = request_id
         self.tag = tag
         self.sample_index = sample_index  # which of its request's n samples (EngineThread.submit_n)
+        # The prompt's tokens and those the prefix cache held: None in a backend that can't know them
+        # (a remote server that reports no usage; nvchat/remote_backend.py), never a made-up 0.
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list | None = None  # every token's TokenLogprobs so far, when asked for
+        self.tool_calls: list[ToolCall] = []
+        self._tool_parser = tool_parser
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.submitted_at = time.perf_counter()
@@ -93,29 +103,45 @@ class RequestStream:
             waker.set_soon(event)
         self._async_waiters.clear()
 
-    def _push(self, text: str, token_ids: list[int], logprobs: list | None = None) -> None:
+    def _push(self, text: str, token_ids: list[int], logprobs: list | None = None, *,
+              tool_calls: list[ToolCall] = ()) -> None:
         with self._cond:
-            if self.first_token_at is None and token_ids:
-                self.first_token_at = time.perf_counter()
-            self.text += text
-            self.token_ids += token_ids
-            if logprobs is not None:
-                if self.logprobs is None:
-                    self.logprobs = []
-                self.logprobs += logprobs
-            last = self._pending[-1] if self._pending else None
-            if last is not None and not last.text and not text and (last.logprobs is None) == (logprobs is None):
-                last.token_ids += token_ids
-                if logprobs is not None:
-                    last.logprobs += logprobs
-            else:
-                self._pending.append(Delta(text, list(token_ids), None if logprobs is None else list(logprobs)))
+            if self._tool_parser is not None and text:
+                text, parsed = self._tool_parser.push(text)
+                tool_calls = [*tool_calls, *parsed]
+            self._append(text, token_ids, logprobs, list(tool_calls))
             self._wake()
+
+    def _append(self, text: str, token_ids: list[int], logprobs: list | None, tool_calls: list[ToolCall]) -> None:
+        if self.first_token_at is None and token_ids:
+            self.first_token_at = time.perf_counter()
+        self.text += text
+        self.token_ids += token_ids
+        self.tool_calls += tool_calls
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += logprobs
+        last = self._pending[-1] if self._pending else None
+        if (last is not None and not (last.text or text or last.tool_calls or tool_calls)
+                and (last.logprobs is None) == (logprobs is None)):
+            last.token_ids += token_ids
+            if logprobs is not None:
+                last.logprobs += logprobs
+        else:
+            self._pending.append(Delta(text, list(token_ids), None if logprobs is None else list(logprobs),
+                                       tool_calls))
 
     def _finish(self, reason: str, error: str | None = None) -> None:
         with self._cond:
             if self.finish_reason is not None:
                 return
+            if self._tool_parser is not None:
+                text, calls = self._tool_parser.finish()  # what it held back: text, or a call left unclosed
+                if text or calls:
+                    self._append(text, [], None, calls)
+            if self.tool_calls and reason == "stop":
+                reason = "tool_calls"  # as OpenAI ends a reply that calls tools
             self.finish_reason, self.error = reason, error
             self.finished_at = time.perf_counter()
             self._wake()
@@ -139,7 +165,8 @@ class RequestStream:
             parts = list(self._pending)
             self._pending.clear()
         logprobs = [lp for p in parts for lp in p.logprobs or ()] if any(p.logprobs is not None for p in parts) else None
-        return Delta("".join(p.text for p in parts), [t for p in parts for t in p.token_ids], logprobs)
+        return Delta("".join(p.text for p in parts), [t for p in parts for t in p.token_ids], logprobs,
+                     [c for p in parts for c in p.tool_calls])
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the request ends; True if it did."""

@@ -4,9 +4,11 @@ DeepSeek's FP8 checkpoints (`weight_scale_inv`, blocks of [128, 128]). The weigh
 dequantized to memory:
 
 - fp8_gemv, 1 to 8 rows (a chat-sized decode step): bound by the bytes of W it reads, half of
-  bf16's. Each program streams a band of W's rows along K once, scales each tile by its block's
-  scale in fp32 and multiplies it into every row of x. x keeps its dtype (weight-only FP8): its
-  rows are not rounded.
+  bf16's. Each program streams a band of W's rows along K once. At one row ("one"), x's run of
+  each scale block is scaled in fp32 and multiply-added into the weights converted to fp32; at
+  2-8 rows ("dot"), each run of W is converted to x's dtype (exact) and multiplied into all of
+  x's rows on the tensor cores, the product scaled by its block's scales in fp32. x keeps its
+  dtype (weight-only FP8): its rows are not rounded.
 - fp8_gemm, any number of rows (prefill, big batches): with bf16 or fp16 x, the activations are
   quantized to e4m3 per row and scale_k columns (quantize_activations: a float32 scale each) and
   each K block is one FP8 tensor-core product scaled by both scales, as vLLM and SGLang run these
@@ -14,12 +16,14 @@ dequantized to memory:
   to float32 and multiplied exactly (input_precision="ieee"): what the tests compare to HF's
   float32 model.
 
-Both take a K tile inside one scale block (BLOCK_K divides scale_k), so a tile needs one scale
-per weight row. Shapes need not be multiples of the blocks: the last block of a row or column may
-be partial (the checkpoint's scale grid is the ceiling of the shape over the block).
+Each scale multiplies a run of columns inside one scale block (the GEMM's K tile divides scale_k;
+the GEMV's tile is GROUPS such runs), so a run needs one scale per weight row. Shapes need not be
+multiples of the blocks: the last block of a row or column may be partial (the checkpoint's scale
+grid is the ceiling of the shape over the block).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -31,35 +35,78 @@ from kernels import pdl
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value; torch turns anything beyond it into NaN
 MAX_GEMV_ROWS = 8
-_GEMV_KNOBS = ("block_n", "block_k", "num_warps", "num_stages")
+_GEMV_KNOBS = ("kernel", "block_n", "block_k", "num_warps", "num_stages")
+_DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 _GEMM_KNOBS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_N: tl.constexpr,
-                     SCALE_K: tl.constexpr, PDL: tl.constexpr):
+def _fp8_gemv_one_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.constexpr,
+                         GROUPS: tl.constexpr, GROUP_K: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                         PDL: tl.constexpr):
+    # One row of x against BLOCK_N rows of W, a tile of GROUPS runs of GROUP_K columns at a time,
+    # each run inside one scale block. BLOCK_N divides SCALE_N, so the program's rows share a row
+    # of scales: each run's scale multiplies x's run (GROUP_K products shared by the BLOCK_N rows),
+    # not every weight, and is one load per run, not one per weight row.
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    g = tl.arange(0, GROUPS)
+    kk = g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [GROUPS, GROUP_K] columns of a tile
+    w_at = w_ptr + n[:, None, None].to(tl.int64) * stride_w + kk[None, :, :]
+    s_at = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_s
+    # The first tile of W and its scales before the wait: weights, which no kernel writes.
+    w = tl.load(w_at, mask=n_ok[:, None, None] & (kk < K)[None, :, :], other=0.0)
+    scale = tl.load(s_at + g * GROUP_K // SCALE_K, mask=g * GROUP_K < K, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32) * scale[:, None]
+    acc = w.to(tl.float32) * x[None, :, :]
+    for k0 in range(GROUPS * GROUP_K, K, GROUPS * GROUP_K):
+        k = k0 + kk
+        w = tl.load(w_at + k0, mask=n_ok[:, None, None] & (k < K)[None, :, :], other=0.0)
+        scale = tl.load(s_at + (k0 + g * GROUP_K) // SCALE_K, mask=k0 + g * GROUP_K < K, other=0.0)
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32) * scale[:, None]
+        acc += w.to(tl.float32) * x[None, :, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _fp8_gemv_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
+                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # y.T = W @ x.T on the tensor cores, x's rows padded to the 16 an MMA takes: each run of
+    # GROUP_K columns (inside one scale block) is converted to x's dtype (exact: e4m3 fits in
+    # bf16 and fp16), multiplied into every row of x at once, and its [BLOCK_N, ROWS] product
+    # scaled by its rows' scales. GROUPS runs a loop step, so their loads are in flight together.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
-    k = tl.arange(0, BLOCK_K)
+    c = tl.arange(0, GROUP_K)
     n_ok, r_ok = n < N, r < M
-    w_at = w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :]
+    w_at = w_ptr + n[:, None].to(tl.int64) * stride_w + c[None, :]
+    xt_at = x_ptr + r[None, :] * stride_x + c[:, None]
     s_at = s_ptr + (n // SCALE_N) * stride_s
-    x_at = x_ptr + r[:, None] * stride_x + k[None, :]
-    # Each weight tile is loaded once, scaled, and multiplied into every row of x.
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + k < K)[None, :]
-        w = tl.load(w_at + k0, mask=n_ok[:, None] & k_ok, other=0.0).to(tl.float32)
-        scale = tl.load(s_at + k0 // SCALE_K, mask=n_ok, other=0.0)
-        x = tl.load(x_at + k0, mask=r_ok[:, None] & k_ok, other=0.0).to(tl.float32)
-        acc += (w * scale[:, None])[None, :, :] * x[:, None, :]
-    y = tl.sum(acc, axis=2)
-    tl.store(y_ptr + r[:, None] * stride_y + n[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & n_ok[None, :])
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    for k0 in range(0, K, GROUPS * GROUP_K):
+        for g in tl.static_range(GROUPS):
+            kg = k0 + g * GROUP_K
+            k_ok = kg + c < K
+            w = tl.load(w_at + kg, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            # A run past K (its weights masked to 0) reads the last scale column, not past it.
+            scale = tl.load(s_at + tl.minimum(kg, K - 1) // SCALE_K, mask=n_ok, other=0.0)
+            xt = tl.load(xt_at + kg, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            if IEEE:  # float32 x: no tf32 rounding
+                part = tl.dot(w.to(xt.dtype), xt, input_precision="ieee")
+            else:
+                part = tl.dot(w.to(xt.dtype), xt)
+            acc += part * scale[:, None]
+    tl.store(y_ptr + r[None, :] * stride_y + n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
@@ -159,21 +206,31 @@ def _knobs(launch: dict, names: tuple[str, ...], what: str) -> None:
         raise TypeError(f"{what}'s launch knobs are {names}; got {sorted(launch)}")
 
 
-def gemv_launch_config(N: int, K: int, rows: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_warps, num_stages), untuned (no FP8 sweep has been run yet): 128 K
-    columns a tile, one scale block of Qwen's checkpoints, and 1 KB of weight per tile at one row,
-    half as many weight rows at more rows, so that the fp32 accumulator stays within 64 registers
-    a thread."""
+def gemv_launch_config(N: int, K: int, rows: int) -> tuple[str, int, int, int, int]:
+    """(kernel, block_n, block_k, num_warps, num_stages), from bench_kernels --sweep-moe-fp8 at
+    Qwen3-8B's projections on an H100 (benchmarks/RESULTS.md). One row: "one", the FMA kernel, 4
+    weight rows of 1024 FP8 columns a step (18.7 / 49.5 / 30.3 us at 6144x4096 / 24576x4096 /
+    4096x12288, against 20.3 / 54.4 / 42.7 for 2 rows), or 1 row of 2048 where N <= 2048. 2-8
+    rows: "dot", the tensor cores (the FMA kernel at 8 rows was bound by its multiply-adds), with
+    64 weight rows a program where N makes at least 96 programs of them and 32 otherwise, so that
+    every SM has work (8 rows: 30.3 / 53.8 / 52.6 us, against 42.3 / 131.9 / 75.4 for 16 rows)."""
     if rows == 1:
-        return 8, 128, 2, 4
-    return 4, 128, 2 if rows <= 4 else 4, 4
+        return ("one", 1, 2048, 4, 3) if N <= 2048 else ("one", 4, 1024, 2, 3)
+    return ("dot", 64, 128, 4, 3) if N >= 96 * 64 else ("dot", 32, 512, 4, 3)
+
+
+def _power_of_two(value: int, what: str) -> int:
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"fp8_gemv's {what} must be a power of two, got {value}")
+    return value
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_block: tuple[int, int],
              **launch) -> torch.Tensor:
     """x [M, K] (1 <= M <= 8) @ dequantized(weight).T, as [M, N] in x's dtype. weight: [N, K] e4m3;
-    scale: float32 [cdiv(N, scale_n), cdiv(K, scale_k)]. `launch` (block_n, block_k, num_warps,
-    num_stages) overrides gemv_launch_config."""
+    scale: float32 [cdiv(N, scale_n), cdiv(K, scale_k)]. `launch` (kernel "one" or "dot",
+    block_n, block_k, num_warps, num_stages) overrides gemv_launch_config; "one" takes one row,
+    and its block_n is cut to a divisor of scale_n."""
     _check(x, weight, scale, scale_block, "fp8_gemv")
     _knobs(launch, _GEMV_KNOBS, "fp8_gemv")
     M, K = x.shape
@@ -181,17 +238,33 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
     if not 1 <= M <= MAX_GEMV_ROWS:
         raise ValueError(f"fp8_gemv takes 1 to {MAX_GEMV_ROWS} rows, got {M}")
     scale_n, scale_k = scale_block
-    block_n, block_k, num_warps, num_stages = (launch.get(name) or c for name, c in
-                                               zip(_GEMV_KNOBS, gemv_launch_config(N, K, M)))
-    if "block_n" not in launch and _interpreted():
-        block_n = max(block_n, 32)  # the interpreter runs programs one by one: fewer, wider ones
-    block_k = min(block_k, scale_k, triton.next_power_of_2(K))
+    kernel, block_n, block_k, num_warps, num_stages = (launch.get(name) or c for name, c in
+                                                       zip(_GEMV_KNOBS, gemv_launch_config(N, K, M)))
+    block_n, block_k = _power_of_two(block_n, "block_n"), _power_of_two(block_k, "block_k")
+    block_k = min(block_k, triton.next_power_of_2(K))  # not wider than the row (tiny test models)
+    group_k = min(block_k, scale_k)  # a run of columns inside one scale block
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     pdl_on = pdl.enabled(x.device)
-    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, scale, out, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, SCALE_N=scale_n, SCALE_K=scale_k,
-        PDL=pdl_on, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_on)
+    common = dict(GROUPS=block_k // group_k, GROUP_K=group_k, SCALE_N=scale_n, SCALE_K=scale_k, PDL=pdl_on,
+                  num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_on)
+    if kernel == "one":
+        if M != 1:
+            raise ValueError(f"fp8_gemv's one-row kernel takes one row; got {M}")
+        if "block_n" not in launch and _interpreted():
+            block_n = max(block_n, 32)  # the interpreter runs programs one by one: fewer, wider ones
+        block_n = math.gcd(block_n, scale_n)  # the program's rows share a row of scales
+        _fp8_gemv_one_kernel[(triton.cdiv(N, block_n),)](
+            x, weight, scale, out, N, K, weight.stride(0), scale.stride(0), BLOCK_N=block_n, **common)
+    elif kernel == "dot":
+        if group_k < 16:
+            raise ValueError(f"fp8_gemv's dot kernel takes runs of at least 16 columns (an MMA's K); got "
+                             f"block_k {block_k} with scale blocks of {tuple(scale_block)}")
+        block_n = max(block_n, 16)  # an MMA's smallest side
+        _fp8_gemv_dot_kernel[(triton.cdiv(N, block_n),)](
+            x, weight, scale, out, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+            ROWS=_DOT_ROWS, BLOCK_N=block_n, IEEE=x.dtype == torch.float32, **common)
+    else:
+        raise ValueError(f"unknown fp8_gemv kernel {kernel!r}")
     return out
 
 
@@ -216,13 +289,17 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
 
 
 def gemm_launch_config(M: int, N: int, scale_k: int) -> tuple[int, int, int, int, int, int]:
-    """(block_m, block_n, block_k, group_m, num_warps, num_stages), untuned: the tile shapes that
-    Triton's FP8 matmul tutorial and vLLM's block-FP8 kernel default to on Hopper."""
+    """(block_m, block_n, block_k, group_m, num_warps, num_stages), not yet swept (bench_kernels
+    --sweep-moe-fp8 times candidates at 256 and 4096 rows): from 257 rows the tile of Triton's FP8
+    matmul tutorial and vLLM's block-FP8 kernel on Hopper. Fewer rows (decode steps of many
+    streams) read W in as many programs as its column tiles make, so those tiles are narrower:
+    32 and 64 columns make 128 programs of Qwen3-8B's 4096-row projections for the H100's 132
+    SMs, where 64 and 128 made 64, idling half of them on a step bound by W's bytes."""
     block_k = min(128, scale_k)
     if M <= 64:
-        return max(16, triton.next_power_of_2(M)), 64, block_k, 8, 4, 4
-    if M <= 256:  # a decode step of many streams: more, smaller tiles, to fill the SMs
-        return 64, 128, block_k, 8, 4, 3
+        return max(16, triton.next_power_of_2(M)), 32, block_k, 8, 4, 4
+    if M <= 256:
+        return 64, 64, block_k, 8, 4, 3
     return 128, 128, block_k, 8, 8, 3
 
 

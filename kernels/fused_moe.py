@@ -47,13 +47,18 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.const
     j = tl.arange(0, BLOCK_K)
     chosen = tl.zeros([BLOCK_K], dtype=tl.float32)
     chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    remaining = tl.where(e < E, p, -1.0)
+    # A NaN or infinite logit makes every probability of its row NaN (a CUDA graph's padding rows
+    # hold whatever their buffers held). Such a row still gets top_k distinct experts in range (the
+    # lowest ids, NaN ranking below any probability and above the slots past E), with NaN
+    # weights: the expert ids index the weights and the sort, and one past E crashed the sort's
+    # scatter with a device-side assert.
+    remaining = tl.where(e < E, tl.where(p == p, p, -1.0), -2.0)
     for i in tl.static_range(TOP_K):
         best = tl.max(remaining, axis=0)
         best_id = tl.min(tl.where(remaining == best, e, BLOCK_E), axis=0)  # the lowest id among ties
-        chosen = tl.where(j == i, best, chosen)
+        chosen = tl.where(j == i, tl.sum(tl.where(e == best_id, p, 0.0), axis=0), chosen)
         chosen_ids = tl.where(j == i, best_id, chosen_ids)
-        remaining = tl.where(e == best_id, -1.0, remaining)
+        remaining = tl.where(e == best_id, -2.0, remaining)
     if RENORMALIZE:
         chosen = chosen / tl.sum(chosen, axis=0)
     tl.store(weights_ptr + t * TOP_K + j, chosen, mask=j < TOP_K)

@@ -3,9 +3,10 @@
 The package is layered: a module imports only from its own layer and the layers below it
 (tests/test_layering.py checks it), bottom to top:
 
-    paths, default_model, settings, flags, store, slash_table
-        what every mode shares: where files live, the settings and their command-line flags, the
-        SQLite conversation store, the table of slash commands
+    paths, default_model, mcp_tools, settings, flags, store, slash_table, startup_trace
+        what every mode shares: where files live, MCP servers' tools, the settings and their
+        command-line flags, the SQLite conversation store, the table of slash commands, start-up
+        timestamps for benchmarks
     conversation, export, attachments, backend, remote_backend
         one chat, its Markdown export, files added to its messages, and what it runs on: the
         in-process engine or a remote server

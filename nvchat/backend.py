@@ -1,20 +1,29 @@
 """The chat backend the settings ask for: the in-process engine, or a remote OpenAI-compatible
 server (--backend URL). Either is a Backend (engine/backend.py)."""
 from engine.backend import Backend
+from nvchat import startup_trace
 from nvchat.settings import Settings
 
 
 def open_backend(settings: Settings, progress=None) -> Backend:
-    """A backend, not yet started (start() loads the model or reaches the server)."""
+    """A backend, not yet started (start() loads the model or reaches the server). progress: told
+    each stage of the engine's start-up; each is also a mark of the start-up trace."""
+    def report(stage: str) -> None:
+        startup_trace.mark(stage)
+        if progress is not None:
+            progress(stage)
+
     if settings.backend:
+        startup_trace.mark("importing the HTTP client")
         from nvchat.remote_backend import (
             RemoteBackend,  # start-up: httpx only for a remote server
         )
         return RemoteBackend(settings.backend, api_key=settings.api_key, model=settings.model)
+    startup_trace.mark("importing the engine")
     from engine import (
         EngineThread,  # start-up: torch and the engine only for the local one
     )
-    return EngineThread(settings.engine_model(), progress=progress, **settings.engine_options().keywords())
+    return EngineThread(settings.engine_model(), progress=report, **settings.engine_options().keywords())
 
 
 def model_name(settings: Settings, backend: Backend) -> str:

@@ -2,6 +2,7 @@
 import argparse
 import sys
 
+from nvchat import startup_trace
 from nvchat.flags import CommandLineParser, add_engine_flags, flags_given, settings_from_args
 from nvchat.settings import Settings, SettingsError
 
@@ -34,6 +35,7 @@ def run_tui(settings: Settings, flags: frozenset[str] = frozenset()) -> int:
 
 
 def main(argv=None) -> int:
+    startup_trace.mark("reading the command line")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
         from nvchat.server.serve import (

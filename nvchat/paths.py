@@ -16,6 +16,15 @@ def data_dir() -> Path:
     return _xdg("XDG_DATA_HOME", ".local/share") / "nvchat"
 
 
+def cache_dir() -> Path:
+    return _xdg("XDG_CACHE_HOME", ".cache") / "nvchat"
+
+
+def kv_cache_dir() -> Path:
+    """The disk tier of the engine's KV cache (engine/core/kv_tiers.py)."""
+    return cache_dir() / "kv"
+
+
 def config_file() -> Path:
     return config_dir() / "config.toml"
 

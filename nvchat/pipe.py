@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from nvchat import startup_trace
 from nvchat.backend import model_name as backend_model_name
 from nvchat.backend import open_backend
 from nvchat.conversation import Conversation, reply_stats
@@ -48,6 +49,7 @@ def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False) -> i
     try:
         text = read_prompt(prompt)
         with open_backend(settings) as engine:
+            startup_trace.mark("ready")
             model_name = backend_model_name(settings, engine)
             conversation = Conversation(engine, None, system_prompt=settings.system_prompt, model_name=model_name,
                                         settings=settings)
@@ -56,7 +58,11 @@ def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False) -> i
                 print(f"nvchat: {GIBBERISH_NOTE}", file=sys.stderr, flush=True)
             elif settings.model is None:  # say which model was chosen for the user
                 print(f"nvchat: model: {model_name}", file=sys.stderr, flush=True)
+            first = True
             for delta in stream:
+                if first:
+                    startup_trace.mark("first token")
+                    first = False
                 if delta.text and not json_output:
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()

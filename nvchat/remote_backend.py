@@ -9,6 +9,7 @@ server then aborts the request). Failures end the stream with finish_reason "err
 that says what went wrong, as the engine's own failures do.
 """
 import asyncio
+import dataclasses
 import itertools
 import json
 import re
@@ -20,6 +21,7 @@ import httpx
 from engine import SamplingParams
 from engine.backend import BackendCapabilities
 from engine.request_stream import Delta, RequestStream
+from engine.text.tool_calls import ToolCall, Tools
 
 # Long enough for a big server's queue or a long prefill before the first token; the user can stop
 # a reply that waits.
@@ -29,10 +31,13 @@ _CONNECT_TIMEOUT_S = 10.0
 
 class RemoteStream(RequestStream):
     """A RequestStream fed from server-sent chunks. The server sends text, not token ids, so until its
-    usage report arrives a chunk counts as one token (as OpenAI-compatible servers stream them)."""
+    usage report arrives a chunk counts as one token (as OpenAI-compatible servers stream them). The
+    prompt's tokens and those the server's prefix cache held are None (unknown) unless it reports
+    them: some servers send no usage (llama-cpp-python's), and 0 would claim an empty prompt."""
 
     def __init__(self, request_id: int, abort_fn, tag=None):
-        super().__init__(request_id, 0, abort_fn, tag)
+        super().__init__(request_id, None, abort_fn, tag)
+        self.num_cached_tokens = None
         self._chunks = 0
         self._reported_tokens: int | None = None
 
@@ -45,9 +50,14 @@ class RemoteStream(RequestStream):
             self._pending.append(Delta(text))
             self._wake()
 
+    def _push_tool_calls(self, calls: list[ToolCall]) -> None:
+        with self._cond:
+            self._append("", [], None, calls)
+            self._wake()
+
     def _set_usage(self, usage: dict) -> None:
-        self.num_prompt_tokens = usage.get("prompt_tokens") or 0
-        self.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self.num_prompt_tokens = usage.get("prompt_tokens")
+        self.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         self._reported_tokens = usage.get("completion_tokens")
 
     @property
@@ -62,6 +72,13 @@ class RemoteStream(RequestStream):
         end = self.finished_at or time.perf_counter()
         return (n - 1) / max(end - self.first_token_at, 1e-9)
 
+
+# /v1/models' owned_by of llama.cpp's own server (llama-server): with one slot it serves one request
+# at a time. llama-cpp-python's server names itself "me", and is found by its behaviour instead.
+ONE_AT_A_TIME_OWNERS = ("llamacpp",)
+ENDED_BY_ANOTHER_REQUEST = ("the server ended this reply early, when another request reached it: it serves one "
+                            "request at a time, so replies in other tabs now wait for each other")
+ENDED_EARLY = "the server ended the stream before the reply was finished (it sent no finish reason)"
 
 # Request fields past OpenAI's own API that vLLM, SGLang and `nvchat serve` understand.
 EXTENSION_FIELDS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "chat_template_kwargs")
@@ -102,6 +119,11 @@ class RemoteBackend:
         self._closed = False
         self._lock = threading.Lock()  # a submission and a shutdown don't interleave
         self._openai_fields_only = False  # the server refused a field of EXTENSION_FIELDS
+        # Set when the server is known to serve one request at a time (by its /v1/models answer, or
+        # when a stream ended early while another of ours arrived): requests then queue here.
+        self.one_request_at_a_time = False
+        self._turn: asyncio.Semaphore | None = None  # made on the client's loop
+        self._started_requests = 0  # requests sent so far, to tell whether another arrived during one
 
     # --- lifetime ------------------------------------------------------------------------------------
 
@@ -116,32 +138,45 @@ class RemoteBackend:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         timeout = httpx.Timeout(_CONNECT_TIMEOUT_S, read=_READ_TIMEOUT_S)
         self._client = self._call(self._make_client(headers, timeout))
-        if self.model_name is None:
-            try:
-                self.model_name = self._call(self._first_model())
-            except BaseException:
-                self.shutdown()
-                raise
+        try:
+            self._call(self._read_models())
+        except BaseException:
+            self.shutdown()
+            raise
         return self
 
     async def _make_client(self, headers, timeout) -> httpx.AsyncClient:
+        self._turn = asyncio.Semaphore(1)
         return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
 
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    async def _first_model(self) -> str:
+    async def _read_models(self) -> None:
+        """The server's models: the first is the one used when none is named (RuntimeError if the
+        server can't be reached or lists none), and their owner tells llama.cpp's server. With a
+        model named, a server without /models, or not reachable yet, is still used."""
         try:
             response = await self._client.get("/models")
         except httpx.HTTPError as e:
+            if self.model_name is not None:  # a request says it can't reach the server, as it happens
+                return
             raise RuntimeError(f"could not reach {self.base_url}: {e or type(e).__name__}") from None
+        try:
+            models = response.json()["data"] if response.status_code < 400 else None
+            first = models[0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            models = first = None
+        if isinstance(first, dict) and first.get("owned_by") in ONE_AT_A_TIME_OWNERS:
+            self.one_request_at_a_time = True
+        if self.model_name is not None:
+            return
         if response.status_code >= 400:
             raise RuntimeError(f"{self.base_url}/models: {_error_message(response)}")
-        try:
-            return response.json()["data"][0]["id"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise RuntimeError(f"{self.base_url}/models lists no model; name one with --model") from None
+        if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+            raise RuntimeError(f"{self.base_url}/models lists no model; name one with --model")
+        self.model_name = first["id"]
 
     def shutdown(self) -> None:
         """Stops every open reply (finish_reason "abort") and the client's loop."""
@@ -171,22 +206,33 @@ class RemoteBackend:
         # The server tokenizes its prompts and keeps its KV cache to itself; its context length
         # is not part of the OpenAI API.
         return BackendCapabilities(model_name=self.model_name, context_length=None, tokenizes=False,
-                                   block_stats=False)
+                                   block_stats=False, one_request_at_a_time=self.one_request_at_a_time)
 
-    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], enable_thinking: bool | None = None,
+                      tools: Tools | None = None) -> list[int]:
         raise RuntimeError("a remote server tokenizes its prompts itself")
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise RuntimeError("a remote server tokenizes its prompts itself")
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        raise RuntimeError("a remote server's tokenizer is not reachable through the OpenAI API")
 
     def stats(self) -> None:
         """None: a remote server's KV-cache blocks are not visible through the OpenAI API."""
         return None
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
-               tag=None) -> RemoteStream:
+               tools: Tools | None = None, tag=None) -> RemoteStream:
         """Starts a request and returns its stream at once; chat messages go to /chat/completions,
-        text or token ids to /completions."""
+        text or token ids to /completions. tools go as OpenAI's tools, tool_choice and
+        parallel_tool_calls; the server parses the calls, which come back as the stream's tool_calls.
+        One reply only: submit_n() takes n > 1."""
         if self._closed or self._loop is None:  # checked again under the lock below
             raise RuntimeError("the remote backend is not running")
         params = sampling_params or SamplingParams()
+        if params.n > 1:
+            raise ValueError(f"submit() streams one reply; use submit_n() for n={params.n}")
         body = {"model": self.model_name, "stream": True, "stream_options": {"include_usage": True},
                 "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens}
         # Not in OpenAI's own API (which refuses unknown fields): sent only when they change
@@ -211,6 +257,12 @@ class RemoteBackend:
             body["seed"] = params.seed
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             path, body["messages"] = "/chat/completions", prompt
+            if tools is not None:
+                body["tools"], body["tool_choice"] = tools.definitions, tools.choice
+                if not tools.parallel:
+                    body["parallel_tool_calls"] = False
+        elif tools is not None:
+            raise ValueError("tools go with chat messages: a server renders them through its chat template")
         else:
             path, body["prompt"] = "/completions", prompt
         stream = RemoteStream(next(self._ids), self._abort, tag)
@@ -224,6 +276,26 @@ class RemoteBackend:
         # Added once listed, so a request that ended before this line still leaves the list.
         future.add_done_callback(lambda f: self._request_done(stream, f))
         return stream
+
+    def submit_n(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
+                 tools: Tools | None = None, tag=None) -> list[RemoteStream]:
+        """submit() for sampling_params.n replies: a request each, sent at once, each with the seed
+        the engine gives that sample (SamplingParams.sample_seed), so that `nvchat serve` answers as
+        the in-process engine does. Not the API's own `n`: it interleaves the replies in one stream and
+        leaves each reply's seed to the server."""
+        params = sampling_params or SamplingParams()
+        streams: list[RemoteStream] = []
+        try:
+            for index in range(params.n):
+                one = dataclasses.replace(params, n=1, seed=params.sample_seed(index))
+                stream = self.submit(prompt, one, enable_thinking=enable_thinking, tools=tools, tag=tag)
+                stream.sample_index = index
+                streams.append(stream)
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
 
     def _request_done(self, stream: RemoteStream, future) -> None:
         self._tasks.pop(stream.request_id, None)
@@ -239,18 +311,19 @@ class RemoteBackend:
 
     async def _run(self, stream: RemoteStream, path: str, body: dict) -> None:
         try:
-            try:
-                finish_reason = await self._read(stream, path, body)
-            except _RefusedExtension:
-                # vLLM and SGLang take top_k and the rest; OpenAI's own API refuses them (400). The
-                # request goes again without them, and later ones leave them out.
-                self._openai_fields_only = True
-                finish_reason = await self._read(stream, path, {k: v for k, v in body.items()
-                                                                if k not in EXTENSION_FIELDS})
-            if finish_reason is None:
-                stream._finish("error", "the server closed the stream before the reply ended")
+            if self.one_request_at_a_time:
+                async with self._turn:
+                    finish_reason, others_arrived = await self._send(stream, path, body)
             else:
+                finish_reason, others_arrived = await self._send(stream, path, body)
+            if finish_reason is not None:
                 stream._finish(finish_reason)
+            elif others_arrived:
+                # llama-cpp-python's server ends a stream when the next request arrives.
+                self.one_request_at_a_time = True
+                stream._finish("error", ENDED_BY_ANOTHER_REQUEST)
+            else:
+                stream._finish("error", ENDED_EARLY)
         except asyncio.CancelledError:
             stream._finish("abort")
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -263,8 +336,24 @@ class RemoteBackend:
         except Exception as e:  # a malformed event: the stream must still end
             stream._finish("error", f"unreadable answer from {self.base_url}: {type(e).__name__}: {e}")
 
+    async def _send(self, stream: RemoteStream, path: str, body: dict) -> tuple[str | None, bool]:
+        """The request's finish reason (None if the stream ended without one), and whether another
+        request of this backend was sent while it streamed."""
+        self._started_requests += 1
+        sent_before = self._started_requests
+        try:
+            finish_reason = await self._read(stream, path, body)
+        except _RefusedExtension:
+            # vLLM and SGLang take top_k and the rest; OpenAI's own API refuses them (400). The
+            # request goes again without them, and later ones leave them out.
+            self._openai_fields_only = True
+            finish_reason = await self._read(stream, path, {k: v for k, v in body.items()
+                                                            if k not in EXTENSION_FIELDS})
+        return finish_reason, self._started_requests > sent_before
+
     async def _read(self, stream: RemoteStream, path: str, body: dict) -> str | None:
         finish_reason = None
+        calls = _StreamedToolCalls(stream)
         async with self._client.stream("POST", path, json=body) as response:
             if response.status_code >= 400:
                 await response.aread()
@@ -286,11 +375,42 @@ class RemoteBackend:
                 if event.get("usage"):
                     stream._set_usage(event["usage"])
                 for choice in event.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content") or choice.get("text") or ""
                     if text:
                         stream._push_text(text)
+                    for piece in delta.get("tool_calls") or ():
+                        calls.add(piece)
                     finish_reason = choice.get("finish_reason") or finish_reason
+        calls.flush()
         return finish_reason
+
+
+class _StreamedToolCalls:
+    """OpenAI's streamed tool calls, pieces of which arrive per index (the id and name first, the
+    arguments' text in parts): a call is handed to the stream once the next one begins or the
+    reply ends."""
+
+    def __init__(self, stream: RemoteStream):
+        self.stream = stream
+        self.index = None
+        self.id, self.name, self.arguments = None, "", []
+
+    def add(self, piece: dict) -> None:
+        index = piece.get("index", 0)
+        if index != self.index:
+            self.flush()
+            self.index = index
+        function = piece.get("function") or {}
+        self.id = piece.get("id") or self.id
+        self.name += function.get("name") or ""
+        self.arguments.append(function.get("arguments") or "")
+
+    def flush(self) -> None:
+        if self.index is not None and self.name:
+            call = ToolCall(self.name, "".join(self.arguments) or "{}", **({"id": self.id} if self.id else {}))
+            self.stream._push_tool_calls([call])
+        self.index, self.id, self.name, self.arguments = None, None, "", []
 
 
 class _StreamError(Exception):

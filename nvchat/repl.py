@@ -20,7 +20,7 @@ from prompt_toolkit.keys import Keys
 
 from engine import RequestStream
 from engine.backend import Backend
-from nvchat import paths, repl_slash_handlers, slash_table
+from nvchat import paths, repl_slash_handlers, slash_table, startup_trace
 from nvchat.backend import model_name, open_backend
 from nvchat.conversation import Conversation, first_line
 from nvchat.default_model import GIBBERISH_NOTE
@@ -70,11 +70,14 @@ class Repl:
         self.note = note
         self.last_stream: RequestStream | None = None
         self.streaming: RequestStream | None = None
-        self.conversation = self.new_conversation()
+        self.conversation: Conversation | None = None
+        self.new_conversation()
         self.session = PromptSession(PROMPT, multiline=True, prompt_continuation=CONTINUATION,
                                      key_bindings=_key_bindings(), history=history, input=input, output=output)
 
     def new_conversation(self) -> Conversation:
+        if self.conversation is not None:
+            self.conversation.release()  # another process may write it now
         self.conversation = Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
                                          model_name=self.model_name, settings=self.settings)
         return self.conversation
@@ -224,6 +227,7 @@ def run_repl(settings: Settings) -> int:
         print(f"nvchat: {verb} {settings.model_name}...", file=sys.stderr, flush=True)
         engine = open_backend(settings)
         engine.start()
+        startup_trace.mark("ready")
     except (ValueError, RuntimeError, OSError) as e:
         store.close()
         print(f"nvchat: {e}", file=sys.stderr)
@@ -236,6 +240,9 @@ def run_repl(settings: Settings) -> int:
             repl = Repl(engine, settings, store=store, history=FileHistory(str(history_file)),
                         model_name=model_name(settings, engine),
                         note=GIBBERISH_NOTE if settings.uses_demo_model else None)
-            return repl.run()
+            try:
+                return repl.run()
+            finally:
+                repl.conversation.release()
     finally:
         store.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 from engine import SamplingParams
 from engine.options import CHAT_PREFILL_CHUNK, OPTION_NAMES, EngineOptions, type_problem
 from nvchat import default_model, paths
+from nvchat.mcp_tools import server_specs
 
 # `--model demo`: the built-in demo model even where a real default model is installed.
 DEMO_MODEL = "demo"
@@ -61,13 +62,16 @@ class Settings(EngineOptions):
     max_tokens: int = 1024
     enable_thinking: bool | None = None
     theme: str = "nvchat-dark"
-    compact_transcript: bool = False  # one rule per message, no reply stats (F6 toggles it)
+    compact_transcript: bool = False  # one rule per message, no reply stats (F12 toggles it)
     restore_tabs: bool = True  # the app reopens the chats that were open when it last closed
     keys: dict[str, str] = field(default_factory=dict)  # binding id -> key, e.g. {"new_tab": "ctrl+n"}
     # An OpenAI-compatible server's URL (…/v1) to chat with instead of the in-process engine;
     # `model` then names the server's model (default: the first it lists).
     backend: str | None = None
     api_key: str | None = None
+    # MCP servers whose tools the app's chats offer the model: [mcp_servers.NAME] tables
+    # (nvchat/mcp_tools.py describes their keys).
+    mcp_servers: dict[str, dict] = field(default_factory=dict)
 
     @property
     def uses_demo_model(self) -> bool:
@@ -96,8 +100,14 @@ class Settings(EngineOptions):
         return self.model
 
     def engine_options(self) -> EngineOptions:
-        """The engine's options among these settings, for LLM / EngineThread."""
-        return EngineOptions(**{name: getattr(self, name) for name in OPTION_NAMES})
+        """The engine's options among these settings, for LLM / EngineThread. The disk tier of the
+        KV cache is on here (off for the engine alone): unless set, under $XDG_CACHE_HOME, so that
+        a conversation reopened after a restart prefills only its new message; disk_cache_gib = 0
+        turns it off."""
+        options = {name: getattr(self, name) for name in OPTION_NAMES}
+        if options["disk_cache_dir"] is None:
+            options["disk_cache_dir"] = str(paths.kv_cache_dir())
+        return EngineOptions(**options)
 
     def sampling_defaults(self, recommended: dict | None = None) -> dict:
         """What a chat samples with unless it sets its own: each value as config.toml or a flag set
@@ -128,6 +138,12 @@ def _check_types(data: dict, path: Path) -> None:
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise SettingsError(f"{path}: [keys] must map binding ids to key strings")
             continue
+        if key == "mcp_servers":
+            try:
+                server_specs(value)
+            except ValueError as e:
+                raise SettingsError(f"{path}: {e}") from None
+            continue
         problem = type_problem(value, known[key].type)
         if problem:
             raise SettingsError(f"{path}: {key} must be {problem.removesuffix(' or None')}, got {value!r}")
@@ -153,6 +169,10 @@ def load_settings(path: Path | None = None) -> Settings:
 
 
 def _toml_value(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_value(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -167,9 +187,12 @@ def save_setting(name: str, value, path: Path | None = None) -> None:
     data = tomllib.loads(path.read_text()) if path.exists() else {}
     data[name] = value
     _settings(data, path)
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if k != "keys" and v is not None]
+    tables = ("keys", "mcp_servers")
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if k not in tables and v is not None]
     if data.get("keys"):
         lines += ["", "[keys]"] + [f"{k} = {_toml_value(v)}" for k, v in data["keys"].items()]
+    for server, values in data.get("mcp_servers", {}).items():
+        lines += ["", f"[mcp_servers.{server}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")

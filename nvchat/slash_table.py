@@ -28,8 +28,15 @@ COMMANDS: tuple[Command, ...] = (
             app_only=True),
     Command("sampling", "/sampling", "this chat's temperature, top-p, top-k and max tokens", app_only=True),
     Command("stop", "/stop", "stop the reply being generated", app_only=True),
-    Command("regenerate", "/regenerate", "drop the last reply and generate it again", app_only=True),
-    Command("edit", "/edit", "put your last message back in the box to edit and resend", app_only=True),
+    Command("regenerate", "/regenerate", "a new reply beside the selected (or last) one, kept as a branch",
+            app_only=True),
+    Command("edit", "/edit", "put the selected (or your last) message in the box: sent, it makes a branch",
+            app_only=True),
+    Command("branch", "/branch [N|next|prev]", "show another branch of the selected (or latest branching) message",
+            app_only=True),
+    Command("alt", "/alt [N]", "N replies at once (2-4, default 3) to the message in the box, or beside the last reply",
+            app_only=True),
+    Command("pick", "/pick N", "keep alternative N as the branch shown (the others stay as branches)", app_only=True),
     Command("quit", "/quit", "leave (conversations are already stored)", aliases=("exit", "q")),
 )
 
@@ -98,6 +105,14 @@ def _mib(n: int) -> str:
 NO_BLOCK_STATS = "KV cache: block statistics are not available from a remote backend"
 
 
+def _prompt_figures(prompt_tokens: int | None, cached_tokens: int | None) -> str:
+    # None: the server did not report it (unknown, not 0).
+    if prompt_tokens is None:
+        return "; prompt size unknown (the server did not report it)"
+    cached = "prefix-cache use unknown" if cached_tokens is None else f"{cached_tokens} from the prefix cache"
+    return f"; prompt {prompt_tokens} tokens, {cached}"
+
+
 def format_stats(snap, last_stream=None) -> str:
     lines = [NO_BLOCK_STATS] if snap is None else [
         f"KV cache: {snap.num_used_blocks}/{snap.num_blocks} blocks in use ({snap.block_size} tokens each), "
@@ -113,7 +128,7 @@ def format_stats(snap, last_stream=None) -> str:
             f"last reply: {last_stream.num_completion_tokens} tokens"
             + (f", {tps:.1f} tok/s" if tps else "")
             + (f", first token after {ttft:.2f} s" if ttft is not None else "")
-            + f"; prompt {last_stream.num_prompt_tokens} tokens, {last_stream.num_cached_tokens} from the prefix cache"
+            + _prompt_figures(last_stream.num_prompt_tokens, last_stream.num_cached_tokens)
             + (f" ({last_stream.finish_reason})" if last_stream.finish_reason else ""))
     return "\n".join(lines)
 

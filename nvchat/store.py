@@ -3,15 +3,33 @@ streams (every few seconds) and again when it ends, so a crash or kill mid-reply
 last few seconds of that reply. A reply that did not end on its own (stopped, failed, or cut off by
 a kill) stays marked incomplete. Text typed but not sent is kept as the conversation's draft.
 
+A conversation's messages form a tree: each has a parent (None for a first message), and editing a
+message or regenerating a reply adds a sibling rather than replacing it, so no message is ever
+overwritten. The branch shown is found by walking down from the roots, taking at each level the
+child selected last (selected_at: set when a message is written or chosen).
+
 The schema's version is PRAGMA user_version; opening an older file migrates it in place. A file
 SQLite cannot read is moved aside (never overwritten) and a fresh one started.
+
+Several nvchat processes may share the file (SQLite's WAL mode serializes their writes), but one
+conversation has one writer: the process that opens or starts it takes its writer lock
+(lock_for_writing), and another process that opens it while the lock is held gets it read-only.
+The lock is the operating system's lock on a small file beside the database, so it goes with the
+process however that ends, kill -9 included.
 """
 import json
+import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: msvcrt's byte-range locks instead
+    fcntl = None
+    import msvcrt
 
 from nvchat import paths
 
@@ -70,6 +88,20 @@ _MIGRATIONS: tuple[str, ...] = (
     "ALTER TABLE conversations ADD COLUMN sampling TEXT;",
     # 5: what the user typed in the conversation's prompt box and has not sent.
     "ALTER TABLE conversations ADD COLUMN draft TEXT NOT NULL DEFAULT '';",
+    # 6: branches. Each message's parent (NULL: a first message), and when it was last selected
+    # among its siblings. A linear conversation becomes one branch: each message's parent is the
+    # one before it. No ON DELETE action: a message with replies under it can't be deleted alone.
+    """
+    ALTER TABLE messages ADD COLUMN parent_id INTEGER REFERENCES messages(id);
+    ALTER TABLE messages ADD COLUMN selected_at REAL NOT NULL DEFAULT 0;
+    UPDATE messages SET parent_id = (SELECT MAX(p.id) FROM messages p
+                                     WHERE p.conversation_id = messages.conversation_id AND p.id < messages.id),
+                        selected_at = created_at;
+    CREATE INDEX messages_by_parent ON messages(parent_id);
+    """,
+    # 7: tool calls (JSON, OpenAI's tool_calls entries): an assistant message's calls, or for a
+    # "tool" message the one call whose result it holds.
+    "ALTER TABLE messages ADD COLUMN tool_calls TEXT;",
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -99,6 +131,68 @@ class MessageRow:
     stats: dict | None
     created_at: float
     complete: bool = True
+    parent_id: int | None = None  # the message this one answers or follows; None for a first message
+    selected_at: float = 0.0  # when it was written or last chosen among its siblings
+    tool_calls: list[dict] | None = None
+
+
+class _AfterNewest:
+    def __repr__(self) -> str:
+        return "AFTER_NEWEST"
+
+
+# add_message's default parent: the conversation's newest message.
+AFTER_NEWEST = _AfterNewest()
+
+
+def shown_branch(rows: list[MessageRow]) -> list[MessageRow]:
+    """The branch shown of a conversation's messages: from the first messages down, at each level
+    the child selected last (the later id where two were selected at the same time)."""
+    children: dict[int | None, list[MessageRow]] = {}
+    for row in rows:
+        children.setdefault(row.parent_id, []).append(row)
+    branch, level = [], children.get(None)
+    while level:
+        chosen = max(level, key=lambda r: (r.selected_at, r.id))
+        branch.append(chosen)
+        level = children.get(chosen.id)
+    return branch
+
+
+class WriterLock:
+    """One conversation's writer lock, held until release() or the process ends."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def take(cls, path: Path) -> "WriterLock | None":
+        """The lock on path, or None while another holder has it (another process, or another
+        lock object of this one)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            else:
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError:  # held elsewhere (BlockingIOError on POSIX, PermissionError on Windows)
+            os.close(fd)
+            return None
+        # For the note the other process shows: which process writes here.
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, str(os.getpid()).encode())
+        return cls(path, fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the lock
+            self._fd = None
 
 
 def _conversation_row(row: tuple) -> ConversationRow:
@@ -111,6 +205,31 @@ def _fts_query(text: str) -> str:
     return " ".join('"' + word.replace('"', '""') + '"*' for word in text.split())
 
 
+# How long opening the file waits for another process's write to end (sqlite3.connect's default).
+_BUSY_TIMEOUT_S = 5.0
+
+
+def _is_busy(error: sqlite3.DatabaseError) -> bool:
+    return getattr(error, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
+def _switch_to_wal(db: sqlite3.Connection) -> None:
+    """Puts the file in WAL mode. The switch needs the file to itself, and SQLite answers "database
+    is locked" at once, without its busy timeout, where another connection is opening or migrating
+    the file meanwhile (two stores opening one schema-5 file at once hit it once in about 600 tries,
+    and the test of that failed once in 6 runs, on the loaded 2-core box): it is retried until the
+    timeout."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if not _is_busy(e) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
+
+
 class ChatStore:
     def __init__(self, path: Path | None = None):
         self.path = path or paths.database_file()
@@ -121,7 +240,9 @@ class ChatStore:
             self._db = self._open()
         except NewerSchemaError:
             raise
-        except sqlite3.DatabaseError:
+        except sqlite3.DatabaseError as e:
+            if _is_busy(e):  # another process holds the file: it is not damaged
+                raise
             self.moved_aside = self._move_aside()
             self._db = self._open()
 
@@ -129,7 +250,7 @@ class ChatStore:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         try:
             self._check_version(db)  # before WAL mode, which rewrites the header
-            db.execute("PRAGMA journal_mode=WAL")
+            _switch_to_wal(db)
             db.execute("PRAGMA foreign_keys=ON")
             if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 raise sqlite3.DatabaseError("quick_check failed")
@@ -146,12 +267,17 @@ class ChatStore:
                                    f"reads up to {SCHEMA_VERSION}): upgrade nvchat to open it")
 
     def _migrate(self, db: sqlite3.Connection) -> None:
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        for number in range(version + 1, SCHEMA_VERSION + 1):
+        while True:
             # One transaction per step (SQLite's DDL is transactional): a failed step leaves the
-            # file at the version before it.
-            db.execute("BEGIN")
+            # file at the version before it. The version is read inside the step's write
+            # transaction: two processes opening an old file at once take turns, and the second
+            # finds the step done.
+            db.execute("BEGIN IMMEDIATE")
             try:
+                number = db.execute("PRAGMA user_version").fetchone()[0] + 1
+                if number > SCHEMA_VERSION:
+                    db.execute("COMMIT")
+                    return
                 for statement in _statements(_MIGRATIONS[number - 1]):
                     db.execute(statement)
                 db.execute(f"PRAGMA user_version = {number}")
@@ -183,15 +309,23 @@ class ChatStore:
                          "VALUES (?, ?, ?, ?, ?)", (title, model, system_prompt, now, now)).lastrowid
 
     def add_message(self, conversation_id: int, role: str, content: str, stats: dict | None = None,
-                    complete: bool = True) -> int:
+                    complete: bool = True, parent_id: int | None | _AfterNewest = AFTER_NEWEST,
+                    tool_calls: list[dict] | None = None) -> int:
+        """A new message under parent_id (None: a first message), selected among its siblings. By
+        default it follows the conversation's newest message, as every message did before branches
+        (and as the migration to schema 6 links them)."""
         now = time.time()
         with self._lock:
             self._db.execute("BEGIN")
             try:
+                if parent_id is AFTER_NEWEST:
+                    parent_id = self._db.execute("SELECT MAX(id) FROM messages WHERE conversation_id = ?",
+                                                 (conversation_id,)).fetchone()[0]
                 cur = self._db.execute(
-                    "INSERT INTO messages (conversation_id, role, content, stats, created_at, complete) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (conversation_id, role, content, json.dumps(stats) if stats else None, now, int(complete)))
+                    "INSERT INTO messages (conversation_id, role, content, stats, created_at, complete, parent_id, "
+                    "selected_at, tool_calls) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (conversation_id, role, content, json.dumps(stats) if stats else None, now, int(complete),
+                     parent_id, now, json.dumps(tool_calls) if tool_calls else None))
                 self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
                 self._db.execute("COMMIT")
             except BaseException:
@@ -201,13 +335,19 @@ class ChatStore:
             return cur.lastrowid
 
     def update_message(self, message_id: int, content: str, stats: dict | None = None,
-                       complete: bool = False) -> None:
-        """A reply's text so far (complete=False) or its final text and numbers."""
-        self._run("UPDATE messages SET content = ?, stats = ?, complete = ? WHERE id = ?",
-                  (content, json.dumps(stats) if stats else None, int(complete), message_id))
+                       complete: bool = False, tool_calls: list[dict] | None = None) -> None:
+        """A reply's text so far (complete=False) or its final text, numbers and calls."""
+        self._run("UPDATE messages SET content = ?, stats = ?, complete = ?, tool_calls = ? WHERE id = ?",
+                  (content, json.dumps(stats) if stats else None, int(complete),
+                   json.dumps(tool_calls) if tool_calls else None, message_id))
 
     def delete_message(self, message_id: int) -> None:
+        """Only a message nothing follows (sqlite3.IntegrityError otherwise): a failed, empty reply."""
         self._run("DELETE FROM messages WHERE id = ?", (message_id,))
+
+    def select_message(self, message_id: int) -> None:
+        """Makes the message the one shown among its siblings (the branch shown goes through it)."""
+        self._run("UPDATE messages SET selected_at = ? WHERE id = ?", (time.time(), message_id))
 
     def rename(self, conversation_id: int, title: str) -> None:
         self._run("UPDATE conversations SET title = ?, updated_at = ? WHERE id = ?", (title, time.time(), conversation_id))
@@ -239,10 +379,12 @@ class ChatStore:
         return _conversation_row(row)
 
     def load_messages(self, conversation_id: int) -> list[MessageRow]:
-        rows = self._run("SELECT id, role, content, stats, created_at, complete FROM messages "
-                         "WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
-        return [MessageRow(i, role, content, json.loads(stats) if stats else None, t, bool(complete))
-                for i, role, content, stats, t, complete in rows]
+        """Every message of every branch, oldest first (shown_branch() picks the branch shown)."""
+        rows = self._run("SELECT id, role, content, stats, created_at, complete, parent_id, selected_at, tool_calls "
+                         "FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)).fetchall()
+        return [MessageRow(i, role, content, json.loads(stats) if stats else None, t, bool(complete), parent, selected,
+                           json.loads(calls) if calls else None)
+                for i, role, content, stats, t, complete, parent, selected, calls in rows]
 
     def search_conversations(self, text: str) -> list[ConversationRow]:
         """Conversations whose title or any message has every word of text (as word prefixes)."""
@@ -257,6 +399,25 @@ class ChatStore:
 
     def delete_conversation(self, conversation_id: int) -> None:
         self._run("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    # --- one writer per conversation -------------------------------------------------------------
+
+    def _writer_lock_path(self, conversation_id: int) -> Path:
+        directory = self.path.with_name(self.path.name + ".writers")
+        directory.mkdir(exist_ok=True)
+        return directory / f"{conversation_id}.lock"
+
+    def lock_for_writing(self, conversation_id: int) -> WriterLock | None:
+        """The conversation's writer lock, or None while another process (or another lock of this
+        one) holds it: then the conversation is read-only here."""
+        return WriterLock.take(self._writer_lock_path(conversation_id))
+
+    def writer_pid(self, conversation_id: int) -> int | None:
+        """The process that last took the conversation's writer lock, where it says."""
+        try:
+            return int(self._writer_lock_path(conversation_id).read_text() or 0) or None
+        except (OSError, ValueError):
+            return None
 
 
 def _statements(script: str) -> list[str]:

@@ -158,14 +158,15 @@ def _split_experts(state_dict):
             yield name, tensor
 
 
-def write_tokenizer_gguf(path, tokenizer: str = "llama"):
-    """A GGUF file with a tiny llama's metadata and a tokenizer but no tensors: enough to load the
-    tokenizer from, in a fraction of the time a model takes to build."""
+def write_tokenizer_gguf(path, tokenizer: str = "llama", arch: str = "llama"):
+    """A GGUF file with a tiny model's metadata and a tokenizer but no tensors: enough to load the
+    tokenizer from, in a fraction of the time a model takes to build. transformers picks its
+    tokenizer class by the architecture (Qwen2Tokenizer for qwen2 and qwen3)."""
     import gguf
     import transformers
     config = transformers.LlamaConfig(**SHAPE, vocab_size=len(tokenizer_tokens(tokenizer)))
-    w = gguf.GGUFWriter(str(path), "llama")
-    _add_metadata(w, "llama", config, tokenizer)
+    w = gguf.GGUFWriter(str(path), arch)
+    _add_metadata(w, arch, config, tokenizer)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -59,7 +59,8 @@ def remote():
 def test_the_protocol_declares_what_the_app_and_server_use():
     data, methods = protocol_members()
     assert data == {"fatal_error", "capabilities"}
-    assert methods == {"start", "shutdown", "__enter__", "__exit__", "submit", "tokenize_chat", "stats"}
+    assert methods == {"start", "shutdown", "__enter__", "__exit__", "submit", "submit_n", "tokenize_chat", "tokenize",
+                       "detokenize", "stats"}
 
 
 @pytest.mark.parametrize("which", ["engine", "remote"])
@@ -91,6 +92,8 @@ def test_the_local_engine_tokenizes_and_shows_its_blocks(engine):
     assert isinstance(engine.stats(), EngineSnapshot)
     ids = engine.tokenize_chat([{"role": "user", "content": "Hi"}])
     assert ids and all(isinstance(t, int) for t in ids)
+    assert engine.detokenize(ids).endswith("<|im_start|>assistant\n")
+    assert engine.detokenize(engine.tokenize("Hi there")) == "Hi there"
 
 
 def test_a_remote_backend_says_it_can_neither_tokenize_nor_show_blocks(remote):
@@ -99,3 +102,7 @@ def test_a_remote_backend_says_it_can_neither_tokenize_nor_show_blocks(remote):
     assert remote.stats() is None
     with pytest.raises(RuntimeError, match="tokenizes its prompts itself"):
         remote.tokenize_chat([{"role": "user", "content": "Hi"}])
+    with pytest.raises(RuntimeError, match="tokenizes its prompts itself"):
+        remote.tokenize("Hi")
+    with pytest.raises(RuntimeError, match="not reachable"):
+        remote.detokenize([1, 2])

@@ -19,7 +19,7 @@ def attach_decode_feed(llm: LLM, buckets=(1, 2, 4, 8)) -> DecodeGraphs:
     runner.decode_graphs = DecodeGraphs(
         runner.model, buckets=list(buckets), max_blocks_per_seq=-(-config.max_model_len // runner.block_size),
         hidden_size=config.hf_config.hidden_size, sampled=runner.sampled, device=runner.device, dtype=config.dtype,
-        sample=True)
+        sample=True, vocab_size=config.hf_config.vocab_size)
     return runner.decode_graphs
 
 
@@ -104,7 +104,7 @@ def test_sampled_rows_stay_within_top_k():
     vocab, rows = 50, 4
     graphs = DecodeGraphs(_Logits(vocab), buckets=[rows], max_blocks_per_seq=1, hidden_size=vocab,
                           sampled=torch.zeros(rows, dtype=torch.int64), device=torch.device("cpu"),
-                          dtype=torch.float32, sample=True)
+                          dtype=torch.float32, sample=True, vocab_size=vocab)
     params = [SamplingParams(temperature=1.5, top_k=k) for k in (1, 3, 5, 10)]
     plan = _decode_plan(rows, params)
     draws = set()
@@ -123,7 +123,7 @@ def test_the_staged_bytes_read_back_as_the_plan():
     rows, bucket, width = 3, 4, 5
     graphs = DecodeGraphs(_Logits(8), buckets=[bucket], max_blocks_per_seq=width, hidden_size=8,
                           sampled=torch.zeros(bucket, dtype=torch.int64), device=torch.device("cpu"),
-                          dtype=torch.float32, sample=True)
+                          dtype=torch.float32, sample=True, vocab_size=8)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_p=0.9),
               SamplingParams(temperature=0.7, top_k=4)]
     plan = _decode_plan(rows, params)

@@ -25,10 +25,9 @@ def tokenizer(request, demo_model_path, tmp_path_factory):
     if request.param == "demo":
         tokenizer = load_tokenizer(demo_model_path)
     elif request.param == "sentencepiece":
-        from engine.checkpoints.gguf import GGUFCheckpoint
         from tests.gguf_files import write_tokenizer_gguf
         path = write_tokenizer_gguf(tmp_path_factory.mktemp("spm") / "tiny-spm.gguf")
-        tokenizer = GGUFCheckpoint(path).load_tokenizer(cache_dir=path.parent / "cache")
+        tokenizer = load_tokenizer(path, cache_dir=path.parent / "cache")
     else:
         gguf = bundled_gguf()
         if gguf is None:

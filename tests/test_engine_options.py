@@ -18,6 +18,7 @@ PARSERS = {"nvchat": cli.build_parser, "nvchat serve": serve.build_parser}
 @pytest.fixture(autouse=True)
 def config_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # not the user's config.toml
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nor the user's KV blocks on disk
 
 
 def another_value(option, current):
@@ -83,14 +84,16 @@ def test_a_config_file_of_the_old_flat_keys_still_loads():
     settings = load_settings()
     assert settings.engine_options() == EngineOptions(
         device="cpu", dtype="bfloat16", quantization="int8", tensor_parallel_size=2, max_model_len=2048,
-        max_num_seqs=16, gpu_memory_utilization=0.5, enforce_eager=True, max_prefill_chunk=128)
+        max_num_seqs=16, gpu_memory_utilization=0.5, enforce_eager=True, max_prefill_chunk=128,
+        disk_cache_dir=str(paths.kv_cache_dir()))
     assert (settings.model, settings.temperature, settings.keys) == ("demo", 0.2, {"new_tab": "ctrl+n"})
 
 
-def test_the_app_departs_from_the_engines_defaults_in_three_options_only():
+def test_the_app_departs_from_the_engines_defaults_in_four_options_only():
     engine, app = EngineOptions(), Settings().engine_options()
     differ = {name: getattr(app, name) for name in OPTION_NAMES if getattr(app, name) != getattr(engine, name)}
-    assert differ == {"max_num_seqs": 64, "quantization": "auto", "max_prefill_chunk": 64}
+    assert differ == {"max_num_seqs": 64, "quantization": "auto", "max_prefill_chunk": 64,
+                      "disk_cache_dir": str(paths.kv_cache_dir())}
 
 
 def test_a_bad_option_in_config_toml_names_the_file_and_the_value():

@@ -28,7 +28,7 @@ from tests.kernel_checks import (  # noqa: E402,F401
     seed,
 )
 
-if type(fp8._fp8_gemv_kernel).__name__ != "InterpretedFunction":
+if type(fp8._fp8_gemv_one_kernel).__name__ != "InterpretedFunction":
     if torch.cuda.is_available() or os.environ["TRITON_INTERPRET"] != "1":
         pytest.skip("the GPU runs tests/gpu/test_moe_fp8_gpu.py", allow_module_level=True)
     importlib.reload(fp8)  # imported before TRITON_INTERPRET was set: decorate them again
@@ -40,16 +40,47 @@ def weights(N, K, block):
     return fp8_blocks(torch.randn(N, K) / K ** 0.5, block)
 
 
-@pytest.mark.parametrize("M, block, dtype", [(1, (16, 32), F32), (3, (64, 16), BF16), (8, (16, 32), F16),
-                                             (2, (64, 16), F32)])
-def test_gemv_matches_the_dequantized_product(M, block, dtype, poison):
+# (block_n, block_k) of the one-row kernel: tiles of one run inside a scale block, and of several
+# runs (GROUPS > 1); block_n at 32 is cut to the scale block's 16 rows.
+ONE_ROW = [(8, 16), (4, 64), (32, 128)]
+
+
+@pytest.mark.parametrize("block, dtype", [((16, 32), F32), ((64, 16), BF16), ((16, 32), F16)])
+def test_one_row_gemv_matches_the_dequantized_product(block, dtype, poison):
     N, K = 70, 100  # neither a multiple of either block side
     q, scales = weights(N, K, block)
+    x = torch.randn(1, K).to(dtype)
+    want = round_toward_zero(x.float() @ fp8_dequantized(q, scales, block).T, dtype)
+    for block_n, block_k in ONE_ROW:
+        with poison():
+            y = fp8.fp8_gemv(x, q, scales, block, kernel="one", block_n=block_n, block_k=block_k)
+        assert_close(y, want, dtype)
+
+
+# Triton 3.9's interpreter gets bf16 tl.dot wrong (tests/test_fused_gemv.py): the tensor-core
+# kernel runs here in fp32 and fp16, and in bf16 in tests/gpu/test_moe_fp8_gpu.py.
+@pytest.mark.parametrize("M, block, dtype", [(2, (16, 32), F32), (5, (64, 16), F16), (8, (32, 16), F32)])
+def test_tensor_core_gemv_matches_the_dequantized_product(M, block, dtype, poison):
+    """Runs of 16 and 32 columns, one and several a loop step, 16 and 32 weight rows a program."""
+    N, K = 70, 100
+    q, scales = weights(N, K, block)
     x = torch.randn(M, K).to(dtype)
-    with poison():
-        y = fp8.fp8_gemv(x, q, scales, block, block_n=8)
     want = x.float() @ fp8_dequantized(q, scales, block).T
-    assert_close(y, round_toward_zero(want, dtype), dtype)
+    for block_n, block_k in ((16, 16), (32, 64)):
+        with poison():
+            y = fp8.fp8_gemv(x, q, scales, block, kernel="dot", block_n=block_n, block_k=block_k)
+        assert_close(y, want.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_gemv_default_launch_matches_the_dequantized_product(M, poison):
+    """gemv_launch_config's choice for each row count, at a width that takes several loop steps."""
+    block = (32, 32)
+    q, scales = weights(40, 2600, block)
+    x = torch.randn(M, 2600)
+    with poison():
+        y = fp8.fp8_gemv(x, q, scales, block)
+    assert_close(y, x @ fp8_dequantized(q, scales, block).T, F32)
 
 
 def test_quantize_activations_matches_the_reference(poison):
@@ -127,6 +158,12 @@ def test_bad_input_is_named():
         fp8.fp8_gemv(x, q, scales[:, :1], (16, 32))
     with pytest.raises(ValueError, match="1 to 8 rows"):
         fp8.fp8_gemv(torch.randn(9, 64), q, scales, (16, 32))
+    with pytest.raises(ValueError, match="one-row kernel takes one row"):
+        fp8.fp8_gemv(x, q, scales, (16, 32), kernel="one")
+    with pytest.raises(ValueError, match="power of two"):
+        fp8.fp8_gemv(x, q, scales, (16, 32), block_k=48)
+    with pytest.raises(ValueError, match="at least 16 columns"):
+        fp8.fp8_gemv(x, q, scales, (16, 32), kernel="dot", block_k=8)
     with pytest.raises(ValueError, match="float8_e4m3fn weight"):
         fp8.fp8_gemm(x, q.float(), scales, (16, 32))
     with pytest.raises(TypeError, match="launch knobs"):

@@ -73,6 +73,29 @@ def test_route_takes_the_top_k_of_the_softmax(E, top_k, renormalize, poison):
     torch.testing.assert_close(weights, want_weights)
 
 
+def test_route_gives_rows_with_nan_or_infinite_logits_distinct_experts_in_range(poison):
+    """A CUDA graph's padding rows carry whatever their buffers held: NaN, infinities. Their
+    experts must still index the weights (an id of E crashed the sort with a device-side
+    assert); their weights are NaN, and the other rows are routed as ever."""
+    E, top_k = 128, 8
+    logits = torch.randn(7, E)
+    logits[1] = float("nan")
+    logits[2, 5] = float("nan")
+    logits[3, 7] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, :3] = float("-inf")  # finite elsewhere: an ordinary row
+    logits[6, :20] = float("inf")
+    with poison():
+        weights, ids = fused_moe.route(logits, top_k, True)
+    assert ((ids >= 0) & (ids < E)).all(), ids
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    bad = [1, 2, 3, 4, 6]
+    assert weights[bad].isnan().all()
+    want_weights, want_ids = torch.topk(torch.softmax(logits[[0, 5]], -1), top_k, -1)
+    assert torch.equal(ids[[0, 5]].long(), want_ids)
+    torch.testing.assert_close(weights[[0, 5]], want_weights / want_weights.sum(-1, keepdim=True))
+
+
 @pytest.mark.parametrize("T, dtype", [(1, F32), (5, F16)])
 def test_gemv_path_matches_the_reference(T, dtype, poison):
     check(T, E=6, H=48, inter=40, top_k=2, dtype=dtype, gemv=True, poison=poison)
@@ -111,6 +134,48 @@ def test_fp8_experts_match_the_dequantized_reference(gemv, block, poison):
                                   **(GEMV if gemv else GROUPED))
     want = moe_reference(x, fp8_dequantized(q13, s13, block), fp8_dequantized(q2, s2, block), weights, ids)
     assert_close(out, want, F32)
+
+
+@pytest.mark.parametrize("gemv, T, E", [(True, 6, 128), (False, 20, 32)])
+def test_rows_of_garbage_leave_the_other_rows_alone(gemv, T, E, poison):
+    """Rows of which some are NaN or infinite, as a CUDA graph's padding rows can be, routed to 8
+    experts through a router and route(): the step runs (the sort's scatter raised on an expert id
+    of E), and every finite row is exact. (Fewer experts on the grouped path: the interpreter
+    takes ~0.1 s a program.)"""
+    H, inter, top_k = 32, 16, 8
+    x = torch.randn(T, H)
+    x[1] = float("nan")
+    x[T - 2, 3] = float("inf")
+    router = torch.randn(E, H)
+    w13, w2 = experts(E, H, inter, F32)
+    weights, ids = fused_moe.route(x @ router.T, top_k, True)
+    with poison():
+        out = fused_moe.fused_moe(x, w13, w2, weights, ids, gemv=gemv, **(GEMV if gemv else GROUPED))
+    good = [t for t in range(T) if t not in (1, T - 2)]
+    assert_close(out[good], moe_reference(x[good], w13, w2, weights[good], ids[good]), F32)
+
+
+def test_align_by_expert_at_128_experts_top_8_and_thousands_of_tokens():
+    """The sort at Qwen3-30B-A3B's routing and a prefill's token count, spread and skewed (every
+    token on the same 8 experts, as the warmup's identical tokens route): every pair once, each
+    block one expert's, nothing indexed past the capacity (CPU indexing raises where the GPU's
+    asserts)."""
+    T, E, top_k = 4096, 128, 8
+    spread = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)]).int()
+    skewed = (torch.arange(top_k, dtype=torch.int32) + 60).repeat(T, 1)
+    for ids in (spread, skewed):
+        pairs = T * top_k
+        block_m = fused_moe.grouped_block_m(pairs, E)
+        sorted_ids, block_expert, filled = fused_moe.align_by_expert(ids, E, block_m)
+        filled = int(filled)
+        assert filled <= sorted_ids.shape[0] == fused_moe.sorted_capacity(pairs, E, block_m)
+        real = sorted_ids[sorted_ids < pairs].long()
+        assert torch.equal(real.sort().values, torch.arange(pairs))
+        blocks = sorted_ids[:filled].view(-1, block_m).long()
+        experts_of = torch.where(blocks < pairs, ids.flatten().long()[blocks.clamp(max=pairs - 1)], -1)
+        owner = block_expert[:filled // block_m].long()
+        assert ((experts_of == owner[:, None]) | (experts_of == -1)).all()
+        assert ((owner >= 0) & (owner < E)).all() and (block_expert[filled // block_m:] == E).all()
 
 
 @pytest.mark.parametrize("block_m", [4, 16])

@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoints.errors import ModelError
+from engine.checkpoints.gguf import SUPPORTED_TYPES
 from tests.conftest import random_prompts
 from tests.gguf_files import (
     CHAT_TEMPLATE,
@@ -57,20 +58,23 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tiny_llama_gguf):
 
 
 def test_the_tokenizer_is_cached_for_later_starts(tiny_llama_gguf, cache_dir):
-    from engine.checkpoints.gguf import GGUFCheckpoint
-    checkpoint = GGUFCheckpoint(tiny_llama_gguf)
-    built = checkpoint.load_tokenizer()
+    """The first start builds the tokenizer through transformers; later ones read nvchat's copy
+    without it (ChatTokenizer), and a damaged copy is built again."""
+    from engine.text.chat_tokenizer import ChatTokenizer
+    from engine.text.tokenizer import load_tokenizer
+    built = load_tokenizer(tiny_llama_gguf)
     [entry] = (cache_dir / "gguf-tokenizers").iterdir()
-    cached = checkpoint.load_tokenizer()
+    cached = load_tokenizer(tiny_llama_gguf)
+    assert isinstance(cached, ChatTokenizer) and not isinstance(built, ChatTokenizer)
     assert cached.chat_template == built.chat_template and cached.eos_token_id == built.eos_token_id
     text = "<|im_start|>user\nthe in an<|im_end|>"
     assert cached.encode(text) == built.encode(text)
     (entry / "chat_template.jinja").write_text("marked")  # later starts read the cached copy...
-    assert checkpoint.load_tokenizer().chat_template == "marked"
+    assert load_tokenizer(tiny_llama_gguf).chat_template == "marked"
     (entry / "tokenizer.json").write_text("not json")  # ...and a damaged one is built again
-    rebuilt = checkpoint.load_tokenizer()
+    rebuilt = load_tokenizer(tiny_llama_gguf)
     assert rebuilt.encode(text) == built.encode(text) and rebuilt.chat_template == CHAT_TEMPLATE
-    assert checkpoint.load_tokenizer().chat_template == CHAT_TEMPLATE
+    assert load_tokenizer(tiny_llama_gguf).chat_template == CHAT_TEMPLATE
 
 
 def test_the_metadata_is_read_once_then_from_the_cache(tiny_llama_gguf, cache_dir, monkeypatch):
@@ -142,3 +146,19 @@ def test_unsupported_architecture_is_named(tmp_path):
     _write_metadata_only(path, "gemma", [("token_embd.weight", np.zeros((8, 64), np.float32), None)])
     with pytest.raises(ModelError, match="unsupported GGUF architecture 'gemma'; nvchat runs llama, qwen2, qwen3"):
         LLM(str(path), device="cpu")
+
+
+@pytest.mark.parametrize("type_name", sorted(set(SUPPORTED_TYPES) - {"F32", "F16"}))
+def test_quantized_tensors_dequantize_to_the_same_floats_as_the_gguf_package(type_name):
+    """Random bytes as a tensor of each quantized type, more rows than one dequantizing call takes:
+    the engine's chunked dequantization gives gguf.quants.dequantize's floats bit for bit."""
+    import gguf
+
+    from engine.checkpoints.gguf import _DEQUANTIZE_ROWS, _dequantize
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows = _DEQUANTIZE_ROWS + 37
+    raw = np.random.default_rng().integers(0, 256, (rows, 2 * block_bytes), dtype=np.uint8)
+    ours = _dequantize(raw, qtype)
+    assert ours.shape == (rows, 2 * block)
+    assert np.array_equal(ours, gguf.quants.dequantize(raw, qtype).reshape(ours.shape), equal_nan=True)

@@ -9,8 +9,8 @@ import pytest
 
 from engine import LLM, EngineThread, SamplingParams
 from engine.checkpoints.demo_model import default_cache_dir
-from engine.checkpoints.gguf import GGUFCheckpoint
 from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import load_tokenizer
 from tests.conftest import random_prompts
 from tests.gguf_files import (
     SPM_CHAT_TEMPLATE,
@@ -65,7 +65,7 @@ def test_encode_and_decode_match_hf(engine, spm_gguf, hf_tokenizer):
     """The tokenizer the engine built, and the copy it cached for later starts, against HF's."""
     llm = engine.llm
     assert llm.eos_ids == {hf_tokenizer.eos_token_id}
-    cached = GGUFCheckpoint(spm_gguf).load_tokenizer()
+    cached = load_tokenizer(spm_gguf)
     assert list((default_cache_dir() / "gguf-tokenizers").iterdir())  # what the LLM's start left there
     rng = random.Random(0)
     for tokenizer in (llm.tokenizer, cached):

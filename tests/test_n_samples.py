@@ -94,3 +94,15 @@ def test_engine_thread_streams_each_sample_and_aborts_one_alone(tiny_qwen3):
     assert streams[1].finish_reason == "abort"
     for s in (streams[0], streams[2]):
         assert s.finish_reason == "length" and len(s.token_ids) == 40 and len(s.logprobs) == 40
+
+
+def test_each_samples_stream_reports_the_prompt_tokens_it_took_from_the_cache(tiny_qwen3):
+    with EngineThread(tiny_qwen3, device="cpu", kvcache_block_size=16) as engine:
+        before = engine.stats()
+        streams = engine.submit_n(PROMPT, SamplingParams(temperature=1.0, n=3, seed=2, max_tokens=4, ignore_eos=True))
+        for stream in streams:
+            stream.wait()
+        after = engine.stats()
+    # The first computed the prompt; each fork found its two full blocks cached, as the engine counts.
+    assert [s.num_cached_tokens for s in streams] == [0, 32, 32]
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == sum(s.num_cached_tokens for s in streams)

@@ -1,22 +1,25 @@
 """The remote backend (`--backend URL`) against a real `nvchat serve` app on a socket: streams,
-abort, connection and HTTP errors, the REPL's /stats, and pipe mode in a subprocess."""
+abort, connection and HTTP errors, the REPL's /stats, and pipe mode in a subprocess; and against a
+stand-in for llama.cpp's servers (tests/one_slot_server.py): no usage reported, one request at a time."""
 import json
 import os
 import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from engine import EngineThread, SamplingParams
-from nvchat.remote_backend import RemoteBackend
+from engine.text.tool_calls import Tools
+from nvchat.remote_backend import ENDED_BY_ANOTHER_REQUEST, ENDED_EARLY, RemoteBackend
 from nvchat.server.app import ServerState, create_app
 from nvchat.settings import Settings
 from nvchat.slash_table import NO_BLOCK_STATS
+from tests.one_slot_server import MODEL, REPLY, OneSlotServer
 from tests.serving import serving
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT = [{"role": "user", "content": "Hello there"}]
@@ -71,10 +74,8 @@ def test_abort_ends_the_stream_and_frees_the_servers_blocks(backend, engine):
     assert first.text
     stream.abort()
     assert stream.wait(30) and stream.finish_reason == "abort"
-    deadline = time.monotonic() + 30
-    while engine.stats().num_used_blocks or engine.stats().num_running:
-        assert time.monotonic() < deadline, "the server kept the aborted request"
-        time.sleep(0.02)
+    wait_until(lambda: not (engine.stats().num_used_blocks or engine.stats().num_running), 30,
+               "the server to drop the aborted request")
     assert stream.num_completion_tokens < 400
 
 
@@ -223,3 +224,152 @@ def test_a_server_gone_mid_reply_keeps_the_text_and_says_what_happened():
         # It was reached: "could not reach" would send the user looking at the wrong thing.
         assert "could not reach" not in stream.error
         assert stream.error.startswith(f"the connection to {url} broke mid-reply")
+
+
+def test_what_a_server_does_not_report_is_unknown_not_zero():
+    from nvchat.app.message_view import footer_text
+    from nvchat.conversation import reply_stats
+    from nvchat.slash_table import format_stats
+    server = OneSlotServer(held=False)
+    with serving(server.app) as url, RemoteBackend(url) as backend:
+        stream = backend.submit(CHAT)
+        assert stream.wait(30) and stream.finish_reason == "stop" and stream.text == "".join(REPLY)
+    assert stream.num_prompt_tokens is None and stream.num_cached_tokens is None
+    stats = reply_stats(stream)
+    assert stats["prompt_tokens"] is None and stats["cached_tokens"] is None
+    assert stats["tokens"] == len(REPLY)  # one a chunk, as the server streamed them
+    assert "prompt size unknown" in footer_text(stats) and "prompt 0" not in footer_text(stats)
+    assert "prompt size unknown" in format_stats(None, stream)
+    assert "0 from the prefix cache" not in format_stats(None, stream)
+
+
+def test_a_reported_prompt_without_cached_tokens_leaves_the_cache_unknown(backend):
+    from nvchat.app.message_view import footer_text
+    from nvchat.conversation import reply_stats
+    stream = backend.submit(CHAT, SamplingParams(max_tokens=4))
+    assert stream.wait(60) and stream.num_prompt_tokens > 0 and stream.num_cached_tokens is not None
+    stream._set_usage({"prompt_tokens": 12, "completion_tokens": 4})  # as a server with no prompt_tokens_details
+    assert stream.num_cached_tokens is None
+    assert "prompt 12 (cached unknown)" in footer_text(reply_stats(stream))
+
+
+def test_a_server_that_ends_a_stream_for_the_next_request_is_found_and_then_queued():
+    server = OneSlotServer(owned_by="me")
+    with serving(server.app) as url, RemoteBackend(url) as backend:
+        assert backend.model_name == MODEL and not backend.capabilities.one_request_at_a_time
+        first = backend.submit(CHAT)
+        wait_until(lambda: first.text, 30, "the first reply's first chunk")
+        second = backend.submit(CHAT)
+        assert first.wait(30) and first.finish_reason == "error"
+        assert first.error == ENDED_BY_ANOTHER_REQUEST and first.text == REPLY[0]  # its text is kept
+        assert backend.capabilities.one_request_at_a_time
+        server.release()
+        assert second.wait(30) and second.finish_reason == "stop"
+        # From now on tabs' requests wait for each other: none is cut off by the next.
+        streams = [backend.submit(CHAT) for _ in range(3)]
+        for stream in streams:
+            assert stream.wait(30) and (stream.finish_reason, stream.text) == ("stop", "".join(REPLY))
+        assert server.interrupted == 1 and server.requests == 5
+
+
+def test_llama_servers_models_answer_queues_requests_from_the_start():
+    server = OneSlotServer(owned_by="llamacpp", held=False)
+    with serving(server.app) as url, RemoteBackend(url) as backend:
+        assert backend.capabilities.one_request_at_a_time
+        streams = [backend.submit(CHAT) for _ in range(4)]
+        for stream in streams:
+            assert stream.wait(30) and (stream.finish_reason, stream.text) == ("stop", "".join(REPLY))
+        assert server.interrupted == 0 and server.most_at_once == 1
+
+
+def test_a_stream_ended_without_a_finish_reason_says_so():
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def chat(request):
+        async def events():
+            yield 'data: {"choices":[{"index":0,"delta":{"content":"Half"},"finish_reason":null}]}\n\n'
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    with serving(app) as url, RemoteBackend(url, model="m") as backend:
+        stream = backend.submit(CHAT)
+        assert stream.wait(30) and (stream.finish_reason, stream.error, stream.text) == ("error", ENDED_EARLY, "Half")
+        assert not backend.capabilities.one_request_at_a_time
+
+
+def test_pipe_mode_names_the_servers_model_and_prints_unknown_usage_as_null():
+    server = OneSlotServer(held=False)
+    with serving(server.app) as url:
+        done = _pipe(url, "--json")
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout)
+    assert reply["model"] == MODEL and reply["text"] == "".join(REPLY)
+    assert reply["prompt_tokens"] is None and reply["cached_tokens"] is None
+
+
+
+
+
+
+def test_n_replies_are_requests_sent_at_once_each_with_the_seed_the_engine_gives_that_sample(backend, engine):
+    params = SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=9, n=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="submit_n"):
+        backend.submit(CHAT, params)
+    streams = backend.submit_n(CHAT, params)
+    local = engine.submit_n(CHAT, params)
+    for stream in (*streams, *local):
+        stream.wait()
+    assert [s.sample_index for s in streams] == [0, 1, 2]
+    assert [s.text for s in streams] == [s.text for s in local] and len({s.text for s in streams}) == 3
+    assert all(s.finish_reason == "length" for s in streams)
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _tool_calling_app(bodies: list):
+    """A stand-in for OpenAI's API streaming two tool calls as it does: per call an index, the id
+    and name in its first piece, then its arguments' text in parts."""
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    pieces = [
+        {"content": "Checking."},
+        {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                         "function": {"name": "get_weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]},
+        {"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    ]
+
+    async def chat(request):
+        bodies.append(await request.json())
+
+        def events():
+            for delta in pieces:
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta, 'finish_reason': None}]})}\n\n"
+            yield 'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}\n\n'
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def test_tools_go_to_the_server_and_its_streamed_calls_come_back_whole():
+    bodies = []
+    tools = Tools([WEATHER_TOOL], choice="required", parallel=False)
+    with serving(_tool_calling_app(bodies)) as url, RemoteBackend(url, model="m") as backend:
+        stream = backend.submit(CHAT, SamplingParams(max_tokens=50), tools=tools)
+        assert stream.wait(30)
+        deltas = stream.drain()
+    assert bodies[0]["tools"] == [WEATHER_TOOL] and bodies[0]["tool_choice"] == "required"
+    assert bodies[0]["parallel_tool_calls"] is False
+    assert (stream.text, stream.finish_reason) == ("Checking.", "tool_calls")
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in stream.tool_calls] == [
+        ("call_a", "get_weather", {"city": "Oslo"}), ("call_b", "get_weather", {"city": "Rome"})]
+    assert deltas.tool_calls == stream.tool_calls

@@ -153,7 +153,8 @@ def test_ctrl_c_stops_the_reply(drive):
     stream = d.repl.last_stream
     assert stream.finish_reason == "abort", f"the reply ended by itself ({stream.finish_reason}) before Ctrl-C"
     assert stream.num_completion_tokens < 2000
-    assert f"[stopped after {stream.num_completion_tokens} tokens]" in d.out.text
+    # Written once the reply is stored, so after the message count above.
+    d.wait_for(lambda: f"[stopped after {stream.num_completion_tokens} tokens]" in d.out.text, "the stop's footer")
     assert d.out.text[mark:].startswith(stream.text)
     stored = d.store.load_messages(d.repl.conversation.id)
     assert stored[-1].stats["finish_reason"] == "abort" and stored[-1].content == stream.text

@@ -2,7 +2,7 @@ import pytest
 
 from nvchat.conversation import split_thinking
 from nvchat.settings import SettingsError, load_settings, save_setting
-from nvchat.store import ChatStore
+from nvchat.store import ChatStore, shown_branch
 
 
 def test_store_round_trip(tmp_path):
@@ -20,6 +20,20 @@ def test_store_round_trip(tmp_path):
     assert msgs[1].stats == {"tokens": 2, "tokens_per_s": 10.0} and msgs[1].id == mid
     again.delete_conversation(cid)
     assert again.list_conversations() == []
+
+
+def test_a_message_added_without_a_parent_follows_the_newest_and_none_starts_a_branch(tmp_path):
+    store = ChatStore(tmp_path / "c.sqlite3")
+    cid = store.create_conversation("Linear", "", "demo")
+    question = store.add_message(cid, "user", "hello")
+    answer = store.add_message(cid, "assistant", "hi")
+    edited = store.add_message(cid, "user", "hello again", parent_id=None)  # an edit of the first message
+    rows = store.load_messages(cid)
+    assert [r.parent_id for r in rows] == [None, question, None]
+    assert [r.id for r in shown_branch(rows)] == [edited]
+    store.select_message(question)
+    assert [r.id for r in shown_branch(store.load_messages(cid))] == [question, answer]
+    store.close()
 
 
 def test_split_thinking():

@@ -1,9 +1,12 @@
 """The store's file over time: older schemas migrate, unreadable files are moved aside, search."""
+import shutil
 import sqlite3
+import threading
+from pathlib import Path
 
 import pytest
 
-from nvchat.store import _MIGRATIONS, SCHEMA_VERSION, ChatStore, NewerSchemaError
+from nvchat.store import _MIGRATIONS, SCHEMA_VERSION, ChatStore, NewerSchemaError, shown_branch
 
 # The schema nvchat wrote before it kept a version (commit f878054), with its data.
 _UNVERSIONED = """
@@ -110,4 +113,118 @@ def test_a_version_4_database_gains_drafts_and_keeps_its_data(tmp_path):
     assert [c.id for c in again.search_conversations("alpacas")] == [1]
     again.set_draft(1, "")
     assert again.get_conversation(1).draft == ""
+    again.close()
+
+
+# A file written by nvchat's schema-5 store (nvchat/store.py at commit defc967): two conversations,
+# one ending in a reply cut off by a kill, with sampling settings; the other with a draft.
+SCHEMA_5_FILE = Path(__file__).parent / "data" / "conversations-schema-5.sqlite3"
+
+
+def test_a_schema_5_file_becomes_one_branch_per_conversation_and_takes_new_branches(tmp_path):
+    path = tmp_path / "conversations.sqlite3"
+    shutil.copyfile(SCHEMA_5_FILE, path)
+    store = ChatStore(path)
+    assert store.moved_aside is None
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 6
+    llamas, kernels = sorted(c.id for c in store.list_conversations())
+    rows = store.load_messages(llamas)
+    assert [(m.role, m.content, m.complete) for m in rows] == [
+        ("user", "tell me about alpacas", True), ("assistant", "they hum to each other", True),
+        ("user", "and llamas?", True), ("assistant", "llamas spit when", False)]
+    # Each message follows the one before it, and that one line is the branch shown.
+    assert [m.parent_id for m in rows] == [None] + [m.id for m in rows[:-1]]
+    assert shown_branch(rows) == rows
+    assert [m.content for m in shown_branch(store.load_messages(kernels))] == [
+        "how do Triton kernels launch?", "through a grid of programs"]
+    assert store.get_conversation(kernels).draft == "and on the CPU"
+    assert store.get_conversation(llamas).sampling == {"temperature": 0.2}
+
+    # A regenerated reply to the second question: a sibling of the cut-off one, shown; both kept.
+    regenerated = store.add_message(llamas, "assistant", "llamas spit when annoyed", {"tokens": 5},
+                                    parent_id=rows[2].id)
+    store.close()
+    again = ChatStore(path)
+    rows = again.load_messages(llamas)
+    assert [m.content for m in shown_branch(rows)] == [
+        "tell me about alpacas", "they hum to each other", "and llamas?", "llamas spit when annoyed"]
+    assert "llamas spit when" in [m.content for m in rows]
+    # Choosing the old reply again shows it; every branch is searchable.
+    again.select_message(rows[3].id)
+    assert shown_branch(again.load_messages(llamas))[-1].content == "llamas spit when"
+    assert [c.id for c in again.search_conversations("annoyed")] == [llamas]
+    # A message with replies under it can't be deleted alone (nothing is lost by mistake).
+    with pytest.raises(sqlite3.IntegrityError):
+        again.delete_message(rows[2].id)
+    again.delete_message(regenerated)  # a reply nothing follows can
+    assert again._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    again.delete_conversation(llamas)  # the whole tree goes with its conversation
+    assert again.load_messages(llamas) == []
+    again.close()
+
+
+def test_two_stores_opening_an_old_file_at_once_migrate_it_once(tmp_path):
+    path = tmp_path / "conversations.sqlite3"
+    shutil.copyfile(SCHEMA_5_FILE, path)
+    opened, errors = [], []
+    go = threading.Barrier(2)
+
+    def open_store():
+        go.wait()
+        try:
+            opened.append(ChatStore(path))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_store) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(opened) == 2
+    for store in opened:
+        assert len(store.load_messages(1)) == 4 and store.moved_aside is None
+        store.close()
+
+
+def test_an_old_file_that_another_process_is_writing_is_waited_for_not_moved_aside(tmp_path):
+    """SQLite refuses the switch to WAL mode at once, without its busy timeout, while another
+    connection writes a file in the old journal mode: that is a busy file, not a damaged one."""
+    path = tmp_path / "conversations.sqlite3"
+    shutil.copyfile(SCHEMA_5_FILE, path)
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    assert writer.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("UPDATE conversations SET title = 'renamed elsewhere' WHERE id = 1")
+    done = threading.Timer(0.3, lambda: writer.execute("COMMIT"))
+    done.start()
+    try:
+        store = ChatStore(path)
+    finally:
+        done.join()
+        writer.close()
+    assert store.moved_aside is None and not list(tmp_path.glob("*.corrupt-*"))
+    assert store.get_conversation(1).title == "renamed elsewhere" and len(store.load_messages(1)) == 4
+    store.close()
+
+
+def test_a_version_5_database_gains_branches_and_tool_calls_and_keeps_its_data(tmp_path):
+    path = tmp_path / "v5.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(_UNVERSIONED)
+    for step in _MIGRATIONS[1:5]:
+        db.executescript(step)
+    db.executescript("PRAGMA user_version = 5;")
+    db.close()
+    store = ChatStore(path)
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 7
+    assert [m.tool_calls for m in store.load_messages(1)] == [None, None]
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    reply = store.add_message(1, "assistant", "", complete=False)
+    store.update_message(reply, "", {"tokens": 9}, complete=True, tool_calls=[call])
+    store.add_message(1, "tool", "Oslo: sunny", tool_calls=[call])
+    store.close()
+    again = ChatStore(path)
+    assert [(m.role, m.tool_calls) for m in again.load_messages(1)][2:] == [("assistant", [call]), ("tool", [call])]
+    assert [c.id for c in again.search_conversations("sunny")] == [1]  # a tool's result is searched too
     again.close()

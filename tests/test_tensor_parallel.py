@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from engine import LLM, EngineThread, SamplingParams
 from engine.runner.tp_runner import WorkerError
 from tests.conftest import hf_greedy, random_prompts, save_tiny_hf_model
 from tests.test_async_scheduling import completions, record_plans, run
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -57,14 +57,6 @@ def _running(pid: int) -> bool:
 
 def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def _wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.02)
 
 
 @contextlib.contextmanager
@@ -185,7 +177,7 @@ def kill_worker_mid_decode(llm: LLM, pid: int, seq, timeout: float) -> WorkerErr
 
     stepper = threading.Thread(target=run, daemon=True)
     stepper.start()
-    _wait_until(lambda: seq.num_completion_tokens >= 3 or not stepper.is_alive(), timeout, "decoding to start")
+    wait_until(lambda: seq.num_completion_tokens >= 3 or not stepper.is_alive(), timeout, "decoding to start")
     os.kill(pid, signal.SIGKILL)
     stepper.join(timeout=timeout)
     assert not stepper.is_alive(), "the caller hung after its worker died"
@@ -251,7 +243,7 @@ def test_workers_end_with_their_parent(tiny_qwen3, how):
         if how == "killed":
             os.kill(parent.pid, signal.SIGKILL)
         assert parent.wait(timeout=60) == (-signal.SIGKILL if how == "killed" else 0)
-        _wait_until(lambda: not any(_running(pid) for pid in pids), 10, "the workers to exit")
+        wait_until(lambda: not any(_running(pid) for pid in pids), 10, "the workers to exit")
     finally:
         parent.kill()
         parent.wait()
@@ -265,7 +257,7 @@ def test_engine_thread_reports_a_dead_worker_and_stays_responsive(tiny_qwen3):
             [pid] = engine.llm.runner.worker_pids
             stream = engine.submit(random_prompts([8])[0], SamplingParams(temperature=0, max_tokens=900,
                                                                           ignore_eos=True))
-            _wait_until(lambda: stream.num_completion_tokens >= 3 or stream.finished, 30, "decoding to start")
+            wait_until(lambda: stream.num_completion_tokens >= 3 or stream.finished, 30, "decoding to start")
             os.kill(pid, signal.SIGKILL)
             assert stream.wait(30), "the stream hung after its worker died"
             assert stream.finish_reason == "error" and f"pid {pid}" in stream.error

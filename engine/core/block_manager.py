@@ -49,6 +49,9 @@ class BlockManager:
         self.states = bytearray(num_blocks)
         # Blocks hashed by register_scheduled for the step not yet launched.
         self._unlaunched: list[int] = []
+        # The KV cache's lower tiers (engine/core/kv_tiers.py), told of every cached block about to
+        # be reused; None when they are off.
+        self.tiers = None
 
     def _update_state(self, block: Block) -> None:
         if block.ref_count == 0:
@@ -192,6 +195,8 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
+        if self.tiers is not None:
+            self.tiers.evicting(block)
         if block.hash is not None:
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
@@ -212,3 +217,38 @@ class BlockManager:
             self._update_state(block)
         seq.block_table = array("i")
         seq.num_committed_blocks = 0
+
+    # --- blocks restored from the lower tiers (engine/core/kv_tiers.py) ------------------------------
+
+    def hash_of(self, seq: Sequence, i: int) -> int:
+        """The chained hash of seq's full block i."""
+        return self._hashes_up_to(seq, i + 1)[i]
+
+    def allocate_restored(self, seq: Sequence, hits: list[int | None], num_tokens: int) -> list[int]:
+        """allocate(), where a None among hits is a block a lower tier holds: it gets a fresh block,
+        registered under seq's hash for it at once (with the step being scheduled, as
+        register_scheduled registers), for the tier to fill with a copy ahead of any step that reads
+        it. Returns the fresh blocks' ids, in order."""
+        assert not seq.block_table
+        for block_id in hits:  # first, so that taking the fresh blocks can't evict a hit
+            if block_id is not None:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free[block_id]
+                block.ref_count += 1
+                self._update_state(block)
+        table, restored = array("i"), []
+        for i, block_id in enumerate(hits):
+            if block_id is None:
+                block_id = self._take_free_block()
+                block = self.blocks[block_id]
+                block.hash = self.hash_of(seq, i)
+                block.token_ids = tuple(seq.block_tokens(i))
+                self.hash_to_block[block.hash] = block_id
+                self._unlaunched.append(block_id)
+                restored.append(block_id)
+            table.append(block_id)
+        seq.block_table = table
+        seq.num_committed_blocks = len(hits)
+        self.grow(seq, num_tokens)
+        return restored

@@ -15,10 +15,15 @@ prompt whose next shared block another prompt's next chunk will compute waits fo
 With the host's work overlapped with the GPU (engine.llm), a step is scheduled while the one
 before it still samples: each sequence that samples there already ends in a pending token, so it
 decodes that token next. A sequence whose pending token is its last by length is not run again.
+
+With the KV cache's lower tiers (engine/core/kv_tiers.py), a prompt's blocks found on the host
+are copied back instead of computed; while other work runs, the prompt waits in `running` for its
+copies to end. One whose blocks are on disk waits at the head of the queue while they are read.
 """
 from collections import deque
 
 from engine.core.block_manager import BlockManager
+from engine.core.kv_tiers import FETCHING, KVTiers
 from engine.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 
@@ -35,8 +40,9 @@ class Scheduler:
     min_chunk = 64
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk: int | None = None):
+                 max_prefill_chunk: int | None = None, tiers: KVTiers | None = None):
         self.blocks = block_manager
+        self.tiers = tiers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
@@ -56,9 +62,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+    def schedule(self, hold_loads: bool = True) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
         """Returns (batch of (sequence, tokens to run)), sequences that can never fit and were
-        finished with reason "length")."""
+        finished with reason "length"). hold_loads=False runs the prompts that wait for copies from
+        a lower tier even when they have not ended (the step then waits for them on the device)."""
         budget = self.max_num_batched_tokens
         # While streams decode, a step that prefills is at most max_prefill_chunk tokens, decode
         # tokens included: the streams' step time stays short, and the step fits the prefill CUDA
@@ -72,11 +79,16 @@ class Scheduler:
         batch: list[tuple[Sequence, int]] = []
         cut_short: list[Sequence] = []
 
-        blocks, running = self.blocks, self.running
+        blocks, running, tiers = self.blocks, self.running, self.tiers
+        awaiting = tiers.awaiting if tiers is not None else None
+        held = tiers.held(running, self.waiting) if awaiting and hold_loads else ()
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             if seq.num_tokens >= seq.max_num_tokens:  # its last token is being sampled: it is done
+                i += 1
+                continue
+            if held and seq in held:  # its blocks are still being copied from a lower tier
                 i += 1
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
@@ -97,6 +109,8 @@ class Scheduler:
                         self._preempt(running.pop())
                     break
                 blocks.grow(seq, seq.num_computed_tokens + n)
+            if awaiting and seq in awaiting:
+                tiers.runs(seq)
             batch.append((seq, n))
             budget -= n
             if n > 1:  # a decode token's block is registered when its token lands (LLM._settle)
@@ -111,10 +125,18 @@ class Scheduler:
             if seq.forks and len(self.running) + self.reserved + 1 + len(seq.forks) > self.max_num_seqs:
                 break
             hits = self.blocks.lookup_prefix(seq)  # never covers the last token, which must run
-            if hits and self._next_block_is_being_prefilled(seq, hits):
+            found = []  # host entries holding the blocks after the hits
+            if tiers is not None:
+                found = tiers.lookup(seq, len(hits))
+                if found is FETCHING:
+                    break  # some of its blocks are being read from disk: it goes first once they are in
+            if hits and not found and self._next_block_is_being_prefilled(seq, hits):
                 break
-            computed = len(hits) * self.blocks.block_size
-            n = min(seq.num_tokens - computed, budget)
+            computed = (len(hits) + len(found)) * self.blocks.block_size
+            # Blocks copied back from a lower tier: while this step has other work, the prompt
+            # waits for its copies instead of the step waiting for them.
+            hold = bool(batch) and tiers is not None and tiers.restores(hits, found)
+            n = 0 if hold else min(seq.num_tokens - computed, budget)
             if n > 1:
                 n = min(n, prefill_budget, self._chunk_after(computed, decoding))
                 if n <= 0:
@@ -122,7 +144,10 @@ class Scheduler:
             if self.blocks.blocks_needed(seq, computed + n, hits) > self.blocks.num_free_blocks:
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, hits, computed + n)
+            if tiers is not None:
+                tiers.admit(seq, hits, found, computed + n, hold=hold, count=seq.num_preemptions == 0)
+            else:
+                self.blocks.allocate(seq, hits, computed + n)
             seq.num_computed_tokens = computed
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = computed
@@ -133,6 +158,8 @@ class Scheduler:
             if seq.forks:
                 seq.forks_reserved = len(seq.forks)
                 self.reserved += seq.forks_reserved
+            if hold:
+                continue
             self._register(seq, n)
             batch.append((seq, n))
             budget -= n
@@ -197,6 +224,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._release_forks(seq)
+        if self.tiers is not None:
+            self.tiers.forget(seq)
         self.blocks.free_blocks_of(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -218,6 +247,8 @@ class Scheduler:
             self._release_forks(seq)
             self.waiting.extend(f for f in seq.forks if not f.is_finished)
             seq.forks = []
+        if self.tiers is not None:
+            self.tiers.forget(seq)
         self.blocks.free_blocks_of(seq)
         seq.drop_pending_tokens()
         seq.status = SequenceStatus.FINISHED

@@ -1,5 +1,6 @@
 """Turns the scheduler's choice for one step into plain lists: which tokens run, where their K/V
-go, which rows get sampled. Plain data, so tensor-parallel workers can be sent the same plan."""
+go, which rows get sampled; and what the KV cache's tiers copy ahead of it (KVTransfers). Plain
+data, so tensor-parallel workers can be sent the same plan."""
 from array import array
 from dataclasses import dataclass, field
 
@@ -12,15 +13,35 @@ class SampleContext:
     """What sampling one row needs beyond its SamplingParams (a row whose params are plain has
     None in StepPlan.sample_contexts)."""
 
-    # The sequence's tokens before the row's input token, for the penalties (None without them).
-    # The input token itself is on the device: the step before may still be sampling it.
-    history: array | None
+    # The tokens the penalties count (None without penalties): the first history_len of them (all
+    # when history_len is None), the sequence's tokens before the row's input token. The input
+    # token itself is on the device: the step before may still be sampling it. plan_step passes
+    # the sequence's own token list, which only grows past history_len, so that a step copies a
+    # history only when something reads it (the eager sampler, or a decode graph's counts being
+    # built for the sequence).
+    tokens: list[int] | array | None
     num_prompt_tokens: int
     # Tokens the row may not sample now: the end-of-sequence ids while min_tokens is not reached.
     banned: tuple[int, ...] = ()
     # Under structured output: the row's token mask is computed from its grammar's state when the
     # step samples (LLM.step), after the token before it has landed.
     constrained: bool = False
+    history_len: int | None = None
+    # The sampled sequence's id: a decode graph keeps its token counts on the device between steps.
+    seq_id: int | None = None
+
+    @property
+    def history(self) -> array | None:
+        """The tokens before the row's input token, or None without penalties."""
+        if self.tokens is None:
+            return None
+        if self.history_len is None:
+            return self.tokens if isinstance(self.tokens, array) else array("q", self.tokens)
+        return array("q", self.tokens[:self.history_len])
+
+    @property
+    def num_history(self) -> int:
+        return len(self.tokens) if self.history_len is None else self.history_len
 
 
 def sample_context(seq: Sequence, end: int, eos_ids: tuple[int, ...]) -> SampleContext | None:
@@ -28,9 +49,9 @@ def sample_context(seq: Sequence, end: int, eos_ids: tuple[int, ...]) -> SampleC
     p = seq.params
     if p.plain:
         return None
-    history = array("q", seq.token_ids[:end - 1]) if p.has_penalties else None
     banned = eos_ids if p.min_tokens and end - seq.num_prompt_tokens < p.min_tokens else ()
-    return SampleContext(history, seq.num_prompt_tokens, banned, p.structured_output is not None)
+    return SampleContext(seq.token_ids if p.has_penalties else None, seq.num_prompt_tokens, banned,
+                         p.structured_output is not None, end - 1, seq.seq_id)
 
 
 @dataclass
@@ -115,3 +136,28 @@ def plan_step(batch: list[tuple[Sequence, int]], block_size: int,
     return StepPlan(input_ids, positions, slots, cu, lens, tables, rows, params, is_decode=total == len(batch),
                     feed_rows=feed_rows, feed_from=feed_from, sample_contexts=contexts,
                     defer_sampling=any(c is not None and c.constrained for c in contexts))
+
+
+@dataclass
+class KVTransfers:
+    """The copies between the KV cache's tiers that go with one step (engine/core/kv_tiers.py
+    decides them, the runner's engine/runner/kv_tiers.py makes them), queued ahead of the step's
+    forward pass. Every rank makes the same copies of its own shard.
+
+    Device <-> host copies run on copy streams of their own on a GPU, each ordered after the work
+    already queued on the device; the waits say where the step must wait for them."""
+
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot): device -> host
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block): host -> device
+    batch: int = 0  # names these loads, so that a later step can wait for them (wait_loads)
+    wait_saves: bool = False  # the step overwrites blocks whose saves may be under way: it waits for them
+    wait_loads: int = 0  # the step reads or overwrites blocks that loads up to this batch fill: it waits for them
+    # Host slot <-> disk, in the background: (host slot, chained hash, token ids) written to a file,
+    # (chained hash, host slot, token ids) read from one (checked against them), and files removed.
+    writes: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    fetches: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    deletes: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads or self.wait_saves or self.wait_loads or self.writes or self.fetches
+                     or self.deletes)

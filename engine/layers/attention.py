@@ -1,4 +1,4 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -18,6 +18,12 @@ class AttentionMetadata:
     # Prefill with the triton backend: the step's work list (kernels.prefill_attention.PrefillWork),
     # planned on the host from the step plan; None plans it inside the kernel call (a sync).
     prefill_work: object | None = None
+    # With the torch backend: where the step's context lies in the cache, worked out once on the
+    # host for every layer (paged_attention_torch.StepContext).
+    context: object | None = None
+    # Each rotary module's cos/sin rows for the step's positions, gathered by the first layer that
+    # needs them (RotaryEmbedding.rows_for_step).
+    rope_rows: dict = field(default_factory=dict)
 
 
 class Attention(nn.Module):
@@ -34,7 +40,7 @@ class Attention(nn.Module):
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        self.backend.store(k, v, self.k_cache, self.v_cache, meta)
         return self.attend(q, meta)
 
     def forward_qkv(self, qkv, positions, rotary, q_norm, k_norm, meta: AttentionMetadata) -> torch.Tensor:
@@ -56,7 +62,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         b = self.backend
         if meta.is_decode:
-            o = b.decode(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
+            o = b.decode(q, self.k_cache, self.v_cache, meta, self.scale)
         else:
             o = b.prefill(q, self.k_cache, self.v_cache, meta, self.scale)
         return o.reshape(-1, self.num_heads * self.head_dim)

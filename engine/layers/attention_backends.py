@@ -9,31 +9,32 @@ from engine.layers import paged_attention_torch as torch_ref
 from engine.options import ATTENTION_BACKENDS
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 class TorchBackend:
-    """Attention in torch ops. Its prefill reads context lengths on the host, so only decode steps
-    run in CUDA graphs, through a variant of each op that reads nothing on the host. That variant
-    gathers a whole table's width of K/V for every row, so its graphs stop at max_graph_rows rows:
-    at 4K context Qwen3-0.6B's layer gathers 16 MiB a row."""
+    """Attention in torch ops. A step the runner prepares carries a StepContext, worked out on the
+    host. Its prefill reads context lengths on the host, so only decode steps run in CUDA graphs,
+    whose metadata has no step context: they take a variant of each op that reads nothing on the
+    host (as does the graph's warmup run before capture). That variant gathers a whole table's
+    width of K/V for every row, so its graphs stop at max_graph_rows rows: at 4K context
+    Qwen3-0.6B's layer gathers 16 MiB a row."""
 
     name = "torch"
     max_graph_rows = 64
 
     def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
-        pass
+        self._dtype = dtype
 
     @staticmethod
     def plan_prefill(q_lens, context_lens, bucket_tokens):
         return None
 
+    def step_context(self, plan, inputs: dict, block_size: int) -> torch_ref.StepContext:
+        return torch_ref.StepContext(plan, inputs["block_tables"], inputs["context_lens"], block_size, self._dtype)
+
     @staticmethod
-    def store_kv(key, value, k_cache, v_cache, slot_mapping):
-        if _capturing(key):
-            return torch_ref.store_kv_in_graph(key, value, k_cache, v_cache, slot_mapping)
-        return torch_ref.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    def store(key, value, k_cache, v_cache, meta) -> None:
+        if meta.context is None:
+            return torch_ref.store_kv_in_graph(key, value, k_cache, v_cache, meta.slot_mapping)
+        return torch_ref.store_step_kv(key, value, k_cache, v_cache, meta)
 
     @staticmethod
     def prefill(q, k_cache, v_cache, meta, scale):
@@ -41,13 +42,26 @@ class TorchBackend:
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, scale)
 
     @staticmethod
-    def decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-        if _capturing(q):
-            return torch_ref.sdpa_decode_attention_in_graph(q, k_cache, v_cache, block_tables, context_lens, scale)
-        return torch_ref.sdpa_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    def decode(q, k_cache, v_cache, meta, scale):
+        if meta.context is None:
+            return torch_ref.sdpa_decode_attention_in_graph(q, k_cache, v_cache, meta.block_tables,
+                                                            meta.context_lens, scale)
+        return torch_ref.sdpa_decode_attention(q, k_cache, v_cache, meta.context, scale)
 
 
-class TritonBackend:
+class _KernelBackend:
+    """What the Triton and flash-attn backends share: no host-side step context, and K/V written
+    by the Triton store kernel."""
+
+    @staticmethod
+    def step_context(plan, inputs: dict, block_size: int) -> None:
+        return None
+
+    def store(self, k, v, k_cache, v_cache, meta) -> None:
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+
+class TritonBackend(_KernelBackend):
     name = "triton"
     max_graph_rows = None  # decode graphs of any size the runner captures
 
@@ -71,8 +85,8 @@ class TritonBackend:
         self._kv_heads = kv_heads
         self._counters = self._decode.split_counters(torch.device(device))
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
-        return self._decode.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        return self._decode.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                                    counters=self._counters)
 
     def decode_from_qkv(self, qkv, positions, cos, sin, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
@@ -107,7 +121,7 @@ class TritonBackend:
                              scale, work=meta.prefill_work)
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(_KernelBackend):
     """flash-attn's paged KV API; its block size must be a multiple of 256. K/V are written with our
     Triton store kernel, since flash-attn reads but does not write the paged cache here."""
 
@@ -122,7 +136,9 @@ class FlashAttnBackend:
         self.store_kv = store_kv
         self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
-    setup = TorchBackend.setup
+    def setup(self, dtype, head_dim, num_heads, kv_heads, device) -> None:
+        pass
+
     plan_prefill = TorchBackend.plan_prefill
 
     def prefill(self, q, k_cache, v_cache, meta, scale):
@@ -131,9 +147,9 @@ class FlashAttnBackend:
                             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=int(meta.context_lens.max()),
                             softmax_scale=scale, causal=True, block_table=meta.block_tables)
 
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
-        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
-                                 block_table=block_tables, softmax_scale=scale, causal=True)
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+                                 block_table=meta.block_tables, softmax_scale=scale, causal=True)
         return out.squeeze(1)
 
 

@@ -36,6 +36,10 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, f
 class _Linear(nn.Module):
     fused = False  # set by the runner with the Triton backend
     quantized = None  # the weight in fewer bits, after quantize (engine/layers/quantized.py)
+    # Set by a model whose every use of this layer's output takes a quantized product's bf16 as it
+    # comes (a residual add that promotes it, RoPE, SiLU-mul, the next quantized product): no cast
+    # to float32 and back around each product.
+    keeps_product_dtype = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int):
         super().__init__()
@@ -92,9 +96,11 @@ class _Linear(nn.Module):
         self.weight = None
 
     def _multiply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quantized is not None or self.scale_block:
-            y = self.quantized(x) if self.quantized is not None else \
-                fp8.linear(x, self.weight, self.weight_scale_inv, self.scale_block)
+        if self.quantized is not None:
+            y = self.quantized.product(x) if self.keeps_product_dtype else self.quantized(x)
+            return y if bias is None else y + bias
+        if self.scale_block:
+            y = fp8.linear(x, self.weight, self.weight_scale_inv, self.scale_block)
             return y if bias is None else y + bias
         return _project(x, self.weight, bias, self.fused)
 

@@ -1,12 +1,17 @@
 """Weight-only quantization for CPU (`LLM(..., quantization="int8" | "int4")`): the projections
-(and the LM head, in int8: CausalLM.quantize) keep their weights in fewer bits and multiply
-through torch's CPU kernels for them, with bf16 activations. A batch-1 decode step is bound by the
-bytes of weight it reads, a quarter (int8) or an eighth (int4) of float32's. The logits move away
-from the float model's by the rounding: not bit-exact against HF.
+(and the LM head, in int8: CausalLM.quantize) keep their weights in fewer bits. A step of a few
+rows (decode) multiplies through torch's CPU kernels for them, with bf16 activations, reading a
+quarter (int8) or an eighth (int4) of float32's bytes. A step of many rows (a prompt) is bound by
+arithmetic instead, where those kernels lose to float32's GEMM (int4 took 1.9x float32's time to a
+1,490-token prompt's first token): there the layer's weight is expanded back to float32, into a
+buffer the next layer reuses, for float32's GEMM. The logits move away from the float model's by
+the rounding: not bit-exact against HF.
 
 - int8: symmetric, one scale per output row.
 - int4: asymmetric, a scale and a minimum per 32 weights of a row, as GGUF's Q4_1 stores them, so
   a Q4_1 file's projections come back on their own grid (up to bf16 rounding of the scales)."""
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -21,26 +26,72 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scales.to(torch.bfloat16)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    # The kernels want 2-D bf16 activations; with float32 ones the int8 kernel is ~5x slower.
-    return x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    # The kernels want 2-D contiguous bf16 activations; with float32 ones the int8 kernel is ~5x
+    # slower and the int4 one needs float32 scales and runs unvectorized.
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    if x.dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    return x if x.is_contiguous() else x.contiguous()
 
 
-class Int8Weight:
-    def __init__(self, weight: torch.Tensor):
-        self.q, self.scales = quantize_rows(weight)
+class _QuantizedWeight:
+    out_features: int
+    # Rows from which a product expands the weight to float32 instead of running the quantized
+    # kernel, whose time grows with the rows while the expansion's is mostly fixed. On the 2-core
+    # box (one thread, SmolLM2's four projections, CPU ms a layer): int4's kernel against its
+    # expansion 6.7 / 12.0 at 32 rows, 19.0 / 18.0 at 96, 26.7 / 20.9 at 128; int8's 7.2 / 7.9 at 32,
+    # 13.3 / 11.0 at 64.
+    expanded_rows: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(_rows(x), self.q, self.scales)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.q.shape[0])
+        """x @ weight.T in x's dtype and shape."""
+        y = self.product(x.reshape(-1, x.shape[-1]))
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ weight.T: with fewer than expanded_rows rows through the quantized kernel,
+        in bf16; with more through the weight expanded to float32, in float32 (or x's dtype, if
+        wider). Callers that keep float32 add its bf16 to theirs, which promotes exactly."""
+        if x.shape[0] < self.expanded_rows:
+            return self.kernel_product(x)
+        weight = self.expanded()
+        return F.linear(x.to(torch.promote_types(x.dtype, weight.dtype)), weight)
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ weight.T through the quantized kernel at any row count, in bf16."""
+        return self._kernel_product(_kernel_rows(x))
 
 
-class Int4Weight:
+class Int8Weight(_QuantizedWeight):
+    expanded_rows = 64
+
+    def __init__(self, weight: torch.Tensor):
+        self.q, self.scales = quantize_rows(weight)
+        self.out_features = self.q.shape[0]
+
+    def _kernel_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.q, self.scales)
+
+    def expanded(self) -> torch.Tensor:
+        """The weight in float32, [out, in], in the shared expansion buffer (see Int4Weight's)."""
+        w = _expansion_buffer(self.q.numel()).view(self.q.shape)
+        return w.copy_(self.q).mul_(self.scales.float()[:, None])
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The weight's rows at index (any shape), in float32: [*index.shape, in]."""
+        return torch.mul(self.q[index], self.scales[index].float().unsqueeze(-1))
+
+
+class Int4Weight(_QuantizedWeight):
+    expanded_rows = 96
+
     def __init__(self, weight: torch.Tensor):
         rows, cols = weight.shape
         if cols % INT4_GROUP:
             raise ValueError(f"int4 needs input features in multiples of {INT4_GROUP}, this layer has {cols}")
-        self.out_features = rows
+        self.out_features, self.in_features = rows, cols
         padded = rows + (-rows % 16)  # the packing kernel takes rows in multiples of 16
         w = F.pad(weight.float(), (0, 0, 0, padded - rows)).view(padded, cols // INT4_GROUP, INT4_GROUP)
         low = w.amin(-1)
@@ -50,9 +101,74 @@ class Int4Weight:
         # The kernel computes (q - 8) * scale + zero: zero is the group's value at q = 8.
         self.scales_and_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(_rows(x), self.packed, INT4_GROUP, self.scales_and_zeros)
-        return y[:, :self.out_features].to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    def _kernel_product(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+    def expanded(self) -> torch.Tensor:
+        """The weight in float32, [out, in], as the kernel sees it: (q - 8) * scale + zero. Written
+        into the shared expansion buffer: valid until the next expansion."""
+        rows = self.packed.shape[0]
+        w = _expansion_buffer(rows * self.in_features).view(rows, -1, INT4_GROUP)
+        w.copy_(unpack_int4(self.packed, rows, self.in_features).view(rows, -1, INT4_GROUP))
+        scales = self.scales_and_zeros.float().permute(1, 0, 2).contiguous()  # [rows, groups, (scale, zero)]
+        scale, zero = scales[..., :1], scales[..., 1:]
+        w.mul_(scale).add_(zero - 8 * scale)
+        return w.view(rows, -1)[:self.out_features]
+
+
+_expansion = torch.empty(0)
+
+
+def _expansion_buffer(numel: int) -> torch.Tensor:
+    """A float32 buffer for one expanded weight, kept from one product to the next: a fresh one
+    for each layer of a prompt cost more in page faults than its arithmetic (7 MB a layer for
+    SmolLM2's MLP; ~5 ms of the ~7 ms an expansion took on the 2-core box)."""
+    global _expansion
+    if _expansion.numel() < numel:
+        _expansion = torch.empty(numel)
+    return _expansion[:numel]
+
+
+@functools.cache
+def _int4_layout() -> tuple[int, bool]:
+    """How this torch build's CPU packing orders a weight's rows, which varies with the CPU's
+    vector width: (rows a block, whether each byte pairs neighbouring rows of a block rather than
+    row i with row i + half the block). Found by unpacking a packed probe every known way."""
+    probe = torch.randint(0, 16, (176, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch._convert_weight_to_int4pack_for_cpu(probe, 1)
+    for layout in ((64, False), (32, False), (32, True)):
+        if torch.equal(_unpack_int4(packed, *probe.shape, *layout), probe.to(torch.uint8)):
+            return layout
+    raise RuntimeError(f"torch {torch.__version__} packs int4 weights in a layout nvchat does not know; "
+                       "use quantization='int8' or 'none'")
+
+
+def unpack_int4(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The 4-bit values [rows, cols] (uint8) of torch._convert_weight_to_int4pack_for_cpu's output."""
+    return _unpack_int4(packed, rows, cols, *_int4_layout())
+
+
+def _unpack_int4(packed: torch.Tensor, rows: int, cols: int, block: int, pairs: bool) -> torch.Tensor:
+    # The packing (aten/src/ATen/native/cpu/int4mm_kernel.cpp) takes rows in blocks of `block`,
+    # stores each block as [cols, block / 2] bytes, two rows' values a byte (low nibble first),
+    # and a last, shorter block always in pairs. The bytes are turned to rows of cols first: a
+    # byte is half the copy of a value.
+    flat = packed.view(-1)
+    full = rows // block * block
+    out = torch.empty(rows, cols, dtype=torch.uint8)
+    for start, size, blocks, paired in ((0, block, rows // block, pairs), (full, rows - full, 1, True)):
+        if blocks == 0 or size == 0:
+            continue
+        count = blocks * size
+        b = flat[start * cols // 2:(start + count) * cols // 2].view(blocks, cols, size // 2).transpose(1, 2)
+        b = b.contiguous()  # [blocks, size / 2, cols]
+        # Row 2i is byte i's low nibble and 2i + 1 its high one, or row i low and i + size / 2 high.
+        rows_of = out[start:start + count].view(blocks, size // 2, 2, cols) if paired else \
+            out[start:start + count].view(blocks, 2, size // 2, cols).transpose(1, 2)
+        torch.bitwise_and(b, 15, out=rows_of[:, :, 0])
+        torch.bitwise_right_shift(b, 4, out=rows_of[:, :, 1])
+    return out
 
 
 def quantize(weight: torch.Tensor, method: str):

@@ -30,7 +30,9 @@ class DecoderAttention(nn.Module):
     # Set by the runner with the Triton backend: q/k norm, RoPE and the K/V store in one kernel.
     fused = False
 
-    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool):
+    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool, rotary: RotaryEmbedding | None = None):
+        """rotary: a module to share with the other layers (its tables are the same for all); by
+        default the layer builds its own."""
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -38,8 +40,7 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=False)
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
+        self.rotary = rotary or rotary_embedding(config, self.head_dim, max_position)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -53,12 +54,21 @@ class DecoderAttention(nn.Module):
         if self.fused:
             o = self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm, meta)
             return self.o_proj(o), residual
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        # qkv may be in a quantized product's bf16 (engine/layers/quantized.py): RoPE's float32 rows
+        # promote q and k back to the cache's dtype, and the store converts v.
+        dtype = self.attn.k_cache.dtype
+        rows = self.rotary.rows_for_step(positions, meta.rope_rows, dtype)
+        heads = self.num_heads
+        # q and k side by side in qkv: one RoPE over both where no norm comes between.
+        q_and_k = qkv[:, :self.q_size + self.kv_size].view(-1, heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            q_and_k = self.rotary.apply(q_and_k, rows)
+            q, k = q_and_k[:, :heads], q_and_k[:, heads:]
+        else:
+            q_and_k = q_and_k.to(dtype)
+            q = self.rotary.apply(self.q_norm(q_and_k[:, :heads]), rows)
+            k = self.rotary.apply(self.k_norm(q_and_k[:, heads:]), rows)
+        v = qkv[:, self.q_size + self.kv_size:]
         return self.o_proj(self.attn(q, k, v, meta)), residual
 
 
@@ -77,11 +87,17 @@ class MLP(nn.Module):
         return self.down_proj(h), residual
 
 
+def rotary_embedding(config, head_dim: int, max_position: int) -> RotaryEmbedding:
+    theta, scaling = rope_settings(config)
+    return RotaryEmbedding(head_dim, max_position, theta, scaling)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool, mlp: nn.Module):
+    def __init__(self, config, max_position: int, qk_norm: bool, bias: bool, mlp: nn.Module,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, max_position, qk_norm, bias)
+        self.self_attn = DecoderAttention(config, max_position, qk_norm, bias, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -96,8 +112,12 @@ class DecoderModel(nn.Module):
         """make_mlp(config, layer index) builds each layer's MLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # One set of cos/sin tables for every layer: gathered once a step, and stored once (42 MB a
+        # layer at head_dim 128 and 40,960 positions).
+        rotary = rotary_embedding(config, head_dim, max_position)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, max_position, qk_norm, bias, make_mlp(config, i))
+            DecoderLayer(config, max_position, qk_norm, bias, make_mlp(config, i), rotary)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -163,15 +183,29 @@ class CausalLM(nn.Module):
 
     def quantize(self, method: str) -> None:
         """Every projection (and expert) to `method`'s weights. With int8 or int4 (CPU,
-        engine/layers/quantized.py) the LM head goes to int8: it stays at 8 bits even for int4, since at
-        4 bits SmolLM2's greedy answer to "What is the capital of France?" lost Paris in its first
-        token; at 8 it matched the float model's. With fp8 (CUDA, engine/layers/fp8.py) the head
-        stays in the model's dtype, as Qwen's FP8 checkpoints keep it."""
+        engine/layers/quantized.py) the LM head goes to int8, or with int4 to int4 where it is tied to
+        the embedding, whose float table then settles each row's leading logits (ParallelLMHead).
+        Before that recompute, a 4-bit head lost SmolLM2's Paris in the answer's first token; an
+        untied head has only its own quantized rows to recompute from, so it keeps 8 bits. With fp8
+        (CUDA, engine/layers/fp8.py) the head stays in the model's dtype, as Qwen's FP8 checkpoints
+        keep it."""
         for module in self.modules():
             if hasattr(module, "quantize") and module is not self and module is not self.lm_head:
                 module.quantize(method)
-        if method != "fp8":
-            self.lm_head.quantize("int8", tied=self.tie_word_embeddings)
+        if method == "fp8":
+            return
+        # A tied head keeps its float table, from which ParallelLMHead recomputes each row's
+        # leading logits: there int4 picks the same greedy tokens and reads half of int8's bytes
+        # (SmolLM2's head, one row: 12.0 ms in int4 against 19.5 in int8, one thread, loaded 2-core box).
+        head_method = "int4" if method == "int4" and self.tie_word_embeddings else "int8"
+        self.lm_head.quantize(head_method, tied=self.tie_word_embeddings)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(mlp) is not MLP:  # a mixture of experts: its products keep their float32
+                continue
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                # Not where a row-parallel sum would add the ranks' bf16 partial sums.
+                proj.keeps_product_dtype = proj.tp_size == 1
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

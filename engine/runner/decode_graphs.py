@@ -11,27 +11,47 @@ torch calls a step and 88% at six (bench_gil_contention, H200). Here a decode st
   step before is still sampling) from the runner's token buffer on the device;
 - on a single GPU a second, small graph per bucket and kind of sampling computes the logits and
   samples into that token buffer;
+- rows with penalties, min_p, logit_bias or min_tokens sample in an "adjusted" kind of that graph,
+  which applies them as the eager Sampler does (SamplingParams' order), from per-row settings staged
+  with the rest and from each sequence's token counts, kept on the device in a slot of their own
+  (_CountSlots): built once when the sequence takes the slot, then one added per sampled token by
+  the graph itself. A step that rebuilt no slot makes no more torch calls than a plain one;
 - the runner then queues the tokens' copy to the host and records an event, and later waits on
   it.
 
 Padding rows (a bucket holds more rows than the step has) write no K/V (slot -1), read one
 cached token, sample greedily, and nothing reads what they produce.
 """
+import math
 from array import array
 
 import torch
 
 from engine.core.step_plan import StepPlan
 from engine.layers.attention import AttentionMetadata
-from engine.runner.sampler import _beyond_top_k, draw
+from engine.runner.sampler import _beyond_top_k, _draw_from, draw
 from engine.runner.step_graphs import capture_graph
 
-# Per-row inputs, in layout order: name, dtype, array typecode, the value of a padding row.
-_FIELDS = (("input_ids", torch.int64, "q", 0), ("positions", torch.int64, "q", 0),
-           ("slot_mapping", torch.int64, "q", -1), ("feed_from", torch.int64, "q", -1),
-           ("context_lens", torch.int32, "i", 1), ("temperatures", torch.float32, "f", 1.0),
-           ("top_p", torch.float32, "f", 1.0), ("top_k", torch.int32, "i", 0), ("greedy", torch.bool, "B", 1))
-SAMPLE_KINDS = ("greedy", "sample", "filter")
+# Tokens a row may have banned at once (min_tokens' end-of-sequence ids) in the adjusted kinds, and
+# logit_bias entries per request; a row with more samples on the runner.
+BAN_WIDTH = 4
+BIAS_WIDTH = 64
+# Per-row inputs, in layout order: name, dtype, array typecode, the value of a padding row (which
+# leaves the logits as they are), values per row. The adjusted kinds read the fields from
+# "repetition" on; "slot" is the row's token-count slot, 0 (all zeros, never written) for a row
+# without penalties or logit_bias. A row's "banned" ids repeat its first one (or are 0 with "ban"
+# off), so that writing them back in one scatter never writes one token twice with different values.
+_FIELDS = (("input_ids", torch.int64, "q", 0, 1), ("positions", torch.int64, "q", 0, 1),
+           ("slot_mapping", torch.int64, "q", -1, 1), ("feed_from", torch.int64, "q", -1, 1),
+           ("context_lens", torch.int32, "i", 1, 1), ("temperatures", torch.float32, "f", 1.0, 1),
+           ("top_p", torch.float32, "f", 1.0, 1), ("top_k", torch.int32, "i", 0, 1), ("greedy", torch.bool, "B", 1, 1),
+           ("repetition", torch.float32, "f", 1.0, 1), ("frequency", torch.float32, "f", 0.0, 1),
+           ("presence", torch.float32, "f", 0.0, 1), ("log_min_p", torch.float32, "f", -math.inf, 1),
+           ("slot", torch.int64, "q", 0, 1), ("banned", torch.int64, "q", 0, BAN_WIDTH), ("ban", torch.bool, "B", 0, 1))
+# What the forward pass and the plain kinds read: a step of those leaves the rest as it was.
+_PLAIN_FIELDS = _FIELDS[:[name for name, *_ in _FIELDS].index("repetition")]
+ADJUSTED = "adjusted_"
+SAMPLE_KINDS = ("greedy", "sample", "filter", ADJUSTED + "greedy", ADJUSTED + "sample", ADJUSTED + "filter")
 _BLOCK_ZERO = bytes(4)
 # Sampling graphs hold their logits and the sort of top-k/top-p in the graph pool for good; past
 # this many rows a step's GPU time dwarfs the host time they save.
@@ -44,6 +64,64 @@ SAMPLE_GRAPH_ROWS = 64
 _RING = 3
 # int32 on the device; any top_k from the vocabulary size up keeps every token.
 _TOP_K_MAX = 2**31 - 1
+
+
+_NO_BANS = array("q", [0]) * BAN_WIDTH
+
+
+def _to_device(values: array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    # Pinned and non-blocking: the copy queues behind the step's forward pass instead of waiting
+    # for it.
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class _CountSlots:
+    """Which sequence's token counts each device slot (1 to `slots`; 0 is the neutral one) holds,
+    and how many of its tokens they count. Slots go to sequences as their rows need them; when all
+    are taken, the one least recently used by a step goes (its sequence, if it comes back, has its
+    counts built again). A step has at most as many rows as slots, so its own rows never lose one."""
+
+    def __init__(self, slots: int):
+        self._free = list(range(slots, 0, -1))
+        self._held: dict[int, list[int]] = {}  # seq_id -> [slot, tokens counted, last step]
+
+    def claim(self, seq_id: int, counted: int | None, step: int) -> tuple[int, bool]:
+        """The sequence's slot, for a row whose counts must cover `counted` tokens (its history and
+        its input token; None: a row without penalties, whose counts nothing reads), and whether
+        the slot must be built first; the row's sampled token makes it one more."""
+        held = self._held.get(seq_id)
+        if held is None:
+            slot = self._free.pop() if self._free else self._evict(step)
+            held = self._held[seq_id] = [slot, -1, step]
+            fresh = True
+        else:
+            fresh = counted is not None and held[1] != counted
+        held[1], held[2] = None if counted is None else counted + 1, step
+        return held[0], fresh
+
+    def _evict(self, step: int) -> int:
+        seq_id = min((s for s, held in self._held.items() if held[2] != step), key=lambda s: self._held[s][2])
+        return self._held.pop(seq_id)[0]
+
+    def follow(self, seq_id: int, counted: int | None) -> int | None:
+        """The sequence's slot when its counts cover exactly `counted` tokens, now one more (a
+        token sampled elsewhere is to be added); else None, the slot given up unless its counts
+        are not read (counted None)."""
+        held = self._held.get(seq_id)
+        if held is None or counted is None:
+            return None
+        if held[1] == counted:
+            held[1] += 1
+            return held[0]
+        del self._held[seq_id]
+        self._free.append(held[0])
+        return None
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
 
 
 def _aligned(n: int) -> int:
@@ -59,26 +137,29 @@ class _Layout:
     def __init__(self, rows: int, width: int):
         self.rows, self.width = rows, width
         self.offsets, at = {}, 0
-        for name, dtype, _, _ in _FIELDS:
+        for name, dtype, _, _, per_row in _FIELDS:
             self.offsets[name] = at
-            at = _aligned(at + rows * dtype.itemsize)
+            at = _aligned(at + rows * per_row * dtype.itemsize)
         self.tables = at
         self.nbytes = at + rows * width * 4
 
     def views(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {name: region[self.offsets[name]:self.offsets[name] + self.rows * dtype.itemsize].view(dtype)
-               for name, dtype, _, _ in _FIELDS}
+        out = {}
+        for name, dtype, _, _, width in _FIELDS:
+            at = self.offsets[name]
+            view = region[at:at + self.rows * width * dtype.itemsize].view(dtype)
+            out[name] = view.view(self.rows, width) if width > 1 else view
         out["block_tables"] = region[self.tables:self.nbytes].view(torch.int32).view(self.rows, self.width)
         return out
 
 
 class DecodeGraphs:
     def __init__(self, model, *, buckets: list[int], max_blocks_per_seq: int, hidden_size: int,
-                 sampled: torch.Tensor, device, dtype, sample: bool):
+                 sampled: torch.Tensor, device, dtype, sample: bool, vocab_size: int):
         """sampled: the runner's token buffer (int64, a row per sequence of the largest step): each
         step's tokens land in it, and the next step's pending input ids come from it. sample:
         capture sampling graphs too (a single GPU: with tensor parallelism the logits are a
-        collective, and the sampling stays with the runner)."""
+        collective, and the sampling stays with the runner). vocab_size: the logits' width."""
         if sampled.shape[0] < buckets[-1]:
             raise ValueError(f"a token buffer of {sampled.shape[0]} rows cannot hold a bucket of {buckets[-1]}")
         self.model = model
@@ -96,7 +177,7 @@ class DecodeGraphs:
         self._copies = {(i, b): (self.region[:layout.nbytes], staging[:layout.nbytes])
                         for i, staging in enumerate(self._staging) for b, layout in self.layouts.items()}
         self._next = 0
-        self._pads = {name: array(code, [pad]) * buckets[-1] for name, _, code, pad in _FIELDS}
+        self._pads = {name: array(code, [pad]) * (buckets[-1] * width) for name, _, code, pad, width in _FIELDS}
         self._cu_seqlens_q = torch.arange(buckets[-1] + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(buckets[-1], hidden_size, dtype=dtype, device=device)
         # Each row's input token as the graph saw it (fed ones included), for the eager sampler's
@@ -108,6 +189,23 @@ class DecodeGraphs:
         self._params_key = None
         self._params_bytes: dict[str, array] = {}
         self._kind: str | None = None
+        self._adjusted = False
+        self._counted: list[bool] = []
+        # The adjusted kinds' token counts, a slot per sequence (row 0 the neutral slot, zeros that
+        # nothing writes): counts in the completion (frequency and presence) as int32, and whether
+        # a token is in the prompt (with counts > 0: repetition's "seen") as bool, 5 bytes per
+        # token and slot; with its logit_bias as BIAS_WIDTH (id, value) pairs, padded with 0.0 on
+        # token 0. Only as many slots as the sampling graphs have rows: 65 x 151,936 vocabulary is
+        # 49 MB, where float32 for 512 rows would be 311 MB.
+        self.vocab_size = vocab_size
+        slots = min(SAMPLE_GRAPH_ROWS, buckets[-1]) if sample else 0
+        self.counts = torch.zeros(slots + 1, vocab_size, dtype=torch.int32, device=device)
+        self.prompt_seen = torch.zeros(slots + 1, vocab_size, dtype=torch.bool, device=device)
+        self.bias_ids = torch.zeros(slots + 1, BIAS_WIDTH, dtype=torch.int64, device=device)
+        self.bias_values = torch.zeros(slots + 1, BIAS_WIDTH, dtype=torch.float32, device=device)
+        self._slots = _CountSlots(slots)
+        self._builds: list = []  # (slot, row, SampleContext, logit_bias) to build before the step samples
+        self._step = 0
 
     def bucket_for(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
@@ -126,14 +224,15 @@ class DecodeGraphs:
         for row, src in zip(plan.feed_rows, plan.feed_from):
             feed_from[row] = src
         # Sampling settings only where a sampling graph may read them: tensor-parallel workers get
-        # plans without them, and rank 0 samples on the runner.
-        sampling = self._sampling and len(plan.sample_params) == rows
+        # plans without them, and rank 0 samples on the runner, as it does past the sampling
+        # graphs' sizes.
+        sampling = self._sampling and len(plan.sample_params) == rows and bucket <= SAMPLE_GRAPH_ROWS
         kind = self._stage_params(plan) if sampling else None
         values = {"input_ids": plan.input_ids, "positions": plan.positions, "slot_mapping": plan.slot_mapping,
                   "feed_from": feed_from, "context_lens": plan.context_lens}
-        for name, dtype, code, _ in _FIELDS:
-            at, size = layout.offsets[name], dtype.itemsize
-            data = array(code, values[name]) if name in values else self._params_bytes[name] if sampling else None
+        for name, dtype, code, _, width in _FIELDS if kind is not None and self._adjusted else _PLAIN_FIELDS:
+            at, size = layout.offsets[name], dtype.itemsize * width
+            data = array(code, values[name]) if name in values else self._params_bytes.get(name) if sampling else None
             filled = 0 if data is None else rows
             if data is not None:
                 out[at:at + rows * size] = memoryview(data).cast("B")
@@ -152,22 +251,30 @@ class DecodeGraphs:
             out[at:at + 4] = _BLOCK_ZERO
         region, staged = self._copies[(i, bucket)]
         region.copy_(staged, non_blocking=True)
-        return kind if self._sampling and bucket <= SAMPLE_GRAPH_ROWS else None
+        return kind
 
     def _stage_params(self, plan: StepPlan) -> str | None:
         """The per-row sampling settings as bytes (kept while the rows keep their settings, as
-        streams do from step to step); returns the kind of sampling, None for a seeded row or one
-        whose params are not plain (penalties, min_p, logit_bias, min_tokens, logprobs, structured
-        output: the runner's eager Sampler does those, for the whole step)."""
+        streams do from step to step); returns the kind of sampling, None for what the runner's
+        eager Sampler does, for the whole step: a seeded row, logprobs, structured output, more
+        logit_bias entries than BIAS_WIDTH or bans than BAN_WIDTH. Rows with penalties, min_p,
+        logit_bias or min_tokens make it an adjusted kind."""
         params = plan.sample_params
-        key = [(p.temperature, p.top_k, p.top_p, p.seed is None, p.plain) for p in params]
+        key = [(p.temperature, p.top_k, p.top_p, p.seed is None) if p.plain else
+               (p.temperature, p.top_k, p.top_p, p.seed is None, p.repetition_penalty, p.frequency_penalty,
+                p.presence_penalty, p.min_p, p.logprobs, p.structured_output is None, len(p.logit_bias or ()))
+               for p in params]
         if key != self._params_key:
             greedy = [p.temperature == 0 for p in params]
             self._params_bytes = {
                 "temperatures": array("f", [1.0 if g else p.temperature for p, g in zip(params, greedy)]),
                 "top_p": array("f", [p.top_p for p in params]), "top_k": array("i", [min(p.top_k, _TOP_K_MAX) for p in params]),
                 "greedy": array("B", greedy)}
-            if any((not g and p.seed is not None) or not p.plain for p, g in zip(params, greedy)):
+            self._adjusted = not all(p.plain for p in params)
+            # The rows that hold a slot: their counts or their logit_bias live there.
+            self._counted = [p.has_penalties or bool(p.logit_bias) for p in params]
+            if any((not g and p.seed is not None) or p.logprobs is not None or p.structured_output is not None
+                   or len(p.logit_bias or ()) > BIAS_WIDTH for p, g in zip(params, greedy)):
                 self._kind = None
             elif all(greedy):
                 self._kind = "greedy"
@@ -175,8 +282,69 @@ class DecodeGraphs:
                 self._kind = "filter"
             else:
                 self._kind = "sample"
+            if self._adjusted and self._kind is not None:
+                self._params_bytes.update(
+                    repetition=array("f", [p.repetition_penalty for p in params]),
+                    frequency=array("f", [p.frequency_penalty for p in params]),
+                    presence=array("f", [p.presence_penalty for p in params]),
+                    log_min_p=array("f", [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]))
+                self._kind = ADJUSTED + self._kind
             self._params_key = key
-        return self._kind
+        if self._kind is None or not self._adjusted:
+            return self._kind
+        return self._kind if self._stage_counts(plan) else None
+
+    def _stage_counts(self, plan: StepPlan) -> bool:
+        """Each adjusted row's bans and token-count slot, claimed for its sequence (a slot whose
+        counts do not cover the row's tokens is built before the step samples, in replay()).
+        False, claiming nothing, when a row needs what the graphs lack (then the runner samples)."""
+        vocab = self.vocab_size
+        contexts = plan.sample_contexts
+        bans = {}
+        for row, c in enumerate(contexts):
+            if c is not None:
+                if c.banned:
+                    bans[row] = ids = [t for t in c.banned if t < vocab]
+                    if len(ids) > BAN_WIDTH:
+                        return False
+                if c.seq_id is None and self._counted[row]:
+                    return False
+        self._step += 1
+        slots, ban = array("q"), array("B", bytes(len(contexts)))
+        banned = _NO_BANS * len(contexts)
+        for row, ids in bans.items():
+            if ids:
+                ban[row] = 1
+                banned[row * BAN_WIDTH:(row + 1) * BAN_WIDTH] = array("q", ids + [ids[0]] * (BAN_WIDTH - len(ids)))
+        for row, (c, counted) in enumerate(zip(contexts, self._counted)):
+            if not counted:
+                slots.append(0)
+                continue
+            slot, fresh = self._slots.claim(c.seq_id, c.num_history + 1 if c.tokens is not None else None, self._step)
+            slots.append(slot)
+            if fresh:
+                self._builds.append((slot, row, c, plan.sample_params[row].logit_bias))
+        self._params_bytes.update(slot=slots, banned=banned, ban=ban)
+        return True
+
+    def follow(self, contexts, tokens: torch.Tensor) -> None:
+        """Adds the tokens the runner sampled (eagerly: a prompt's last chunk beside decode rows, a
+        step with a row the graphs cannot sample) to the counts of the rows' sequences that hold a
+        slot; a slot whose counts do not cover the row's tokens is given up (the sequence's next
+        adjusted step builds it again)."""
+        if not self._slots:
+            return
+        rows, cells = array("q"), array("q")
+        for row, c in enumerate(contexts):
+            if c is not None and c.seq_id is not None:
+                slot = self._slots.follow(c.seq_id, c.num_history + 1 if c.tokens is not None else None)
+                if slot is not None:
+                    rows.append(row)
+                    cells.append(slot * self.vocab_size)
+        if rows:
+            at = _to_device(cells, torch.int64, self.device) + tokens.index_select(0, _to_device(rows, torch.int64,
+                                                                                                   self.device))
+            self.counts.view(-1).index_add_(0, at, torch.ones(len(rows), dtype=torch.int32, device=self.device))
 
     def stage_padding(self, bucket: int) -> None:
         """Fills the bucket's inputs with padding rows only, so a replay writes no K/V. At start-up
@@ -184,9 +352,9 @@ class DecodeGraphs:
         i = self._next
         self._next = (i + 1) % _RING
         out, layout = self._staging_bytes[i], self.layouts[bucket]
-        for name, dtype, _, _ in _FIELDS:
-            at = layout.offsets[name]
-            out[at:at + bucket * dtype.itemsize] = memoryview(self._pads[name]).cast("B")[:bucket * dtype.itemsize]
+        for name, dtype, _, _, width in _FIELDS:
+            at, size = layout.offsets[name], bucket * width * dtype.itemsize
+            out[at:at + size] = memoryview(self._pads[name]).cast("B")[:size]
         out[layout.tables:layout.nbytes] = bytes(layout.nbytes - layout.tables)
         region, staged = self._copies[(i, bucket)]
         region.copy_(staged)
@@ -205,15 +373,91 @@ class DecodeGraphs:
                                  max_seqlen_q=1, is_decode=True)
         self.hidden[:bucket] = self.model(input_ids, v["positions"], meta)
 
+    def _build_counts(self) -> None:
+        """Builds the token counts (and logit_bias) of the slots stage() gave out fresh, as the
+        eager Sampler counts a row's tokens: its history from the host, its input token (which the
+        step before may have sampled) from the forward pass's input ids. Runs between the forward
+        and the sampling graph, eagerly: once per sequence taking a slot, not per step."""
+        builds, self._builds = self._builds, []
+        vocab, device = self.vocab_size, self.device
+        slots, rows, after_prompt = array("q"), array("q"), array("B")
+        prompt, completion, prompt_counts, completion_counts = array("q"), array("q"), array("q"), array("q")
+        bias_ids, bias_values = array("q"), array("f")
+        for slot, row, c, bias in builds:
+            slots.append(slot)
+            rows.append(row)
+            history = c.history if c.tokens is not None else array("q")
+            n = c.num_prompt_tokens
+            prompt += history[:n]
+            completion += history[n:]
+            prompt_counts.append(min(n, len(history)))
+            completion_counts.append(max(len(history) - n, 0))
+            after_prompt.append(len(history) >= n)
+            entries = list(bias.items()) if bias else []
+            bias_ids += array("q", [t for t, _ in entries] + [0] * (BIAS_WIDTH - len(entries)))
+            bias_values += array("f", [b for _, b in entries] + [0.0] * (BIAS_WIDTH - len(entries)))
+        at = _to_device(slots, torch.int64, device)
+        self.counts.index_fill_(0, at, 0)
+        self.prompt_seen.index_fill_(0, at, False)
+        flat_counts, flat_seen = self.counts.view(-1), self.prompt_seen.view(-1)
+        # Output sizes given: computing them on the device would wait for it.
+        owner = torch.repeat_interleave(at, _to_device(prompt_counts, torch.int64, device), output_size=len(prompt))
+        flat_seen.index_fill_(0, owner * vocab + _to_device(prompt, torch.int64, device), True)
+        owner = torch.repeat_interleave(at, _to_device(completion_counts, torch.int64, device),
+                                        output_size=len(completion))
+        flat_counts.index_add_(0, owner * vocab + _to_device(completion, torch.int64, device),
+                               torch.ones(len(completion), dtype=torch.int32, device=device))
+        # The input token: in the completion unless the row is the prompt's last token (a decode
+        # step after the prefix cache held all the rest).
+        cell = at * vocab + self.input_ids.index_select(0, _to_device(rows, torch.int64, device))
+        in_completion = _to_device(after_prompt, torch.bool, device)
+        flat_counts.index_add_(0, cell, in_completion.int())
+        flat_seen.index_put_((cell,), flat_seen[cell] | ~in_completion)
+        self.bias_ids[at] = _to_device(bias_ids, torch.int64, device).view(len(builds), BIAS_WIDTH)
+        self.bias_values[at] = _to_device(bias_values, torch.float32, device).view(len(builds), BIAS_WIDTH)
+
+    def _adjust(self, logits: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sampler.adjust_logits for every row at once, from the staged settings and the slots'
+        counts: a row with neutral settings (slot 0, no bans) comes out exactly as it went in."""
+        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
+        slot = v["slot"]
+        logits.scatter_add_(1, self.bias_ids.index_select(0, slot), self.bias_values.index_select(0, slot))
+        kept = logits.gather(1, v["banned"])
+        banned = logits.scatter(1, v["banned"], kept.masked_fill(v["ban"][:, None], float("-inf")))
+        # As the eager Sampler: a row that the bans would leave with no token keeps its end.
+        logits = torch.where(torch.isfinite(banned).any(-1, keepdim=True), banned, logits)
+        counts = self.counts.index_select(0, slot)
+        in_completion = counts > 0
+        seen = self.prompt_seen.index_select(0, slot) | in_completion
+        repetition = v["repetition"][:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+        return logits - v["frequency"][:, None] * counts - v["presence"][:, None] * in_completion.float()
+
     def _sample(self, bucket: int, kind: str) -> None:
         v = self.views[bucket]
         logits = self.model.compute_logits(self.hidden[:bucket])
-        if kind == "greedy":
+        adjusted = kind.startswith(ADJUSTED)
+        kind = kind.removeprefix(ADJUSTED)
+        filters = (_beyond_top_k(v["top_k"], logits.shape[-1]), v["top_p"][:, None]) if kind == "filter" else None
+        if adjusted:
+            # Sampler.sample's order for rows that are not plain: adjust, scale, cut by min_p, draw.
+            logits = self._adjust(logits, v)
+            if kind == "greedy":
+                tokens = logits.argmax(-1)
+            else:
+                scaled = logits / v["temperatures"][:, None]
+                scaled = scaled.masked_fill(scaled < scaled.max(-1, keepdim=True).values + v["log_min_p"][:, None],
+                                            float("-inf"))
+                tokens = _draw_from(scaled, logits.argmax(-1), v["greedy"], filters, (), None)
+        elif kind == "greedy":
             tokens = logits.argmax(-1)
         else:
-            filters = (_beyond_top_k(v["top_k"], logits.shape[-1]), v["top_p"][:, None]) if kind == "filter" else None
             tokens = draw(logits, v["temperatures"][:, None], v["greedy"], filters)
         self.sampled[:bucket].copy_(tokens)
+        if adjusted:
+            # Each real slot is one row's: one more of its sampled token (slot 0 gets nothing).
+            slot = v["slot"]
+            self.counts.view(-1).index_add_(0, slot * self.vocab_size + tokens, (slot > 0).int())
 
     @torch.inference_mode()
     def capture(self, pool=None, progress=None):
@@ -249,8 +493,15 @@ class DecodeGraphs:
         else:
             self._forward(bucket)
         if kind is not None:
-            graph = self.sample_graphs.get((bucket, kind))
-            if graph is not None:
-                graph.replay()
-            else:
-                self._sample(bucket, kind)
+            self.sample(bucket, kind)
+
+    def sample(self, bucket: int, kind: str) -> None:
+        """Samples the replayed step's rows into the token buffer, first building the token counts
+        of any sequence that took a slot this step."""
+        if self._builds:
+            self._build_counts()
+        graph = self.sample_graphs.get((bucket, kind))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._sample(bucket, kind)

@@ -9,12 +9,14 @@ from engine.checkpoints.loader import init_random_weights, load_weights
 from engine.checkpoints.quantization import fp8_block
 from engine.config import EngineConfig
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.core.step_plan import SampleContext, StepPlan
+from engine.core.step_plan import KVTransfers, SampleContext, StepPlan
 from engine.distributed import collectives
 from engine.layers import fp8
 from engine.layers.attention import AttentionMetadata
 from engine.layers.attention_backends import make_backend
+from engine.models.cpu_decode import CpuDecode
 from engine.runner.decode_graphs import DecodeGraphs
+from engine.runner.kv_tiers import DiskStore, KVTierCopies, kv_fingerprint
 from engine.runner.sampler import Sampler
 from engine.runner.step_graphs import StepGraphs, decode_buckets, prefill_buckets
 
@@ -185,6 +187,7 @@ class ModelRunner:
         # A step whose sampling waits for structured output's masks: (plan, logits, last tokens).
         self._deferred = None
         self.decode_graphs = self.prefill_graphs = None  # the warmup below runs eagerly
+        self.tiers: KVTierCopies | None = None  # made with the KV cache
         self._logits_ladder = None  # logits for exactly the rows sampled, until _warm_logits
         # On a GPU, how its memory was shared out, in bytes: "total", "used" before the KV cache,
         # what was set aside for steps ("activations") and for the graphs ("graph_pool"), and what
@@ -196,6 +199,11 @@ class ModelRunner:
         self.num_blocks = config.num_kvcache_blocks or self.tp_group.min(self._blocks_that_fit(), self.device)
         progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
+        self.tiers = self._make_tiers()
+        # Decode steps on CPU run as one loop over the layers where the model allows it.
+        self._cpu_decode = None
+        if self.device.type == "cpu" and self.backend.name == "torch" and CpuDecode.supports(self.model):
+            self._cpu_decode = CpuDecode(self.model)
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(progress)
         if self.device.type == "cuda":
@@ -312,6 +320,48 @@ class ModelRunner:
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
+    # --- the KV cache's lower tiers (engine/core/kv_tiers.py decides, engine/runner/kv_tiers.py copies)
+
+    @property
+    def host_slots(self) -> int:
+        """Host slots of one block each (on every rank): host_cache_gib over all ranks' shards, and
+        with a disk directory at least a full-length prompt's blocks, for reads from disk to land in."""
+        c = self.config
+        slots = int(c.host_cache_gib * 2**30) // (self.block_bytes * c.tensor_parallel_size)
+        if c.disk_cache_dir is not None:
+            slots = max(slots, -(-c.max_model_len // self.block_size) + 1)
+        return slots
+
+    def _make_tiers(self) -> KVTierCopies | None:
+        slots = self.host_slots
+        if not slots:
+            return None
+        block_shape = tuple(self.kv_cache.permute(2, 0, 1, 3, 4, 5).shape[1:])
+        disk = None
+        if self.config.disk_cache_dir is not None:
+            disk = DiskStore(self.config.disk_cache_dir, kv_fingerprint(self.config, block_shape, self.config.dtype),
+                             self.rank, block_shape, self.config.dtype)
+        return KVTierCopies(self.kv_cache, slots, disk)
+
+    def transfer(self, kv: KVTransfers) -> None:
+        """Queues a step's copies between the tiers, and the step stream's waits for them."""
+        self.tiers.run(kv)
+
+    def loads_done(self) -> int:
+        return self.tiers.loads_done()
+
+    def disk_files(self) -> list[tuple[int, int, float]]:
+        return self.tiers.disk.files()
+
+    def poll_tier_io(self) -> list[tuple]:
+        return self.tiers.disk.poll()
+
+    def wait_tier_io(self, timeout: float) -> None:
+        self.tiers.disk.wait(timeout)
+
+    def drain_tier_io(self) -> None:
+        self.tiers.disk.drain()
+
     def _graph_buckets(self) -> tuple[list[int], list[int]]:
         """The decode graphs' batch sizes and the prefill graphs' token counts."""
         c = self.config
@@ -325,7 +375,8 @@ class ModelRunner:
         c = self.config
         shared = dict(model=self.model, max_blocks_per_seq=-(-c.max_model_len // self.block_size),
                       hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)
-        decode_graphs = DecodeGraphs(buckets=decode, sampled=self.sampled, sample=self.tp_group.size == 1, **shared)
+        decode_graphs = DecodeGraphs(buckets=decode, sampled=self.sampled, sample=self.tp_group.size == 1,
+                                     vocab_size=c.hf_config.vocab_size, **shared)
         pool = decode_graphs.capture(progress=progress)
         prefill_graphs = None
         if prefill:
@@ -439,6 +490,7 @@ class ModelRunner:
             max_seqlen_q=plan.max_seqlen_q,
             is_decode=plan.is_decode,
             prefill_work=work,
+            context=self.backend.step_context(plan, inputs, self.block_size),
         )
 
     def _feed(self, plan: StepPlan, inputs: dict[str, torch.Tensor]) -> None:
@@ -477,6 +529,8 @@ class ModelRunner:
         meta = self.metadata(plan, inputs, work)
         if bucket is not None:
             hidden = graphs.run(bucket, inputs["input_ids"], inputs["positions"], meta)
+        elif plan.is_decode and self._cpu_decode is not None and meta.context.all_slots_valid:
+            hidden = self._cpu_decode(inputs["input_ids"], inputs["positions"], meta)
         else:
             hidden = self.model(inputs["input_ids"], inputs["positions"], meta)
         if not rows:
@@ -493,8 +547,8 @@ class ModelRunner:
         kind = graphs.stage(plan, bucket)
         graphs.replay(bucket, kind)
         if kind is None:
-            # Sampled eagerly (a seeded row, or a row whose params are not plain): the forward pass
-            # stayed in the graph. The bucket is a size from the logits ladder: no gather, no new
+            # Sampled eagerly (a seeded row, logprobs, structured output): the forward pass stayed
+            # in the graph. The bucket is a size from the logits ladder: no gather, no new
             # cuBLAS shape.
             last_tokens = graphs.input_ids[:len(plan.input_ids)] if plan.sample_contexts else None
             return self._sample_or_defer(plan, self.model.compute_logits(graphs.hidden[:bucket]), last_tokens)
@@ -529,6 +583,8 @@ class ModelRunner:
             sampled, logprobs = self.sampler.sample(logits[:rows], plan.sample_params, plan.sample_positions,
                                                     plan.sample_contexts or None, last_tokens, masks)
             tokens.copy_(sampled)
+            if self.decode_graphs is not None and plan.sample_contexts:
+                self.decode_graphs.follow(plan.sample_contexts, tokens)
         self.tp_group.broadcast_from_rank0(tokens)
         return self._read_back(tokens, logprobs) if self.rank == 0 else None
 
@@ -543,6 +599,10 @@ class ModelRunner:
         """Frees the model, KV cache and graphs, so the memory is there for another engine even if
         this runner object lives on."""
         self.decode_graphs = self.prefill_graphs = None
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+        self._cpu_decode = None
         self.kv_cache = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.empty(0)

@@ -51,7 +51,8 @@ class Sampler:
     Rows whose SamplingParams are plain (temperature, top-k, top-p, seed) take the short path that
     a decode CUDA graph also captures (draw). Any other row (penalties, min_p, logit_bias,
     min_tokens, logprobs, structured output) sends its whole chunk of rows through adjust_logits
-    first, eagerly: SamplingParams' docstring gives the order of the adjustments.
+    first: SamplingParams' docstring gives the order of the adjustments. A decode graph's adjusted
+    kinds (engine.runner.decode_graphs) do the same for the first four, with the same ops.
     """
 
     def __init__(self, device: torch.device):
@@ -181,18 +182,19 @@ class Sampler:
         row's input) and its input token, which only the device knows while the step before is
         still sampling it."""
         rows, vocab = logits.shape
-        width = max(len(c.history) for c in contexts) + 1
+        histories = [c.history for c in contexts]
+        width = max(map(len, histories)) + 1
         # One flat host buffer: each row's history, padded with `vocab` (a column dropped below).
         ids = array("q")
-        for c in contexts:
-            ids += c.history
-            ids += array("q", [vocab]) * (width - 1 - len(c.history))
+        for history in histories:
+            ids += history
+            ids += array("q", [vocab]) * (width - 1 - len(history))
         ids.append(0)  # frombuffer refuses an empty buffer: one spare entry, dropped by the view
         history = self._to_device(torch.frombuffer(ids, dtype=torch.int64)[:-1], torch.int64).view(rows, width - 1)
         ids = torch.cat([history, last_tokens[:, None]], dim=1)
         # Whether each position is in the completion: the last (input) token is when the history
         # reaches past the prompt.
-        lengths = self._to_device([len(c.history) for c in contexts], torch.int64)[:, None]
+        lengths = self._to_device(list(map(len, histories)), torch.int64)[:, None]
         prompt = self._to_device([c.num_prompt_tokens for c in contexts], torch.int64)[:, None]
         position = torch.arange(width, device=logits.device)[None, :].expand(rows, width)
         position = torch.where(position == width - 1, lengths, position)

@@ -96,7 +96,8 @@ class StepGraphs:
     @torch.inference_mode()
     def run(self, bucket: int, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """Copies a step's device tensors into the bucket's buffers, replays, returns [bucket, H]:
-        the step's tokens first, then the padding's (finite, unused) rows."""
+        the step's tokens first, then the padding's rows: unused, and holding anything (the prefill
+        attention leaves them unwritten), NaN and infinities included."""
         t, b = input_ids.shape[0], meta.context_lens.shape[0]
         s = self.seqs_in(bucket)
         self.input_ids[:t] = input_ids

@@ -232,6 +232,8 @@ class TensorParallelRunner:
         self.broken = False
         self._closed = False
         self._failure: str | None = None
+        # (kind, hash) -> the ranks' reports of a disk operation, until every rank has made one.
+        self._io_reports: dict[tuple, list[tuple]] = {}
         self._ranks = _Ranks()
         # Runs at shutdown(), when the runner is collected, or at interpreter exit, whichever is first.
         self._finalizer = weakref.finalize(self, self._ranks.release, _STOP_GRACE_S)
@@ -325,9 +327,10 @@ class TensorParallelRunner:
 
     def call(self, method: str, *args):
         """Runs ModelRunner.<method>(*args) on every rank, waits for all, returns rank 0's result."""
-        return self._run(method, args, wants_reply=True)
+        return self._run(method, args, wants_reply=True)[0]
 
     def _run(self, method: str, args: tuple, wants_reply: bool, worker_args: tuple | None = None):
+        """Runs the method on every rank; returns rank 0's result, or with wants_reply every rank's."""
         self._check_usable()
         payload = pickle.dumps((method, args if worker_args is None else worker_args, wants_reply),
                                pickle.HIGHEST_PROTOCOL)
@@ -336,13 +339,50 @@ class TensorParallelRunner:
                 _send(w, payload)
             result = getattr(self.runner, method)(*args)
             if wants_reply:
-                for w in self._ranks.workers:
-                    self._reply(w)
+                result = [result] + [self._reply(w) for w in self._ranks.workers]
         except BaseException as e:
             self._fail(e)
         if self._ranks.aborted:
             self._fail(None)  # NCCL was aborted under this call: its result cannot be trusted
         return result
+
+    # --- the KV cache's lower tiers: every rank copies its own shard ----------------------------------
+
+    @property
+    def host_slots(self) -> int:
+        return self.runner.host_slots
+
+    def transfer(self, kv) -> None:
+        self._run("transfer", (kv,), wants_reply=False)
+
+    def loads_done(self) -> int:
+        """Rank 0's view: a hint for scheduling. Every rank's step waits for its own loads."""
+        self._check_usable()
+        return self.runner.loads_done()
+
+    def disk_files(self) -> list[tuple[int, int, float]]:
+        """Rank 0's files; a block another rank lacks fails its fetch, and is computed."""
+        self._check_usable()
+        return self.runner.disk_files()
+
+    def poll_tier_io(self) -> list[tuple]:
+        """Disk operations every rank has ended: ok where each rank's was, bytes summed."""
+        for rank_results in self._run("poll_tier_io", (), wants_reply=True):
+            for result in rank_results:
+                self._io_reports.setdefault(result[:2], []).append(result)
+        done = []
+        for key in [k for k, reports in self._io_reports.items() if len(reports) == self.size]:
+            reports = self._io_reports.pop(key)
+            ok = all(r[2] for r in reports)
+            done.append((*key, ok, sum(r[3] for r in reports)) if key[0] == "written" else (*key, ok))
+        return done
+
+    def wait_tier_io(self, timeout: float) -> None:
+        self._check_usable()
+        self.runner.wait_tier_io(timeout)
+
+    def drain_tier_io(self) -> None:
+        self.call("drain_tier_io")
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -9,29 +9,35 @@ Stop strings are searched as text arrives (a held run's text included); the tail
 could be the start of a stop string is held back until it is known not to be one, so a stop string
 is never shown and no other text waits for it.
 """
-import contextlib
 import json
 import re
+import sys
 from collections.abc import Callable
 from functools import partial
+
+from engine.text.chat_tokenizer import ChatTokenizer
 
 REPLACEMENT = "\ufffd"
 
 
 def text_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """tokenizer.decode(ids, skip_special_tokens=True) as one function. For a stock transformers
-    fast tokenizer that decode is the Rust backend's plus an optional clean-up pass; with the pass
-    off, calling the backend directly gives the same text in ~1 us instead of ~5 (transformers
-    converts and checks its arguments first), and it runs twice per streamed token. Anything else
-    (a subclass with its own decode, clean-up on) goes through tokenizer.decode."""
-    try:  # start-up: transformers is loaded by now only where the tokenizer came from it
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    except ImportError:
-        PreTrainedTokenizerFast = PreTrainedTokenizerBase = None
-    cls = type(tokenizer)
+    """tokenizer.decode(ids, skip_special_tokens=True) as one function. A ChatTokenizer's, and a
+    stock transformers fast tokenizer's, is the Rust backend's (plus, in transformers, an optional
+    clean-up pass); with the pass off, calling the backend directly gives the same text in ~1 us
+    instead of ~5 (transformers converts and checks its arguments first), and it runs twice per
+    streamed token. Anything else (a subclass with its own decode, clean-up on) goes through
+    tokenizer.decode."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
+    if isinstance(tokenizer, ChatTokenizer):
+        return partial(backend.decode, skip_special_tokens=True)
+    if "transformers" not in sys.modules:  # so the tokenizer is not one of its classes
+        return partial(tokenizer.decode, skip_special_tokens=True)
+    from transformers import (
+        PreTrainedTokenizerFast,  # start-up: loaded already, see above
+    )
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    cls = type(tokenizer)
+    if (isinstance(tokenizer, PreTrainedTokenizerFast)
             and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode
             and not tokenizer.clean_up_tokenization_spaces and backend is not None):
         return partial(backend.decode, skip_special_tokens=True)
@@ -60,17 +66,13 @@ def byte_run_ids(tokenizer) -> frozenset[int]:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | None = None, lock=None, decode=None, run_ids=None,
-                 min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: list[str] | None = None, decode=None, run_ids=None, min_tokens: int = 0):
         """decode: text_decoder(tokenizer), and run_ids: byte_run_ids(tokenizer), when the caller
         has made them already. min_tokens: stop strings count only from that many tokens on (the
         text before is released as it comes), as vLLM's min_tokens has it."""
         self.tokenizer = tokenizer
         self.decode = decode or text_decoder(tokenizer)
         self.run_ids = byte_run_ids(tokenizer) if run_ids is None else run_ids
-        # HF fast tokenizers are not safe to use from two threads at once; callers that encode
-        # elsewhere share this lock with us.
-        self.lock = lock or contextlib.nullcontext()
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -93,12 +95,11 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> None:
         ids, decode = self.ids, self.decode
         end = len(ids) if final else self._settled_end()
-        with self.lock:
-            before = decode(ids[self.prefix_offset:self.read_offset])
-            window = decode(ids[self.prefix_offset:end])
-            # The held run's text: if the request ends now (a stop string in it, or the last
-            # token) it is the text, and a stop string must be found at the token that completes it.
-            held = decode(ids[self.prefix_offset:]) if end < len(ids) else ""
+        before = decode(ids[self.prefix_offset:self.read_offset])
+        window = decode(ids[self.prefix_offset:end])
+        # The held run's text: if the request ends now (a stop string in it, or the last token) it
+        # is the text, and a stop string must be found at the token that completes it.
+        held = decode(ids[self.prefix_offset:]) if end < len(ids) else ""
         whole = final or not window.endswith(REPLACEMENT)
         # A token can end in part of a character after whole ones (SmolLM2 has " " plus a lead
         # byte): the whole ones count now, or a stop string they complete would be found a token

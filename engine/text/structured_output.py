@@ -50,13 +50,12 @@ class GrammarCompiler:
 
     tokenizer: a transformers fast tokenizer; vocab_size: the logits' width (masks cover it, and
     tokens past the tokenizer's are never allowed); eos_ids: the tokens that may end a reply once
-    the constraint is satisfied. lock: the lock that guards the tokenizer's use across threads."""
+    the constraint is satisfied."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, lock=None):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos_ids = sorted(eos_ids)
-        self._tokenizer_lock = lock or threading.Lock()
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._executor = None
@@ -74,8 +73,7 @@ class GrammarCompiler:
                                      f"{type(self._tokenizer).__name__}")
                 # The backend's JSON straight from it: llguidance.hf.from_tokenizer copies the backend
                 # first, a pickle round trip that took longer than the rest for a 151K vocabulary.
-                with self._tokenizer_lock:
-                    text = self._tokenizer.backend_tokenizer.to_str()
+                text = self._tokenizer.backend_tokenizer.to_str()
                 self._ll_tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos_ids)
                 self._executor = llguidance.LLExecutor()
             return self._ll_tokenizer

@@ -27,12 +27,13 @@ from nvchat.app.sampling_screen import SamplingScreen
 from nvchat.app.services import ChatServices
 from nvchat.app.stream_pump import StreamPump
 from nvchat.app.system_prompt_screen import SystemPromptScreen
-from nvchat.conversation import Conversation
+from nvchat.app.tool_rounds import ToolRounds
+from nvchat.conversation import MAX_ALTERNATIVES, MIN_ALTERNATIVES, Conversation
 from nvchat.export import export_markdown, save_markdown_to
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, save_setting
 from nvchat.slash_table import format_stats
 
-_BOUND_ACTIONS = {spec.action for spec in APP_KEYS}
+_BOUND_ACTIONS = {spec.action.partition("(")[0] for spec in APP_KEYS}  # names, as check_action gets them
 # Actions that need a started engine and the chat screen on top.
 _CHAT_ACTIONS = (_BOUND_ACTIONS - {"help", "quit", "toggle_kv_panel", "toggle_compact"}
                  | {"default_system_prompt", "copy_code", "pick_file"})
@@ -44,6 +45,7 @@ class ChatActions:
     keymap: dict[str, str]
     services: ChatServices
     pump: StreamPump
+    tool_rounds: ToolRounds
     ready: bool  # engine and store are up, chats can run
     tabs: ChatTabs
     active_pane: ChatPane | None
@@ -60,12 +62,19 @@ class ChatActions:
         if action in _CHAT_ACTIONS | {"toggle_kv_panel"} and not self.ready:
             return False
         # None: shown greyed out in the footer, and the key goes to the focused widget instead.
-        if action in ("stop_reply", "regenerate", "edit_last"):
+        if action in ("stop_reply", "regenerate", "edit_last", "select_message", "switch_branch", "alternatives",
+                      "pick_alternative"):
             pane = self.active_pane
             if pane is None:
                 return None
             if action == "stop_reply":
-                return True if pane.busy or pane.editing else None
+                return True if pane.busy or pane.editing or pane.cursor is not None else None
+            if action == "select_message":
+                return True if pane.conversation.messages else None
+            if action == "alternatives":
+                return None if pane.busy else True
+            if action == "pick_alternative":
+                return True if pane.has_alternatives else None
             return None if pane.busy or not pane.conversation.messages else True
         return True
 
@@ -104,7 +113,7 @@ class ChatActions:
                 return
             for pane in self.tabs.panes:
                 if pane.conversation.id == conversation_id:
-                    self.tabs.show(pane)
+                    self.tabs.show(pane)  # and if it is read-only, writable now if it can be
                     return
             self.run_worker(self._reopen(conversation_id))
 
@@ -118,6 +127,7 @@ class ChatActions:
         except Exception as e:
             self.notify(str(e), title="Could not open the conversation", severity="error")
             return
+        conversation.toolbox = self.tool_rounds.tools
         await self.tabs.open(conversation)
 
     # --- the active chat -----------------------------------------------------------------------------
@@ -133,6 +143,22 @@ class ChatActions:
     def action_edit_last(self) -> None:
         if self.active_pane is not None:
             self.active_pane.start_edit()
+
+    def action_select_message(self, step: int) -> None:
+        if self.active_pane is not None:
+            self.active_pane.move_selection(step)
+
+    async def action_switch_branch(self, step: int) -> None:
+        if self.active_pane is not None:
+            await self.active_pane.switch_branch(step)
+
+    def action_alternatives(self) -> None:
+        if self.active_pane is not None:
+            self.active_pane.alternatives()
+
+    async def action_pick_alternative(self, number: int) -> None:
+        if self.active_pane is not None:
+            await self.active_pane.pick_alternative(number)
 
     def action_system_prompt(self) -> None:
         pane = self.active_pane
@@ -244,8 +270,32 @@ class ChatActions:
             self.run_worker(self.export(pane.conversation, Path(arg).expanduser()))
         elif name == "stop" and not (pane.busy or pane.editing):
             self.notify("Nothing to stop: this chat is not replying.")
+        elif name == "branch" and arg:
+            await self._branch_command(pane, arg)
+        elif name == "alt" and arg:
+            count = _number(arg)
+            if count is None or not MIN_ALTERNATIVES <= count <= MAX_ALTERNATIVES:
+                self.notify(f"/alt takes how many replies: {MIN_ALTERNATIVES} to {MAX_ALTERNATIVES}, not {arg!r}.",
+                            severity="warning")
+            else:
+                pane.alternatives(count)
+        elif name == "pick":
+            number = _number(arg)
+            if number is None:
+                self.notify("/pick takes the number of the alternative to keep, e.g. /pick 2.", severity="warning")
+            else:
+                await pane.pick_alternative(number)
         else:
             await self.run_action(SLASH_ACTIONS[name])
+
+    async def _branch_command(self, pane: ChatPane, arg: str) -> None:
+        word = arg.lower()
+        if word in ("next", "prev", "previous"):
+            await pane.switch_branch(1 if word == "next" else -1)
+        elif _number(arg) is not None:
+            await pane.switch_branch(number=_number(arg))
+        else:
+            self.notify(f"/branch takes a branch's number, next or prev, not {arg!r}.", severity="warning")
 
     # --- settings that persist -----------------------------------------------------------------------
 
@@ -267,3 +317,7 @@ class ChatActions:
             return
         if done:
             self.notify(done)
+
+
+def _number(text: str) -> int | None:
+    return int(text) if text.strip().isdigit() else None

@@ -4,6 +4,7 @@ server). NvchatApp composes the screen and wires its parts together; each job ha
 - services.py: the backend, the store and the conversation thread, built at start-up, shut down at exit;
 - chat_tabs.py: the chats as tabs, their labels and colours, and whose each engine request is;
 - stream_pump.py: the timer that moves streamed text into the visible reply, paced (pacing.py);
+- tool_rounds.py: the MCP servers' tools, and a reply's tool calls: approved, run, fed back;
 - actions.py: what keys, the command palette and slash commands run, and the settings they save;
 - open_tabs.py: which chats were open and which had the focus, reopened at the next start.
 
@@ -11,7 +12,8 @@ Threads, and what runs where:
 - the UI thread (Textual's event loop) only moves text into widgets;
 - the engine thread steps the model and appends tokens to each RequestStream;
 - one conversation thread runs everything that tokenizes or touches SQLite, in order;
-- a start-up thread builds the engine, reporting each stage to the loading screen.
+- a start-up thread builds the engine, reporting each stage to the loading screen;
+- the MCP thread holds the MCP servers' sessions (nvchat/mcp_tools.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from textual.containers import Horizontal
 from textual.widgets import Header
 
 from engine.backend import Backend
+from nvchat import startup_trace
 from nvchat.app.actions import ChatActions
 from nvchat.app.bindings import APP_KEYS, bindings, unknown_key_ids
 from nvchat.app.chat_pane import ChatPane
@@ -38,6 +41,7 @@ from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.open_tabs import OpenTabs, load_open_tabs, save_open_tabs, tabs_file
 from nvchat.app.services import ChatServices, quit_on_signals
 from nvchat.app.stream_pump import StreamPump
+from nvchat.app.tool_rounds import ToolRounds
 from nvchat.backend import model_name
 from nvchat.conversation import Conversation
 from nvchat.default_model import GIBBERISH_NOTE
@@ -48,9 +52,16 @@ from themes import load_themes
 FALLBACK_THEME = "nvchat-dark"
 
 
-def model_label(settings: Settings) -> str:
+ONE_AT_A_TIME_NOTE = "This server serves one request at a time: replies in several tabs wait for each other."
+
+
+def model_label(settings: Settings, backend: Backend | None = None) -> str:
+    """The model as the title bar names it: a local checkpoint by its file or folder name; a remote
+    server's by the name the server gives it once it has answered, its address before."""
     if settings.uses_demo_model:
         return "demo model"
+    if settings.backend is not None:
+        return (backend.capabilities.model_name if backend is not None else None) or settings.model_name
     return Path(settings.model_name).name or settings.model_name
 
 
@@ -93,6 +104,7 @@ class NvchatApp(ChatActions, App[None]):
         self._tabs = ChatTabs(background=self.in_background, new_conversation=self.new_conversation,
                               keymap=self.keymap, note=self.note, id="chats")
         self.pump: StreamPump | None = None  # from on_mount: its timer needs the running app
+        self.tool_rounds = ToolRounds(self, settings.mcp_servers)
         self._loading: LoadingScreen | None = None
         self._theme_applied = False
         self._stop_quitting_on_signals = None
@@ -161,8 +173,10 @@ class NvchatApp(ChatActions, App[None]):
         return self.services.in_background(fn, *args)
 
     def new_conversation(self) -> Conversation:
-        return Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
-                            model_name=model_name(self.settings, self.engine), settings=self.settings)
+        conversation = Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
+                                    model_name=model_name(self.settings, self.engine), settings=self.settings)
+        conversation.toolbox = self.tool_rounds.tools
+        return conversation
 
     # --- start-up ------------------------------------------------------------------------------------
 
@@ -175,15 +189,20 @@ class NvchatApp(ChatActions, App[None]):
         if self._loading is not None and self.screen is self._loading:
             self.pop_screen()
         self._loading = None
+        self.tool_rounds.start()
         if self.store.moved_aside is not None:
             self.notify(f"It was moved to {self.store.moved_aside}; new conversations go to a fresh file.",
                         title="The conversation store could not be read", severity="error", timeout=30)
+        self.sub_title = self.note or model_label(self.settings, self.engine)
+        if self.engine.capabilities.one_request_at_a_time:
+            self.notify(ONE_AT_A_TIME_NOTE, title=model_label(self.settings, self.engine), timeout=15)
         pane = await self._reopen_tabs() or await self.tabs.open(self.new_conversation())
         if typed:
             pane.prompt.insert(typed)
         self.ready = True
         self.refresh_bindings()
         self.save_open_tabs()
+        startup_trace.mark("ready")
 
     async def _reopen_tabs(self) -> ChatPane | None:
         """The chats that were open when the app last closed, in order; returns the one that had the
@@ -211,6 +230,7 @@ class NvchatApp(ChatActions, App[None]):
                     missing += 1
                     panes.append(None)
                     continue
+                conversation.toolbox = self.tool_rounds.tools
             panes.append(await self.tabs.open(conversation, show=False))
         if missing:
             self.notify(f"{missing} of the chats that were open no longer exist{'s' if missing == 1 else ''}.",
@@ -247,6 +267,16 @@ class NvchatApp(ChatActions, App[None]):
     def on_chat_pane_reply_started(self, event: ChatPane.ReplyStarted) -> None:
         self.pump.start(event.pane)
 
+    def on_chat_pane_tool_calls_made(self, event: ChatPane.ToolCallsMade) -> None:
+        self.run_worker(self._run_tool_calls(event.pane, event.message))
+
+    async def _run_tool_calls(self, pane: ChatPane, message) -> None:
+        try:
+            await self.tool_rounds.run(pane, message)
+        except Exception as e:  # the chat must not stay busy for good
+            self.notify(f"{type(e).__name__}: {e}", title="The tool calls could not be run", severity="error")
+            pane.end_tool_round()
+
     def on_chat_pane_state_changed(self, event: ChatPane.StateChanged) -> None:
         self.pump.defer_full_collections()
         if not self.screen_stack:
@@ -282,7 +312,7 @@ class NvchatApp(ChatActions, App[None]):
         sys.setswitchinterval(self._switch_interval)
         self.pump.stop()
         panes = self.tabs.panes
-        live = [(pane.conversation, pane.stream) for pane in panes if pane.stream is not None]
+        live = [(pane.conversation, pane.take_streams()) for pane in panes]
         drafts = [(pane.conversation, pane.draft) for pane in panes]
         then = None
         if self.ready and self.settings.restore_tabs:
@@ -290,9 +320,9 @@ class NvchatApp(ChatActions, App[None]):
             path = tabs_file(self.store.path)
             then = partial(_write_open_tabs, path, conversations, focused)
         for pane in panes:
-            pane.stream = None
             pane.stop_draft_timer()
         await self.services.close(live, drafts, then)
+        await self.tool_rounds.close()
 
 
 def _write_open_tabs(path: Path, conversations: list[Conversation], focused: int) -> None:

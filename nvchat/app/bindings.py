@@ -35,11 +35,18 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("rename_tab", "f2", "rename_tab", "Rename", show=False),
     KeySpec("stop_reply", "escape", "stop_reply", "Stop"),
     KeySpec("regenerate", "ctrl+r", "regenerate", "Regenerate"),
-    KeySpec("edit_last", "f3", "edit_last", "Edit last", show=False),
+    KeySpec("edit_last", "f3", "edit_last", "Edit message", show=False),
+    KeySpec("select_up", "alt+up", "select_message(-1)", "Select message above", show=False),
+    KeySpec("select_down", "alt+down", "select_message(1)", "Select message below", show=False),
+    KeySpec("branch_prev", "f8", "switch_branch(-1)", "Previous branch", show=False),
+    KeySpec("branch_next", "f9", "switch_branch(1)", "Next branch", show=False),
+    KeySpec("alternatives", "f6", "alternatives", "Alternatives", show=False),
+    *(KeySpec(f"pick_{n}", f"alt+{n}", f"pick_alternative({n})", f"Pick alternative {n}", show=False)
+      for n in range(1, 5)),
     KeySpec("system_prompt", "f4", "system_prompt", "System prompt", show=False),
     KeySpec("sampling", "f7", "sampling", "Sampling", show=False),
     KeySpec("kv_panel", "f5", "toggle_kv_panel", "KV cache"),
-    KeySpec("compact", "f6", "toggle_compact", "Compact view", show=False),
+    KeySpec("compact", "f12", "toggle_compact", "Compact view", show=False),
     KeySpec("conversations", "ctrl+o", "open_conversations", "History", show=False),
     KeySpec("export", "ctrl+s", "export_markdown", "Export", show=False),
     KeySpec("help", "f1", "help", "Help"),
@@ -65,14 +72,23 @@ ALL_KEYS = APP_KEYS + PROMPT_KEYS
 KEY_IDS = frozenset(spec.id for spec in ALL_KEYS)
 
 # The action each slash command (nvchat/slash_table.py) runs, as its key would. With text, /system,
-# /rename and /save do without their dialog (ChatActions.run_slash_command); /stats has no key.
+# /rename and /save do without their dialog, and /branch, /alt and /pick take their number
+# (ChatActions.run_slash_command); /stats has no key.
 SLASH_ACTIONS = {"help": "help", "new": "new_tab", "system": "system_prompt", "rename": "rename_tab",
                  "save": "export_markdown", "sampling": "sampling", "stop": "stop_reply", "regenerate": "regenerate",
-                 "edit": "edit_last", "quit": "quit", "file": "pick_file"}
+                 "edit": "edit_last", "branch": "switch_branch(1)", "alt": "alternatives", "quit": "quit",
+                 "file": "pick_file"}
+# Commands that a key also runs (/pick N: Alt+N), which the help screen's key table lists.
+KEYED_COMMANDS = frozenset(SLASH_ACTIONS) | {"pick"}
+# Keys whose command takes what the key's action is given as text: the help screen's /command column.
+_COMMAND_FORMS = {"switch_branch(-1)": "/branch prev", "switch_branch(1)": "/branch next",
+                  **{f"pick_alternative({n})": f"/pick {n}" for n in range(1, 5)}}
 
 
 def command_for_action(action: str) -> str | None:
     """'/new' for new_tab: for the help screen's key table."""
+    if action in _COMMAND_FORMS:
+        return _COMMAND_FORMS[action]
     return next((f"/{name}" for name, bound in SLASH_ACTIONS.items() if bound == action), None)
 
 

@@ -2,10 +2,20 @@
 
 Conversation calls (tokenizing, SQLite writes) run on the app's conversation thread through the
 `background` callable, never on the UI thread. While a turn is in flight (from submit until its
-reply is stored) the pane is busy: a message sent meanwhile waits in its queue, shown dimmed at
-the foot of the transcript, and starts the next turn when the reply is stored (Esc puts the queue
-back in the box); regenerating and editing are refused. So the transcript always matches
-conversation.messages, then the queue, once it is idle.
+replies are stored) the pane is busy: a message sent meanwhile waits in its queue, shown
+dimmed at the foot of the transcript (below any alternatives), and starts the next turn once every
+reply of the turn is stored and its tool calls are done (Esc stops the replies and puts the queue
+back in the box); new turns of other kinds and branch switches are refused. So the transcript always
+matches conversation.messages, then the queue, once it is idle (with one exception: alternatives
+stay side by side, the first one standing for the branch shown, until one is picked or the chat
+moves on).
+
+Branches: Alt+Up/Down select a message; F3 edits the selected user message (else the last), Ctrl+R
+regenerates the selected reply (else the last), F8/F9 show the previous/next sibling of the selected
+message (else of the latest message that has any). Each makes or shows a branch; none replaces one.
+
+A conversation that another nvchat process is writing is read-only here: its box takes no text, a
+note says so, and it becomes writable when shown again after that process let it go.
 
 The pane is handed what it needs from outside (that callable, the keymap, whether its tab is the
 one shown) and tells the app what happened through its own messages (ReplyStarted, StateChanged);
@@ -14,6 +24,7 @@ it reaches into the app for nothing but Textual's own services (notify).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from textual import events
@@ -26,8 +37,9 @@ from textual.widgets import Static, TextArea
 
 from engine import RequestStream
 from nvchat.app.events import PromptSubmitted, ScrollTranscript
-from nvchat.app.message_view import QueuedMessageView, ReplyView, UserMessageView
+from nvchat.app.message_view import AlternativesView, QueuedMessageView, ReplyView, UserMessageView
 from nvchat.app.prompt_input import PromptInput
+from nvchat.app.tool_views import ToolCallView
 from nvchat.attachments import AttachmentError, attach
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
 from nvchat.slash_table import as_typed
@@ -37,6 +49,18 @@ _DEFAULT_TITLE = "New chat"
 _AUTO_TITLE_CHARS = 40
 # A streaming reply is stored this often (and when it ends): what a kill of the process can lose.
 SAVE_EVERY_S = 2.0
+DEFAULT_ALTERNATIVES = 3
+
+
+@dataclass(eq=False)
+class LiveReply:
+    """One reply of the turn in flight: its stream, its view, and its stored message once queued."""
+
+    stream: RequestStream
+    view: ReplyView
+    show: bool  # the branch shown ends with it once stored (not for alternatives)
+    next_save: float = 0.0  # when it is next stored while it streams
+    stored: object = None  # the finish_reply() future, once it ended
 
 
 class ChatPane(Vertical):
@@ -53,6 +77,15 @@ class ChatPane(Vertical):
         def __init__(self, pane: ChatPane) -> None:
             super().__init__()
             self.pane = pane
+
+    class ToolCallsMade(TextualMessage):
+        """The stored reply calls tools: the app asks for approval and runs them; the pane stays busy
+        until it continues the reply (continue_after_tools) or ends the turn (end_tool_round)."""
+
+        def __init__(self, pane: ChatPane, message: Message) -> None:
+            super().__init__()
+            self.pane = pane
+            self.message = message
 
     # The unsent text is stored once typing pauses this long (not per key), at least this often
     # while typing goes on, and at once when the tab closes, another tab is shown or the app quits:
@@ -71,15 +104,19 @@ class ChatPane(Vertical):
         self.color = color
         self.color_slot = color_slot  # which tab colour this chat wears, kept when tabs close
         self.note = note
-        self.stream: RequestStream | None = None  # the reply being generated
+        self._live: list[LiveReply] = []  # the turn's replies still streaming (one, or alternatives)
+        self._replies: list[LiveReply] = []  # the turn's replies, until they are stored
         self.last_stream: RequestStream | None = None  # the latest reply's, for /stats
         self.busy = False
         self.editing = False
-        self._reply_view: ReplyView | None = None  # the reply being generated, until it is stored
-        self._last_reply: ReplyView | None = None  # the latest live reply, which may not be drawn in full yet
+        self._edit_index: int | None = None  # which message of the branch shown F3 is editing
+        self.cursor: int | None = None  # the message selected (Alt+Up/Down), an index into the branch shown
+        # The turn's view being generated (a ReplyView, or an AlternativesView), until it is stored.
+        self._reply_view: ReplyView | AlternativesView | None = None
+        self._last_reply: ReplyView | AlternativesView | None = None  # the latest, maybe not drawn in full yet
+        self._alternatives: AlternativesView | None = None  # alternatives up until one is picked
         # A turn started in a hidden tab mounts its views when the tab is first shown (catch_up).
         self._views_pending = False
-        self._next_save = 0.0  # when the streaming reply is next stored
         self._left_out_noted = False  # said once that old turns no longer fit the model
         self._stop_requested = False  # Esc before the turn's stream existed
         self._draft = ""  # what the box held when F3 put the last message there; back after the edit
@@ -108,6 +145,8 @@ class ChatPane(Vertical):
         # Anchored: follows new output until the user scrolls up, and again once back at the bottom.
         self.transcript.anchor()
         self._refresh_hint()
+        self._refresh_marks()
+        self._show_read_only()
         if self.conversation.draft:
             self.prompt.text = self.conversation.draft
             self.prompt.move_cursor(self.prompt.document.end)
@@ -118,6 +157,8 @@ class ChatPane(Vertical):
         """Typing while the transcript or a code block has the focus (after a click, or Shift+Tab)
         goes on in the prompt box rather than nowhere. Keys bound there (c copies a block) stay."""
         if not event.is_printable or self.prompt.has_focus or event.key in self.screen.active_bindings:
+            return
+        if self.prompt.read_only:
             return
         event.stop()
         event.prevent_default()
@@ -134,6 +175,8 @@ class ChatPane(Vertical):
     def on_paste(self, event: events.Paste) -> None:
         if not self.prompt.has_focus:  # a paste into the box bubbles up here too, already inserted
             event.stop()
+            if self.prompt.read_only:
+                return
             self.prompt.focus()
             self.prompt.insert(event.text)
 
@@ -144,6 +187,26 @@ class ChatPane(Vertical):
     @property
     def prompt(self) -> PromptInput:
         return self._prompt
+
+    @property
+    def stream(self) -> RequestStream | None:
+        """The reply being generated (the first, with alternatives), until it ended and is claimed."""
+        return self._live[0].stream if self._live else None
+
+    @property
+    def streams(self) -> list[RequestStream]:
+        return [live.stream for live in self._live]
+
+    @property
+    def has_alternatives(self) -> bool:
+        """Alternatives are up to pick from."""
+        return self._alternatives is not None
+
+    def take_streams(self) -> list[RequestStream]:
+        """Claims the replies still streaming (the tab closes, the app quits), first one first: the
+        caller stops and stores them, and the pump no longer does."""
+        streams, self._live = self.streams, []
+        return streams
 
     # --- the unsent draft ----------------------------------------------------------------------------
 
@@ -199,6 +262,8 @@ class ChatPane(Vertical):
 
     @staticmethod
     def _view_for(message: Message):
+        if message.role == "tool" and message.answered_call is not None:
+            return ToolCallView(message.answered_call, message)
         return UserMessageView(message) if message.role == "user" else ReplyView(message)
 
     def _banner_text(self) -> Content:
@@ -234,31 +299,84 @@ class ChatPane(Vertical):
 
     def _show_busy_status(self) -> None:
         if not self.busy:
-            self._set_status("")
+            self._set_status(self._idle_status())
         elif self.queued:
             self._set_status(f"generating… {len(self.queued)} queued to send next · Esc stops and puts "
                              f"{'it' if len(self.queued) == 1 else 'them'} back in the box")
         else:
             self._set_status("generating… Esc stops")
 
-    async def _sync_views(self, reply: ReplyView | None = None) -> None:
+    def _idle_status(self) -> str:
+        if self.conversation.read_only:
+            return f"Read-only: {self.conversation.read_only}. Then show this tab again to write here."
+        if self.cursor is not None:
+            return (f"message {self.cursor + 1} of {len(self.conversation.messages)} selected: F3 edits, "
+                    "Ctrl+R regenerates, F8/F9 switch branches, Esc unselects")
+        if self._alternatives is not None:
+            count = len(self._alternatives.replies)
+            return (f"Pick one: Alt+1…Alt+{count} or /pick N (a click does too); the chat goes on from "
+                    "the one outlined")
+        return ""
+
+    def _refresh_status(self) -> None:
+        if not self.busy and not self.editing:
+            self._set_status(self._idle_status())
+
+    def _show_read_only(self) -> None:
+        read_only = self.conversation.read_only is not None
+        self.prompt.read_only = read_only
+        self.set_class(read_only, "-read-only")
+        self._refresh_status()
+
+    async def _sync_views(self, reply: ReplyView | AlternativesView | None = None) -> None:
         """Makes the transcript show exactly conversation.messages (after a turn dropped or added some),
-        then `reply`, the turn's reply view, not mounted yet: it goes last, live or standing for the
-        stored message it holds."""
+        then `reply`, the turn's view, not mounted yet: it goes last, live or standing for the stored
+        message(s) it holds. Alternatives up for picking stay, standing for the last message."""
         kept = {id(m) for m in self.conversation.messages}
-        views = [v for v in self.transcript.children if isinstance(v, (UserMessageView, ReplyView))]
+        views = [v for v in self.transcript.children if isinstance(v, (UserMessageView, ReplyView, ToolCallView))]
         stale = [v for v in views if v.message is None or id(v.message) not in kept]
         if stale:
             await self.transcript.remove_children(stale)
         shown = {id(v.message) for v in views if v not in stale}
+        for alternatives in (reply, self._alternatives):
+            if isinstance(alternatives, AlternativesView):
+                shown.update(id(m) for m in alternatives.messages)
         if reply is not None and reply.message is not None:
             shown.add(id(reply.message))
         new = [self._view_for(m) for m in self.conversation.messages if id(m) not in shown]
-        if reply is not None and (reply is self._reply_view or id(reply.message) in kept):
+        if reply is not None and (reply is self._reply_view or reply is self._alternatives
+                                  or id(reply.message) in kept):
             new.append(reply)
         if new:
             # Above the queue, which stays at the foot.
             await self.transcript.mount_all(new, before=self.queued[0] if self.queued else None)
+        self._refresh_marks()
+
+    def _refresh_marks(self) -> None:
+        """Each message's ◀ 2/3 ▶, and the selected one's outline."""
+        selected = self.conversation.messages[self.cursor] if self.cursor is not None else None
+        for view in self.transcript.children:
+            if isinstance(view, (UserMessageView, ReplyView)) and view.message is not None:
+                which, of = self.conversation.branch_position(view.message)
+                view.mark_branch(which, of, view.message is selected)
+        if self._alternatives is not None:
+            messages = self.conversation.messages
+            self._alternatives.mark_shown(messages[-1] if messages else None)
+
+    def _view_of(self, message: Message):
+        for view in self.transcript.children:
+            if isinstance(view, (UserMessageView, ReplyView)) and view.message is message:
+                return view
+        return None
+
+    async def _close_alternatives(self) -> None:
+        """The alternatives make way for the one the branch shown goes through, as a reply like any."""
+        view, self._alternatives = self._alternatives, None
+        if view is not None:
+            if view.is_attached:
+                await view.remove()
+            if self._last_reply is view:
+                self._last_reply = None
 
     # --- turns -------------------------------------------------------------------------------------
 
@@ -272,10 +390,21 @@ class ChatPane(Vertical):
         if self.busy or self.queued:
             self._queue(event.text)
             return
-        start = self.conversation.edit_last_user if self.editing else self.conversation.send
+        self._submit_prompt(event.text)
+
+    def _submit_prompt(self, text: str, alternatives: int = 1) -> None:
+        if self._refuse_if_busy():
+            self._restore_prompt(as_typed(text))
+            return
         self._set_busy(True)  # now, not when the worker starts: a second turn must not start meanwhile
-        self.run_worker(self._turn(start, event.text, restore=event.text, was_editing=self.editing))
+        if self.editing:
+            index = self._edit_index
+            self.run_worker(self._turn(self.conversation.edit, index, text, alternatives=alternatives, restore=text,
+                                       edit_index=index))
+        else:
+            self.run_worker(self._turn(self.conversation.send, text, alternatives=alternatives, restore=text))
         self.editing = False
+        self._edit_index = None
 
     # --- the queue -----------------------------------------------------------------------------------
 
@@ -298,8 +427,14 @@ class ChatPane(Vertical):
         self._restore_prompt(text)
         self._show_busy_status()
 
+    def _end_turn(self) -> None:
+        """Every reply of the turn is stored and its tool calls are done: the pane goes idle, and
+        the first queued message, if any, starts the next turn."""
+        self._set_busy(False)
+        if self.queued:
+            self._send_next_queued()
+
     def _send_next_queued(self) -> None:
-        """The reply is stored: the first queued message starts the next turn."""
         view = self.queued.pop(0)
         view.remove()
         self._set_busy(True)
@@ -315,127 +450,185 @@ class ChatPane(Vertical):
         self.prompt.text = _before_typed(text, self.prompt.text)
         self.prompt.move_cursor(self.prompt.document.end)
 
-    def regenerate(self) -> None:
+    def regenerate(self, alternatives: int = 1) -> None:
+        """A new reply (or several) beside the selected reply, or to the selected message, or to
+        the last message: the reply it replaces stays, as a branch (F8/F9 show it again)."""
         if self._refuse_if_busy():
             return
         if not any(m.role == "user" for m in self.conversation.messages):
             self.notify("Nothing to regenerate yet.", severity="warning")
             return
         self._set_busy(True)
-        self.run_worker(self._turn(self.conversation.regenerate))
+        self.run_worker(self._turn(self.conversation.regenerate, self.cursor, alternatives=alternatives))
+
+    def alternatives(self, count: int = DEFAULT_ALTERNATIVES) -> None:
+        """count replies at once: to the message in the box (sent now), else beside the selected or
+        last reply."""
+        text = self.prompt.text.strip()
+        if text:
+            self.prompt.clear()
+            self._submit_prompt(text, count)
+        else:
+            self.regenerate(count)
+
+    def _edit_target(self) -> int | None:
+        """The message F3 edits: the selected one (or the one a selected reply answers), else the last
+        of the user's."""
+        messages = self.conversation.messages
+        if self.cursor is not None:
+            index = self.cursor if messages[self.cursor].role == "user" else self.cursor - 1
+            return index if index >= 0 and messages[index].role == "user" else None
+        return max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
 
     def start_edit(self) -> None:
         if self._refuse_if_busy():
             return
-        text = self.conversation.last_user_text
-        if text is None:
+        index = self._edit_target()
+        if index is None:
             self.notify("No message to edit yet.", severity="warning")
             return
         if not self.editing:
             self._draft = self.prompt.text if self.prompt.text.strip() else ""
         self.editing = True
-        self.prompt.text = as_typed(text)
+        self._edit_index = index
+        self.prompt.text = as_typed(self.conversation.messages[index].content)
         self.prompt.move_cursor(self.prompt.document.end)
         self.prompt.focus()
-        self._set_status("editing your last message: Enter resends, Esc cancels")
+        self._set_status(self._editing_status())
         self.post_message(self.StateChanged(self))
+
+    def _editing_status(self) -> str:
+        last = self._edit_index == max(i for i, m in enumerate(self.conversation.messages) if m.role == "user")
+        which = "your last message" if last else f"message {self._edit_index + 1}"
+        return f"editing {which}: Enter sends it as a new branch (the old one stays), Esc cancels"
 
     def cancel_edit(self) -> None:
         self.editing = False
+        self._edit_index = None
         self.prompt.clear()
         self._give_back_draft()
-        self._set_status("")
+        self._set_status(self._idle_status())
         self.post_message(self.StateChanged(self))
 
     def stop(self) -> None:
-        """Esc: stops the reply and puts the queue back in the box, or leaves edit mode."""
+        """Esc: stops the replies and puts the queue back in the box, or leaves edit mode, or
+        unselects the selected message."""
         self.unqueue()
-        if self.stream is not None:
-            self.stream.abort()
+        if self._live:
+            for live in self._live:
+                live.stream.abort()
         elif self.busy:
             self._stop_requested = True  # the turn is starting: its stream is stopped once it has one
         elif self.editing:
             self.cancel_edit()
+        elif self.cursor is not None:
+            self.select(None)
 
-    async def _turn(self, start: Callable[..., RequestStream], *args, restore: str | None = None,
-                    was_editing: bool = False) -> None:
+    async def _turn(self, start: Callable, *args, alternatives: int = 1, restore: str | None = None,
+                    edit_index: int | None = None) -> None:
         self._set_busy(True)
         first_turn = not self.conversation.messages
         try:
-            stream = await self.background(start, *args)
+            if alternatives > 1:
+                streams = await self.background(start, *args, alternatives)
+            else:
+                streams = [await self.background(start, *args)]
         except Exception as e:  # a refused prompt (too long, engine stopped) leaves the conversation as it was
             self._set_busy(False)
             self.unqueue()  # what was queued after it stays unsent too, back in the box after it
             if restore is not None:
                 self._restore_prompt(as_typed(restore))
-                if was_editing:
-                    self.editing = True
-                    self._set_status("editing your last message: Enter resends, Esc cancels")
+                if edit_index is not None:
+                    self.editing, self._edit_index = True, edit_index
+                    self._set_status(self._editing_status())
             self.notify(str(e), title="Could not send", severity="error", timeout=8)
             return
-        # Claimed at once: an Esc, a closed tab or a quit while the views below mount finds it.
-        self.stream = self.last_stream = stream
-        if was_editing:
+        # Claimed at once: an Esc, a closed tab or a quit while the views below mount finds them.
+        if alternatives > 1:
+            view = AlternativesView(len(streams), self._side_by_side(len(streams)))
+            replies = view.replies
+        else:
+            view = ReplyView()
+            replies = [view]
+        self._live = [LiveReply(stream, reply, show=alternatives == 1) for stream, reply in zip(streams, replies)]
+        self._replies = list(self._live)
+        self.last_stream = streams[0]
+        if edit_index is not None:
             self._give_back_draft()
-        self._next_save = 0.0  # its first text is stored at once
         if self._stop_requested:  # Esc came while the turn was starting
-            stream.abort()
-        self._reply_view = self._last_reply = ReplyView()
+            for stream in streams:
+                stream.abort()
+        self.cursor = None
+        await self._close_alternatives()
+        self._reply_view = self._last_reply = view
+        if alternatives > 1:
+            self._alternatives = view
         self._refresh_hint()
         if self.is_shown():
-            await self._sync_views(self._reply_view)
+            await self._sync_views(view)
         else:
             # Eight tabs mounting and laying out their views at once held the UI thread for about
             # half a second, and through the GIL the engine; a hidden tab has nothing to show yet.
             self._views_pending = True
-        if self.stream is not stream:  # its tab closed or the app quit meanwhile, and stored the reply
+        if self.stream is not streams[0]:  # its tab closed or the app quit meanwhile, and stored the reply
             return
         if self.conversation.left_out and not self._left_out_noted:
             self._left_out_noted = True
             await self._note_left_out()
-            if self.stream is not stream:
+            if self.stream is not streams[0]:
                 return
-        self._show_context(stream.num_prompt_tokens)
+        self._show_context(streams[0].num_prompt_tokens)
         self.post_message(self.ReplyStarted(self))
-        if first_turn and self.conversation.title == _DEFAULT_TITLE and args:
-            await self.rename(first_line(args[0], _AUTO_TITLE_CHARS))
+        if first_turn and self.conversation.title == _DEFAULT_TITLE and restore:
+            await self.rename(first_line(restore, _AUTO_TITLE_CHARS))
+
+    def _side_by_side(self, count: int) -> bool:
+        return self.transcript.size.width >= count * AlternativesView.MIN_COLUMN_WIDTH
 
     async def pump(self, shown: bool, draw: bool = True) -> bool:
-        """Moves what the stream produced since the last tick into the reply; True once it has ended.
-        Called by the app's stream pump (NvchatApp.PUMP_HZ). Shown, it draws when draw says a frame
-        is due (the app paces them), and always its last one. A chat in a hidden tab keeps receiving
-        but draws nothing until it is shown (catch_up()): nobody sees it, and parsing and laying it
-        out would take time from the visible chat and, through the GIL, from the engine."""
-        stream, view = self.stream, self._reply_view
-        if stream is None or view is None:
+        """Moves what the streams produced since the last tick into their replies; True once they
+        have all ended. Called by the app's stream pump (NvchatApp.PUMP_HZ). Shown, it draws when draw
+        says a frame is due (the app paces them), and always its last one. A chat in a hidden tab
+        keeps receiving but draws nothing until it is shown (catch_up()): nobody sees it, and parsing
+        and laying it out would take time from the visible chat and, through the GIL, from the engine."""
+        if not self._live or self._reply_view is None:
             return True
-        ended = stream.finished  # read before draining, so this drain holds the last tokens
-        delta = stream.drain()
-        if delta is not None and delta.text:
-            view.receive(delta.text)
-            now = time.monotonic()
-            if not ended and now >= self._next_save:
-                self._next_save = now + SAVE_EVERY_S
-                self.background(self.conversation.save_reply_so_far, stream).add_done_callback(self._saved)
-        if ended:
-            self._show_context(stream.num_prompt_tokens + stream.num_completion_tokens)
-            # Claimed and queued before any await: a tab closed or an app quit meanwhile finds no
-            # stream to store, so the reply is stored exactly once, and the write already waits.
-            self.stream = None
-            stored = self.background(self.conversation.finish_reply, stream)
-            view.end(reply_stats(stream))
+        ended_now = []
+        for live in list(self._live):
+            stream, view = live.stream, live.view
+            ended = stream.finished  # read before draining, so this drain holds the last tokens
+            delta = stream.drain()
+            if delta is not None and delta.text:
+                view.receive(delta.text)
+                now = time.monotonic()
+                if not ended and now >= live.next_save:
+                    live.next_save = now + SAVE_EVERY_S
+                    self.background(self.conversation.save_reply_so_far, stream).add_done_callback(self._saved)
+            if ended:
+                # Claimed and queued before any await: a tab closed or an app quit meanwhile finds no
+                # stream to store, so the reply is stored exactly once, and the write already waits.
+                self._live.remove(live)
+                live.stored = self.background(self.conversation.finish_reply, stream, live.show)
+                view.end(reply_stats(stream))
+                ended_now.append(live)
+        all_ended = not self._live
+        if all_ended:
+            last = self._replies[0].stream
+            if last.num_prompt_tokens is not None:  # None: a server that reports no usage
+                self._show_context(last.num_prompt_tokens + last.num_completion_tokens)
         try:
-            if shown and (draw or ended):
-                await view.catch_up()
+            if shown and (draw or ended_now):
+                await self._reply_view.catch_up()
         finally:
             # Even when drawing failed: the pump drops this chat after its last tick, and only
-            # _store_reply ends the turn.
-            if ended:
-                if stream.finish_reason == "error":
-                    self.notify(stream.error or "generation failed", title="Engine error", severity="error",
+            # _store_replies ends the turn.
+            for live in ended_now:
+                if live.stream.finish_reason == "error":
+                    self.notify(live.stream.error or "generation failed", title="Engine error", severity="error",
                                 timeout=10)
-                self.run_worker(self._store_reply(stored, view), exit_on_error=False)
-        return ended
+            if all_ended and ended_now:
+                self.run_worker(self._store_replies(self._replies, self._reply_view), exit_on_error=False)
+        return all_ended
 
     async def _note_left_out(self) -> None:
         limit = self.conversation.max_context
@@ -446,7 +639,7 @@ class ChatPane(Vertical):
         if reply is not None and reply.parent is self.transcript:
             await self.transcript.mount(note, before=reply)
         else:
-            await self.transcript.mount(note)
+            await self.transcript.mount(note, before=self.queued[0] if self.queued else None)
 
     def show_note(self, text: str, classes: str) -> None:
         """Text for the user at the foot of the transcript (above any queued messages), not stored:
@@ -454,10 +647,10 @@ class ChatPane(Vertical):
         self.transcript.mount(Static(Content(text), classes=classes), before=self.queued[0] if self.queued else None)
         self.transcript.scroll_end(animate=False)
 
-    def _show_context(self, tokens: int) -> None:
+    def _show_context(self, tokens: int | None) -> None:
         """The context the conversation fills, under the prompt box."""
         limit = self.conversation.max_context
-        if limit:
+        if limit and tokens is not None:
             self.prompt.border_subtitle = f"context {tokens} / {limit} tokens"
 
     async def _show_stored_context(self) -> None:
@@ -483,20 +676,172 @@ class ChatPane(Vertical):
         if view is not None and view.behind and view.is_attached:
             await view.catch_up()
 
-    async def _store_reply(self, stored, view: ReplyView) -> None:
-        try:
-            message = await stored
-        except Exception as e:  # the reply stays on screen; Ctrl+S can still export it
-            self.notify(f"The reply could not be stored: {e}", title="Storage error", severity="error", timeout=10)
-        else:
-            if message is None and view.is_attached:  # failed before producing anything: nothing to keep
-                await view.remove()
-            view.message = message
-        self._reply_view = None
+    async def _store_replies(self, replies: list[LiveReply], view: ReplyView | AlternativesView) -> None:
+        stored = []
+        for live in replies:
+            try:
+                message = await live.stored
+            except Exception as e:  # the reply stays on screen; Ctrl+S can still export the others
+                self.notify(f"The reply could not be stored: {e}", title="Storage error", severity="error", timeout=10)
+                continue
+            if message is None and live.view.is_attached and view is live.view:
+                await live.view.remove()  # failed before producing anything: nothing to keep
+            live.view.message = message
+            stored.append(message)
+        if isinstance(view, AlternativesView):
+            await self._show_first_alternative(view)
+        if self._reply_view is view:
+            self._reply_view = None
+        self._replies = []
+        # A single reply that calls tools: the app asks for approval and runs them (alternatives'
+        # calls are not run: none of them is the branch the chat goes on from until one is picked).
+        if (not isinstance(view, AlternativesView) and len(stored) == 1 and stored[0] is not None
+                and stored[0].tool_calls and not self._stop_requested):
+            self._set_status("the reply calls tools…")
+            self.post_message(self.ToolCallsMade(self, stored[0]))
+            return
         self._refresh_hint()
-        self._set_busy(False)
-        if self.queued:
-            self._send_next_queued()
+        self._refresh_marks()
+        self._end_turn()
+
+    async def _show_first_alternative(self, view: AlternativesView) -> None:
+        """Until one is picked, the chat goes on from the first alternative that has text."""
+        first = next(iter(view.messages), None)
+        if first is None:
+            return
+        try:
+            await self.background(self.conversation.show_branch, first)
+        except Exception as e:
+            self.notify(f"Could not store which alternative is shown: {e}", title="Storage error", severity="error")
+
+    # --- branches ------------------------------------------------------------------------------------
+
+    def select(self, index: int | None) -> None:
+        """Selects the message at index of the branch shown (None: none), for the keys that act on one."""
+        self.cursor = index
+        self._refresh_marks()
+        self._refresh_status()
+        self.post_message(self.StateChanged(self))
+        if index is not None:
+            view = self._view_of(self.conversation.messages[index])
+            if view is not None:
+                self.transcript.scroll_to_widget(view, animate=False)
+
+    def move_selection(self, step: int) -> None:
+        """Alt+Up/Down: the message above or below the selected one; from none, Up selects the last,
+        and Down past the last selects none again."""
+        count = len(self.conversation.messages)
+        if not count:
+            return
+        if self.cursor is None:
+            index = count - 1 if step < 0 else None
+        else:
+            index = self.cursor + step
+            index = None if index >= count else max(index, 0)
+        self.select(index)
+
+    def _branch_target(self) -> int | None:
+        """The message whose siblings F8/F9 go through: the selected one, else the latest message of
+        the branch shown that has any."""
+        if self.cursor is not None:
+            return self.cursor
+        messages = self.conversation.messages
+        return next((i for i in range(len(messages) - 1, -1, -1)
+                     if self.conversation.branch_position(messages[i])[1] > 1), None)
+
+    async def switch_branch(self, step: int = 0, number: int | None = None) -> None:
+        """Shows the sibling step places from the target message (or sibling number, from 1)."""
+        if self._refuse_if_busy():
+            return
+        index = self._branch_target()
+        if index is None or self.conversation.branch_position(self.conversation.messages[index])[1] < 2:
+            self.notify("No other branch here: F3 (edit) and Ctrl+R (regenerate) make them.", severity="warning")
+            return
+        try:
+            if number is None:
+                await self.background(self.conversation.switch_branch, index, step)
+            else:
+                await self.background(self.conversation.choose_branch, index, number)
+        except Exception as e:
+            self.notify(str(e), title="Could not switch branches", severity="error")
+            return
+        await self._close_alternatives()
+        await self._sync_views()
+        if self.cursor is not None:
+            self.select(index)
+        self._refresh_status()
+
+    async def pick_alternative(self, number: int) -> None:
+        """Keeps alternative number (from 1) as the branch shown; the others stay as its siblings."""
+        view = self._alternatives
+        if view is None:
+            self.notify("No alternatives to pick from: F6 or /alt N generates some.", severity="warning")
+            return
+        if self._refuse_if_busy():
+            return
+        if not 1 <= number <= len(view.replies) or view.replies[number - 1].message is None:
+            self.notify(f"No alternative {number} to pick.", severity="warning")
+            return
+        try:
+            await self.background(self.conversation.show_branch, view.replies[number - 1].message)
+        except Exception as e:
+            self.notify(str(e), title="Could not pick", severity="error")
+            return
+        await self._close_alternatives()
+        await self._sync_views()
+        self._refresh_status()
+
+    async def on_alternatives_view_picked(self, event: AlternativesView.Picked) -> None:
+        event.stop()
+        await self.pick_alternative(event.number)
+
+    async def retry_writing(self) -> None:
+        """A read-only conversation becomes writable here once the process writing it let it go:
+        it is read again, with what that process wrote."""
+        if self.conversation.read_only is None or self.busy:
+            return
+        try:
+            writable = await self.background(self.conversation.try_to_write)
+        except Exception as e:
+            self.notify(str(e), title="Could not read the conversation", severity="error")
+            return
+        if not writable:
+            return
+        await self._close_alternatives()
+        await self._sync_views()
+        self.refresh_banner()
+        self._refresh_hint()
+        self._show_read_only()
+        if self.conversation.draft and not self.prompt.text:
+            self.prompt.text = self.conversation.draft
+        self.post_message(self.StateChanged(self))
+        self.notify("The other nvchat let this conversation go: it is writable here now.")
+
+    # --- tool calls (the app runs them: ToolCallsMade) -----------------------------------------------
+
+    @property
+    def stop_requested(self) -> bool:
+        """Esc was pressed since the turn started: its tool calls should not run."""
+        return self._stop_requested
+
+    async def show_tool_call(self, call: dict) -> ToolCallView:
+        # A reply that ended in a hidden tab has views still to mount: they go first.
+        await self.catch_up()
+        view = ToolCallView(call)
+        await self.transcript.mount(view, before=self.queued[0] if self.queued else None)
+        return view
+
+    def set_tool_status(self, text: str) -> None:
+        self._set_status(text)
+
+    def continue_after_tools(self) -> None:
+        """Every call has its result stored: the reply goes on."""
+        self.run_worker(self._turn(self.conversation.continue_after_tools))
+
+    def end_tool_round(self) -> None:
+        """The turn ends without the reply going on (Esc, or the conversation could not store a result)."""
+        self._refresh_hint()
+        self._end_turn()
 
     async def attach_file(self, name: str, typed: str | None = None) -> None:
         """Adds the file's text to the message being written, at the cursor (read and checked on

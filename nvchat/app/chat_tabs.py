@@ -53,7 +53,8 @@ class ChatTabs(TabbedContent):
     def _label(self, pane: ChatPane) -> Content:
         # Not "…", which a title cut short already ends with ("a… …").
         marker = (" ▸", pane.color) if pane.busy else ""
-        return Content.assemble(("● ", pane.color), pane.conversation.title, marker)
+        read_only = (" · read-only", "dim") if pane.conversation.read_only else ""
+        return Content.assemble(("● ", pane.color), pane.conversation.title, marker, read_only)
 
     def _relabel(self, pane: ChatPane) -> None:
         if pane.parent is not None and pane.parent.id:
@@ -80,15 +81,16 @@ class ChatTabs(TabbedContent):
     async def close(self, pane: ChatPane) -> None:
         """Closes the chat's tab, keeping what its reply said so far and what it had typed; the last
         tab to close is replaced by a new chat."""
-        stream = pane.stream
-        if stream is not None:
-            # Its tab is going: stop the reply here and keep what it said so far.
-            pane.stream = None
+        # Its tab is going: stop the replies here and keep what they said so far.
+        streams = pane.take_streams()
+        for stream in streams:
             stream.abort()
-            self.background(store_partial_reply, pane.conversation, stream)
+        for i, stream in enumerate(streams):
+            self.background(store_partial_reply, pane.conversation, stream, i == 0)
         self.panes.remove(pane)
         self._request_owners = {rid: p for rid, p in self._request_owners.items() if p is not pane}
         pane.save_draft()  # queued before the tab goes, and kept if the app quits meanwhile
+        self.background(pane.conversation.release)  # after its writes: another process may write it now
         await self.remove_pane(pane.parent.id)
         if not self.panes:
             await self.open(self.new_conversation())
@@ -98,6 +100,7 @@ class ChatTabs(TabbedContent):
     def show(self, pane: ChatPane) -> None:
         self.active = pane.parent.id
         pane.prompt.focus()
+        self.app.run_worker(pane.retry_writing(), exit_on_error=False)
 
     def cycle(self, step: int) -> None:
         """Shows the chat step tabs to the right (or left), wrapping around."""
@@ -120,13 +123,13 @@ class ChatTabs(TabbedContent):
         pane = self.active_chat
         if pane is not None:
             await pane.catch_up()
+            await pane.retry_writing()
 
     def on_chat_pane_state_changed(self, event: ChatPane.StateChanged) -> None:
         self._relabel(event.pane)
 
     def on_chat_pane_reply_started(self, event: ChatPane.ReplyStarted) -> None:
-        stream = event.pane.stream
-        if stream is not None:
+        for stream in event.pane.streams:
             self._request_owners[stream.request_id] = event.pane
 
     def panel_data(self, snapshot: EngineSnapshot | None) -> PanelData:
@@ -134,7 +137,7 @@ class ChatTabs(TabbedContent):
         backend): whose each request is, and every open chat for the legend."""
         # A finished request's owner is kept until the engine's snapshot no longer shows it holding
         # blocks (the snapshot trails the streams by a step).
-        live = {p.stream.request_id for p in self.panes if p.stream is not None}
+        live = {stream.request_id for p in self.panes for stream in p.streams}
         self._request_owners = {rid: p for rid, p in self._request_owners.items()
                                 if rid in live or (snapshot is not None and rid in snapshot.block_holders)}
         owners = {rid: BlockOwner(p.conversation.title, p.color) for rid, p in self._request_owners.items()}

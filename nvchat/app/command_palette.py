@@ -13,8 +13,13 @@ _HELP = {
     "previous_tab": "Switch to the previous chat",
     "rename_tab": "Rename this chat",
     "stop_reply": "Stop the reply being generated",
-    "regenerate": "Drop the last reply and generate it again",
-    "edit_last": "Edit your last message and resend it",
+    "regenerate": "A new reply beside the selected (or last) one; the old one stays as a branch",
+    "edit_last": "Edit the selected (or your last) message: sent, it makes a new branch",
+    "select_message(-1)": "Select the message above (for edit, regenerate, branches)",
+    "select_message(1)": "Select the message below (past the last: none)",
+    "switch_branch(-1)": "Show the previous branch of the selected (or latest branching) message",
+    "switch_branch(1)": "Show the next branch of the selected (or latest branching) message",
+    "alternatives": "Three replies at once, side by side, to pick from",
     "system_prompt": "Edit this chat's system prompt",
     "sampling": "This chat's temperature, top-p, top-k and max tokens",
     "toggle_kv_panel": "Show or hide the live KV-cache block map",
@@ -23,8 +28,8 @@ _HELP = {
     "export_markdown": "Export this chat to a Markdown file",
     "help": "List every key",
 }
-# Textual's own system commands already offer these.
-_SKIP = {"quit"}
+# Textual's own system commands already offer quit; picking an alternative is for when some are up.
+_SKIP = {"quit", "pick_1", "pick_2", "pick_3", "pick_4"}
 _PALETTE_ONLY = (
     ("Default system prompt", "Edit the system prompt new chats start with (saved to config.toml)",
      "default_system_prompt"),

@@ -11,7 +11,7 @@ from textual.widgets import DataTable, Label
 from nvchat.app.bindings import (
     ALL_KEYS,
     FOCUS_KEYS,
-    SLASH_ACTIONS,
+    KEYED_COMMANDS,
     command_for_action,
     describe_key,
     effective_key,
@@ -22,7 +22,7 @@ from nvchat.slash_table import APP, commands_for
 def _slash_note() -> str:
     commands = commands_for(APP)
     with_text = ", ".join(c.usage for c in commands if " " in c.usage)
-    keyless = "".join(f"\n{c.usage}: {c.summary}; " for c in commands if c.name not in SLASH_ACTIONS) or "\n"
+    keyless = "".join(f"\n{c.usage}: {c.summary}; " for c in commands if c.name not in KEYED_COMMANDS) or "\n"
     return f"Commands that take text: {with_text}.{keyless}//x sends /x."
 
 
@@ -48,7 +48,14 @@ class HelpScreen(ModalScreen[None]):
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         table.add_columns("Key", "Action", "Command", "Id")
+        picks = [spec for spec in ALL_KEYS if spec.action.startswith("pick_alternative(")]
         for spec in ALL_KEYS:
+            if spec in picks[1:]:
+                continue
+            if spec is picks[0]:  # one row for the four: Alt+1 … Alt+4
+                table.add_row(" … ".join(describe_key(effective_key(s, self.keymap)) for s in (picks[0], picks[-1])),
+                              "Pick alternative N", "/pick N", f"{picks[0].id} … {picks[-1].id}")
+                continue
             table.add_row(describe_key(effective_key(spec, self.keymap)), spec.description,
                           command_for_action(spec.action) or "", spec.id)
         for key, description in FOCUS_KEYS:

@@ -162,13 +162,21 @@ def _gib(n: int) -> str:
 def counters_text(s: EngineSnapshot) -> str:
     prefix = (f"{s.prefix_hit_rate * 100:.1f}% hit ({s.prefix_hit_tokens}/{s.prompt_tokens} tok)"
               if s.prompt_tokens else "no prompts yet")
-    return "\n".join([
+    lines = [
         f"blocks   {s.num_used_blocks}/{s.num_blocks} used · {s.num_cached_blocks} cached",
         f"KV       {_gib(s.kv_bytes_used)}/{_gib(s.kv_bytes_total)} GiB ({s.block_size} tok/block)",
         f"prefix   {prefix}",
+    ]
+    # The lower tiers, where they are on: their use, and the prompt tokens that came back from each.
+    if s.host_bytes_total:
+        lines.append(f"host     {_gib(s.host_bytes_used)}/{_gib(s.host_bytes_total)} GiB · {s.host_hit_tokens} tok hit")
+    if s.disk_bytes_total:
+        lines.append(f"disk     {_gib(s.disk_bytes_used)}/{_gib(s.disk_bytes_total)} GiB · {s.disk_hit_tokens} tok hit")
+    lines += [
         f"running  {s.num_running} · waiting {s.num_waiting} · preempted {s.num_preemptions}",
         f"tok/s    prefill {s.prefill_tokens_per_s:,.0f} · decode {s.decode_tokens_per_s:,.0f}",
-    ])
+    ]
+    return "\n".join(lines)
 
 
 def legend_text(chats: list[BlockOwner], per_cell: int) -> Text:
@@ -302,7 +310,12 @@ class KVPanel(Vertical):
             return
         self._history.append(snap.prefill_tokens_per_s + snap.decode_tokens_per_s)
         self.query_one(Sparkline).data = list(self._history)
-        self.query_one(Counters).show(counters_text(snap))
+        counters = self.query_one(Counters)
+        text = counters_text(snap)
+        lines = text.count("\n") + 1
+        if counters.styles.height is None or counters.styles.height.value != lines:
+            counters.styles.height = lines  # a line per lower tier that is on: set once
+        counters.show(text)
         grid = self.query_one(BlockGrid)
         # The engine republishes its block map only after steps: an idle engine leaves it as it was.
         key = (snap.taken_at, data.owners, data.chats, grid.size, self.app.theme)

@@ -1,5 +1,7 @@
 """Transcript entries: the user's messages as plain text, the assistant's as Markdown with its
-Qwen3 <think> section folded away and a footer of numbers.
+Qwen3 <think> section folded away and a footer of numbers. A message with siblings (edits of it,
+other replies in its place) says which of them it is in its title, ◀ 2/3 ▶; alternatives being
+chosen from stand side by side (or stacked, where the transcript is narrow).
 
 A reply being generated grows through MarkdownStream.write into a StreamingMarkdown, so each
 update parses only the new tail of the document rather than re-rendering the reply.
@@ -8,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.content import Content
+from textual.message import Message as TextualMessage
 from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
@@ -18,7 +22,7 @@ from nvchat.app.code_block import ReplyMarkdown
 from nvchat.app.streaming_markdown import QuietResize, StreamingMarkdown
 from nvchat.conversation import Message, split_thinking
 
-_FINISH_NOTES = {"abort": "stopped", "length": "hit max tokens", "error": "failed"}
+_FINISH_NOTES = {"abort": "stopped", "length": "hit max tokens", "error": "failed", "tool_calls": "calls tools"}
 _INTERRUPTED_REASONS = ("abort", "error")
 
 
@@ -33,7 +37,15 @@ def footer_text(stats: dict | None, interrupted: bool = False) -> str:
     if stats.get("ttft_s") is not None:
         parts.append(f"TTFT {stats['ttft_s'] * 1000:.0f} ms")
     if stats.get("prompt_tokens"):
-        parts.append(f"prompt {stats['prompt_tokens']} ({stats.get('cached_tokens') or 0} cached)")
+        cached = stats.get("cached_tokens")
+        if cached is None:  # a server that reports the prompt's size and not what it had cached
+            parts.append(f"prompt {stats['prompt_tokens']} (cached unknown)")
+        else:
+            # What the engine's prefix cache held of this prompt: most of it, for a branch or a
+            # next turn of a long chat, whose earlier part was computed before.
+            parts.append(f"{cached} of {stats['prompt_tokens']} prompt tokens from the cache")
+    elif "prompt_tokens" in stats and stats["prompt_tokens"] is None:  # a server that reports no usage
+        parts.append("prompt size unknown")
     reason = stats.get("finish_reason") or ""
     if interrupted:
         # One word for it: "stopped" or "failed" where the numbers say which, else "interrupted".
@@ -79,11 +91,29 @@ class ThinkSplitter:
         return [(self.in_think, held)] if held else []
 
 
-class UserMessageView(Static):
+def branch_title(base: str, which: int, of: int) -> str:
+    """A message's title with its place among its siblings, where it has any."""
+    return f"{base}  ◀ {which}/{of} ▶" if of > 1 else base
+
+
+class BranchMarks:
+    """What a transcript entry shows of its place in the conversation's tree, and whether it is the
+    message selected (Alt+Up/Down) for the keys that act on one."""
+
+    base_title = ""
+
+    def mark_branch(self, which: int, of: int, selected: bool) -> None:
+        self.border_title = branch_title(self.base_title, which, of)
+        self.set_class(selected, "-selected")
+
+
+class UserMessageView(BranchMarks, Static):
+    base_title = "you"
+
     def __init__(self, message: Message) -> None:
         super().__init__(Content(message.content), classes="message user")
         self.message: Message | None = message
-        self.border_title = "you"
+        self.border_title = self.base_title
 
 
 class QueuedMessageView(Static):
@@ -96,15 +126,19 @@ class QueuedMessageView(Static):
         self.border_title = "you · queued"
 
 
-class ReplyView(QuietResize, Vertical):
+class ReplyView(BranchMarks, QuietResize, Vertical):
     """An assistant reply: stored (built whole), or live: fed by receive() and end(), and drawn,
     in batches, by catch_up(). A live reply in a hidden tab only accumulates: it is drawn once,
     whole, when its tab is shown."""
 
-    def __init__(self, message: Message | None = None) -> None:
+    base_title = "assistant"
+
+    def __init__(self, message: Message | None = None, title: str | None = None) -> None:
         super().__init__(classes="message assistant")
         self.message = message
-        self.border_title = "assistant"
+        if title is not None:
+            self.base_title = title
+        self.border_title = self.base_title
         self._thinking_md: Markdown | None = None
         self._answer_md: Markdown | None = None
         self._streams: dict[bool, MarkdownStream] = {}
@@ -192,7 +226,9 @@ class ReplyView(QuietResize, Vertical):
 
     def _mark_interrupted(self) -> None:
         self.add_class("-interrupted")
-        self.border_title = "assistant · interrupted"
+        if "interrupted" not in self.base_title:
+            self.base_title += " · interrupted"
+        self.border_title = self.base_title
 
     async def _write_piece(self, thinking: bool, piece: str) -> None:
         if thinking and self._thinking_md is None:
@@ -202,3 +238,49 @@ class ReplyView(QuietResize, Vertical):
         if stream is None:
             stream = self._streams[thinking] = Markdown.get_stream(self._thinking_md if thinking else self._answer_md)
         await stream.write(piece)
+
+
+class AlternativesView(Vertical):
+    """Several replies to one prompt generated at once (F6, /alt N), numbered, side by side where
+    each gets MIN_COLUMN_WIDTH columns, else stacked, until one is picked (Alt+N, /pick N, a click)."""
+
+    MIN_COLUMN_WIDTH = 36
+    message = None  # stands for no one stored message (ChatPane._sync_views)
+
+    class Picked(TextualMessage):
+        def __init__(self, number: int) -> None:
+            super().__init__()
+            self.number = number
+
+    def __init__(self, count: int, side_by_side: bool) -> None:
+        super().__init__(classes="alternatives" + (" -side-by-side" if side_by_side else ""))
+        self.replies = [ReplyView(title=f"{n} · Alt+{n} picks") for n in range(1, count + 1)]
+
+    def compose(self) -> ComposeResult:
+        yield from self.replies
+
+    @property
+    def messages(self) -> list[Message]:
+        return [view.message for view in self.replies if view.message is not None]
+
+    @property
+    def behind(self) -> bool:
+        return any(view.behind for view in self.replies)
+
+    async def catch_up(self) -> None:
+        for view in self.replies:
+            await view.catch_up()
+
+    def mark_shown(self, message: Message | None) -> None:
+        """Which alternative the conversation goes on from if none is picked."""
+        for view in self.replies:
+            view.set_class(message is not None and view.message is message, "-shown")
+
+    def on_click(self, event: events.Click) -> None:
+        widget = event.widget
+        while widget is not None and widget is not self:
+            if widget in self.replies:
+                event.stop()
+                self.post_message(self.Picked(self.replies.index(widget) + 1))
+                return
+            widget = widget.parent

@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 
 from engine import RequestStream
 from engine.backend import Backend
+from nvchat import startup_trace
 from nvchat.backend import open_backend
 from nvchat.conversation import Conversation
 from nvchat.settings import Settings
@@ -46,10 +47,10 @@ def quit_on_signals(quit: Callable[[], object]) -> Callable[[], None]:
     return undo
 
 
-def store_partial_reply(conversation: Conversation, stream: RequestStream) -> None:
+def store_partial_reply(conversation: Conversation, stream: RequestStream, show: bool = True) -> None:
     """A reply cut short (its tab closed, the app quit), stored as far as it got once its stream ends."""
     stream.wait(5)
-    conversation.finish_reply(stream)
+    conversation.finish_reply(stream, show)
 
 
 class ChatServices:
@@ -94,16 +95,20 @@ class ChatServices:
         def report(stage: str) -> None:
             self._to_ui(progress, stage)
 
+        def begin(stage: str) -> None:  # a stage of its own; open_backend marks the engine's
+            startup_trace.mark(stage)
+            report(stage)
+
         engine, store = self.engine, self.store
         try:
             if engine is None:
                 if self.settings.uses_demo_model:
-                    report("preparing the demo model")
+                    begin("preparing the demo model")
                 engine = open_backend(self.settings, report)
-                report("connecting to the server" if self.settings.backend else "starting the engine thread")
+                begin("connecting to the server" if self.settings.backend else "starting the engine thread")
                 engine.start()
             if store is None:
-                report("opening the conversation store")
+                begin("opening the conversation store")
                 store = ChatStore()
         except Exception as e:  # shown on the loading screen rather than as a traceback
             detail = str(e) if isinstance(e, (ValueError, OSError, RuntimeError)) else f"{type(e).__name__}: {e}"
@@ -123,24 +128,28 @@ class ChatServices:
 
     # --- shutdown ------------------------------------------------------------------------------------
 
-    async def close(self, live: list[tuple[Conversation, RequestStream]],
+    async def close(self, live: list[tuple[Conversation, list[RequestStream]]],
                     drafts: list[tuple[Conversation, str]], then: Callable[[], None] | None = None) -> None:
         """The app is exiting: stops the replies still running (keeping their text), stores what each
         chat had typed and not sent, runs then (on the conversation thread, after those writes), lets
-        queued writes finish, then shuts down what the app started, off the UI thread. A start-up
-        still under way closes what it builds itself."""
+        queued writes finish and the conversations go (another process may write them now), then
+        shuts down what the app started, off the UI thread. A start-up still under way closes what it
+        builds itself."""
         self.closing = True
         await asyncio.to_thread(self._close, self.engine, self.store, live, drafts, then)
 
     def _close(self, engine: Backend | None, store: ChatStore | None,
-               live: list[tuple[Conversation, RequestStream]], drafts: list[tuple[Conversation, str]] = (),
+               live: list[tuple[Conversation, list[RequestStream]]], drafts: list[tuple[Conversation, str]] = (),
                then: Callable[[], None] | None = None) -> None:
-        for _, stream in live:
-            stream.abort()
-        for conversation, stream in live:
-            self._conversation_thread.submit(store_partial_reply, conversation, stream)
+        for _, streams in live:
+            for stream in streams:
+                stream.abort()
+        for conversation, streams in live:
+            for i, stream in enumerate(streams):
+                self._conversation_thread.submit(store_partial_reply, conversation, stream, i == 0)
         for conversation, text in drafts:
             self._conversation_thread.submit(conversation.save_draft, text)
+            self._conversation_thread.submit(conversation.release)
         if then is not None:
             self._conversation_thread.submit(then)
         self._conversation_thread.shutdown(wait=True)

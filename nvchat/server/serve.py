@@ -16,7 +16,7 @@ import uvicorn
 from engine import EngineThread
 from nvchat import default_model
 from nvchat.flags import CommandLineParser, add_engine_flags, settings_from_args
-from nvchat.server.app import ServerState, create_app
+from nvchat.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerState, create_app
 from nvchat.settings import Settings, SettingsError
 
 # A request still open this long after a shutdown began is cut off (its engine request is
@@ -34,8 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
     p.add_argument("--served-model-name", help="the model's name in the API (default: --model as given, else "
                                                         f"{default_model.NAME}, or 'demo' without {default_model.DISTRIBUTION})")
+    p.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                   help=f"a bigger request body is refused with 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 16 MiB)")
     add_engine_flags(p)
     return p
+
+
+def _positive(text: str) -> int:
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
 
 
 def _port(text: str) -> int:
@@ -89,14 +98,14 @@ def _api_model_id(settings: Settings) -> str:
 
 
 def run_serve(settings: Settings, *, host: str, port: int, api_key: str | None = None,
-              model_name: str | None = None) -> int:
+              model_name: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
     try:
         model = settings.engine_model()
         sock = _bind(host, port)
     except (ValueError, OSError) as e:
         _say(str(e))
         return 1
-    state = ServerState(model_name or _api_model_id(settings))
+    state = ServerState(model_name or _api_model_id(settings), max_request_bytes=max_request_bytes)
     config = uvicorn.Config(create_app(state, api_key=api_key), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _Server(config, state)
@@ -140,4 +149,4 @@ def main(argv: list[str]) -> int:
         _say(str(e))
         return 2
     return run_serve(settings, host=args.host, port=args.port, api_key=args.api_key,
-                     model_name=args.served_model_name)
+                     model_name=args.served_model_name, max_request_bytes=args.max_request_bytes)

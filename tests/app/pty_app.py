@@ -32,8 +32,9 @@ class PtyApp:
                                         start_new_session=True)
         os.close(child)
         self._output = bytearray()
-        self._lock = threading.Lock()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._output_grew = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         while True:
@@ -43,12 +44,13 @@ class PtyApp:
                 return
             if not data:
                 return
-            with self._lock:
+            with self._output_grew:
                 self._output += data
+                self._output_grew.notify_all()
 
     @property
     def output(self) -> str:
-        with self._lock:
+        with self._output_grew:
             return self._output.decode("utf-8", "replace")
 
     def write(self, data: bytes) -> None:
@@ -66,11 +68,23 @@ class PtyApp:
                                      f"{self.output[-2000:]}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-            time.sleep(0.05)
+            with self._output_grew:
+                # Woken by new output; conditions on the database are checked again every 50 ms.
+                self._output_grew.wait(0.05)
 
     def wait_ready(self, timeout: float = 60) -> None:
-        """Until the first chat is on screen (its hint names the send key)."""
-        self.wait_until(lambda: "Enter sends" in self.output, timeout, "the first chat")
+        """Until the first chat is on screen (its hint names the send key) and takes the app's keys.
+        The hint can be drawn before the app is ready (its tab is drawn while it mounts; 1 of 3
+        starts), and a chat key such as Ctrl+O that arrives then is dropped; the footer lists the
+        chat keys (Ctrl+W's "Close chat") only once the app is ready."""
+        self.wait_until(lambda: "Enter sends" in self.output and "Close chat" in self.output, timeout,
+                        "the first chat, ready for keys")
+
+    def wait_output_read(self, timeout: float = 10) -> None:
+        """Until every byte the process wrote has been read: after it exits, the terminal closes
+        once the reader has taken what was left in it."""
+        self._reader.join(timeout)
+        assert not self._reader.is_alive(), f"the terminal still open {timeout}s after the process ended"
 
     def query(self, sql: str, args=()) -> list[tuple]:
         if not self.database.exists():

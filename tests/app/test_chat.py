@@ -11,16 +11,19 @@ from nvchat import paths
 from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.events import PromptSubmitted
+from nvchat.app.footer import ChatFooter
 from nvchat.app.loading_screen import LoadingScreen
 from nvchat.app.message_view import ReplyView, ThinkSplitter, UserMessageView
 from nvchat.conversation import Message
-from nvchat.store import ChatStore
+from nvchat.store import ChatStore, shown_branch
 from tests.app.conftest import app_settings
 from tests.app.helpers import (
     burst,
+    handled,
     idle,
     press_now,
     reopen_the_only_past_conversation,
+    run_from_palette,
     send,
     started,
     submit_now,
@@ -68,8 +71,8 @@ async def test_typing_while_the_model_loads_is_kept_for_the_first_chat(monkeypat
         # q quits only a start that failed: here it is a word's first letter.
         await pilot.press(*"quick", "space", *"qn", "backspace")
         burst(app, "", paste=" pasted", enter=False)
-        await pilot.pause()
-        assert "quick q pasted" in str(app.screen.query_one("#loading-typed").render())
+        await wait_for(pilot, lambda: "quick q pasted" in str(app.screen.query_one("#loading-typed").render()),
+                       what="the typed text and the paste on the loading screen")
         loaded.set()
         await started(pilot)
         assert app.active_pane.prompt.text == "quick q pasted"
@@ -112,12 +115,8 @@ async def test_send_streams_a_reply_with_footer_and_stores_it(make_app):
         await wait_for(pilot, lambda: pane.query(ReplyView) and pane.query(ReplyView).last().query("#answer"),
                        what="the reply view")
         # Streaming: the reply's Markdown grows over several pump ticks before the reply ends.
-        sizes = set()
-        while pane.busy:
-            view = pane.query(ReplyView).last()
-            sizes.add(len(view.query_one("#answer", Markdown).source))
-            await pilot.pause(0.02)
-        assert len(sizes) > 3
+        answer = pane.query(ReplyView).last().query_one("#answer", Markdown)
+        assert len(await sizes_until_idle(pilot, pane, lambda: len(answer.source))) > 3
         user, reply = pane.conversation.messages
         assert (user.role, user.content) == ("user", "hello there")
         assert reply.role == "assistant" and reply.stats["tokens"] == 300 and reply.stats["finish_reason"] == "length"
@@ -147,24 +146,6 @@ async def test_escape_stops_the_reply(make_app):
         assert stored_messages(pane)[-1].stats["finish_reason"] == "abort"
 
 
-async def test_regenerate_replaces_the_last_reply(make_app):
-    app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        pane = app.active_pane
-        await send(pilot, "roll the dice")
-        await idle(pilot, pane)
-        first = pane.conversation.messages[-1]
-        await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: pane.conversation.messages[-1] is not first and not pane.busy,
-                       what="the new reply")
-        messages = pane.conversation.messages
-        assert [m.role for m in messages] == ["user", "assistant"]
-        assert messages[-1] is not first and messages[-1].content != first.content
-        assert len(pane.query(ReplyView)) == 1
-        assert [m.content for m in stored_messages(pane)] == [m.content for m in messages]
-
-
 async def test_edit_and_resend_the_last_message(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -181,7 +162,10 @@ async def test_edit_and_resend_the_last_message(make_app):
         assert [(m.role, m.content) for m in pane.conversation.messages][0] == ("user", "second draft")
         assert len(pane.conversation.messages) == 2
         assert [str(v.message.content) for v in pane.query(UserMessageView)] == ["second draft"]
-        assert [m.content for m in stored_messages(pane)][0] == "second draft"
+        # Stored as a branch beside the first draft, which stays.
+        rows = stored_messages(pane)
+        assert [r.content for r in shown_branch(rows)][0] == "second draft"
+        assert [r.content for r in rows if r.role == "user"] == ["frist draft", "second draft"]
 
 
 async def test_editing_the_last_message_keeps_the_draft_in_the_box(make_app):
@@ -260,7 +244,9 @@ async def test_a_turn_started_in_a_hidden_tab_mounts_its_views_when_shown(make_a
         await press_now(pilot, "ctrl+pageup")
         assert app.active_pane is hidden
         first_reply = hidden.conversation.messages[-1]
-        assert views() == [("UserMessageView", "first question"), ("ReplyView", first_reply.content)]
+        # The tab's activation mounts them, a message after the switch.
+        first_turn = [("UserMessageView", "first question"), ("ReplyView", first_reply.content)]
+        await wait_for(pilot, lambda: views() == first_turn, what="the first turn's views, once each")
         shown_reply = hidden.query(ReplyView).last()
         assert shown_reply.text == first_reply.content
         await wait_for(pilot, lambda: not shown_reply.behind, what="the stored reply to be drawn")
@@ -271,12 +257,12 @@ async def test_a_turn_started_in_a_hidden_tab_mounts_its_views_when_shown(make_a
         hidden.post_message(PromptSubmitted("second question"))
         await wait_for(pilot, lambda: hidden.stream is not None, what="the second reply")
         await press_now(pilot, "ctrl+pageup")
+        await wait_for(pilot, lambda: len(views()) >= 4, what="the second turn's views")
         live = hidden.query(ReplyView).last()
-        assert views()[:3] == [("UserMessageView", "first question"), ("ReplyView", first_reply.content),
-                               ("UserMessageView", "second question")]
+        assert views()[:3] == [*first_turn, ("UserMessageView", "second question")]
         assert len(views()) == 4  # the reply's view, live or already stored, mounted once
         await idle(pilot, hidden)
-        assert views()[3] == ("ReplyView", hidden.conversation.messages[-1].content)
+        assert len(views()) == 4 and views()[3] == ("ReplyView", hidden.conversation.messages[-1].content)
         assert live.text == hidden.conversation.messages[-1].content
 
 
@@ -289,7 +275,7 @@ def slow_markdown_mount(request, monkeypatch):
         mount = Markdown._on_mount
 
         async def late_mount(self, event):
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # the slow mount this fixture injects, not a wait for anything
             await mount(self, event)
 
         monkeypatch.setattr(Markdown, "_on_mount", late_mount)
@@ -321,6 +307,16 @@ async def test_a_pump_tick_that_sees_a_tab_shown_before_its_views_mount_loses_no
         assert view.query_one("#answer", Markdown).source == reply.content
 
 
+async def sizes_until_idle(pilot, pane: ChatPane, size) -> list[int]:
+    """Each size(), as it changes, until the chat's turn ends."""
+    sizes = [size()]
+    while pane.busy:
+        await wait_for(pilot, lambda: size() != sizes[-1] or not pane.busy, what="the reply to grow or end")
+        if (now := size()) != sizes[-1]:
+            sizes.append(now)
+    return sizes
+
+
 def drawn_and_received(view: ReplyView) -> tuple[tuple[str, str], tuple[str, str]]:
     """(thinking, answer) as the view's Markdown widgets show them, and as its received text splits."""
     splitter = ThinkSplitter()
@@ -348,10 +344,7 @@ async def test_the_visible_reply_streams_whole_while_other_chats_stream(make_app
         started_at, draws = time.perf_counter(), app.pump.frame_stats.draws
         view = pane.query(ReplyView).last()
         answer = view.query_one("#answer", Markdown)
-        sizes = set()
-        while pane.busy:
-            sizes.add(len(answer.source))
-            await pilot.pause(0.02)
+        sizes = await sizes_until_idle(pilot, pane, lambda: len(answer.source))
         elapsed, draws = time.perf_counter() - started_at, app.pump.frame_stats.draws - draws
         assert len(sizes) > 3  # it grew as it streamed, not once at the end
         drawn, received = drawn_and_received(view)
@@ -374,6 +367,19 @@ def footer_keys(app) -> dict[str, bool]:
     return {key.action: not key.has_class("-disabled") for key in app.query(FooterKey)}
 
 
+def footer_updates(app) -> list[None]:
+    """Grows by one each time the footer has brought its keys up to date with the bindings."""
+    footer = app.query_one(ChatFooter)
+    update, updates = footer._update_keys, []
+
+    async def counted() -> None:
+        await update()
+        updates.append(None)
+
+    footer._update_keys = counted  # what ChatFooter.bindings_changed schedules, looked up on the instance
+    return updates
+
+
 async def test_the_footer_enables_the_keys_a_reply_needs_and_keeps_its_keys_otherwise(make_app):
     from textual.widgets._footer import FooterKey
     app = make_app(max_tokens=200)
@@ -382,14 +388,15 @@ async def test_the_footer_enables_the_keys_a_reply_needs_and_keeps_its_keys_othe
         pane = app.active_pane
         await send(pilot, "first")
         await idle(pilot, pane)
-        await pilot.pause()
-        assert footer_keys(app)["stop_reply"] is False and footer_keys(app)["regenerate"] is True
+        await wait_for(pilot, lambda: (footer_keys(app)["stop_reply"], footer_keys(app)["regenerate"]) == (False, True),
+                       what="Esc disabled and Ctrl+R enabled after the reply")
         keys = set(app.query(FooterKey))
         await submit_now(pilot, pane, "second")
         await wait_for(pilot, lambda: footer_keys(app)["stop_reply"], what="Esc to be enabled")
         assert footer_keys(app)["regenerate"] is False
+        updates = footer_updates(app)
         app.refresh_bindings()  # nothing changed: the same keys stay
-        await pilot.pause()
+        await wait_for(pilot, lambda: updates, what="the footer to take the refresh")
         assert set(app.query(FooterKey)) == keys
         await press_now(pilot, "escape")
         await idle(pilot, pane)
@@ -397,8 +404,9 @@ async def test_the_footer_enables_the_keys_a_reply_needs_and_keeps_its_keys_othe
         assert footer_keys(app)["regenerate"] is True
         assert set(app.query(FooterKey)) == keys
         await press_now(pilot, "ctrl+t")  # another chat: still the same keys, enabled as it needs
-        await pilot.pause()
-        assert footer_keys(app)["regenerate"] is False and footer_keys(app)["stop_reply"] is False
+        await wait_for(pilot, lambda: app.active_pane is not pane and footer_keys(app)["regenerate"] is False,
+                       what="the new chat's keys")
+        assert footer_keys(app)["stop_reply"] is False
 
 
 class DeferralAtReplyStart(NvchatApp):
@@ -434,7 +442,9 @@ async def test_a_reply_that_ends_in_a_hidden_tab_shows_whole_once_shown(make_app
         await started(pilot)
         first = app.active_pane
         await submit_now(pilot, first, "long story")
-        await wait_for(pilot, lambda: first.stream is not None)
+        # The reply's view, once mounted with its parts (the stream is claimed before it mounts).
+        await wait_for(pilot, lambda: first.stream is not None and first.query(ReplyView)
+                       and first.query(ReplyView).last().query("#answer"), what="the reply's view")
         view = first.query(ReplyView).last()
         if drawn_first:
             answer = view.query_one("#answer", Markdown)
@@ -450,8 +460,10 @@ async def test_a_reply_that_ends_in_a_hidden_tab_shows_whole_once_shown(make_app
         assert str(view.query_one("#reply-footer").render()) == "generating…"
         await pilot.press("alt+left")
         assert app.active_pane is first
-        await wait_for(pilot, lambda: drawn_and_received(view)[0] == drawn_and_received(view)[1],
-                       what="the whole reply to be drawn")
+        # Its footer is the last thing the catch-up draws.
+        await wait_for(pilot, lambda: drawn_and_received(view)[0] == drawn_and_received(view)[1]
+                       and "400 tokens" in str(view.query_one("#reply-footer").render()),
+                       what="the whole reply and its footer to be drawn")
         footer = str(view.query_one("#reply-footer").render())
         assert "400 tokens" in footer and "tok/s" in footer and "hit max tokens" in footer
         assert not view.has_class("-live")
@@ -473,8 +485,7 @@ async def test_tab_keys_cycle_rename_and_close(make_app):
         await wait_for(pilot, lambda: app.active_pane.conversation.title == "renamed")
         assert "renamed" in str(app.tabs.get_tab(ids[2]).label)
         await pilot.press("ctrl+w")
-        await pilot.pause()
-        assert [tab.id for tab in app.tabs.query(TabPane)] == ids[:2]
+        await wait_for(pilot, lambda: [tab.id for tab in app.tabs.query(TabPane)] == ids[:2], what="the tab to close")
 
 
 async def test_switching_theme_in_the_palette_persists(make_app):
@@ -483,13 +494,8 @@ async def test_switching_theme_in_the_palette_persists(make_app):
         await started(pilot)
         assert app.theme == "nvchat-dark"
         await pilot.press("ctrl+p")
-        await pilot.press(*"theme")
-        await pilot.pause(0.3)
-        await pilot.press("enter")
-        await pilot.pause(0.3)
-        await pilot.press(*"paper")
-        await pilot.pause(0.3)
-        await pilot.press("enter")
+        await run_from_palette(pilot, "theme", "Theme")
+        await run_from_palette(pilot, "paper", "paper")  # the themes' own palette, which Theme opens
         await wait_for(pilot, lambda: app.theme == "paper", what="the theme to change")
         config = paths.config_file()
         await wait_for(pilot, lambda: config.exists() and 'theme = "paper"' in config.read_text(),
@@ -518,8 +524,7 @@ async def test_kv_panel_shows_numbers_that_change(make_app):
         assert grid.data.owners[request].color == pane.color  # coloured as its tab
         assert "running  1 ·" in str(counters.render()) or not pane.busy
         await idle(pilot, pane)
-        await pilot.pause(0.3)
-        assert str(counters.render()) != before
+        await wait_for(pilot, lambda: str(counters.render()) != before, what="the counters to change")
         await pilot.press("f5")
         assert not app.query_one("#kv-panel").display
 
@@ -662,9 +667,10 @@ async def test_thinking_is_folded_away(make_app):
 
 
 async def scroll_wheel(pilot, widget, event_class, times: int) -> None:
+    """Turns the mouse wheel over widget; returns once it has scrolled (it does not animate a wheel)."""
     for _ in range(times):
         widget.post_message(event_class(widget, 2, 2, 0, 0, 0, False, False, False))
-        await pilot.pause(0.02)
+    await handled(pilot, widget)
 
 
 async def test_transcript_follows_the_reply_until_scrolled_up(make_app):
@@ -676,8 +682,8 @@ async def test_transcript_follows_the_reply_until_scrolled_up(make_app):
         transcript = pane.transcript
         await submit_now(pilot, pane, "go")
         await wait_for(pilot, lambda: transcript.max_scroll_y > 4 and pane.stream is not None, what="a tall reply")
-        await pilot.pause(0.1)
-        assert transcript.scroll_y == transcript.max_scroll_y  # following
+        # Following: it scrolls to each new end once the new lines are laid out.
+        await wait_for(pilot, lambda: transcript.scroll_y == transcript.max_scroll_y, what="the view at the end")
         await scroll_wheel(pilot, transcript, MouseScrollUp, 3)
         held = transcript.scroll_y
         grown = transcript.max_scroll_y
@@ -687,8 +693,8 @@ async def test_transcript_follows_the_reply_until_scrolled_up(make_app):
         await scroll_wheel(pilot, transcript, MouseScrollDown, 40)  # back to the bottom...
         bottom = transcript.max_scroll_y
         await wait_for(pilot, lambda: transcript.max_scroll_y > bottom + 1 or not pane.busy, what="more lines")
-        await pilot.pause(0.1)
-        assert transcript.scroll_y == transcript.max_scroll_y  # ...follows again
+        grown = transcript.max_scroll_y
+        await wait_for(pilot, lambda: transcript.scroll_y >= grown, what="the view to follow again")
         await idle(pilot, pane)
 
 
@@ -710,9 +716,8 @@ async def test_default_system_prompt_from_the_palette(make_app):
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
-        await pilot.press("ctrl+p", *"default system")
-        await pilot.pause(0.3)
-        await pilot.press("enter")
+        await pilot.press("ctrl+p")
+        await run_from_palette(pilot, "default system", "Default system prompt")
         await wait_for(pilot, lambda: app.screen.query("#system-text"), what="the editor")
         app.screen.query_one("#system-text").text = "Be brief."
         await pilot.press("ctrl+s")
@@ -736,13 +741,13 @@ async def test_engine_failure_becomes_a_notification(make_app, monkeypatch):
 
         monkeypatch.setattr(runner, "execute", failing_execute)
         await send(pilot, "this reply will break")
-        await wait_for(pilot, lambda: not pane.busy, 60, "the reply to end")
+        await wait_for(pilot, lambda: not pane.busy, what="the reply to end")
         await wait_for(pilot, lambda: any("injected GPU fault" in n.message for n in app._notifications),
                        what="an error notification")
         notice = next(n for n in app._notifications if "injected GPU fault" in n.message)
         assert notice.severity == "error"
         # The app and the engine carry on: the next message gets a reply.
         await send(pilot, "and now?")
-        await wait_for(pilot, lambda: not pane.busy, 60, "the next reply")
+        await wait_for(pilot, lambda: not pane.busy, what="the next reply")
         assert pane.conversation.messages[-1].role == "assistant"
         assert pane.conversation.messages[-1].stats["finish_reason"] == "length"

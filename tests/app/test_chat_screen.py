@@ -9,6 +9,7 @@ from textual.widgets import Footer, Header, Sparkline, Static
 
 from nvchat.app.chat_screen import ChatScreen
 from nvchat.app.streaming_markdown import GrowingParagraph, StreamingMarkdown
+from tests.app.helpers import wait_for
 from tests.app.terminal import RecordingTerminal
 
 
@@ -62,6 +63,8 @@ async def test_the_terminal_shows_what_a_full_render_draws(screen_class):
                     await result
             if i == 40:
                 log.scroll_home(animate=False)  # the user scrolled up
+            # The step's messages handled and the screen's update sent: what the terminal was given
+            # must already be whole, not made whole by a later update.
             await pilot.pause()
             assert terminal.differences() == [], f"after step {i}"
         assert terminal.updates > 60
@@ -73,7 +76,7 @@ async def test_a_line_that_grows_in_place_renders_only_its_paragraph():
     async with app.run_test(size=(70, 20)) as pilot:
         reply = app.query_one(StreamingMarkdown)
         await reply.append("hello")
-        await pilot.pause()
+        await pilot.pause()  # the first paragraph laid out and drawn, so the recording sees only the append
         rendered = []
         compositor = app.screen._compositor
         get_renders = compositor._get_renders
@@ -85,7 +88,7 @@ async def test_a_line_that_grows_in_place_renders_only_its_paragraph():
 
         compositor._get_renders = recording
         await reply.append(" world")
-        await pilot.pause()
+        await pilot.pause()  # handled and drawn: every region the update rendered is recorded
         paragraph = reply.query_one(GrowingParagraph)
         assert rendered == [(paragraph.region, paragraph.region)]
 
@@ -93,7 +96,7 @@ async def test_a_line_that_grows_in_place_renders_only_its_paragraph():
 async def test_the_chat_app_sends_what_it_draws(make_app):
     """The app itself: two chats streaming, the KV panel refreshing, the help screen over it all."""
     from nvchat.app.prompt_input import PromptInput
-    from tests.app.helpers import idle, press_now, started, submit_now, wait_for
+    from tests.app.helpers import idle, press_now, started, submit_now
 
     app = make_app(max_tokens=200)
     terminal = RecordingTerminal(app)
@@ -113,9 +116,7 @@ async def test_the_chat_app_sends_what_it_draws(make_app):
         for chat in app.tabs.panes:
             await idle(pilot, chat)
         await pilot.press("f5")  # the panel's timer stops: nothing changes any more
-        await pilot.pause()
-        await pilot.pause()
-        assert terminal.differences() == []
+        await wait_for(pilot, lambda: terminal.differences() == [], what="the terminal to show the last frame")
 
 
 class HiddenPanel(App):
@@ -135,7 +136,7 @@ async def test_changes_inside_a_hidden_container_lay_out_nothing_until_it_is_sho
     app = HiddenPanel()
     terminal = RecordingTerminal(app)
     async with app.run_test(size=(40, 16)) as pilot:
-        await pilot.pause()
+        await pilot.pause()  # the first layout done, so that only the changes below are recorded
         reflows = []
         compositor = app.screen._compositor
         reflow = compositor.reflow
@@ -144,10 +145,10 @@ async def test_changes_inside_a_hidden_container_lay_out_nothing_until_it_is_sho
         for i in range(5):
             app.query_one("#text", Static).update("\n".join(f"line {n}" for n in range(i + 2)))
             await hidden.mount(Static(f"mounted {i}"))
-            await pilot.pause()
+            await pilot.pause()  # handled and drawn: a layout it asked for would have run
         assert reflows == []
         hidden.display = True
-        await pilot.pause()
+        await pilot.pause()  # handled, laid out and drawn, so the terminal is compared with the new frame
         assert len(reflows) >= 1
         assert app.query_one("#text", Static).region.height == 6
         assert hidden.region.height == 6 + 5

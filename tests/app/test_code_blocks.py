@@ -2,7 +2,7 @@
 from nvchat import paths
 from nvchat.app.code_block import CopyableFence
 from nvchat.store import ChatStore
-from tests.app.helpers import started, wait_for
+from tests.app.helpers import run_from_palette, started, wait_for
 
 SIZE = (110, 40)
 REPLY = ("Two ways:\n\n```python\nprint('first')\nprint('again')\n```\n\nor in the shell:\n\n"
@@ -49,7 +49,6 @@ async def test_the_palette_copies_the_latest_code_block(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
         await open_the_stored_conversation(pilot, app)
-        await pilot.press("ctrl+p", *"copy code")
-        await pilot.pause(0.3)
-        await pilot.press("enter")
+        await pilot.press("ctrl+p")
+        await run_from_palette(pilot, "copy code", "Copy code block")
         await wait_for(pilot, lambda: app.clipboard == "echo second", what="the copy")

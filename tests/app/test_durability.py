@@ -1,5 +1,6 @@
 """Replies are stored while they stream; one that does not end on its own is kept, marked
-interrupted, shown as such when reopened, and can be regenerated."""
+interrupted, shown as such when reopened, and can be regenerated (the interrupted one stays, as a
+branch)."""
 from nvchat import paths
 from nvchat.app.message_view import ReplyView
 from nvchat.store import ChatStore
@@ -61,5 +62,6 @@ async def test_a_reply_is_stored_as_it_streams_and_a_stopped_one_reopens_marked_
         await wait_for(pilot, lambda: not pane.busy and not pane.conversation.messages[-1].interrupted,
                        what="the regenerated reply")
         rows = stored(conversation_id)
-        assert [(r.role, r.complete) for r in rows] == [("user", True), ("assistant", True)]
+        assert [(r.role, r.complete) for r in rows] == [("user", True), ("assistant", False), ("assistant", True)]
+        assert rows[1].parent_id == rows[2].parent_id == rows[0].id
         assert not pane.query(ReplyView).last().has_class("-interrupted")

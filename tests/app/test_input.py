@@ -2,7 +2,7 @@
 import threading
 
 from nvchat import paths
-from nvchat.app.message_view import QueuedMessageView
+from nvchat.app.message_view import AlternativesView, QueuedMessageView
 from nvchat.store import ChatStore
 from tests.app.helpers import burst, idle, press_now, started, wait_for
 
@@ -86,6 +86,51 @@ async def test_esc_stops_the_reply_and_puts_the_queued_messages_back_in_the_box(
         assert not pane.queued and not pane.transcript.query(QueuedMessageView)
         assert [m.role for m in pane.conversation.messages] == ["user", "assistant"]
         assert pane.conversation.messages[-1].interrupted
+
+
+async def test_a_message_sent_while_alternatives_stream_waits_below_them_until_every_one_is_stored(make_app):
+    app = make_app(max_tokens=120)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        burst(app, "name a colour", enter=False)
+        await wait_for(pilot, lambda: pane.prompt.text == "name a colour", what="the typed text")
+        await press_now(pilot, "f6")
+        await wait_for(pilot, lambda: len(pane.streams) == 3, what="three alternatives streaming")
+        burst(app, "and another")
+        await wait_for(pilot, lambda: len(pane.queued) == 1, what="the queued message")
+        alternatives = pane.query_one(AlternativesView)
+        children = list(pane.transcript.children)
+        assert children[-1] is pane.queued[0] and children.index(alternatives) < len(children) - 1
+        assert "1 queued" in str(pane.query_one("#chat-status").render())
+        await wait_for(pilot, lambda: len(pane.conversation.messages) == 4 and not pane.busy, 90, "the queued turn")
+        user = pane.conversation.messages[0]
+        assert len(user.children) == 3
+        # Sent after all three were stored, and the chat went on from the first alternative.
+        assert pane.conversation.messages[1] is user.children[0]
+        assert pane.conversation.messages[2].content == "and another"
+        assert not pane.queued and not pane.transcript.query(QueuedMessageView)
+
+
+async def test_esc_stops_every_alternative_and_puts_the_queue_back_in_the_box(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        burst(app, "name a colour", enter=False)
+        await wait_for(pilot, lambda: pane.prompt.text == "name a colour", what="the typed text")
+        await press_now(pilot, "f6")
+        await wait_for(pilot, lambda: len(pane.streams) == 3, what="three alternatives streaming")
+        await wait_for(pilot, lambda: all(s.num_completion_tokens for s in pane.streams), what="text in each")
+        burst(app, "waiting")
+        await wait_for(pilot, lambda: len(pane.queued) == 1, what="the queued message")
+        await press_now(pilot, "escape")
+        await idle(pilot, pane)
+        assert pane.prompt.text == "waiting"
+        assert not pane.queued and not pane.transcript.query(QueuedMessageView)
+        user = pane.conversation.messages[0]
+        assert [m.content for m in pane.conversation.messages if m.role == "user"] == ["name a colour"]
+        assert len(user.children) == 3 and all(child.interrupted for child in user.children)
 
 
 async def test_typing_while_the_transcript_has_the_focus_goes_to_the_prompt_box(make_app):

@@ -30,12 +30,12 @@ async def test_an_updated_grid_draws_what_a_fresh_one_does():
     async with app.run_test(size=(40, 10)) as pilot:
         updated, fresh = app.query_one("#updated", BlockGrid), app.query_one("#fresh", BlockGrid)
         updated.show(PanelData(before, chats, list(chats.values())))
-        await pilot.pause()
+        await pilot.pause()  # the refresh handled and drawn: the next show() redraws from this frame
         first = drawn(updated)
         assert first[0][0] == ("███", "#ff0000")
 
         updated.show(PanelData(after, chats, list(chats.values())))
         fresh.show(PanelData(after, chats, list(chats.values())))
-        await pilot.pause()
+        await pilot.pause()  # both refreshes handled and drawn
         assert drawn(updated) == drawn(fresh)
         assert drawn(updated)[2][0] == ("██", "#00ff00") and drawn(updated)[:2] == first[:2]

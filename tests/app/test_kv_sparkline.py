@@ -43,5 +43,5 @@ async def test_draws_what_textuals_sparkline_draws(data):
     async with app.run_test(size=(50, 10)) as pilot:
         theirs, ours = app.query_one("#textual", Sparkline), app.query_one("#ours", ThroughputSparkline)
         theirs.data, ours.data = data, data
-        await pilot.pause()
+        await pilot.pause()  # the new data handled (and the widgets' cached lines dropped) before drawing
         assert cells(ours) == cells(theirs)

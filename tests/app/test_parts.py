@@ -42,7 +42,7 @@ def test_text_that_only_looks_like_a_tag_is_kept():
 def test_footer_shows_tokens_rate_and_time_to_first_token():
     text = footer_text({"tokens": 42, "tokens_per_s": 31.25, "ttft_s": 0.125, "finish_reason": "abort",
                         "prompt_tokens": 100, "cached_tokens": 64})
-    assert text == "42 tokens · 31.2 tok/s · TTFT 125 ms · prompt 100 (64 cached) · stopped"
+    assert text == "42 tokens · 31.2 tok/s · TTFT 125 ms · 64 of 100 prompt tokens from the cache · stopped"
 
 
 def test_a_stopped_or_failed_reply_says_so_in_one_word():

@@ -2,7 +2,6 @@
 import json
 import signal
 import sqlite3
-import time
 
 import pytest
 
@@ -69,13 +68,13 @@ def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_o
     assert rows[0][1] == "first question" and rows[1][1].startswith(saved) and saved
 
     # Restarted, the chat that was open is open again (restore_tabs, recorded when the message was
-    # sent), the cut-off reply there, marked, and it can be regenerated.
+    # sent), the cut-off reply there, marked, and it can be regenerated (it stays, as a branch).
     again = nvchat_on_a_pty("--max-tokens", "8", "--max-model-len", "4096")
     again.wait_ready()
     again.wait_until(lambda: "interrupted" in again.output, 30, "the reopened reply, marked interrupted")
     again.write(b"\x12")  # Ctrl+R
-    again.wait_until(lambda: again.query("SELECT complete FROM messages WHERE role = 'assistant'") == [(1,)], 30,
-                     "the regenerated reply")
+    again.wait_until(lambda: again.query("SELECT complete FROM messages WHERE role = 'assistant' ORDER BY id")
+                     == [(0,), (1,)], 30, "the regenerated reply")
     assert again.close() == 0
 
 
@@ -83,9 +82,49 @@ def test_plain_mode_says_in_one_line_when_it_cannot_keep_conversations(nvchat_on
     (tmp_path / "data").write_text("a file where the data directory would go")
     repl = nvchat_on_a_pty("--plain")
     assert repl.process.wait(60) == 1
-    deadline = time.monotonic() + 10
-    while "\n" not in repl.output.partition("nvchat: can't")[2] and time.monotonic() < deadline:
-        time.sleep(0.05)  # the last bytes the process wrote, still on their way through the terminal
+    repl.wait_output_read()
     lines = [line for line in repl.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"nvchat: can't keep conversations in {tmp_path / 'data'}"), \
         repl.output
+
+
+def test_two_nvchat_processes_on_one_data_directory_never_interleave_a_conversation(nvchat_on_a_pty):
+    """The issue's two terminals: one conversation opened in both (Ctrl+O). The second one has it
+    read-only while the first writes it; once the first closes it (Ctrl+W), the second, shown it
+    again, writes on after the first one's last message."""
+    flags = ("--temperature", "0", "--max-tokens", "8")
+    first, second = nvchat_on_a_pty(*flags), nvchat_on_a_pty(*flags)
+    first.wait_ready()
+    # Both ready before the first sends: the second reopens no chat of the first's (open_tabs.json
+    # names none yet), so the read-only note below is the one Ctrl+O's Enter brings.
+    second.wait_ready()
+    first.write(b"from the first\r")
+    first.wait_until(lambda: first.query("SELECT 1 FROM messages WHERE role = 'assistant' AND stats IS NOT NULL"), 60,
+                     "the first process's reply")
+    second.write(b"\x0f")  # Ctrl+O
+    second.wait_until(lambda: "from the first" in second.output, 30, "the list of past conversations")
+    second.write(b"\r")
+    second.wait_until(lambda: "Read-only" in second.output, 30, "the read-only note")
+    second.write(b"from the second\r\x12")  # typed into the read-only box, then Ctrl+R: neither writes
+    drawn = len(second.output)
+    second.write(b"\x14")  # Ctrl+T: a new chat, whose hint shows that the keys before it were handled
+    second.wait_until(lambda: "Enter sends" in second.output[drawn:], 30, "the keys to be handled")
+
+    first.write(b"again from the first\r")
+    first.wait_until(lambda: len(first.query("SELECT 1 FROM messages WHERE stats IS NOT NULL")) == 2, 60,
+                     "the first process's second reply")
+    first.write(b"\x17")  # Ctrl+W: the conversation is closed there
+    first.wait_until(lambda: first.output.count("Enter sends") >= 2, 30, "the first process's new chat")
+
+    second.write(b"\x1b[5;5~")  # Ctrl+PgUp: the read-only tab, shown again
+    second.wait_until(lambda: "writable" in second.output, 30, "the tab to become writable")
+    second.write(b"now from the second\r")
+    second.wait_until(lambda: len(second.query("SELECT 1 FROM messages WHERE stats IS NOT NULL")) == 3, 60,
+                      "the second process's reply")
+    rows = second.query("SELECT id, parent_id, role, content FROM messages ORDER BY id")
+    assert [content for _, _, role, content in rows if role == "user"] == [
+        "from the first", "again from the first", "now from the second"]
+    # One line: each message follows the one before it; nothing of the second process's sneaked in.
+    assert [parent for _, parent, _, _ in rows] == [None] + [i for i, _, _, _ in rows[:-1]]
+    assert [role for _, _, role, _ in rows] == ["user", "assistant"] * 3
+    assert first.close() == 0 and second.close() == 0

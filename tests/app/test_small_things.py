@@ -74,7 +74,7 @@ async def test_notifications_leave_the_message_box_uncovered(make_app):
                 assert not app.screen.find_widget(toast).region.overlaps(box)
 
 
-async def test_f6_makes_the_transcript_compact_and_the_choice_is_kept(make_app, xdg_dirs):
+async def test_f12_makes_the_transcript_compact_and_the_choice_is_kept(make_app, xdg_dirs):
     app = make_app(max_tokens=4)
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
@@ -85,7 +85,7 @@ async def test_f6_makes_the_transcript_compact_and_the_choice_is_kept(make_app, 
         footer = reply.query_one("#reply-footer")
         assert footer.display and "tokens" in str(footer.render())
         rows = reply.outer_size.height
-        await pilot.press("f6")
+        await pilot.press("f12")
         await pilot.pause()
         assert app.has_class("-compact") and not footer.display
         # One rule above each message, no box: the reply loses its bottom border and its footer.
@@ -96,7 +96,7 @@ async def test_f6_makes_the_transcript_compact_and_the_choice_is_kept(make_app, 
     async with again.run_test(size=SIZE) as pilot:
         await started(pilot)
         assert again.has_class("-compact")
-        await pilot.press("f6")
+        await pilot.press("f12")
         assert not again.has_class("-compact")
 
 

@@ -4,6 +4,7 @@ import pytest
 
 from nvchat import paths
 from nvchat.app import NvchatApp
+from nvchat.app.kv_panel import Counters, KVPanel
 from nvchat.app.open_tabs import OpenTabs, save_open_tabs, tabs_file
 from nvchat.app.prompt_input import PromptInput
 from nvchat.store import ChatStore
@@ -18,7 +19,9 @@ def settle(*keys: str):
         await started(pilot)
         pilot.app.query_one(PromptInput).cursor_blink = False  # a blinking cursor is a coin toss
         await pilot.press(*keys)
-        await pilot.pause(0.3)
+        panels = pilot.app.screen.query(KVPanel)  # none under a dialog
+        await wait_for(pilot, lambda: all(not panel.display or panel.query_one(Counters).text for panel in panels),
+                       what="the KV panel's numbers")
     return run_before
 
 
@@ -71,7 +74,7 @@ def settle_transcript(compact: bool):
         app = await started(pilot)
         app.query_one(PromptInput).cursor_blink = False
         if compact:
-            await pilot.press("f6")
+            await pilot.press("f12")
         await wait_for(pilot, lambda: app.active_pane.prompt.border_subtitle, what="the context figure")
         await pilot.pause(0.3)
         await pilot.pause()  # and every message queued meanwhile handled: a loaded CPU falls behind

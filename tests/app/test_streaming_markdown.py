@@ -12,6 +12,7 @@ from textual.widgets._markdown import MarkdownBlock
 
 from nvchat.app.code_block import CopyableFence
 from nvchat.app.streaming_markdown import GrowingParagraph, StreamingMarkdown
+from tests.app.helpers import wait_for
 
 
 class OneMarkdown(App):
@@ -30,7 +31,7 @@ async def test_appends_repaint_in_place_and_wrapping_grows_the_paragraph():
     async with app.run_test(size=(40, 12)) as pilot:
         markdown = app.query_one(StreamingMarkdown)
         await markdown.append("hello")
-        await pilot.pause()
+        await pilot.pause()  # laid out and drawn, as every pause below: what the assertions after it read
         paragraph = markdown.query_one(GrowingParagraph)
         assert paragraph.size.height == 1 and "hello" in shown_text(paragraph)
         layouts = paragraph._layout_updates
@@ -42,8 +43,8 @@ async def test_appends_repaint_in_place_and_wrapping_grows_the_paragraph():
 
         around = markdown._layout_updates
         await markdown.append(" and a good deal more text than one line of forty holds")
-        await pilot.pause()
-        await pilot.pause()
+        await wait_for(pilot, lambda: paragraph.size.height == 2, what="the paragraph's second line")
+        await pilot.pause()  # and any layout the new height asks for after that, which the count below must see
         assert paragraph.size.height == 2  # laid out again at its new height
         assert markdown._layout_updates == around + 1  # for the paragraph; its own new size asked for none
         assert "forty holds" in shown_text(paragraph)
@@ -90,5 +91,5 @@ async def test_appends_build_what_textuals_markdown_builds(seed):
             await textual.append(chunk)
             await streaming.append(chunk)
             assert streaming.source == textual.source
-        await pilot.pause()
+        await pilot.pause()  # both widgets' last blocks mounted and updated
         assert blocks(streaming) == blocks(textual)

@@ -85,7 +85,8 @@ def test_sampling_graphs_draw_within_the_settings_and_afresh_each_replay(engines
              SamplingParams(temperature=1e-4, max_tokens=24, ignore_eos=True), GREEDY]
     llm = engines[False]
     graphs = llm.runner.decode_graphs
-    assert {kind for _, kind in graphs.sample_graphs} == {"greedy", "sample", "filter"}
+    assert {kind for _, kind in graphs.sample_graphs} == {"greedy", "sample", "filter", "adjusted_greedy",
+                                                          "adjusted_sample", "adjusted_filter"}
     greedy = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
     forced = [o["token_ids"] for o in llm.generate(prompts, [force[i % 3] for i in range(len(prompts))])]
     assert forced == greedy

@@ -1,5 +1,6 @@
 """Penalties, logprobs, n samples and structured output on a CUDA device, with the decode CUDA
-graphs on: such rows sample eagerly while the forward pass stays in the graph. Skipped without one."""
+graphs on: rows with logprobs or structured output sample eagerly while the forward pass stays in
+the graph (penalties alone sample in it: test_graph_sampling_gpu.py). Skipped without one."""
 import json
 
 import jsonschema

@@ -1,0 +1,116 @@
+"""Penalties, min_p, logit_bias and min_tokens sampled inside captured decode CUDA graphs (the
+adjusted kinds of engine.runner.decode_graphs), against the eager Sampler. Skipped without a CUDA
+device."""
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.runner.decode_graphs import ADJUSTED, SAMPLE_KINDS, DecodeGraphs
+from engine.runner.sampler import Sampler, filter_top_k_top_p
+from engine.runner.step_graphs import capture_graph
+from tests.conftest import random_prompts
+from tests.gpu.test_sampling_gpu import GPU, count_replays
+from tests.test_graph_sampling import EOS, _Logits, _random_params, _step_plan, _Stream, chat_params, tiny_with_eos  # noqa: F401
+from tests.test_penalties_and_logprobs import hf_model, hf_reference_decode
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_penalized_rows_sample_in_the_graph_as_the_eager_engine_does(tiny_with_eos, async_scheduling):
+    prompts = random_prompts([30, 5, 41, 16, 9, 23, 12, 7, 19], seed=31)
+    params = chat_params(EOS)
+    with LLM(tiny_with_eos, enforce_eager=True, **GPU) as llm:
+        want = [o["token_ids"] for o in llm.generate(prompts, params)]
+    with LLM(tiny_with_eos, async_scheduling=async_scheduling, **GPU) as llm:
+        replays = count_replays(llm)
+        got = [o["token_ids"] for o in llm.generate(prompts, params)]
+    assert got == want
+    assert replays.count(ADJUSTED + "greedy") >= 15
+    # And the eager engine is the documented reference on HF's logits (two rows, checked there).
+    model = hf_model(tiny_with_eos)
+    for row in (0, 1):
+        assert want[row] == hf_reference_decode(model, prompts[row], params[row], len(want[row]))[0]
+
+
+def _captured_graphs(vocab: int, buckets: list[int]) -> DecodeGraphs:
+    graphs = DecodeGraphs(_Logits(), buckets=buckets, max_blocks_per_seq=1, hidden_size=vocab,
+                          sampled=torch.zeros(buckets[-1], dtype=torch.int64, device="cuda"),
+                          device=torch.device("cuda"), dtype=torch.float32, sample=True, vocab_size=vocab)
+    with torch.inference_mode():
+        for bucket in buckets:
+            for kind in SAMPLE_KINDS:
+                graphs.stage_padding(bucket)
+                graphs.sample_graphs[(bucket, kind)] = capture_graph(lambda: graphs._sample(bucket, kind))
+    return graphs
+
+
+@torch.inference_mode()
+def test_captured_adjusted_kinds_give_the_eager_samplers_greedy_tokens_as_rows_come_and_go():
+    vocab, bucket, eos = 1000, 4, 3
+    rng = random.Random(5)
+    graphs = _captured_graphs(vocab, [1, 2, bucket])
+    eager = Sampler(torch.device("cuda"))
+    streams, next_id, kinds = [], 0, set()
+    for step in range(200):
+        rows = rng.choice([1, 2, bucket])
+        streams = [s for s in streams if rng.random() > 0.08][:rows]
+        while len(streams) < rows:
+            params = _random_params(rng, vocab, eos)
+            params.temperature = 0
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+            streams.append(_Stream(next_id, prompt, params, eos))
+            next_id += 1
+        rng.shuffle(streams)
+        plan = _step_plan(streams)
+        kind = graphs.stage(plan, rows)
+        kinds.add(kind)
+        logits = torch.randn(rows, vocab, device="cuda") * 4
+        graphs.hidden[:rows] = logits
+        graphs.input_ids[:rows] = torch.tensor(plan.input_ids, device="cuda")
+        want, _ = eager.sample(logits, plan.sample_params, plan.sample_positions, plan.sample_contexts or None,
+                               torch.tensor(plan.input_ids, device="cuda"))
+        graphs.sample(rows, kind)
+        got = graphs.sampled[:rows].tolist()
+        assert got == want.tolist(), (step, kind)
+        for s, token in zip(streams, got):
+            s.tokens.append(token)
+    assert ADJUSTED + "greedy" in kinds
+
+
+@torch.inference_mode()
+def test_captured_adjusted_sampling_draws_from_the_eager_samplers_distribution():
+    """Rows whose distribution stays put from draw to draw (bias, min_p, top-k, top-p; no
+    penalties): the frequencies of 20,000 graph draws against the eager adjustment's
+    probabilities. The seed is fixed, so the figure is the same every run; the bound is over 2.5x
+    the total variation distance expected of 20,000 draws from the exact distribution over 40
+    tokens (~0.018)."""
+    vocab, rows, draws = 40, 4, 20_000
+    torch.manual_seed(0)
+    graphs = _captured_graphs(vocab, [rows])
+    params = [SamplingParams(temperature=0.9, logit_bias={3: 2.5, 7: -3.0}),
+              SamplingParams(temperature=1.2, min_p=0.1),
+              SamplingParams(temperature=0.7, top_k=6, logit_bias={0: 1.0}),
+              SamplingParams(temperature=1.0, top_p=0.8, min_p=0.05)]
+    streams = [_Stream(i, [1, 2, 3], p, EOS) for i, p in enumerate(params)]
+    logits = torch.randn(rows, vocab, device="cuda") * 2
+    plan = _step_plan(streams)
+    kind = graphs.stage(plan, rows)
+    assert kind == ADJUSTED + "filter"
+    graphs.hidden.copy_(logits)
+    graphs.input_ids[:rows] = torch.tensor(plan.input_ids, device="cuda")
+    seen = torch.zeros(rows, vocab, device="cuda")
+    for _ in range(draws):
+        graphs.sample(rows, kind)
+        seen[torch.arange(rows), graphs.sampled[:rows]] += 1
+    eager = Sampler(torch.device("cuda"))
+    adjusted = eager.adjust_logits(logits, params, plan.sample_contexts, None, None)
+    temps = torch.tensor([p.temperature for p in params], device="cuda")[:, None]
+    scaled = eager._min_p(adjusted / temps, params)
+    probs = filter_top_k_top_p(scaled, torch.tensor([p.top_k for p in params], device="cuda"),
+                               torch.tensor([p.top_p for p in params], device="cuda")).softmax(-1)
+    distance = 0.5 * (seen / draws - probs).abs().sum(-1)
+    assert distance.max().item() < 0.05, distance.tolist()
+    assert (seen[probs == 0] == 0).all()  # nothing outside what the filters keep

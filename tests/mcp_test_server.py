@@ -1,0 +1,35 @@
+"""A tiny MCP server for the tests, written with the official SDK: `python mcp_test_server.py`
+serves over stdio, `python mcp_test_server.py http PORT` over streamable HTTP.
+
+Its tools' schemas take no keys beyond their parameters (additionalProperties false, as strict
+function tools' do), so that a call the engine holds to its schema ends with its arguments rather
+than running on with keys the model makes up."""
+import sys
+from typing import Literal
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.tools import Tool
+
+
+def weather(city: Literal["Paris", "Oslo"]) -> str:
+    """Today's weather in a city."""
+    return f"{city}: 21 degrees and sunny"
+
+
+def broken(part: Literal["disk"]) -> str:
+    """A tool that always fails."""
+    raise RuntimeError(f"the {part} is on fire")
+
+
+def closed(tool: Tool) -> Tool:
+    tool.parameters["additionalProperties"] = False
+    return tool
+
+
+server = MCPServer("nvchat-test-tools", tools=[closed(Tool.from_function(fn)) for fn in (weather, broken)])
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["http"]:
+        server.run("streamable-http", port=int(sys.argv[2]))
+    else:
+        server.run()

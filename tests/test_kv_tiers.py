@@ -1,0 +1,247 @@
+"""The KV cache's lower tiers on CPU: a prefix the device's pool evicted comes back from host memory,
+or after a restart from disk, and gives exactly the tokens a cold run computes (float32, greedy);
+a corrupt or foreign file on disk is skipped and removed; tensor-parallel ranks restore their shards."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.block_manager import BlockManager, chain_hash
+from engine.core.kv_tiers import KVTiers
+from engine.core.sequence import Sequence
+from engine.runner.kv_tiers import DiskStore
+from tests.conftest import INJECTED_FAULT, fail_next_launch, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+BLOCK = 8
+# 24 blocks of 8 tokens: the long prompt (15 blocks) and three of the others fill it.
+SMALL = dict(device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=24, max_model_len=256)
+LONG = random_prompts([120], seed=31)[0]
+OTHERS = random_prompts([60] * 4, seed=32)
+LONG_HIT_TOKENS = (len(LONG) - 1) // BLOCK * BLOCK  # its full blocks but the one holding its last token
+# The tiny model's K/V: 2 layers x 2 heads x 16 dims x (K, V) x 4 bytes = 512 bytes a token.
+HOST_64_BLOCKS = 64 * BLOCK * 512 / 2**30
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_qwen3):
+    """Completions computed from scratch, by an engine with no lower tier."""
+    memo = {}
+
+    def complete(prompt, params=GREEDY):
+        key = (tuple(prompt), params.max_tokens)
+        if key not in memo:
+            with LLM(tiny_qwen3, **SMALL) as llm:
+                assert llm.tiers is None
+                memo[key] = llm.generate([prompt], params)[0]["token_ids"]
+        return memo[key]
+    return complete
+
+
+def evict_long_prompt(llm) -> None:
+    for other in OTHERS:
+        llm.generate([other], GREEDY)
+    assert llm.blocks.lookup_prefix(llm.make_sequence(LONG)) == []  # none of its blocks left on the device
+
+
+def block_files(directory, prompt) -> list:
+    """The disk tier's files (rank 0's) for the prompt's full blocks, in order."""
+    [fingerprint_dir] = directory.iterdir()
+    hashes, previous = [], None
+    for i in range((len(prompt) - 1) // BLOCK):
+        previous = chain_hash(previous, prompt[i * BLOCK:(i + 1) * BLOCK])
+        hashes.append(previous)
+    return [fingerprint_dir / f"{h:016x}.0.safetensors" for h in hashes]
+
+
+def test_the_tiers_are_off_on_cpu_unless_asked_for(tiny_qwen3):
+    with LLM(tiny_qwen3, **SMALL) as llm:
+        assert llm.config.host_cache_gib == 0 and llm.config.disk_cache_dir is None
+        assert llm.tiers is None and llm.runner.tiers is None
+        stats = llm.stats()
+        assert (stats.host_capacity_blocks, stats.disk_capacity_bytes) == (0, 0)
+
+
+def test_bad_tier_settings_are_named_before_the_model_loads(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"disk_cache_dir .*a-file/kv can't be used .*disk_cache_gib to 0"):
+        LLM(tmp_path / "never-read", disk_cache_dir=str(tmp_path / "a-file" / "kv"))
+    with pytest.raises(ValueError, match="host_cache_gib must be zero or more, got -1"):
+        LLM(tmp_path / "never-read", host_cache_gib=-1)
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_tokens(tiny_qwen3, cold):
+    with LLM(tiny_qwen3, host_cache_gib=HOST_64_BLOCKS, **SMALL) as llm:
+        assert llm.generate([LONG], GREEDY)[0]["token_ids"] == cold(LONG)
+        evict_long_prompt(llm)
+        before = llm.stats()
+        seq = llm.add_request(LONG, GREEDY)
+        while not seq.is_finished:
+            llm.step()
+        after = llm.stats()
+    assert seq.completion_token_ids == cold(LONG)
+    assert seq.num_cached_tokens == LONG_HIT_TOKENS
+    assert after.host_hit_tokens - before.host_hit_tokens == LONG_HIT_TOKENS
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == LONG_HIT_TOKENS
+    assert after.disk_hit_tokens == 0
+
+
+def test_a_prompt_whose_blocks_come_back_waits_for_its_copies_while_another_stream_decodes(tiny_qwen3, cold):
+    stream_prompt = random_prompts([20], seed=33)[0]
+    stream_params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(tiny_qwen3, host_cache_gib=HOST_64_BLOCKS, **SMALL) as llm:
+        llm.generate([LONG], GREEDY)
+        evict_long_prompt(llm)
+        stream = llm.add_request(stream_prompt, stream_params)
+        while stream.num_completion_tokens < 3:
+            llm.step()
+        long_seq = llm.add_request(LONG, GREEDY)
+        llm.step()  # admits it: its blocks are copied back while the stream decodes alone
+        assert long_seq in llm.scheduler.running and long_seq.num_computed_tokens == LONG_HIT_TOKENS
+        assert llm.last_step_tokens == (0, 1)
+        llm.step()  # its copies have ended: its last tokens run beside the stream's
+        assert llm.last_step_tokens == (len(LONG) - LONG_HIT_TOKENS, 1)
+        while not (stream.is_finished and long_seq.is_finished):
+            llm.step()
+        assert llm.stats().host_hit_tokens == LONG_HIT_TOKENS
+    assert long_seq.completion_token_ids == cold(LONG)
+    assert stream.completion_token_ids == cold(stream_prompt, stream_params)
+
+
+@pytest.mark.parametrize("fails", ["before its copies are queued", "after its copies are queued"])
+def test_a_step_that_fails_around_its_copies_leaves_the_tiers_serving_the_right_blocks(tiny_qwen3, cold, fails):
+    with LLM(tiny_qwen3, host_cache_gib=HOST_64_BLOCKS, **SMALL) as llm:
+        llm.generate([LONG], GREEDY)
+        evict_long_prompt(llm)
+        if fails == "before its copies are queued":
+            transfer = llm.runner.transfer
+
+            def fail(kv):
+                llm.runner.transfer = transfer
+                raise RuntimeError(INJECTED_FAULT)
+            llm.runner.transfer = fail
+        else:
+            fail_next_launch(llm)
+        with pytest.raises(RuntimeError, match=INJECTED_FAULT):
+            llm.generate([LONG], GREEDY)
+        before = llm.stats().host_hit_tokens
+        assert llm.generate([LONG], GREEDY)[0]["token_ids"] == cold(LONG)
+        assert llm.stats().host_hit_tokens - before == LONG_HIT_TOKENS
+
+
+def test_after_a_restart_a_conversation_prefills_only_its_new_message_from_disk(tiny_qwen3, cold, tmp_path):
+    new_message = random_prompts([6], seed=34)[0]
+    with LLM(tiny_qwen3, disk_cache_dir=str(tmp_path), **SMALL) as llm:
+        assert llm.config.host_cache_gib == 0 and llm.tiers.host.num_slots > 0  # slots for disk reads to land in
+        reply = llm.generate([LONG], GREEDY)[0]["token_ids"]
+    assert reply == cold(LONG)
+    assert all(f.exists() for f in block_files(tmp_path, LONG))
+    second_turn = LONG + reply + new_message
+    with LLM(tiny_qwen3, disk_cache_dir=str(tmp_path), **SMALL) as llm:
+        assert llm.stats().disk_bytes > 0
+        outs = llm.generate([second_turn], GREEDY)
+        stats = llm.stats()
+    # Every full block of the first turn's prompt and reply came from disk: the prefill was the
+    # new message and the first turn's last partial block.
+    history_hits = (len(LONG) + len(reply) - 1) // BLOCK * BLOCK
+    assert stats.disk_hit_tokens == stats.prefix_hit_tokens == history_hits
+    assert outs[0]["token_ids"] == cold(second_turn)
+
+
+def test_corrupt_and_foreign_files_on_disk_are_skipped_removed_and_computed_instead(tiny_qwen3, cold, tmp_path):
+    with LLM(tiny_qwen3, disk_cache_dir=str(tmp_path), **SMALL) as llm:
+        llm.generate([LONG], GREEDY)
+    files = block_files(tmp_path, LONG)
+    flipped, cut_short, other_model, other_block, not_safetensors = 5, 7, 9, 11, 12
+    data = bytearray(files[flipped].read_bytes())
+    data[-1] ^= 0xFF
+    files[flipped].write_bytes(bytes(data))
+    files[cut_short].write_bytes(files[cut_short].read_bytes()[:-100])
+    # Another model's block under this one's name: its fingerprint differs.
+    [fingerprint] = [d.name for d in tmp_path.iterdir()]
+    other = DiskStore(tmp_path, "0" * 32, 0, (2, 2, BLOCK, 2, 16), torch.float32)
+    other_hash = int(files[other_model].name[:16], 16)
+    other.write(other_hash, LONG[other_model * BLOCK:(other_model + 1) * BLOCK], torch.randn(2, 2, BLOCK, 2, 16), None)
+    other.drain()
+    other.close()
+    (tmp_path / ("0" * 32) / files[other_model].name).replace(files[other_model])
+    files[other_block].write_bytes(files[3].read_bytes())  # this model's, but another block's
+    files[not_safetensors].write_bytes(b"not a safetensors file" * 200)
+
+    with LLM(tiny_qwen3, disk_cache_dir=str(tmp_path), **SMALL) as llm:
+        seq = llm.add_request(LONG, GREEDY)
+        while seq.num_computed_tokens == 0:  # its blocks are read (and checked) before it is admitted
+            llm.step()
+        assert llm.stats().disk_hit_tokens == flipped * BLOCK  # up to the first bad file
+        for bad in (flipped, cut_short, other_model, other_block, not_safetensors):
+            assert not files[bad].exists(), f"block {bad}'s file was kept"
+        assert all(files[i].exists() for i in range(len(files)) if i < flipped or i in (6, 8, 10, 13))
+        while not seq.is_finished:
+            llm.step()
+    assert seq.completion_token_ids == cold(LONG)
+    assert tmp_path.joinpath(fingerprint).is_dir()
+
+
+def test_the_disk_tier_keeps_to_its_cap(tiny_qwen3, tmp_path):
+    cap_gib = 6 * 5000 / 2**30  # six blocks' files (4 KiB of K/V and a header each)
+    with LLM(tiny_qwen3, disk_cache_dir=str(tmp_path), disk_cache_gib=cap_gib, **SMALL) as llm:
+        for prompt in [LONG, *OTHERS]:
+            llm.generate([prompt], GREEDY)
+        assert llm.stats().disk_bytes <= cap_gib * 2**30
+    on_disk = list(tmp_path.glob("*/*.safetensors"))
+    assert 0 < len(on_disk) <= 6
+    assert sum(f.stat().st_size for f in on_disk) <= cap_gib * 2**30
+
+
+def test_tensor_parallel_ranks_restore_their_shards_from_host_and_then_disk(tiny_qwen3, cold, tmp_path):
+    more_others = random_prompts([60] * 12, seed=35)
+    # max_model_len 512 gives 65 host slots (a full-length prompt's blocks, for reads from disk):
+    # the long prompt's 14 and the first four others' 28 fit; the next twelve others' 84 push them out.
+    with LLM(tiny_qwen3, tensor_parallel_size=2, disk_cache_dir=str(tmp_path),
+             **{**SMALL, "max_model_len": 512}) as llm:
+        assert llm.generate([LONG], GREEDY)[0]["token_ids"] == cold(LONG)
+        evict_long_prompt(llm)
+        assert llm.generate([LONG], GREEDY)[0]["token_ids"] == cold(LONG)
+        assert (llm.stats().host_hit_tokens, llm.stats().disk_hit_tokens) == (LONG_HIT_TOKENS, 0)
+        for other in more_others:
+            llm.generate([other], GREEDY)
+        assert llm.generate([LONG], GREEDY)[0]["token_ids"] == cold(LONG)
+        assert (llm.stats().host_hit_tokens, llm.stats().disk_hit_tokens) == (LONG_HIT_TOKENS, LONG_HIT_TOKENS)
+    assert {f.name.split(".")[1] for f in tmp_path.glob("*/*.safetensors")} == {"0", "1"}  # each rank its shard
+
+
+def test_no_save_of_a_step_lands_in_a_host_slot_that_a_load_of_the_same_step_reads():
+    """The runner makes a step's saves before its loads: a save that evicted an entry a load reads
+    would hand the load another block's K/V. (The scheduling core alone, no model.)"""
+    size = 4
+    blocks = BlockManager(num_blocks=11, block_size=size)
+    tiers = KVTiers(blocks, host_slots=4)
+
+    def cached(tokens) -> Sequence:
+        """A prompt whose full blocks are computed and back in the free list, cached."""
+        seq = Sequence(tokens, SamplingParams(), size)
+        blocks.allocate(seq, [], len(tokens))
+        blocks.register_scheduled(seq, len(tokens))
+        blocks.launched()
+        blocks.free_blocks_of(seq)
+        return seq
+
+    first = list(range(1, 18))  # 4 full blocks and one token
+    cached(first)
+    cached(list(range(100, 123)))  # 5 more full blocks and a partial one: the pool is all cached blocks
+    taker = Sequence(list(range(200, 217)), SamplingParams(), size)
+    blocks.allocate(taker, [], 17)  # takes the first prompt's 5 blocks back: its 4 full ones are saved
+    assert len(tiers.take_transfers().saves) == 4
+    tiers.queued()
+    blocks.free_blocks_of(taker)
+
+    again = Sequence(first, SamplingParams(), size)
+    found = tiers.lookup(again, 0)
+    assert len(found) == 4 and blocks.lookup_prefix(again) == []
+    tiers.admit(again, [], found, 17, hold=False, count=True)
+    other = Sequence(list(range(300, 317)), SamplingParams(), size)
+    blocks.allocate(other, [], 17)  # evicts more cached blocks in the same step: their saves need slots
+    kv = tiers.take_transfers()
+    assert len(kv.loads) == 4
+    assert not {slot for _, slot in kv.saves} & {slot for slot, _ in kv.loads}
+    tiers.queued()
+    assert all(entry.pins == 0 for entry in tiers.host.entries.values())
