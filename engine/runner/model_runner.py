@@ -188,6 +188,7 @@ class ModelRunner:
         self._deferred = None
         self.decode_graphs = self.prefill_graphs = None  # the warmup below runs eagerly
         self.tiers: KVTierCopies | None = None  # made with the KV cache
+        self._cpu_decode: CpuDecode | None = None  # made with the KV cache, whose views it holds
         self._logits_ladder = None  # logits for exactly the rows sampled, until _warm_logits
         # On a GPU, how its memory was shared out, in bytes: "total", "used" before the KV cache,
         # what was set aside for steps ("activations") and for the graphs ("graph_pool"), and what
@@ -201,7 +202,6 @@ class ModelRunner:
         self._allocate_kv_cache(self.num_blocks)
         self.tiers = self._make_tiers()
         # Decode steps on CPU run as one loop over the layers where the model allows it.
-        self._cpu_decode = None
         if self.device.type == "cpu" and self.backend.name == "torch" and CpuDecode.supports(self.model):
             self._cpu_decode = CpuDecode(self.model)
         if self.device.type == "cuda" and not config.enforce_eager:

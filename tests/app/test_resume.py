@@ -12,9 +12,9 @@ SIZE = (110, 36)
 def last_footer(pane) -> tuple[int, int]:
     """(prompt tokens, cached prompt tokens) from the footer of the chat's last reply."""
     footer = str(pane.query("#reply-footer").last().render())
-    match = re.search(r"prompt (\d+) \((\d+) cached\)", footer)
+    match = re.search(r"(\d+) of (\d+) prompt tokens from the cache", footer)
     assert match, footer
-    return int(match[1]), int(match[2])
+    return int(match[2]), int(match[1])
 
 
 async def test_a_conversation_reopened_after_a_restart_reads_its_history_from_disk(tmp_path):
