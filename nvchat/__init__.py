@@ -7,8 +7,9 @@ The package is layered: a module imports only from its own layer and the layers 
         what every mode shares: where files live, MCP servers' tools, the settings and their
         command-line flags, the SQLite conversation store, the table of slash commands, start-up
         timestamps for benchmarks
-    conversation, export, backend, remote_backend
-        one chat, its Markdown export, and what it runs on: the in-process engine or a remote server
+    conversation, export, attachments, backend, remote_backend
+        one chat, its Markdown export, files added to its messages, and what it runs on: the
+        in-process engine or a remote server
     app, repl, repl_slash_handlers, pipe, server
         the front-ends: the Textual app, the plain REPL and its slash commands, pipe mode, `nvchat serve`
     cli

@@ -3,7 +3,7 @@ import argparse
 import sys
 
 from nvchat import startup_trace
-from nvchat.flags import CommandLineParser, add_engine_flags, settings_from_args
+from nvchat.flags import CommandLineParser, add_engine_flags, flags_given, settings_from_args
 from nvchat.settings import Settings, SettingsError
 
 
@@ -27,9 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_tui(settings: Settings) -> int:
+def run_tui(settings: Settings, flags: frozenset[str] = frozenset()) -> int:
     from nvchat.app import NvchatApp  # start-up: Textual loads only for the app
-    app = NvchatApp(settings)
+    app = NvchatApp(settings, flags=flags)
     app.run()
     return app.return_code or 0
 
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if args.plain:
         from nvchat.repl import run_repl  # start-up: as serve above
         return run_repl(settings)
-    return run_tui(settings)
+    return run_tui(settings, flags_given(args))
 
 
 if __name__ == "__main__":

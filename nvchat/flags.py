@@ -49,3 +49,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """config.toml's settings with the command line's flags on top (raises SettingsError, or
     ValueError for a flag's value the engine refuses)."""
     return load_settings().updated(**{name: getattr(args, name, None) for name in _SETTING_FLAGS})
+
+
+def flags_given(args: argparse.Namespace) -> frozenset[str]:
+    """The settings the command line set (over config.toml's), for messages that name their source."""
+    return frozenset(name for name in _SETTING_FLAGS if getattr(args, name, None) is not None)

@@ -75,6 +75,9 @@ def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False) -> i
             elif not stream.text.endswith("\n"):
                 sys.stdout.write("\n")
             sys.stdout.flush()
+            if stream.finish_reason == "length":  # on stderr, so stdout stays the reply alone
+                print(f"nvchat: the reply was cut off at the {stream.num_completion_tokens}-token limit "
+                      "(--max-tokens)", file=sys.stderr, flush=True)
         return 0
     except BrokenPipeError:  # before OSError, which it is
         if stream is not None:

@@ -62,6 +62,8 @@ class Settings(EngineOptions):
     max_tokens: int = 1024
     enable_thinking: bool | None = None
     theme: str = "nvchat-dark"
+    compact_transcript: bool = False  # one rule per message, no reply stats (F12 toggles it)
+    restore_tabs: bool = True  # the app reopens the chats that were open when it last closed
     keys: dict[str, str] = field(default_factory=dict)  # binding id -> key, e.g. {"new_tab": "ctrl+n"}
     # An OpenAI-compatible server's URL (…/v1) to chat with instead of the in-process engine;
     # `model` then names the server's model (default: the first it lists).

@@ -24,6 +24,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("rename", "/rename TITLE", "retitle the conversation"),
     Command("stats", "/stats", "KV cache, prefix cache and last reply numbers"),
     Command("save", "/save [PATH]", "export the conversation as Markdown and show the file's path"),
+    Command("file", "/file [PATH]", "add a text file to the message being written (no PATH: pick one)",
+            app_only=True),
     Command("sampling", "/sampling", "this chat's temperature, top-p, top-k and max tokens", app_only=True),
     Command("stop", "/stop", "stop the reply being generated", app_only=True),
     Command("regenerate", "/regenerate", "a new reply beside the selected (or last) one, kept as a branch",

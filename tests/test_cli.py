@@ -48,7 +48,19 @@ def test_serve_on_a_port_in_use_names_the_address(capsys, tmp_path):
 ])
 def test_a_bad_sampling_flag_stops_the_app_before_it_loads_a_model(argv, message, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin.isatty", lambda: True)
-    monkeypatch.setattr("nvchat.cli.run_tui", lambda settings: pytest.fail("the app started"))
+    monkeypatch.setattr("nvchat.cli.run_tui", lambda *args: pytest.fail("the app started"))
     assert main(argv) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"nvchat: {message}")
+
+
+def test_the_app_is_told_which_settings_came_from_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "nvchat").mkdir()
+    (tmp_path / "nvchat" / "config.toml").write_text('theme = "paper"\nmax_tokens = 99\n')
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    seen = {}
+    monkeypatch.setattr("nvchat.cli.run_tui", lambda settings, flags: seen.update(settings=settings, flags=flags) or 0)
+    assert main(["--theme", "nosuch"]) == 0
+    assert seen["flags"] == {"theme"}
+    assert (seen["settings"].theme, seen["settings"].max_tokens) == ("nosuch", 99)

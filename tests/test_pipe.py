@@ -17,6 +17,7 @@ FAST = ["--model", "demo", "--device", "cpu", "--max-model-len", "256", "--max-t
 LONG = ["-p", "x", "--model", "demo", "--device", "cpu", "--temperature", "0", "--max-tokens", "3000"]
 QUESTION = "What is a paged KV cache?"
 NVCHAT = [sys.executable, "-m", "nvchat.cli"]
+CUT_NOTE = "nvchat: the reply was cut off at the 16-token limit (--max-tokens)"
 
 
 def _run(env, args, stdin=None) -> subprocess.CompletedProcess:
@@ -55,6 +56,7 @@ def runs(demo_model_path, tmp_path_factory):
     missing = root / "no-such-checkpoint"
     jobs = {
         "json": (_run, ["-p", QUESTION, "--json", *FAST]),
+        "cut": (_run, ["-p", "x", *FAST]),  # greedy, "x" runs to max_tokens (LONG)
         "argument": (_run, ["-p", QUESTION, *FAST]),
         "stdin": (_run, ["-p", "-", *FAST], QUESTION + "\n"),
         "piped_without_p": (_run, FAST, QUESTION + "\n"),
@@ -105,7 +107,15 @@ def test_question_as_argument_prints_only_the_reply(runs, json_reply):
     assert result.returncode == 0, result.stderr
     # Greedy decoding: the same reply as the --json run, and nothing else on stdout.
     assert result.stdout == _as_printed(json_reply["text"])
-    assert result.stderr == f"nvchat: {GIBBERISH_NOTE}\n"
+    cut = CUT_NOTE + "\n" if json_reply["finish_reason"] == "length" else ""
+    assert result.stderr == f"nvchat: {GIBBERISH_NOTE}\n" + cut
+
+
+def test_a_reply_cut_at_the_token_limit_says_so_on_stderr(runs):
+    result = runs["cut"]
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [f"nvchat: {GIBBERISH_NOTE}", CUT_NOTE]
+    assert result.stdout.endswith("\n") and "nvchat" not in result.stdout
 
 
 def test_question_from_stdin(runs, json_reply):

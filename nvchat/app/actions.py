@@ -18,6 +18,7 @@ from nvchat.app.chat_pane import ChatPane
 from nvchat.app.chat_tabs import ChatTabs
 from nvchat.app.code_block import CopyableFence, copy_code
 from nvchat.app.conversations_screen import ConversationsScreen
+from nvchat.app.file_picker_screen import FilePickerScreen
 from nvchat.app.help_screen import HelpScreen
 from nvchat.app.kv_panel import KVPanel
 from nvchat.app.loading_screen import LoadingScreen
@@ -34,7 +35,8 @@ from nvchat.slash_table import format_stats
 
 _BOUND_ACTIONS = {spec.action.partition("(")[0] for spec in APP_KEYS}  # names, as check_action gets them
 # Actions that need a started engine and the chat screen on top.
-_CHAT_ACTIONS = _BOUND_ACTIONS - {"help", "quit", "toggle_kv_panel"} | {"default_system_prompt", "copy_code"}
+_CHAT_ACTIONS = (_BOUND_ACTIONS - {"help", "quit", "toggle_kv_panel", "toggle_compact"}
+                 | {"default_system_prompt", "copy_code", "pick_file"})
 
 
 class ChatActions:
@@ -48,6 +50,7 @@ class ChatActions:
     tabs: ChatTabs
     active_pane: ChatPane | None
     new_conversation: Callable[[], Conversation]
+    save_open_tabs: Callable[[], None]
     _loading: LoadingScreen | None  # the start-up's screen, while it is up
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -85,6 +88,7 @@ class ChatActions:
         if pane is not None:
             await self.tabs.close(pane)
             self.pump.forget(pane)
+            self.save_open_tabs()
 
     def action_next_tab(self) -> None:
         self.tabs.cycle(1)
@@ -181,6 +185,19 @@ class ChatActions:
         self.push_screen(SamplingScreen(f"Sampling for “{pane.conversation.title}”",
                                         defaults | pane.conversation.sampling, defaults), chosen)
 
+    def action_pick_file(self) -> None:
+        pane = self.active_pane
+        if pane is None:
+            return
+
+        root = Path.cwd()
+
+        def picked(path: Path | None) -> None:
+            if path is not None:  # named in the message as it would be typed after /file
+                self.run_worker(pane.attach_file(str(path.relative_to(root) if path.is_relative_to(root) else path)))
+
+        self.push_screen(FilePickerScreen(root), picked)
+
     def action_export_markdown(self) -> None:
         if self.active_pane is not None:
             self.run_worker(self.export(self.active_pane.conversation))
@@ -219,6 +236,12 @@ class ChatActions:
         panel = self.query_one(KVPanel)
         panel.set_shown(not panel.display)
 
+    def action_toggle_compact(self) -> None:
+        compact = not self.settings.compact_transcript
+        self.settings.compact_transcript = compact
+        self.set_class(compact, "-compact")
+        self.run_worker(self.save_setting("compact_transcript", compact))
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.keymap))
 
@@ -235,12 +258,14 @@ class ChatActions:
         if pane is None:
             return
         if name == "stats":
-            self.notify(format_stats(self.services.engine.stats(), pane.last_stream), title="Stats", timeout=20)
+            pane.show_note(format_stats(self.services.engine.stats(), pane.last_stream), "stats-note")
         elif name == "system" and arg:
             self.run_worker(pane.set_system_prompt(arg))
             self.notify("This chat's system prompt is set from its next turn on.")
         elif name == "rename" and arg:
             self.run_worker(pane.rename(arg))
+        elif name == "file" and arg:
+            self.run_worker(pane.attach_file(arg, typed=f"/file {arg}"))
         elif name == "save" and arg:
             self.run_worker(self.export(pane.conversation, Path(arg).expanduser()))
         elif name == "stop" and not (pane.busy or pane.editing):

@@ -5,7 +5,8 @@ server). NvchatApp composes the screen and wires its parts together; each job ha
 - chat_tabs.py: the chats as tabs, their labels and colours, and whose each engine request is;
 - stream_pump.py: the timer that moves streamed text into the visible reply, paced (pacing.py);
 - tool_rounds.py: the MCP servers' tools, and a reply's tool calls: approved, run, fed back;
-- actions.py: what keys, the command palette and slash commands run, and the settings they save.
+- actions.py: what keys, the command palette and slash commands run, and the settings they save;
+- open_tabs.py: which chats were open and which had the focus, reopened at the next start.
 
 Threads, and what runs where:
 - the UI thread (Textual's event loop) only moves text into widgets;
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from functools import partial
 from pathlib import Path
 
 from textual.app import App, ComposeResult
@@ -36,6 +38,7 @@ from nvchat.app.events import SlashCommandSubmitted
 from nvchat.app.footer import ChatFooter
 from nvchat.app.kv_panel import KVPanel
 from nvchat.app.loading_screen import LoadingScreen
+from nvchat.app.open_tabs import OpenTabs, load_open_tabs, save_open_tabs, tabs_file
 from nvchat.app.services import ChatServices, quit_on_signals
 from nvchat.app.stream_pump import StreamPump
 from nvchat.app.tool_rounds import ToolRounds
@@ -81,12 +84,17 @@ class NvchatApp(ChatActions, App[None]):
     # Python's default 5 ms, 8 streams on an H200 ran 2.7x slower with the app attached
     # (bench_ui). Set while the app is mounted.
     GIL_SWITCH_INTERVAL_S = 0.0005
+    # Below 100 columns the screen is -narrow, and the KV panel takes less of the width there.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
 
-    def __init__(self, settings: Settings, *, engine: Backend | None = None, store: ChatStore | None = None):
+    def __init__(self, settings: Settings, *, engine: Backend | None = None, store: ChatStore | None = None,
+                 flags: frozenset[str] = frozenset()):
         """engine / store: already running ones to use (and leave running), e.g. shared by tests;
-        by default the app builds its own from settings and shuts them down when it exits."""
+        by default the app builds its own from settings and shuts them down when it exits. flags:
+        the settings the command line set, which its warnings name as flags rather than config.toml."""
         super().__init__()
         self.settings = settings
+        self.flags = flags
         self.services = ChatServices(settings, engine, store)
         self.keymap = dict(settings.keys)
         self.ready = False  # engine and store are up, chats can run
@@ -100,6 +108,7 @@ class NvchatApp(ChatActions, App[None]):
         self._loading: LoadingScreen | None = None
         self._theme_applied = False
         self._stop_quitting_on_signals = None
+        self._last_shown: ChatPane | None = None  # the chat whose tab was shown last
 
     # --- composition ---------------------------------------------------------------------------------
 
@@ -121,8 +130,9 @@ class NvchatApp(ChatActions, App[None]):
         if self.settings.theme in self.available_themes:
             self.theme = self.settings.theme
         else:
-            self.notify(f"config.toml: unknown theme {self.settings.theme!r}; using {FALLBACK_THEME}",
-                        severity="warning")
+            source = "--theme" if "theme" in self.flags else "config.toml"
+            self.notify(f"{source}: unknown theme {self.settings.theme!r}; using {FALLBACK_THEME} (the palette, "
+                        f"Ctrl+P, lists the themes)", severity="warning", timeout=10)
             self.theme = FALLBACK_THEME
         self._theme_applied = True
         unknown = unknown_key_ids(self.keymap)
@@ -130,6 +140,7 @@ class NvchatApp(ChatActions, App[None]):
             self.notify(f"config.toml [keys]: no binding has the id(s) {', '.join(unknown)} (F1 lists them)",
                         severity="warning", timeout=10)
         self.set_keymap(self.keymap)
+        self.set_class(self.settings.compact_transcript, "-compact")
         self.sub_title = self.note or model_label(self.settings)
         self.pump = StreamPump(self, self.tabs, self.PUMP_HZ, self.MIN_DRAW_HZ, self.UI_CPU_BUDGET_ONE,
                                self.UI_CPU_BUDGET_MANY)
@@ -185,12 +196,66 @@ class NvchatApp(ChatActions, App[None]):
         self.sub_title = self.note or model_label(self.settings, self.engine)
         if self.engine.capabilities.one_request_at_a_time:
             self.notify(ONE_AT_A_TIME_NOTE, title=model_label(self.settings, self.engine), timeout=15)
-        pane = await self.tabs.open(self.new_conversation())
+        pane = await self._reopen_tabs() or await self.tabs.open(self.new_conversation())
         if typed:
             pane.prompt.insert(typed)
         self.ready = True
         self.refresh_bindings()
+        self.save_open_tabs()
         startup_trace.mark("ready")
+
+    async def _reopen_tabs(self) -> ChatPane | None:
+        """The chats that were open when the app last closed, in order; returns the one that had the
+        focus, shown (None when there were none to reopen)."""
+        # A store moved aside starts afresh: the ids saved with the old one name nothing in it.
+        if not self.settings.restore_tabs or self.store.moved_aside is not None:
+            return None
+        try:
+            saved = await self.in_background(load_open_tabs, tabs_file(self.store.path))
+        except (ValueError, OSError) as e:
+            self.notify(str(e), title="The open chats could not be reopened", severity="warning", timeout=10)
+            return None
+        if saved is None:
+            return None
+        panes: list[ChatPane | None] = []
+        missing = 0
+        for conversation_id in saved.conversation_ids:
+            if conversation_id is None:
+                conversation = self.new_conversation()
+            else:
+                try:
+                    conversation = await self.in_background(Conversation.load, self.engine, self.store,
+                                                            conversation_id, self.settings)
+                except KeyError:  # deleted since, e.g. by another nvchat on this data directory
+                    missing += 1
+                    panes.append(None)
+                    continue
+                conversation.toolbox = self.tool_rounds.tools
+            panes.append(await self.tabs.open(conversation, show=False))
+        if missing:
+            self.notify(f"{missing} of the chats that were open no longer exist{'s' if missing == 1 else ''}.",
+                        severity="warning")
+        opened = [pane for pane in panes if pane is not None]
+        if not opened:
+            return None
+        focused = panes[saved.focused] if saved.focused < len(panes) else None
+        focused = focused or opened[-1]
+        self.tabs.show(focused)
+        return focused
+
+    def _open_tabs(self) -> tuple[list[Conversation], int]:
+        panes = self.tabs.panes
+        # At exit the tabs may already be going; the last one shown is the one that had the focus.
+        active = self.active_pane or self._last_shown
+        return [pane.conversation for pane in panes], panes.index(active) if active in panes else 0
+
+    def save_open_tabs(self) -> None:
+        """Records the open chats and the focused one, on the conversation thread: after the writes
+        queued before it, which give a chat's first message or draft its id."""
+        if not self.ready or not self.settings.restore_tabs or self.services.closing:
+            return
+        conversations, focused = self._open_tabs()
+        self.in_background(_write_open_tabs, tabs_file(self.store.path), conversations, focused)
 
     def _start_failed(self, detail: str) -> None:
         if self._loading is not None:
@@ -219,12 +284,15 @@ class NvchatApp(ChatActions, App[None]):
         # The footer's keys depend on the active chat alone.
         if event.pane is self.active_pane:
             self.refresh_bindings()
+        self.save_open_tabs()  # a first message stores the chat, a busy one may have been closed
 
     async def on_tabbed_content_tab_activated(self) -> None:
         if not self.screen_stack:
             return
         self.refresh_bindings()
         await self.tabs.tab_shown()
+        self._last_shown = self.active_pane or self._last_shown
+        self.save_open_tabs()
 
     async def on_slash_command_submitted(self, event: SlashCommandSubmitted) -> None:
         await self.run_slash_command(event.name, event.arg)
@@ -246,7 +314,20 @@ class NvchatApp(ChatActions, App[None]):
         panes = self.tabs.panes
         live = [(pane.conversation, pane.take_streams()) for pane in panes]
         drafts = [(pane.conversation, pane.draft) for pane in panes]
+        then = None
+        if self.ready and self.settings.restore_tabs:
+            conversations, focused = self._open_tabs()
+            path = tabs_file(self.store.path)
+            then = partial(_write_open_tabs, path, conversations, focused)
         for pane in panes:
             pane.stop_draft_timer()
-        await self.services.close(live, drafts)
+        await self.services.close(live, drafts, then)
         await self.tool_rounds.close()
+
+
+def _write_open_tabs(path: Path, conversations: list[Conversation], focused: int) -> None:
+    """On the conversation thread, where the conversations' ids are assigned."""
+    try:
+        save_open_tabs(path, OpenTabs([c.id for c in conversations], focused))
+    except OSError:  # only a convenience for the next start; the chats themselves are stored
+        pass

@@ -46,6 +46,7 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("system_prompt", "f4", "system_prompt", "System prompt", show=False),
     KeySpec("sampling", "f7", "sampling", "Sampling", show=False),
     KeySpec("kv_panel", "f5", "toggle_kv_panel", "KV cache"),
+    KeySpec("compact", "f12", "toggle_compact", "Compact view", show=False),
     KeySpec("conversations", "ctrl+o", "open_conversations", "History", show=False),
     KeySpec("export", "ctrl+s", "export_markdown", "Export", show=False),
     KeySpec("help", "f1", "help", "Help"),
@@ -60,6 +61,13 @@ PROMPT_KEYS: tuple[KeySpec, ...] = (
     KeySpec("scroll_chat_down", "pagedown", "scroll_chat(1)", "Scroll down", show=False, priority=False),
 )
 
+# Keys of Textual's focus chain and of the widgets it reaches: not remappable, listed on F1 too.
+FOCUS_KEYS: tuple[tuple[str, str], ...] = (
+    ("tab", "Focus next"),  # the box, the transcript, its code blocks (HelpScreen's note says so)
+    ("shift+tab", "Focus previous"),
+    ("c", "Copy code block"),  # the focused one
+)
+
 ALL_KEYS = APP_KEYS + PROMPT_KEYS
 KEY_IDS = frozenset(spec.id for spec in ALL_KEYS)
 
@@ -68,7 +76,8 @@ KEY_IDS = frozenset(spec.id for spec in ALL_KEYS)
 # (ChatActions.run_slash_command); /stats has no key.
 SLASH_ACTIONS = {"help": "help", "new": "new_tab", "system": "system_prompt", "rename": "rename_tab",
                  "save": "export_markdown", "sampling": "sampling", "stop": "stop_reply", "regenerate": "regenerate",
-                 "edit": "edit_last", "branch": "switch_branch(1)", "alt": "alternatives", "quit": "quit"}
+                 "edit": "edit_last", "branch": "switch_branch(1)", "alt": "alternatives", "quit": "quit",
+                 "file": "pick_file"}
 # Commands that a key also runs (/pick N: Alt+N), which the help screen's key table lists.
 KEYED_COMMANDS = frozenset(SLASH_ACTIONS) | {"pick"}
 # Keys whose command takes what the key's action is given as text: the help screen's /command column.

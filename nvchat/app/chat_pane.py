@@ -2,9 +2,13 @@
 
 Conversation calls (tokenizing, SQLite writes) run on the app's conversation thread through the
 `background` callable, never on the UI thread. While a turn is in flight (from submit until its
-replies are stored) the pane is busy and refuses new turns and branch switches, so the transcript
-always matches conversation.messages once it is idle (with one exception: alternatives stay side by
-side, the first one standing for the branch shown, until one is picked or the chat moves on).
+replies are stored) the pane is busy: a message sent meanwhile waits in its queue, shown
+dimmed at the foot of the transcript (below any alternatives), and starts the next turn once every
+reply of the turn is stored and its tool calls are done (Esc stops the replies and puts the queue
+back in the box); new turns of other kinds and branch switches are refused. So the transcript always
+matches conversation.messages, then the queue, once it is idle (with one exception: alternatives
+stay side by side, the first one standing for the branch shown, until one is picked or the chat
+moves on).
 
 Branches: Alt+Up/Down select a message; F3 edits the selected user message (else the last), Ctrl+R
 regenerates the selected reply (else the last), F8/F9 show the previous/next sibling of the selected
@@ -33,9 +37,10 @@ from textual.widgets import Static, TextArea
 
 from engine import RequestStream
 from nvchat.app.events import PromptSubmitted, ScrollTranscript
-from nvchat.app.message_view import AlternativesView, ReplyView, UserMessageView
+from nvchat.app.message_view import AlternativesView, QueuedMessageView, ReplyView, UserMessageView
 from nvchat.app.prompt_input import PromptInput
 from nvchat.app.tool_views import ToolCallView
+from nvchat.attachments import AttachmentError, attach
 from nvchat.conversation import Conversation, Message, first_line, reply_stats
 from nvchat.slash_table import as_typed
 
@@ -117,6 +122,7 @@ class ChatPane(Vertical):
         self._draft = ""  # what the box held when F3 put the last message there; back after the edit
         self._draft_timer: Timer | None = None  # a draft save waiting for typing to pause
         self._draft_due = 0.0  # when that save is made even if typing goes on
+        self.queued: list[QueuedMessageView] = []  # messages sent while busy, first out first
         # Held: the app reads its draft after the DOM is gone.
         self._prompt = PromptInput(keymap=keymap, id="prompt")
 
@@ -211,6 +217,8 @@ class ChatPane(Vertical):
         if self.editing:
             return self._draft
         typed = self.prompt.text
+        if self.queued:  # not sent yet either: kept with the draft if the tab closes or the app quits
+            typed = _before_typed(self._queued_text(), typed)
         if self._draft:  # an edit was sent and its reply is starting: the kept draft comes back next
             return _before_typed(self._draft, typed)
         return typed
@@ -286,9 +294,17 @@ class ChatPane(Vertical):
         self.busy = busy
         if not busy:
             self._stop_requested = False
-        self.prompt.accepting = not busy
-        self._set_status("generating… Esc stops" if busy else self._idle_status())
+        self._show_busy_status()
         self.post_message(self.StateChanged(self))
+
+    def _show_busy_status(self) -> None:
+        if not self.busy:
+            self._set_status(self._idle_status())
+        elif self.queued:
+            self._set_status(f"generating… {len(self.queued)} queued to send next · Esc stops and puts "
+                             f"{'it' if len(self.queued) == 1 else 'them'} back in the box")
+        else:
+            self._set_status("generating… Esc stops")
 
     def _idle_status(self) -> str:
         if self.conversation.read_only:
@@ -332,7 +348,8 @@ class ChatPane(Vertical):
                                   or id(reply.message) in kept):
             new.append(reply)
         if new:
-            await self.transcript.mount_all(new)
+            # Above the queue, which stays at the foot.
+            await self.transcript.mount_all(new, before=self.queued[0] if self.queued else None)
         self._refresh_marks()
 
     def _refresh_marks(self) -> None:
@@ -370,6 +387,9 @@ class ChatPane(Vertical):
 
     def on_prompt_submitted(self, event: PromptSubmitted) -> None:
         event.stop()
+        if self.busy or self.queued:
+            self._queue(event.text)
+            return
         self._submit_prompt(event.text)
 
     def _submit_prompt(self, text: str, alternatives: int = 1) -> None:
@@ -385,6 +405,40 @@ class ChatPane(Vertical):
             self.run_worker(self._turn(self.conversation.send, text, alternatives=alternatives, restore=text))
         self.editing = False
         self._edit_index = None
+
+    # --- the queue -----------------------------------------------------------------------------------
+
+    def _queue(self, text: str) -> None:
+        view = QueuedMessageView(text)
+        self.queued.append(view)
+        self.transcript.mount(view)
+        self._show_busy_status()
+
+    def _queued_text(self) -> str:
+        return "\n".join(as_typed(view.text) for view in self.queued)
+
+    def unqueue(self) -> None:
+        """Puts the queued messages back in the box, in order, before whatever was typed since."""
+        if not self.queued:
+            return
+        text = self._queued_text()
+        views, self.queued = self.queued, []
+        self.transcript.remove_children(views)
+        self._restore_prompt(text)
+        self._show_busy_status()
+
+    def _end_turn(self) -> None:
+        """Every reply of the turn is stored and its tool calls are done: the pane goes idle, and
+        the first queued message, if any, starts the next turn."""
+        self._set_busy(False)
+        if self.queued:
+            self._send_next_queued()
+
+    def _send_next_queued(self) -> None:
+        view = self.queued.pop(0)
+        view.remove()
+        self._set_busy(True)
+        self.run_worker(self._turn(self.conversation.send, view.text, restore=view.text))
 
     def _give_back_draft(self) -> None:
         draft, self._draft = self._draft, ""
@@ -457,7 +511,9 @@ class ChatPane(Vertical):
         self.post_message(self.StateChanged(self))
 
     def stop(self) -> None:
-        """Esc: stops the replies, or leaves edit mode, or unselects the selected message."""
+        """Esc: stops the replies and puts the queue back in the box, or leaves edit mode, or
+        unselects the selected message."""
+        self.unqueue()
         if self._live:
             for live in self._live:
                 live.stream.abort()
@@ -479,6 +535,7 @@ class ChatPane(Vertical):
                 streams = [await self.background(start, *args)]
         except Exception as e:  # a refused prompt (too long, engine stopped) leaves the conversation as it was
             self._set_busy(False)
+            self.unqueue()  # what was queued after it stays unsent too, back in the box after it
             if restore is not None:
                 self._restore_prompt(as_typed(restore))
                 if edit_index is not None:
@@ -582,7 +639,13 @@ class ChatPane(Vertical):
         if reply is not None and reply.parent is self.transcript:
             await self.transcript.mount(note, before=reply)
         else:
-            await self.transcript.mount(note)
+            await self.transcript.mount(note, before=self.queued[0] if self.queued else None)
+
+    def show_note(self, text: str, classes: str) -> None:
+        """Text for the user at the foot of the transcript (above any queued messages), not stored:
+        read at leisure and scrolled away, where a notification would cover part of the screen."""
+        self.transcript.mount(Static(Content(text), classes=classes), before=self.queued[0] if self.queued else None)
+        self.transcript.scroll_end(animate=False)
 
     def _show_context(self, tokens: int | None) -> None:
         """The context the conversation fills, under the prompt box."""
@@ -639,7 +702,7 @@ class ChatPane(Vertical):
             return
         self._refresh_hint()
         self._refresh_marks()
-        self._set_busy(False)
+        self._end_turn()
 
     async def _show_first_alternative(self, view: AlternativesView) -> None:
         """Until one is picked, the chat goes on from the first alternative that has text."""
@@ -765,7 +828,7 @@ class ChatPane(Vertical):
         # A reply that ended in a hidden tab has views still to mount: they go first.
         await self.catch_up()
         view = ToolCallView(call)
-        await self.transcript.mount(view)
+        await self.transcript.mount(view, before=self.queued[0] if self.queued else None)
         return view
 
     def set_tool_status(self, text: str) -> None:
@@ -778,7 +841,25 @@ class ChatPane(Vertical):
     def end_tool_round(self) -> None:
         """The turn ends without the reply going on (Esc, or the conversation could not store a result)."""
         self._refresh_hint()
-        self._set_busy(False)
+        self._end_turn()
+
+    async def attach_file(self, name: str, typed: str | None = None) -> None:
+        """Adds the file's text to the message being written, at the cursor (read and checked on
+        the conversation thread); a file that can't go in is a notification that says why, and
+        typed (the /file command) goes back in the box to fix."""
+        try:
+            attachment = await self.background(attach, self.conversation, name)
+        except (AttachmentError, OSError) as e:
+            self.notify(str(e), title="File not added", severity="error", timeout=10)
+            if typed is not None:
+                self._restore_prompt(typed)
+            return
+        if self.prompt.cursor_location[1]:
+            self.prompt.insert("\n")
+        self.prompt.insert(attachment.block)
+        self.prompt.focus()
+        tokens = "" if attachment.tokens is None else f" ({attachment.tokens} tokens)"
+        self.notify(f"{attachment.name}{tokens}", title="File added to the message")
 
     # --- chat settings -------------------------------------------------------------------------------
 

@@ -63,8 +63,9 @@ class ChatTabs(TabbedContent):
             except Exception:  # the tab closed in the meantime
                 pass
 
-    async def open(self, conversation: Conversation) -> ChatPane:
-        """A new tab for the conversation, shown, with its prompt box focused."""
+    async def open(self, conversation: Conversation, *, show: bool = True) -> ChatPane:
+        """A new tab for the conversation, shown, with its prompt box focused (unless show is False:
+        several opened at once, one of which is shown afterwards)."""
         self._serial += 1
         slot = self._serial - 1
         pane = ChatPane(conversation, background=self.background, is_shown=lambda: self.active_chat is pane,
@@ -72,8 +73,9 @@ class ChatTabs(TabbedContent):
         tab = TabPane(self._label(pane), pane, id=f"chat-{self._serial}")
         self.panes.append(pane)
         await self.add_pane(tab)
-        self.active = tab.id
-        pane.prompt.focus()
+        if show:
+            self.active = tab.id
+            pane.prompt.focus()
         return pane
 
     async def close(self, pane: ChatPane) -> None:

@@ -23,6 +23,7 @@ _HELP = {
     "system_prompt": "Edit this chat's system prompt",
     "sampling": "This chat's temperature, top-p, top-k and max tokens",
     "toggle_kv_panel": "Show or hide the live KV-cache block map",
+    "toggle_compact": "One rule per message and no reply stats (/stats shows them); saved to config.toml",
     "open_conversations": "Reopen a past conversation",
     "export_markdown": "Export this chat to a Markdown file",
     "help": "List every key",
@@ -32,6 +33,7 @@ _SKIP = {"quit", "pick_1", "pick_2", "pick_3", "pick_4"}
 _PALETTE_ONLY = (
     ("Default system prompt", "Edit the system prompt new chats start with (saved to config.toml)",
      "default_system_prompt"),
+    ("Add a file", "Add a text file's contents to the message being written (/file PATH)", "pick_file"),
     ("Copy code block", "Copy the focused code block, or this chat's latest one (c on a focused block)",
      "copy_code"),
 )

@@ -19,6 +19,12 @@ def _when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
 
 
+_DRAFT_MARK = "  ✎ draft"
+_WHEN_WIDTH = len("2000-01-01 00:00")
+_COUNT_WIDTH = len("Messages")
+_MIN_TITLE = 16
+
+
 def _model_label(model: str) -> str:
     """A checkpoint's or GGUF file's name without its directories; a repo id or name as it is."""
     return Path(model).name if model.startswith(("/", "~", ".")) else model
@@ -44,7 +50,6 @@ class ConversationsScreen(ModalScreen[int | None]):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        # The model last: a path or long name there is cut at the edge, not the date.
         table.add_columns("Title", "Updated", "Messages", "Model")
         self.query_one(Input).focus()
         self.run_worker(self._load(""), exclusive=True)
@@ -68,16 +73,30 @@ class ConversationsScreen(ModalScreen[int | None]):
             return
         table = self.query_one(DataTable)
         table.clear()
+        room = self._title_room(table, [_model_label(row.model) for row in rows])
         for row in rows:
-            title = Text(row.title)
-            if row.draft.strip():
-                title.append("  ✎ draft", style="italic")  # words typed there and not sent wait in it
+            marked = bool(row.draft.strip())  # words typed there and not sent wait in it
+            title = Text(row.title, no_wrap=True, overflow="ellipsis")
+            title.truncate(max(1, room - len(_DRAFT_MARK) * marked), overflow="ellipsis")
+            if marked:
+                title.append(_DRAFT_MARK, style="italic")
             table.add_row(title, _when(row.updated_at), str(row.num_messages), Text(_model_label(row.model)),
                           key=str(row.id))
         empty = self.query_one("#conversations-empty", Label)
         empty.update("" if rows else f"No conversation has “{text.strip()}”." if text.strip()
                      else "No saved conversations yet.")
         empty.display = not rows
+
+    @staticmethod
+    def _title_room(table: DataTable, models: list[str]) -> int:
+        """The columns a title may take: a long title is cut (…) so that the model fits whole beside
+        the date and the count, down to half the room they leave; on a narrower table
+        the model is the one cut, at the table's edge."""
+        # Each column is padded by cell_padding on both sides; the vertical scrollbar takes its own.
+        padding = 2 * table.cell_padding * 4 + table.styles.scrollbar_size_vertical
+        room = table.size.width - padding - _WHEN_WIDTH - _COUNT_WIDTH
+        model = max([len("Model"), *map(len, models)])
+        return max(_MIN_TITLE, room - model, room // 2)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.dismiss(int(event.row_key.value))

@@ -10,6 +10,7 @@ from textual.widgets import DataTable, Label
 
 from nvchat.app.bindings import (
     ALL_KEYS,
+    FOCUS_KEYS,
     KEYED_COMMANDS,
     command_for_action,
     describe_key,
@@ -37,7 +38,8 @@ class HelpScreen(ModalScreen[None]):
         with Vertical(id="help-box"):
             yield Label("Keys, and the /commands typed in the message box that do the same", id="help-heading")
             yield DataTable(id="help-table", cursor_type="none", zebra_stripes=True, show_cursor=False)
-            yield Label(_slash_note() + "\nCtrl+P opens the command palette (themes are there too).\n"
+            yield Label(_slash_note() + "\nTab and Shift+Tab move between the message box, the transcript and "
+                        "its code blocks; c copies the focused block.\nCtrl+P opens the command palette (themes are there too).\n"
                         "Remap a key by its id in config.toml's [keys] table, e.g.\n"
                         "  new_tab = \"ctrl+n\"\n"
                         "(config.toml lives in ~/.config/nvchat, or $XDG_CONFIG_HOME/nvchat.)",
@@ -56,6 +58,8 @@ class HelpScreen(ModalScreen[None]):
                 continue
             table.add_row(describe_key(effective_key(spec, self.keymap)), spec.description,
                           command_for_action(spec.action) or "", spec.id)
+        for key, description in FOCUS_KEYS:
+            table.add_row(describe_key(key), description, "", "")
         table.styles.max_height = table.row_count + 1  # and its header
 
     def action_close(self) -> None:

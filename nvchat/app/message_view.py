@@ -116,6 +116,16 @@ class UserMessageView(BranchMarks, Static):
         self.border_title = self.base_title
 
 
+class QueuedMessageView(Static):
+    """A message sent while its chat was replying: waits, dimmed, at the foot of the transcript
+    and goes out when the reply ends (ChatPane's queue)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(Content(text), classes="message user")
+        self.text = text
+        self.border_title = "you · queued"
+
+
 class ReplyView(BranchMarks, QuietResize, Vertical):
     """An assistant reply: stored (built whole), or live: fed by receive() and end(), and drawn,
     in batches, by catch_up(). A live reply in a hidden tab only accumulates: it is drawn once,

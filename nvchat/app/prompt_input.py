@@ -22,9 +22,6 @@ class PromptInput(TextArea):
                          placeholder="Message…  (Enter sends, Shift+Enter or Ctrl+J for a new line)")
         self._keymap = keymap
         self._key_actions: dict[str, str] | None = None
-        # False from a send until the chat can take another turn (its pane sets it back). Decided
-        # here, in key order: Enter, more text, Enter in one burst keeps the second text in the box.
-        self.accepting = True
 
     def _action_for(self, key: str) -> str | None:
         if self._key_actions is None:
@@ -47,7 +44,8 @@ class PromptInput(TextArea):
         text = self.text.strip()
         if not text:
             return
-        # Commands run while a reply streams too (/stop, /new, /stats): checked before `accepting`.
+        # Commands run at once, while a reply streams too (/stop, /new, /stats); a message sent
+        # meanwhile waits in its chat's queue (ChatPane).
         invocation = parse(text, APP)
         if invocation is not None:
             if invocation.command is None:  # kept in the box, to fix or to escape with //
@@ -56,10 +54,6 @@ class PromptInput(TextArea):
             self.post_message(SlashCommandSubmitted(invocation.command.name, invocation.arg))
             self.clear()
             return
-        if not self.accepting:
-            self.notify("This chat is still replying: wait, or press Esc to stop it.", severity="warning")
-            return
-        self.accepting = False
         self.post_message(PromptSubmitted(message_text(text)))
         self.clear()
 

@@ -129,16 +129,18 @@ class ChatServices:
     # --- shutdown ------------------------------------------------------------------------------------
 
     async def close(self, live: list[tuple[Conversation, list[RequestStream]]],
-                    drafts: list[tuple[Conversation, str]]) -> None:
+                    drafts: list[tuple[Conversation, str]], then: Callable[[], None] | None = None) -> None:
         """The app is exiting: stops the replies still running (keeping their text), stores what each
-        chat had typed and not sent, lets queued writes finish and the conversations go (another
-        process may write them now), then shuts down what the app started, off the UI thread. A
-        start-up still under way closes what it builds itself."""
+        chat had typed and not sent, runs then (on the conversation thread, after those writes), lets
+        queued writes finish and the conversations go (another process may write them now), then
+        shuts down what the app started, off the UI thread. A start-up still under way closes what it
+        builds itself."""
         self.closing = True
-        await asyncio.to_thread(self._close, self.engine, self.store, live, drafts)
+        await asyncio.to_thread(self._close, self.engine, self.store, live, drafts, then)
 
     def _close(self, engine: Backend | None, store: ChatStore | None,
-               live: list[tuple[Conversation, list[RequestStream]]], drafts: list[tuple[Conversation, str]] = ()) -> None:
+               live: list[tuple[Conversation, list[RequestStream]]], drafts: list[tuple[Conversation, str]] = (),
+               then: Callable[[], None] | None = None) -> None:
         for _, streams in live:
             for stream in streams:
                 stream.abort()
@@ -148,6 +150,8 @@ class ChatServices:
         for conversation, text in drafts:
             self._conversation_thread.submit(conversation.save_draft, text)
             self._conversation_thread.submit(conversation.release)
+        if then is not None:
+            self._conversation_thread.submit(then)
         self._conversation_thread.shutdown(wait=True)
         if engine is not None and self._owns_engine:
             engine.shutdown()

@@ -569,7 +569,8 @@ async def test_reopen_a_past_conversation_in_a_fresh_app(make_app):
         written = [(m.role, m.content) for m in pane.conversation.messages]
         conversation_id = pane.conversation.id
 
-    fresh = make_app()
+    # Not reopened at start-up (restore_tabs): Ctrl+O reopens it.
+    fresh = make_app(restore_tabs=False)
     async with fresh.run_test(size=SIZE) as pilot:
         await started(pilot)
         reopened = await reopen_the_only_past_conversation(pilot, fresh)

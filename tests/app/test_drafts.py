@@ -64,7 +64,8 @@ async def test_a_draft_left_in_a_closed_tab_is_back_when_the_chat_is_reopened_an
         await wait_for(pilot, lambda: [c.draft for c in stored_conversations()] == ["half a thought\nand a second line"],
                        what="the closed tab's draft in the store")
 
-    fresh = make_app(max_tokens=4)
+    # Not reopened at start-up (restore_tabs): Ctrl+O reopens it.
+    fresh = make_app(restore_tabs=False, max_tokens=4)
     async with fresh.run_test(size=SIZE) as pilot:
         await started(pilot)
         pane = await reopen_the_only_past_conversation(pilot, fresh)
@@ -76,7 +77,7 @@ async def test_a_draft_left_in_a_closed_tab_is_back_when_the_chat_is_reopened_an
         assert pane.conversation.messages[-2].content == "half a thought\nand a second line done"
         assert [c.draft for c in stored_conversations()] == [""]
 
-    again = make_app(max_tokens=4)
+    again = make_app(restore_tabs=False, max_tokens=4)
     async with again.run_test(size=SIZE) as pilot:
         await started(pilot)
         pane = await reopen_the_only_past_conversation(pilot, again)
@@ -93,7 +94,7 @@ async def test_a_new_chats_draft_survives_quitting_and_is_found_with_ctrl_o(make
     [row] = stored_conversations()
     assert (row.draft, row.num_messages) == ("never lose these words", 0)
 
-    fresh = make_app()
+    fresh = make_app(restore_tabs=False)
     async with fresh.run_test(size=SIZE) as pilot:
         await started(pilot)
         await pilot.press("ctrl+o")

@@ -50,7 +50,8 @@ async def test_a_reply_is_stored_as_it_streams_and_a_stopped_one_reopens_marked_
         assert "interrupted" not in footer  # said once, not "stopped · interrupted"
         conversation_id = pane.conversation.id
 
-    fresh = make_app(max_tokens=8)
+    # Not reopened at start-up (restore_tabs): Ctrl+O reopens it.
+    fresh = make_app(restore_tabs=False, max_tokens=8)
     async with fresh.run_test(size=SIZE) as pilot:
         await started(pilot)
         pane = await reopen_the_only_past_conversation(pilot, fresh)

@@ -2,6 +2,7 @@
 import threading
 
 from nvchat import paths
+from nvchat.app.message_view import AlternativesView, QueuedMessageView
 from nvchat.store import ChatStore
 from tests.app.helpers import burst, idle, press_now, started, wait_for
 
@@ -41,25 +42,95 @@ async def test_a_bracketed_paste_then_enter_sends_the_paste(make_app):
         await idle(pilot, pane)
 
 
-async def test_keys_typed_while_a_reply_streams_stay_in_the_box_until_it_ends(make_app):
+async def test_messages_sent_while_a_reply_streams_are_queued_then_sent_in_order(make_app):
     app = make_app(max_tokens=150)
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
         pane = app.active_pane
-        # Two messages in one burst: the first is sent, the second waits in the box.
+        # Two messages in one burst: the first is sent, the second is queued, not left in the box.
         burst(app, "first")
         burst(app, "second")
         await wait_for(pilot, lambda: pane.stream is not None, what="the reply to start")
-        burst(app, " and third")  # while it streams
-        await wait_for(pilot, lambda: pane.prompt.text == "second and third", what="the typed text")
-        assert [m.content for m in pane.conversation.messages] == ["first"]
-        assert any("still replying" in n.message for n in app._notifications)
-        await idle(pilot, pane)
-        burst(app)  # Enter alone, once the reply is stored
-        await wait_for(pilot, lambda: len(pane.conversation.messages) >= 3, what="the second turn")
-        assert [m.content for m in pane.conversation.messages if m.role == "user"] == ["first", "second and third"]
+        burst(app, "third")  # while it streams
+        await wait_for(pilot, lambda: len(pane.queued) == 2, what="two queued messages")
         assert pane.prompt.text == ""
+        queued = list(pane.transcript.query(QueuedMessageView))
+        assert [v.text for v in queued] == ["second", "third"]
+        assert all("queued" in v.border_title for v in queued)
+        assert pane.transcript.children[-2:] == queued  # at the foot, under the streaming reply
+        assert "2 queued" in str(pane.query_one("#chat-status").render())
+        assert [m.content for m in pane.conversation.messages] == ["first"]
+        await wait_for(pilot, lambda: len(pane.conversation.messages) == 6 and not pane.busy, 90,
+                       "the three turns")
+        assert [m.content for m in pane.conversation.messages if m.role == "user"] == ["first", "second", "third"]
+        assert not pane.queued and not pane.transcript.query(QueuedMessageView)
+        assert [m.content for m in pane.conversation.messages if m.role == "user"] == [
+            content for role, content in stored_texts(pane.conversation.id) if role == "user"]
+
+
+async def test_esc_stops_the_reply_and_puts_the_queued_messages_back_in_the_box(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        burst(app, "first")
+        await wait_for(pilot, lambda: pane.stream is not None, what="the reply to start")
+        burst(app, "second")
+        burst(app, "//fourth")  # sent as "/fourth", back in the box as typed
+        burst(app, "half typed", enter=False)
+        await wait_for(pilot, lambda: len(pane.queued) == 2 and pane.prompt.text == "half typed",
+                       what="the queue and the typed text")
+        await press_now(pilot, "escape")
         await idle(pilot, pane)
+        assert pane.prompt.text == "second\n//fourth\nhalf typed"
+        assert not pane.queued and not pane.transcript.query(QueuedMessageView)
+        assert [m.role for m in pane.conversation.messages] == ["user", "assistant"]
+        assert pane.conversation.messages[-1].interrupted
+
+
+async def test_a_message_sent_while_alternatives_stream_waits_below_them_until_every_one_is_stored(make_app):
+    app = make_app(max_tokens=120)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        burst(app, "name a colour", enter=False)
+        await wait_for(pilot, lambda: pane.prompt.text == "name a colour", what="the typed text")
+        await press_now(pilot, "f6")
+        await wait_for(pilot, lambda: len(pane.streams) == 3, what="three alternatives streaming")
+        burst(app, "and another")
+        await wait_for(pilot, lambda: len(pane.queued) == 1, what="the queued message")
+        alternatives = pane.query_one(AlternativesView)
+        children = list(pane.transcript.children)
+        assert children[-1] is pane.queued[0] and children.index(alternatives) < len(children) - 1
+        assert "1 queued" in str(pane.query_one("#chat-status").render())
+        await wait_for(pilot, lambda: len(pane.conversation.messages) == 4 and not pane.busy, 90, "the queued turn")
+        user = pane.conversation.messages[0]
+        assert len(user.children) == 3
+        # Sent after all three were stored, and the chat went on from the first alternative.
+        assert pane.conversation.messages[1] is user.children[0]
+        assert pane.conversation.messages[2].content == "and another"
+        assert not pane.queued and not pane.transcript.query(QueuedMessageView)
+
+
+async def test_esc_stops_every_alternative_and_puts_the_queue_back_in_the_box(make_app):
+    app = make_app(max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        burst(app, "name a colour", enter=False)
+        await wait_for(pilot, lambda: pane.prompt.text == "name a colour", what="the typed text")
+        await press_now(pilot, "f6")
+        await wait_for(pilot, lambda: len(pane.streams) == 3, what="three alternatives streaming")
+        await wait_for(pilot, lambda: all(s.num_completion_tokens for s in pane.streams), what="text in each")
+        burst(app, "waiting")
+        await wait_for(pilot, lambda: len(pane.queued) == 1, what="the queued message")
+        await press_now(pilot, "escape")
+        await idle(pilot, pane)
+        assert pane.prompt.text == "waiting"
+        assert not pane.queued and not pane.transcript.query(QueuedMessageView)
+        user = pane.conversation.messages[0]
+        assert [m.content for m in pane.conversation.messages if m.role == "user"] == ["name a colour"]
+        assert len(user.children) == 3 and all(child.interrupted for child in user.children)
 
 
 async def test_typing_while_the_transcript_has_the_focus_goes_to_the_prompt_box(make_app):

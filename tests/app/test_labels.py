@@ -41,7 +41,8 @@ async def test_a_reopened_chat_shows_its_context_at_once(make_app):
         await send(pilot, "and me")
         await idle(pilot, pane)
 
-    fresh = make_app(max_tokens=6)
+    # Not reopened at start-up (restore_tabs): Ctrl+O reopens it.
+    fresh = make_app(restore_tabs=False, max_tokens=6)
     async with fresh.run_test(size=SIZE) as pilot:
         await started(pilot)
         pane = await reopen_the_only_past_conversation(pilot, fresh)

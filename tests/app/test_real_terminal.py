@@ -67,12 +67,10 @@ def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_o
     assert [(role, complete) for role, _, complete in rows] == [("user", 1), ("assistant", 0)]
     assert rows[0][1] == "first question" and rows[1][1].startswith(saved) and saved
 
-    # Reopened, the cut-off reply is there, marked, and can be regenerated (it stays, as a branch).
+    # Restarted, the chat that was open is open again (restore_tabs, recorded when the message was
+    # sent), the cut-off reply there, marked, and it can be regenerated (it stays, as a branch).
     again = nvchat_on_a_pty("--max-tokens", "8", "--max-model-len", "4096")
     again.wait_ready()
-    again.write(b"\x0f")  # Ctrl+O: past conversations
-    again.wait_until(lambda: "first question" in again.output, 30, "the list of past conversations")
-    again.write(b"\r")
     again.wait_until(lambda: "interrupted" in again.output, 30, "the reopened reply, marked interrupted")
     again.write(b"\x12")  # Ctrl+R
     again.wait_until(lambda: again.query("SELECT complete FROM messages WHERE role = 'assistant' ORDER BY id")
@@ -97,10 +95,12 @@ def test_two_nvchat_processes_on_one_data_directory_never_interleave_a_conversat
     flags = ("--temperature", "0", "--max-tokens", "8")
     first, second = nvchat_on_a_pty(*flags), nvchat_on_a_pty(*flags)
     first.wait_ready()
+    # Both ready before the first sends: the second reopens no chat of the first's (open_tabs.json
+    # names none yet), so the read-only note below is the one Ctrl+O's Enter brings.
+    second.wait_ready()
     first.write(b"from the first\r")
     first.wait_until(lambda: first.query("SELECT 1 FROM messages WHERE role = 'assistant' AND stats IS NOT NULL"), 60,
                      "the first process's reply")
-    second.wait_ready()
     second.write(b"\x0f")  # Ctrl+O
     second.wait_until(lambda: "from the first" in second.output, 30, "the list of past conversations")
     second.write(b"\r")

@@ -18,7 +18,9 @@ def last_footer(pane) -> tuple[int, int]:
 
 
 async def test_a_conversation_reopened_after_a_restart_reads_its_history_from_disk(tmp_path):
-    settings = app_settings(disk_cache_dir=str(tmp_path / "kv"), disk_cache_gib=16, max_tokens=8)
+    # Not reopened at start-up (restore_tabs): Ctrl+O reopens it.
+    settings = app_settings(disk_cache_dir=str(tmp_path / "kv"), disk_cache_gib=16, max_tokens=8,
+                            restore_tabs=False)
     first = NvchatApp(settings)
     async with first.run_test(size=SIZE) as pilot:
         await started(pilot)

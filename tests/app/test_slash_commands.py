@@ -81,8 +81,10 @@ async def test_double_slash_sends_a_leading_slash_and_save_stats_edit(make_app, 
         await idle(pilot, pane)
 
         await send(pilot, "/stats")
-        await wait_for(pilot, lambda: any("prefix cache:" in m for m in notices(app)), what="the stats")
-        stats = next(m for m in notices(app) if "prefix cache:" in m)
+        await wait_for(pilot, lambda: pane.query(".stats-note"), what="the stats")
+        stats = str(pane.query_one(".stats-note").render())
+        assert "prefix cache:" in stats and not any("prefix cache:" in m for m in notices(app))
+        assert pane.transcript.children[-1] is pane.query_one(".stats-note")
         last = pane.conversation.messages[-1]
         assert f"last reply: {pane.last_stream.num_completion_tokens} tokens" in stats and last.role == "assistant"
 

@@ -45,11 +45,11 @@ async def test_every_sampling_field_comes_into_view_when_focused(make_app):
         assert "Max tokens per reply must be" in str(error.render()) and fully_shown(app, error)
 
 
-async def test_the_kv_panel_leaves_the_chat_half_the_width(make_app):
+async def test_the_kv_panel_leaves_the_chat_two_thirds_of_a_narrow_terminal(make_app):
     app = make_app()
     async with app.run_test(size=SMALL) as pilot:
         await started(pilot)
         await pilot.press("f5")
         await wait_for(pilot, lambda: app.query_one(KVPanel).size.width, what="the panel laid out")
-        assert app.query_one(KVPanel).size.width <= SMALL[0] // 2
-        assert app.active_pane.size.width >= SMALL[0] // 2
+        assert app.query_one(KVPanel).outer_size.width <= SMALL[0] // 3
+        assert app.active_pane.outer_size.width >= SMALL[0] * 2 // 3

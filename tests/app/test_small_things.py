@@ -1,0 +1,105 @@
+"""Small things a daily user meets: warnings that name where a bad value came from, focus that can
+always be seen, every key in F1, toasts clear of the prompt box, a compact transcript."""
+from textual.widgets import DataTable
+from textual.widgets._toast import Toast
+
+from nvchat.app import NvchatApp
+from nvchat.app.message_view import ReplyView
+from tests.app.conftest import app_settings
+from tests.app.helpers import idle, send, started, wait_for
+
+SIZE = (110, 36)
+
+
+async def test_an_unknown_theme_from_the_flag_is_blamed_on_the_flag(idle_engine):
+    app = NvchatApp(app_settings(theme="nosuch"), engine=idle_engine, flags=frozenset({"theme"}))
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        [warning] = [n.message for n in app._notifications if "nosuch" in n.message]
+        assert warning.startswith("--theme: unknown theme 'nosuch'") and "config.toml" not in warning
+        assert app.theme == "nvchat-dark"
+
+
+async def test_an_unknown_theme_from_config_toml_is_blamed_on_config_toml(idle_engine):
+    app = NvchatApp(app_settings(theme="nosuch"), engine=idle_engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        assert any(n.message.startswith("config.toml: unknown theme 'nosuch'") for n in app._notifications)
+
+
+async def test_f1_lists_the_focus_keys_and_c_for_copying_a_code_block(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+        table = app.screen.query_one("#help-table", DataTable)
+        keys = {str(table.get_row_at(row)[0]): str(table.get_row_at(row)[1]) for row in range(table.row_count)}
+        assert keys["Tab"] == "Focus next" and keys["Shift+Tab"] == "Focus previous"
+        assert keys["C"] == "Copy code block"
+        assert "c copies the focused block" in str(app.screen.query_one("#help-footer").render())
+
+
+async def test_tab_from_the_box_shows_that_the_transcript_has_the_focus(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        edge = pane.transcript.region.x  # the transcript's left column, its padding
+        rows = range(pane.transcript.region.y, pane.transcript.region.bottom)
+
+        def left_column() -> list:
+            return [app.screen.get_style_at(edge, y) for y in rows]
+        unfocused = left_column()
+        await pilot.press("tab")
+        assert app.focused is pane.transcript
+        await pilot.pause()
+        assert left_column() != unfocused
+        await pilot.press("shift+tab")
+        await pilot.pause()
+        assert app.focused is pane.prompt and left_column() == unfocused
+
+
+async def test_notifications_leave_the_message_box_uncovered(make_app):
+    for size in (SIZE, (60, 20)):
+        app = make_app()
+        async with app.run_test(size=size, notifications=True) as pilot:
+            await started(pilot)
+            await pilot.press("slash", "n", "o", "s", "u", "c", "h", "enter")  # "Not sent": a warning
+            await pilot.press("ctrl+a", "ctrl+k", "slash", "s", "t", "o", "p", "enter")  # "Nothing to stop"
+            await wait_for(pilot, lambda: len(app.screen.query(Toast)) >= 2, what="two notifications")
+            await pilot.pause(0.5)  # their slide-in
+            box = app.screen.find_widget(app.active_pane.prompt).region
+            for toast in app.screen.query(Toast):
+                assert not app.screen.find_widget(toast).region.overlaps(box)
+
+
+async def test_f12_makes_the_transcript_compact_and_the_choice_is_kept(make_app, xdg_dirs):
+    app = make_app(max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await send(pilot, "hello")
+        await idle(pilot, pane)
+        reply = pane.query_one(ReplyView)
+        footer = reply.query_one("#reply-footer")
+        assert footer.display and "tokens" in str(footer.render())
+        rows = reply.outer_size.height
+        await pilot.press("f12")
+        await pilot.pause()
+        assert app.has_class("-compact") and not footer.display
+        # One rule above each message, no box: the reply loses its bottom border and its footer.
+        assert reply.outer_size.height == rows - 2
+        await wait_for(pilot, lambda: "compact_transcript = true" in config_text(xdg_dirs), what="the saved setting")
+
+    again = make_app(max_tokens=4, compact_transcript=True)  # as config.toml now says
+    async with again.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        assert again.has_class("-compact")
+        await pilot.press("f12")
+        assert not again.has_class("-compact")
+
+
+def config_text(xdg_dirs) -> str:
+    path = xdg_dirs / "config" / "nvchat" / "config.toml"
+    return path.read_text() if path.exists() else ""
