@@ -5,6 +5,7 @@ import sqlite3
 
 import pytest
 
+from nvchat.store import WriterLock
 from tests.app.pty_app import PtyApp
 
 
@@ -115,6 +116,11 @@ def test_two_nvchat_processes_on_one_data_directory_never_interleave_a_conversat
                      "the first process's second reply")
     first.write(b"\x17")  # Ctrl+W: the conversation is closed there
     first.wait_until(lambda: first.output.count("Enter sends") >= 2, 30, "the first process's new chat")
+    # The lock goes with the closed tab, on the first process's conversation thread: shown before
+    # that, the tab would rightly stay read-only.
+    [(conversation_id,)] = first.query("SELECT DISTINCT conversation_id FROM messages")
+    lock_file = first.database.with_name(first.database.name + ".writers") / f"{conversation_id}.lock"
+    first.wait_until(lambda: _lock_is_free(lock_file), 30, "the first process to let the conversation go")
 
     second.write(b"\x1b[5;5~")  # Ctrl+PgUp: the read-only tab, shown again
     second.wait_until(lambda: "writable" in second.output, 30, "the tab to become writable")
@@ -128,3 +134,12 @@ def test_two_nvchat_processes_on_one_data_directory_never_interleave_a_conversat
     assert [parent for _, parent, _, _ in rows] == [None] + [i for i, _, _, _ in rows[:-1]]
     assert [role for _, _, role, _ in rows] == ["user", "assistant"] * 3
     assert first.close() == 0 and second.close() == 0
+
+
+def _lock_is_free(path) -> bool:
+    """Whether no process holds the writer lock at path (taken and let go again at once)."""
+    lock = WriterLock.take(path)
+    if lock is None:
+        return False
+    lock.release()
+    return True
