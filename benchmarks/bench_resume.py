@@ -62,6 +62,9 @@ def first_token(llm, prompt: list[int], new_tokens: int, device: str) -> tuple[f
     seq = llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     while seq.num_completion_tokens == 0:
         llm.step()
+    # With async scheduling the step that samples the first token has only been queued: the token
+    # is there once the device has run it.
+    sync(device)
     elapsed = time.perf_counter() - start
     while not seq.is_finished:
         llm.step()

@@ -80,7 +80,9 @@ def phases(started: float, marks: list[tuple[float, str]], ended: float, mode: s
 
 
 def _environment(tree: Path, cold_dir: Path | None, trace: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), **{TRACE_ENV: str(trace)})
+    # The tree first; the rest of the path stays (packages installed beside the interpreter's own).
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, **{TRACE_ENV: str(trace)})
     env.pop("TEXTUAL", None)
     if cold_dir is not None:
         env["XDG_CACHE_HOME"] = str(cold_dir / "cache")
