@@ -201,15 +201,23 @@ class EngineThread:
 
     def _serve(self) -> None:
         llm = self.llm
+        host_cache_growing = True
         while True:
             with self._cv:
                 while not self._inbox and not llm.has_unfinished() and not self._stopping:
                     self._publish(force=True)
+                    if host_cache_growing:
+                        break
                     self._cv.wait()
                 if self._stopping:
                     return
                 commands = list(self._inbox)
                 self._inbox.clear()
+            if not commands and not llm.has_unfinished():
+                # Idle: the host KV tier pins its next piece (outside the lock, so that a request
+                # can arrive meanwhile; it waits at most one piece, ~0.1 s).
+                host_cache_growing = llm.grow_host_cache()
+                continue
             for command in commands:
                 self._apply(command)
             if not llm.has_unfinished():

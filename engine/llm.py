@@ -172,7 +172,8 @@ class LLM:
         # On a GPU the blocks the free list hands out next are saved a step early, on a copy stream,
         # so that the step reusing one rarely waits for its copy: 128 blocks cover 8 steps of 256
         # decoding streams. On CPU a copy is made where it is needed.
-        return KVTiers(self.blocks, host_slots, disk, spill_ahead=128 if c.device.type == "cuda" else 0)
+        return KVTiers(self.blocks, host_slots, disk, spill_ahead=128 if c.device.type == "cuda" else 0,
+                       usable_host_slots=self.runner.host_slots_allocated())
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -361,6 +362,7 @@ class LLM:
             if tiers is not None and self._inflight is None:
                 if not self.scheduler.has_work():
                     self._persist()
+                    self.grow_host_cache()
                 elif launched is None and tiers.fetching:
                     self.runner.wait_tier_io(_IO_WAIT_S)  # nothing to run until a read from disk ends
             return outputs
@@ -396,6 +398,18 @@ class LLM:
         except BaseException:
             self.tiers.forget_unqueued()
             raise
+
+    def grow_host_cache(self) -> bool:
+        """Gives the host tier one more piece of its memory (256 MiB) if it is still short of
+        host_cache_gib; returns whether more pieces are to come. Pinned memory stalls the GPU's work
+        while it is allocated (engine/runner/kv_tiers.py: HostPool), so this runs only while nothing
+        is in flight: when a step leaves the engine idle, and in EngineThread's idle moments."""
+        tiers = self.tiers
+        if tiers is None or self._inflight is not None or tiers.host.usable_slots >= tiers.host.num_slots:
+            return False
+        slots, more = self.runner.grow_host_pool()
+        tiers.host.grow(slots)
+        return more
 
     def flush_disk_cache(self) -> None:
         """Writes the cached blocks the disk lacks and waits until every write has ended (shutdown

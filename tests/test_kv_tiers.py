@@ -245,3 +245,34 @@ def test_no_save_of_a_step_lands_in_a_host_slot_that_a_load_of_the_same_step_rea
     assert not {slot for _, slot in kv.saves} & {slot for slot, _ in kv.loads}
     tiers.queued()
     assert all(entry.pins == 0 for entry in tiers.host.entries.values())
+
+
+def test_the_host_tier_saves_only_into_slots_whose_memory_the_runner_has_allocated():
+    """On a GPU the host pool is pinned a piece at a time while the engine is idle (pinning stalls the
+    device's work): until a piece is there, its slots are not handed out, and a block with no slot
+    to go to is simply not saved. (The scheduling core alone, no model.)"""
+    size = 4
+    blocks = BlockManager(num_blocks=9, block_size=size)
+    tiers = KVTiers(blocks, host_slots=8, usable_host_slots=2)
+
+    def cycle(start) -> set[int]:
+        """Caches a prompt of 8 full blocks (and one token), then has them all handed out again:
+        the host slots its saves went to."""
+        seq = Sequence(list(range(start, start + 33)), SamplingParams(), size)
+        blocks.allocate(seq, [], 33)
+        blocks.register_scheduled(seq, 33)
+        blocks.launched()
+        blocks.free_blocks_of(seq)
+        taker = Sequence(list(range(start + 1000, start + 1033)), SamplingParams(), size)
+        blocks.allocate(taker, [], 33)
+        saves = tiers.take_transfers().saves
+        tiers.queued()
+        blocks.free_blocks_of(taker)
+        return {slot for _, slot in saves}
+
+    assert cycle(0) == {0, 1} and len(tiers.host) == 2
+    tiers.host.grow(6)
+    assert cycle(5000) == set(range(6)) and len(tiers.host) == 6
+    tiers.host.grow(100)  # never past the tier's size
+    assert tiers.host.usable_slots == 8
+    assert cycle(9000) == set(range(8)) and len(tiers.host) == 8

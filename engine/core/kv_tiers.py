@@ -47,10 +47,19 @@ class HostEntry:
 class HostTier:
     """Host slots, each holding one block's K/V under its chained hash, least recently used first."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, usable_slots: int | None = None):
         self.num_slots = num_slots
         self.entries: OrderedDict[int, HostEntry] = OrderedDict()
-        self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
+        self.usable_slots = 0  # slots 0 .. usable_slots - 1 have their memory (the runner's pool grows)
+        self._free_slots: list[int] = []  # pop() hands out the lowest first
+        self.grow(num_slots if usable_slots is None else usable_slots)
+
+    def grow(self, usable_slots: int) -> None:
+        """The runner's pool now has memory for slots 0 .. usable_slots - 1."""
+        usable_slots = min(usable_slots, self.num_slots)
+        if usable_slots > self.usable_slots:
+            self._free_slots[:0] = range(usable_slots - 1, self.usable_slots - 1, -1)
+            self.usable_slots = usable_slots
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -138,10 +147,11 @@ class KVTiers:
     A step's transfers are gathered in take_transfers(); once the runner has queued them, queued()
     settles them, or forget_unqueued() takes them back if it never did."""
 
-    def __init__(self, blocks: BlockManager, host_slots: int, disk: DiskTier | None = None, spill_ahead: int = 0):
+    def __init__(self, blocks: BlockManager, host_slots: int, disk: DiskTier | None = None, spill_ahead: int = 0,
+                 usable_host_slots: int | None = None):
         self.blocks = blocks
         blocks.tiers = self
-        self.host = HostTier(host_slots)
+        self.host = HostTier(host_slots, usable_host_slots)
         self.disk = disk
         self.spill_ahead = spill_ahead
         self._next = KVTransfers()

@@ -3,8 +3,9 @@ host slots, and between host slots and files on disk. engine/core/kv_tiers.py de
 hands each step's as plain data (KVTransfers); tensor-parallel ranks make the same copies of their
 own shards.
 
-On a GPU the host pool is pinned memory, allocated a piece at a time as slots fill (pinning tens of
-GiB at start-up would take seconds), and the device <-> host copies run on two copy streams of their
+On a GPU the host pool is pinned memory, allocated a piece at a time while the engine is idle
+(pinning tens of GiB at start-up would take seconds, and pinning stalls the GPU's work: HostPool),
+and the device <-> host copies run on two copy streams of their
 own, so that they overlap the steps' work:
 - a save (device -> host) waits for everything queued on the step stream before it (the steps that
   wrote its block) and for the loads queued before it (a slot it overwrites may be one they read);
@@ -78,7 +79,13 @@ def kv_fingerprint(config: EngineConfig, block_shape: tuple[int, ...], dtype: to
 
 
 class HostPool:
-    """num_slots host slots of one block each (block_shape), allocated a piece at a time."""
+    """num_slots host slots of one block each (block_shape), in pieces of _CHUNK_BYTES.
+
+    Pinned memory is allocated a piece at a time by grow(), which the engine calls only while it is
+    idle: pinning holds up the CUDA calls of every other thread in the driver (measured on an
+    H200: 1 GiB pinned on a side thread stalled the step thread's launches for 140 ms), so pinning
+    while steps run slowed decoding and the first tokens of resumed prompts. Pageable memory (on
+    CPU) is allocated whole at once: untouched pages cost nothing."""
 
     def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, pinned: bool):
         self.num_slots = num_slots
@@ -87,42 +94,29 @@ class HostPool:
         self.pinned = pinned
         self.slot_bytes = prod(block_shape) * dtype.itemsize
         self.per_chunk = max(1, _CHUNK_BYTES // self.slot_bytes)
-        self._chunks: list[torch.Tensor | None] = [None] * -(-num_slots // self.per_chunk)
-        # Pinning memory takes ~0.1 s per piece: each piece is pinned on a thread while the one
-        # before it fills (the first from the start), instead of inside a step.
-        self._ahead: tuple[int, threading.Thread, list] | None = None
-        if pinned:
-            self._allocate_ahead(0)
+        self._chunks: list[torch.Tensor] = []
+        self.grow(1 if pinned else -(-num_slots // self.per_chunk))
 
     @property
     def allocated_bytes(self) -> int:
-        """The pieces handed out so far (a piece being pinned ahead is not counted)."""
-        return sum(c.numel() * c.element_size() for c in self._chunks if c is not None)
+        return sum(c.numel() * c.element_size() for c in self._chunks)
 
-    def _allocate(self, i: int) -> torch.Tensor:
-        slots = min(self.per_chunk, self.num_slots - i * self.per_chunk)
-        return torch.empty((slots, *self.block_shape), dtype=self.dtype, pin_memory=self.pinned)
+    @property
+    def allocated_slots(self) -> int:
+        """Slots 0 .. allocated_slots - 1 have their memory."""
+        return min(self.num_slots, len(self._chunks) * self.per_chunk)
+
+    def grow(self, pieces: int = 1) -> int:
+        """Allocates up to `pieces` more pieces; returns allocated_slots."""
+        for _ in range(pieces):
+            slots = min(self.per_chunk, self.num_slots - len(self._chunks) * self.per_chunk)
+            if slots <= 0:
+                break
+            self._chunks.append(torch.empty((slots, *self.block_shape), dtype=self.dtype, pin_memory=self.pinned))
+        return self.allocated_slots
 
     def chunk(self, i: int) -> torch.Tensor:
-        chunk = self._chunks[i]
-        if chunk is None:
-            if self._ahead is not None and self._ahead[0] == i:
-                _, thread, box = self._ahead
-                thread.join()
-                self._ahead = None
-                chunk = box[0] if box else self._allocate(i)
-            else:
-                chunk = self._allocate(i)
-            self._chunks[i] = chunk
-            if self.pinned and i + 1 < len(self._chunks) and self._chunks[i + 1] is None and self._ahead is None:
-                self._allocate_ahead(i + 1)
-        return chunk
-
-    def _allocate_ahead(self, i: int) -> None:
-        box: list = []
-        thread = threading.Thread(target=lambda: box.append(self._allocate(i)), name="nvchat-kv-pin", daemon=True)
-        thread.start()
-        self._ahead = (i, thread, box)
+        return self._chunks[i]
 
     def slot(self, s: int) -> torch.Tensor:
         return self.chunk(s // self.per_chunk)[s % self.per_chunk]
@@ -137,10 +131,7 @@ class HostPool:
                 first = k
 
     def close(self) -> None:
-        if self._ahead is not None:
-            self._ahead[1].join()
-            self._ahead = None
-        self._chunks = [None] * len(self._chunks)
+        self._chunks = []
 
 
 class DiskStore:
@@ -357,6 +348,14 @@ class KVTierCopies:
         self._last_load: torch.cuda.Event | None = None
         self._load_events: OrderedDict[int, torch.cuda.Event] = OrderedDict()  # load batch -> its end
         self._loads_done = 0  # on CPU, the last load batch (made at once); on a GPU, the last seen ended
+
+    def grow_host(self) -> tuple[int, bool]:
+        """One more piece of the host pool: (slots allocated, whether any piece is left to allocate)."""
+        try:
+            slots = self.host.grow(1)
+        except RuntimeError:  # the system refused more pinned memory: the pool stays as it is
+            self.host.num_slots = slots = self.host.allocated_slots
+        return slots, slots < self.host.num_slots
 
     def run(self, kv: KVTransfers) -> None:
         """Queues a step's transfers: saves, then loads, then the step stream's waits for them, then

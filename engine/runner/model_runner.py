@@ -343,6 +343,14 @@ class ModelRunner:
                              self.rank, block_shape, self.config.dtype)
         return KVTierCopies(self.kv_cache, slots, disk)
 
+    def host_slots_allocated(self) -> int:
+        return self.tiers.host.allocated_slots
+
+    def grow_host_pool(self) -> tuple[int, bool]:
+        """Allocates one more piece of the host tier's pool (HostPool.grow: call it only while no
+        step runs): (slots allocated, whether more are to come)."""
+        return self.tiers.grow_host()
+
     def transfer(self, kv: KVTransfers) -> None:
         """Queues a step's copies between the tiers, and the step stream's waits for them."""
         self.tiers.run(kv)

@@ -352,6 +352,13 @@ class TensorParallelRunner:
     def host_slots(self) -> int:
         return self.runner.host_slots
 
+    def host_slots_allocated(self) -> int:
+        return self.runner.host_slots_allocated()
+
+    def grow_host_pool(self) -> tuple[int, bool]:
+        """Every rank pins its next piece (the ranks' pools are alike): rank 0's answer."""
+        return self._run("grow_host_pool", (), wants_reply=True)[0]
+
     def transfer(self, kv) -> None:
         self._run("transfer", (kv,), wants_reply=False)
 

@@ -1,7 +1,7 @@
 """The KV cache's lower tiers on a CUDA device: saves and loads on copy streams of their own, pinned
-host memory allocated as it fills, steps that wait on events for the copies they depend on. A block
-brought back from the host or from disk holds the very bytes it held when it was computed, and
-decodes as a hit in the device's own cache does. Skipped without a CUDA device (TP=2 without two)."""
+host memory allocated a piece at a time while the engine is idle, steps that wait on events for the
+copies they depend on. A block brought back from the host or from disk holds the very bytes it held
+when it was computed, and decodes as a hit in the device's own cache does. Skipped without a CUDA device (TP=2 without two)."""
 import pytest
 import torch
 
@@ -50,8 +50,10 @@ def test_blocks_come_back_from_pinned_host_memory_bit_for_bit_and_decode_as_devi
     others = random_prompts([OTHER] * 8, vocab=VOCAB, seed=2)
     with LLM(MODEL, host_cache_gib=2, **SHAPE) as llm:
         host = llm.runner.tiers.host
-        assert host.allocated_bytes == 0  # pinned as it fills, not at start-up
+        assert host.allocated_slots == host.per_chunk  # one piece pinned at start-up, the rest while idle
         llm.generate([prompt], ONE)
+        assert host.allocated_slots == 2 * host.per_chunk  # the step that left the engine idle pinned one
+        assert llm.tiers.host.usable_slots == host.allocated_slots
         computed = kv_of(llm, prompt)
         device_hit = llm.generate([prompt], GREEDY)[0]["token_ids"]
         evict(llm, prompt, others)
