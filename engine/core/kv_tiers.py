@@ -73,14 +73,16 @@ class HostTier:
         self.entries.move_to_end(block_hash)
         return entry
 
-    def reserve(self, block_hash: int, token_ids: tuple[int, ...]) -> HostEntry | None:
+    def reserve(self, block_hash: int, token_ids: tuple[int, ...], keep=frozenset()) -> HostEntry | None:
         """A slot for a block not held yet: a free one, else the least recently used one no disk
-        operation holds; None when every slot is held so."""
+        operation holds; None when every slot is held so, or when that one is among `keep` (the
+        step's own saves: a step that evicts more blocks than the tier has slots would copy each
+        into a slot that a later copy of the same step overwrites)."""
         if self._free_slots:
             slot = self._free_slots.pop()
         else:
             victim = next((h for h, e in self.entries.items() if not e.pins), None)
-            if victim is None:
+            if victim is None or victim in keep:
                 return None
             slot = self.entries.pop(victim).slot
         entry = self.entries[block_hash] = HostEntry(slot, token_ids)
@@ -158,6 +160,7 @@ class KVTiers:
         # What _next did to the host and disk bookkeeping, for forget_unqueued: host entries it
         # filled by saves, and those it reserved for fetches.
         self._saved_hashes: list[int] = []
+        self._saved_now: set[int] = set()  # _saved_hashes as a set
         self._fetched_hashes: list[int] = []
         self._load_pins: list[HostEntry] = []  # the entries _next's loads read, held until they are queued
         self._batches = 0  # load batches named so far
@@ -200,11 +203,12 @@ class KVTiers:
         no slot is free of disk operations."""
         if block_hash in self.host.entries or (self.disk is not None and block_hash in self.disk):
             return False
-        entry = self.host.reserve(block_hash, token_ids)
+        entry = self.host.reserve(block_hash, token_ids, self._saved_now)
         if entry is None:
             return False
         self._next.saves.append((block_id, entry.slot))
         self._saved_hashes.append(block_hash)
+        self._saved_now.add(block_hash)
         self._saved_unwaited.add(block_id)
         if self.disk is not None:
             self._write(block_hash, entry)
@@ -380,6 +384,7 @@ class KVTiers:
             entry.pins -= 1
         self._next = KVTransfers()
         self._saved_hashes = []
+        self._saved_now = set()
         self._fetched_hashes = []
         self._load_pins = []
 
