@@ -5,15 +5,16 @@ own shards.
 
 On a GPU the host pool is pinned memory, allocated a piece at a time while the engine is idle
 (pinning tens of GiB at start-up would take seconds, and pinning stalls the GPU's work: HostPool),
-and the device <-> host copies run on two copy streams of their
-own, so that they overlap the steps' work:
+and the device <-> host copies run on two copy streams of their own, so that they overlap the
+steps' work and each other:
 - a save (device -> host) waits for everything queued on the step stream before it (the steps that
   wrote its block) and for the loads queued before it (a slot it overwrites may be one they read);
 - a load (host -> device) waits likewise for the step stream (a step in flight may still read the
-  block it overwrites) and for the saves queued before it (its slot, or the old contents of its
-  block);
-- a step waits for the saves of the blocks it overwrites (wait_saves) and for the loads of the
-  blocks it reads or overwrites (wait_loads, by load batch).
+  block it overwrites), for the saves of earlier steps (its slot may be one they fill) and, before
+  it writes a block that a save of its own step reads, for that save's gather (a save reads its
+  blocks into a device staging buffer first, so the blocks are free before its copy to the host ends);
+- a step waits for the gathers of the saves of the blocks it overwrites (wait_saves) and for the
+  loads of the blocks it reads or overwrites (wait_loads, by load batch).
 Disk reads and writes run on a thread of their own (DiskStore), each after the device copies that
 fill or read its slot (their events).
 
@@ -344,7 +345,12 @@ class KVTierCopies:
         self._stage_blocks = max(1, _STAGE_BYTES // self.host.slot_bytes)
         self._save_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._last_save: torch.cuda.Event | None = None
+        self._last_save: torch.cuda.Event | None = None  # every save's copy to the host has ended
+        # Every saved block has been read into a staging buffer: a step may overwrite it. (A save
+        # gathers its blocks on the device, then copies them to the host: the blocks are free well
+        # before the copy ends.)
+        self._last_gather: torch.cuda.Event | None = None
+        self._gathers: list[torch.cuda.Event] = []  # the last run's, stage by stage
         self._last_load: torch.cuda.Event | None = None
         self._load_events: OrderedDict[int, torch.cuda.Event] = OrderedDict()  # load batch -> its end
         self._loads_done = 0  # on CPU, the last load batch (made at once); on a GPU, the last seen ended
@@ -360,14 +366,14 @@ class KVTierCopies:
     def run(self, kv: KVTransfers) -> None:
         """Queues a step's transfers: saves, then loads, then the step stream's waits for them, then
         the disk operations."""
-        if kv.saves:
-            self._save(kv.saves)
+        earlier_saves = self._last_save
+        gathered = self._save(kv.saves) if kv.saves else {}
         if kv.loads:
-            self._load(kv.loads, kv.batch)
+            self._load(kv.loads, kv.batch, earlier_saves, gathered)
         if self._save_stream is not None:
             step_stream = torch.cuda.current_stream(self.device)
-            if kv.wait_saves and self._last_save is not None:
-                step_stream.wait_event(self._last_save)
+            if kv.wait_saves and self._last_gather is not None:
+                step_stream.wait_event(self._last_gather)
             if kv.wait_loads:
                 event = self._load_event(kv.wait_loads)
                 if event is not None:
@@ -386,27 +392,39 @@ class KVTierCopies:
             index = index.pin_memory().to(self.device, non_blocking=True)
         return index
 
-    def _save(self, saves: list[tuple[int, int]]) -> None:
+    def _save(self, saves: list[tuple[int, int]]) -> dict[int, int]:
+        """Queues the saves; on a GPU returns {device block: the stage (self._gathers) that reads it}."""
         if self._save_stream is None:  # on CPU, gathered straight into the slots
             for first, end, piece, offset in self.host.runs([slot for _, slot in saves]):
                 index = self._index([block for block, _ in saves[first:end]])
                 torch.index_select(self.by_block, 0, index, out=piece[offset:offset + end - first])
-            return
+            return {}
         stream = self._save_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._last_load is not None:
             stream.wait_event(self._last_load)
+        gathered = {}
+        self._gathers = []
         with torch.cuda.stream(stream):
             for start in range(0, len(saves), self._stage_blocks):
                 part = saves[start:start + self._stage_blocks]
                 # Made on the copy stream, so the allocator hands the memory out again only to
                 # work queued after these copies on it.
                 staged = self.by_block.index_select(0, self._index([block for block, _ in part]))
+                self._gathers.append(stream.record_event())
+                for block, _ in part:
+                    gathered[block] = len(self._gathers) - 1
                 for first, end, piece, offset in self.host.runs([slot for _, slot in part]):
                     piece[offset:offset + end - first].copy_(staged[first:end], non_blocking=True)
+        self._last_gather = self._gathers[-1]
         self._last_save = stream.record_event()
+        return gathered
 
-    def _load(self, loads: list[tuple[int, int]], batch: int) -> None:
+    def _load(self, loads: list[tuple[int, int]], batch: int, earlier_saves, gathered: dict[int, int]) -> None:
+        """Queues the loads. earlier_saves: the end of the saves queued before this step's (a slot a
+        load reads may be one they fill); gathered: this step's saves' blocks (_save's), each of
+        which a load overwrites only once its save has read it. The two copy directions overlap:
+        a stage's blocks wait for the save stage that reads them, not for every save to reach the host."""
         if self._load_stream is None:  # on CPU, scattered straight from the slots
             for first, end, piece, offset in self.host.runs([slot for slot, _ in loads]):
                 index = self._index([block for _, block in loads[first:end]])
@@ -415,14 +433,17 @@ class KVTierCopies:
             return
         stream = self._load_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        if self._last_save is not None:
-            stream.wait_event(self._last_save)
+        if earlier_saves is not None:
+            stream.wait_event(earlier_saves)
         with torch.cuda.stream(stream):
             for start in range(0, len(loads), self._stage_blocks):
                 part = loads[start:start + self._stage_blocks]
                 staged = torch.empty((len(part), *self.block_shape), dtype=self.host.dtype, device=self.device)
                 for first, end, piece, offset in self.host.runs([slot for slot, _ in part]):
                     staged[first:end].copy_(piece[offset:offset + end - first], non_blocking=True)
+                stage = max((gathered[block] for _, block in part if block in gathered), default=None)
+                if stage is not None:
+                    stream.wait_event(self._gathers[stage])
                 self.by_block.index_copy_(0, self._index([block for _, block in part]), staged)
         self._last_load = self._load_events[batch] = stream.record_event()
         while len(self._load_events) > _MAX_LOAD_EVENTS:
