@@ -12,9 +12,8 @@ import jinja2
 import pytest
 from transformers import AutoTokenizer
 
-from engine.checkpoints.gguf import cache_entry
 from engine.text.chat_tokenizer import ChatTokenizer, usable
-from engine.text.tokenizer import load_tokenizer
+from engine.text.tokenizer import gguf_tokenizer_entry, load_tokenizer
 from nvchat.default_model import bundled_gguf
 from tests.gguf_files import write_tokenizer_gguf
 
@@ -61,7 +60,7 @@ def pair(request, tmp_path_factory, demo_model_path):
                                     tokenizer, arch)
     cache = tmp_path_factory.mktemp(f"{request.param}-cache")
     built = load_tokenizer(path, cache_dir=cache)  # the first start: transformers builds and saves it
-    entry = cache_entry(path, cache, "gguf-tokenizers")
+    entry = gguf_tokenizer_entry(path, cache)
     assert AutoTokenizer.from_pretrained(entry).encode("the world") == built.encode("the world")
     return built, load_tokenizer(path, cache_dir=cache)
 
@@ -92,6 +91,7 @@ def test_decoding_matches_on_any_ids(pair):
 def test_what_the_engine_reads_matches(pair):
     theirs, ours = pair
     assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (theirs.eos_token_id, theirs.bos_token_id, len(theirs))
+    assert ours.clean_up_tokenization_spaces == theirs.clean_up_tokenization_spaces
     assert set(ours.all_special_ids) == set(theirs.all_special_ids)
     assert ours.chat_template == theirs.chat_template
 

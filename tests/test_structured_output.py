@@ -5,9 +5,13 @@ import json
 import re
 
 import jsonschema
+import llguidance
 import pytest
+from tokenizers import decoders, pre_tokenizers
 
 from engine import LLM, EngineThread, SamplingParams, StructuredOutput
+from engine.text.chat_tokenizer import ChatTokenizer
+from engine.text.structured_output import GrammarCompiler, grammar_tokenizer_json
 from nvchat.default_model import bundled_gguf
 
 SCHEMA = {
@@ -129,3 +133,57 @@ def test_tensor_parallel_ranks_sample_deferred_steps_together(demo_model_path):
     assert [o["token_ids"] for o in runs[1]] == [o["token_ids"] for o in runs[0]]
     jsonschema.validate(json.loads(runs[1][0]["text"]), SCHEMA)
     assert re.fullmatch(REGEX, runs[1][2]["text"])
+
+
+# The decoder transformers 5.17 gives a byte-level GGUF vocabulary (SmolLM2's); 5.24 gives ByteLevel.
+DECODER_5_17 = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("▁", " "),
+                                  decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)])
+
+
+def byte_level_tokenizer(demo_model_path, decoder=None, pre_tokenizer=None) -> ChatTokenizer:
+    """The demo model's byte-level tokenizer (one token per byte: "Ċ" is 10, "Ġ" 32), its decoder or
+    pre-tokenizer replaced."""
+    tokenizer = ChatTokenizer(demo_model_path)
+    if decoder is not None:
+        tokenizer.backend_tokenizer.decoder = decoder
+    if pre_tokenizer is not None:
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizer
+    return tokenizer
+
+
+@pytest.mark.parametrize("decoder", ["ByteLevel", "transformers 5.17", "5.17 under a Sequence pre-tokenizer"])
+def test_grammars_see_a_byte_level_vocabulary_as_its_bytes_whatever_steps_its_decoder_adds(demo_model_path,
+                                                                                          decoder):
+    plain = byte_level_tokenizer(demo_model_path)
+    tokenizer = {"ByteLevel": plain, "transformers 5.17": byte_level_tokenizer(demo_model_path, DECODER_5_17),
+                 "5.17 under a Sequence pre-tokenizer": byte_level_tokenizer(
+                     demo_model_path, DECODER_5_17,
+                     pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False)]))}[decoder]
+    newline, space, a, b = (tokenizer.token_to_id(t) for t in ("Ċ", "Ġ", "a", "b"))
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    [matcher] = compiler.matchers(StructuredOutput(regex="a\nb"))
+    assert matcher.consume_token(a)
+    mask = compiler.masks([matcher])[0]
+    allowed = [t for t in range(len(tokenizer)) if (mask[t // 32] >> (t % 32)) & 1]
+    assert allowed == [newline]
+    assert matcher.consume_token(newline) and matcher.consume_token(b) and matcher.is_accepting()
+    assert not matcher.is_error()
+
+    ll = llguidance.LLTokenizer(grammar_tokenizer_json(tokenizer.backend_tokenizer), n_vocab=len(tokenizer))
+    ll_plain = llguidance.LLTokenizer(plain.backend_tokenizer.to_str(), n_vocab=len(plain))
+    assert (ll.decode_bytes([newline]), ll.decode_bytes([space])) == (b"\n", b" ")
+    assert [ll.decode_bytes([t]) for t in range(len(tokenizer))] == [ll_plain.decode_bytes([t]) for t in range(len(plain))]
+
+
+@pytest.mark.parametrize("decoder, pre_tokenizer", [
+    # A step that does change tokens: Strip takes a character off the text's start.
+    (decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)]), None),
+    # SentencePiece with byte fallback (Llama-2's decoder): "▁" and <0xNN> tokens are what it means.
+    (decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                        decoders.Strip(" ", 1, 0)]), pre_tokenizers.Metaspace()),
+    # 5.17's decoder over a vocabulary that is not byte-level.
+    (DECODER_5_17, pre_tokenizers.Whitespace()),
+])
+def test_other_decoders_reach_llguidance_as_they_are(demo_model_path, decoder, pre_tokenizer):
+    backend = byte_level_tokenizer(demo_model_path, decoder, pre_tokenizer).backend_tokenizer
+    assert grammar_tokenizer_json(backend) == backend.to_str()

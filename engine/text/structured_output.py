@@ -19,6 +19,7 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
+from tokenizers import Tokenizer, decoders
 
 from engine.core.sampling_params import StructuredOutput
 
@@ -43,6 +44,49 @@ def grammar_text(spec: StructuredOutput) -> str:
     if spec.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+
+
+def _is_byte_level(pre_tokenizer: dict) -> bool:
+    """Whether a pre-tokenizer's JSON is ByteLevel, or a Sequence with a ByteLevel part."""
+    return pre_tokenizer.get("type") == "ByteLevel" or any(map(_is_byte_level, pre_tokenizer.get("pretokenizers") or ()))
+
+
+def _is_inert_on_byte_level(step: dict) -> bool:
+    """Whether a decoder step leaves every token of a byte-level vocabulary as it is. Such a
+    vocabulary spells its tokens in ByteLevel's 256-character alphabet (printable ASCII and Latin-1,
+    U+0100-U+0143 for the other bytes), so a Replace of "▁" (U+2581) never finds one; Fuse joins the
+    tokens into one string, which ByteLevel maps back to bytes character by character, as it does
+    token by token; ByteFallback rewrites only tokens spelled "<0xNN>", and what such a token stands
+    for, to the ByteLevel pre-tokenizer that produces it, is those six characters."""
+    kind = step.get("type")
+    if kind in ("ByteFallback", "Fuse"):
+        return True
+    return kind == "Replace" and step.get("pattern") == {"String": "▁"} and step.get("content") == " "
+
+
+def grammar_tokenizer_json(backend: Tokenizer) -> str:
+    r"""The backend's JSON as llguidance should read it. transformers 5.17 converts a byte-level GGUF
+    vocabulary (SmolLM2's) with the decoder Sequence[ByteFallback, Fuse, Replace("▁", " "),
+    ByteLevel]; llguidance reads such a Sequence as a byte-fallback vocabulary and takes each
+    token's bytes to be its spelling's UTF-8 ("Ċ", id 198, became b"\xc4\x8a" instead of b"\n"):
+    a grammar forcing a newline ended SmolLM2's stream with a parser error. When the pre-tokenizer
+    is byte-level and the decoder's other steps change no token of its vocabulary, llguidance gets
+    a copy whose decoder is ByteLevel alone, the exact inverse of that pre-tokenizer."""
+    # The backend's JSON straight from it: llguidance.hf.from_tokenizer copies the backend first, a
+    # pickle round trip that took longer than the rest for a 151K vocabulary.
+    text = backend.to_str()
+    if backend.decoder is None or backend.pre_tokenizer is None:
+        return text
+    decoder = json.loads(backend.decoder.__getstate__())
+    if decoder.get("type") != "Sequence" or not _is_byte_level(json.loads(backend.pre_tokenizer.__getstate__())):
+        return text
+    steps = decoder.get("decoders") or []
+    byte_level = [step for step in steps if step.get("type") == "ByteLevel"]
+    if len(byte_level) != 1 or not all(step in byte_level or _is_inert_on_byte_level(step) for step in steps):
+        return text
+    copy = Tokenizer.from_str(text)
+    copy.decoder = decoders.ByteLevel()
+    return copy.to_str()
 
 
 class GrammarCompiler:
@@ -71,9 +115,7 @@ class GrammarCompiler:
                 if not hasattr(self._tokenizer, "backend_tokenizer"):
                     raise ValueError("structured output needs a fast (tokenizers) tokenizer; this model's is "
                                      f"{type(self._tokenizer).__name__}")
-                # The backend's JSON straight from it: llguidance.hf.from_tokenizer copies the backend
-                # first, a pickle round trip that took longer than the rest for a 151K vocabulary.
-                text = self._tokenizer.backend_tokenizer.to_str()
+                text = grammar_tokenizer_json(self._tokenizer.backend_tokenizer)
                 self._ll_tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos_ids)
                 self._executor = llguidance.LLExecutor()
             return self._ll_tokenizer

@@ -26,12 +26,22 @@ def load_tokenizer(path: Path, cache_dir: Path | None = None):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
+# Part of the cache entry's name: raised when what is saved changes, so older entries are built again
+# (2: clean-up switched off, see _gguf_tokenizer).
+_GGUF_TOKENIZER_VERSION = 2
+
+
+def gguf_tokenizer_entry(path: Path, cache_dir: Path | None) -> Path:
+    """Where the tokenizer built from a GGUF file is kept (cache_dir: None for nvchat's cache)."""
+    return cache_entry(path, cache_dir, "gguf-tokenizers", f"-v{_GGUF_TOKENIZER_VERSION}")
+
+
 def _gguf_tokenizer(path: Path, cache_dir: Path | None):
     """transformers builds the tokenizer from a GGUF file's metadata (seconds for a real vocabulary);
     the result is kept in nvchat's cache, keyed by the file's path, size and time, and later starts
     read it back through ChatTokenizer: its tokenizer.json is the pipeline transformers built."""
     checkpoint = open_gguf(path)
-    cached = cache_entry(checkpoint.path, cache_dir or checkpoint.cache_dir, "gguf-tokenizers")
+    cached = gguf_tokenizer_entry(checkpoint.path, cache_dir or checkpoint.cache_dir)
     if (cached / "tokenizer_config.json").exists():
         try:
             if usable(cached, any_class=True):
@@ -47,6 +57,13 @@ def _gguf_tokenizer(path: Path, cache_dir: Path | None):
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:
         raise ModelError(f"{path.name}: can't build a tokenizer from its GGUF metadata: {e}") from None
+    # transformers 5.17 turns clean-up on for a byte-level GGUF vocabulary (5.24 leaves it off), so
+    # usable() refused the saved copy and every start loaded it through transformers (7.6 s of
+    # `nvchat -p`'s start with SmolLM2 on the GPU machine, bench_startup). transformers skips the
+    # clean-up pass for a BPE model whatever the setting, and every tokenizer it builds from a GGUF
+    # file nvchat runs is one: switched off, no decoded text changes.
+    if type(tokenizer.backend_tokenizer.model).__name__ == "BPE":
+        tokenizer.clean_up_tokenization_spaces = False
     tmp = None
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
