@@ -103,6 +103,8 @@ def resume_ttft(args) -> dict:
         with LLM(args.model, host_cache_gib=0, disk_cache_dir=str(disk_dir), **options) as writer:
             for history in histories:
                 replies.append(writer.generate([history], one)[0]["token_ids"])
+                # As between a chat's turns: the engine idles long enough to write what it computed.
+                writer.flush_disk_cache()
         engines = {
             "recompute": LLM(args.model, host_cache_gib=0, **options),
             "host": LLM(args.model, host_cache_gib=args.host_gib, **options),

@@ -361,8 +361,8 @@ class LLM:
                     outputs.append(StepOutput(seq, [], self.flush_text(seq), True))
             if tiers is not None and self._inflight is None:
                 if not self.scheduler.has_work():
+                    self.grow_host_cache()  # first: the disk writes go through host slots
                     self._persist()
-                    self.grow_host_cache()
                 elif launched is None and tiers.fetching:
                     self.runner.wait_tier_io(_IO_WAIT_S)  # nothing to run until a read from disk ends
             return outputs

@@ -51,7 +51,9 @@ _MAX_LOAD_EVENTS = 256
 _FILE_NAME = re.compile(r"([0-9a-f]{16})\.(\d+)\.safetensors")
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _MAX_HEADER_BYTES = 1 << 20  # a block's header holds its token ids: a few KiB
-_READERS = 4  # threads reading files side by side
+# Threads reading files side by side: a read and its checksum (xxhash) let go of the GIL, and a
+# resumed conversation's blocks are hundreds of files.
+_READERS = max(2, min(8, os.cpu_count() or 1))
 _STOP = ("stop",)
 
 
