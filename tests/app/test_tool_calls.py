@@ -4,6 +4,7 @@ tool_choice names the function, so the engine's structured output holds the repl
 it), the approval dialog answered with its keys, the result stored, shown folded and fed back, and
 the reply going on."""
 import sys
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,6 @@ from engine import EngineThread
 from nvchat import conversation as conversation_module
 from nvchat import paths
 from nvchat.app import NvchatApp
-from nvchat.app.chat_pane import ChatPane
 from nvchat.app.message_view import ReplyView
 from nvchat.app.tool_approval_screen import ToolApprovalScreen
 from nvchat.app.tool_rounds import DECLINED
@@ -48,22 +48,30 @@ def tool_engine(app_model_path):
     engine.shutdown()
 
 
-@pytest.fixture
-def make_app(tool_engine):
-    def make(**changes) -> NvchatApp:
-        return NvchatApp(app_settings(**changes), engine=tool_engine)
-    return make
+def force_calls(monkeypatch, name: str, rounds: int) -> None:
+    """The first `rounds` replies of each turn call the tool `name`, the engine holding them to it;
+    later replies may call tools or not ("auto")."""
+    def tool_choice(self, round_index):
+        return {"type": "function", "function": {"name": name}} if round_index < rounds else "auto"
+    monkeypatch.setattr(Conversation, "tool_choice", tool_choice)
 
 
 @pytest.fixture
-def calls_forced(monkeypatch):
-    """forced(name, rounds): the first `rounds` replies of each turn call the tool `name`, the
-    engine holding them to it; later replies may call tools or not ("auto")."""
-    def forced(name: str, rounds: int = 1) -> None:
-        def tool_choice(self, round_index):
-            return {"type": "function", "function": {"name": name}} if round_index < rounds else "auto"
-        monkeypatch.setattr(Conversation, "tool_choice", tool_choice)
-    return forced
+def tool_chat(tool_engine, monkeypatch):
+    """async with tool_chat(tool, rounds, servers, **settings) as (pilot, app, pane): the app started,
+    with replies of 96 tokens, the MCP servers given running (or failed) and the first `rounds`
+    replies of each turn calling `tool`. With settings' backend, the app's own remote backend
+    talks to it instead of the test engine."""
+    @asynccontextmanager
+    async def run(tool: str, rounds: int = 1, servers: dict = TEST_SERVER, **changes):
+        force_calls(monkeypatch, tool, rounds)
+        settings = app_settings(max_tokens=96, mcp_servers=servers, **changes)
+        app = NvchatApp(settings, engine=None if settings.backend else tool_engine)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await tools_ready(pilot, app, *servers)
+            yield pilot, app, app.active_pane
+    return run
 
 
 def stored(conversation_id: int):
@@ -84,13 +92,8 @@ async def approval(pilot, app) -> ToolApprovalScreen:
     return app.screen
 
 
-async def test_an_approved_call_runs_and_its_folded_result_is_fed_back_and_stored(make_app, calls_forced):
-    calls_forced("weather")
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test")
-        pane: ChatPane = app.active_pane
+async def test_an_approved_call_runs_and_its_folded_result_is_fed_back_and_stored(tool_chat):
+    async with tool_chat("weather") as (pilot, app, pane):
         await send(pilot, "what is the weather")
         dialog = await approval(pilot, app)
         shown = str(dialog.query_one("#approval-call").render())
@@ -133,13 +136,8 @@ async def test_an_approved_call_runs_and_its_folded_result_is_fed_back_and_store
         assert sent == conversation.engine_messages()
 
 
-async def test_always_runs_the_tool_again_without_asking(make_app, calls_forced):
-    calls_forced("weather", rounds=2)
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test")
-        pane = app.active_pane
+async def test_always_runs_the_tool_again_without_asking(tool_chat):
+    async with tool_chat("weather", rounds=2) as (pilot, app, pane):
         await send(pilot, "twice")
         await approval(pilot, app)
         await pilot.press("a")
@@ -153,13 +151,8 @@ async def test_always_runs_the_tool_again_without_asking(make_app, calls_forced)
         assert len(pane.query(ToolCallView)) == 2
 
 
-async def test_a_declined_call_does_not_run_and_the_model_is_told(make_app, calls_forced):
-    calls_forced("weather")
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test")
-        pane = app.active_pane
+async def test_a_declined_call_does_not_run_and_the_model_is_told(tool_chat):
+    async with tool_chat("weather") as (pilot, app, pane):
         await send(pilot, "no")
         await approval(pilot, app)
         await pilot.press("n")
@@ -170,17 +163,12 @@ async def test_a_declined_call_does_not_run_and_the_model_is_told(make_app, call
         assert pane.query_one(ToolCallView).has_class("-error")
 
 
-async def test_a_server_that_fails_and_a_tool_that_errors_are_notifications_and_the_chat_goes_on(
-        make_app, calls_forced):
-    calls_forced("broken")
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER | {"gone": {"command": "/nonexistent/mcp-server"}})
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test", "gone")
+async def test_a_server_that_fails_and_a_tool_that_errors_are_notifications_and_the_chat_goes_on(tool_chat):
+    async with tool_chat("broken", servers=TEST_SERVER | {"gone": {"command": "/nonexistent/mcp-server"}}) as (
+            pilot, app, pane):
         await wait_for(pilot, lambda: any(n.title == "An MCP server could not start" and "gone" in n.message
                                           for n in app._notifications), what="the failed server's notification")
         assert [d["function"]["name"] for d in app.tool_rounds.tools.definitions] == ["weather", "broken"]
-        pane = app.active_pane
         await send(pilot, "break it")
         await approval(pilot, app)
         await pilot.press("y")
@@ -192,14 +180,9 @@ async def test_a_server_that_fails_and_a_tool_that_errors_are_notifications_and_
         assert messages[2].stats == {"error": True} and messages[3].content
 
 
-async def test_calling_replies_in_a_row_are_bounded_and_the_last_reply_answers(make_app, calls_forced, monkeypatch):
+async def test_calling_replies_in_a_row_are_bounded_and_the_last_reply_answers(tool_chat, monkeypatch):
     monkeypatch.setattr(conversation_module, "MAX_TOOL_ROUNDS", 2)  # the bound itself: fewer replies to wait for
-    calls_forced("weather", rounds=100)
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test")
-        pane = app.active_pane
+    async with tool_chat("weather", rounds=100) as (pilot, app, pane):
         await send(pilot, "forever")
         await approval(pilot, app)
         await pilot.press("a")
@@ -210,15 +193,10 @@ async def test_calling_replies_in_a_row_are_bounded_and_the_last_reply_answers(m
         assert messages[-1].role == "assistant" and messages[-1].tool_calls is None and messages[-1].content
 
 
-async def test_with_a_remote_backend_the_tools_go_as_openai_tools(tool_engine, calls_forced):
-    calls_forced("weather")
+async def test_with_a_remote_backend_the_tools_go_as_openai_tools(tool_engine, tool_chat):
     with serving(create_app(ServerState("demo", tool_engine))) as url:
-        app = NvchatApp(app_settings(backend=url, max_tokens=96, mcp_servers=TEST_SERVER))
-        async with app.run_test(size=SIZE) as pilot:
-            await started(pilot)
+        async with tool_chat("weather", backend=url) as (pilot, app, pane):
             assert isinstance(app.engine, RemoteBackend)
-            await tools_ready(pilot, app, "test")
-            pane = app.active_pane
             await send(pilot, "remote weather")
             await approval(pilot, app)
             await pilot.press("y")
@@ -227,13 +205,8 @@ async def test_with_a_remote_backend_the_tools_go_as_openai_tools(tool_engine, c
             assert roles == ["user", "assistant", "tool", "assistant"]
 
 
-async def test_a_call_from_a_chat_in_a_hidden_tab_shows_that_chat_with_the_dialog(make_app, calls_forced):
-    calls_forced("weather")
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test")
-        calling = app.active_pane
+async def test_a_call_from_a_chat_in_a_hidden_tab_shows_that_chat_with_the_dialog(tool_chat):
+    async with tool_chat("weather") as (pilot, app, calling):
         await submit_now(pilot, calling, "weather in the background")
         await press_now(pilot, "ctrl+t")
         await wait_for(pilot, lambda: app.active_pane is not calling, what="the new tab")
