@@ -1,20 +1,14 @@
 """Keys that arrive together: what a user types is sent or stays in the box, never dropped."""
 import threading
 
-from nvchat import paths
 from nvchat.app.message_view import AlternativesView, QueuedMessageView
-from nvchat.store import ChatStore
-from tests.app.helpers import burst, idle, press_now, started, wait_for
+from tests.app.helpers import burst, idle, press_now, started, stored_messages, wait_for
 
 SIZE = (110, 36)
 
 
 def stored_texts(conversation_id) -> list[tuple[str, str]]:
-    store = ChatStore(paths.database_file())
-    try:
-        return [(m.role, m.content) for m in store.load_messages(conversation_id)]
-    finally:
-        store.close()
+    return [(m.role, m.content) for m in stored_messages(conversation_id)]
 
 
 async def test_text_and_enter_in_one_read_send_the_text(make_app):

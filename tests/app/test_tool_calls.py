@@ -12,7 +12,6 @@ from textual.widgets import Collapsible, Label
 
 from engine import EngineThread
 from nvchat import conversation as conversation_module
-from nvchat import paths
 from nvchat.app import NvchatApp
 from nvchat.app.message_view import ReplyView
 from nvchat.app.tool_approval_screen import ToolApprovalScreen
@@ -21,7 +20,6 @@ from nvchat.app.tool_views import ToolCallView
 from nvchat.conversation import Conversation
 from nvchat.remote_backend import RemoteBackend
 from nvchat.server.app import ServerState, create_app
-from nvchat.store import ChatStore
 from tests.app.conftest import ENGINE_ARGS, app_settings
 from tests.app.helpers import (
     idle,
@@ -29,6 +27,7 @@ from tests.app.helpers import (
     reopen_the_only_past_conversation,
     send,
     started,
+    stored_messages,
     submit_now,
     wait_for,
 )
@@ -74,14 +73,6 @@ def tool_chat(tool_engine, monkeypatch):
     return run
 
 
-def stored(conversation_id: int):
-    store = ChatStore(paths.database_file())
-    try:
-        return store.load_messages(conversation_id)
-    finally:
-        store.close()
-
-
 async def tools_ready(pilot, app, *servers: str) -> None:
     await wait_for(pilot, lambda: all(app.tool_rounds.tools.status.get(s) != "starting" for s in servers), 60,
                    "the MCP servers to start")
@@ -103,7 +94,7 @@ async def test_an_approved_call_runs_and_its_folded_result_is_fed_back_and_store
         await pilot.press("y")
         await idle(pilot, pane, 60)
 
-        user, call, result, answer = stored(pane.conversation.id)
+        user, call, result, answer = stored_messages(pane.conversation.id)
         assert (user.role, call.role, result.role, answer.role) == ("user", "assistant", "tool", "assistant")
         city = call.tool_calls[0]["function"]["arguments"]
         assert result.content in (f"{c}: 21 degrees and sunny" for c in ("Paris", "Oslo")) and result.content[:4] in city
@@ -146,7 +137,7 @@ async def test_always_runs_the_tool_again_without_asking(tool_chat):
         await wait_for(pilot, lambda: asked_again.append(isinstance(app.screen, ToolApprovalScreen)) or not pane.busy,
                        60, "the turn to end")
         assert not any(asked_again)
-        roles = [m.role for m in stored(pane.conversation.id)]
+        roles = [m.role for m in stored_messages(pane.conversation.id)]
         assert roles == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
         assert len(pane.query(ToolCallView)) == 2
 
@@ -157,7 +148,7 @@ async def test_a_declined_call_does_not_run_and_the_model_is_told(tool_chat):
         await approval(pilot, app)
         await pilot.press("n")
         await idle(pilot, pane, 60)
-        messages = stored(pane.conversation.id)
+        messages = stored_messages(pane.conversation.id)
         assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
         assert messages[2].content == DECLINED and messages[2].stats == {"error": True}
         assert pane.query_one(ToolCallView).has_class("-error")
@@ -175,7 +166,7 @@ async def test_a_server_that_fails_and_a_tool_that_errors_are_notifications_and_
         await wait_for(pilot, lambda: any(n.title == "The tool failed" and n.message.startswith("broken:")
                                           for n in app._notifications), what="the failed call's notification")
         await idle(pilot, pane, 60)
-        messages = stored(pane.conversation.id)
+        messages = stored_messages(pane.conversation.id)
         assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
         assert messages[2].stats == {"error": True} and messages[3].content
 
@@ -187,7 +178,7 @@ async def test_calling_replies_in_a_row_are_bounded_and_the_last_reply_answers(t
         await approval(pilot, app)
         await pilot.press("a")
         await idle(pilot, pane, 120)
-        messages = stored(pane.conversation.id)
+        messages = stored_messages(pane.conversation.id)
         calling = [m for m in messages if m.role == "assistant" and m.tool_calls]
         assert len(calling) == 2
         assert messages[-1].role == "assistant" and messages[-1].tool_calls is None and messages[-1].content
@@ -201,7 +192,7 @@ async def test_with_a_remote_backend_the_tools_go_as_openai_tools(tool_engine, t
             await approval(pilot, app)
             await pilot.press("y")
             await idle(pilot, pane, 60)
-            roles = [m.role for m in stored(pane.conversation.id)]
+            roles = [m.role for m in stored_messages(pane.conversation.id)]
             assert roles == ["user", "assistant", "tool", "assistant"]
 
 
