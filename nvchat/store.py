@@ -15,13 +15,15 @@ Several nvchat processes may share the file (SQLite's WAL mode serializes their 
 conversation has one writer: the process that opens or starts it takes its writer lock
 (lock_for_writing), and another process that opens it while the lock is held gets it read-only.
 The lock is the operating system's lock on a small file beside the database, so it goes with the
-process however that ends, kill -9 included.
+process however that ends, kill -9 included. Deleting a conversation deletes its lock file too,
+unless another process holds the lock.
 """
 import json
 import os
 import sqlite3
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,6 +161,22 @@ def shown_branch(rows: list[MessageRow]) -> list[MessageRow]:
     return branch
 
 
+def _still_named(fd: int, path: Path) -> bool:
+    """Whether path still names the file open as fd (remove_file may have deleted it meanwhile)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+# The writer locks this process holds, by file: remove_file deletes the file of one of them, which
+# a new lock of this process could not take (a second descriptor's flock conflicts with the first).
+_held_here: "weakref.WeakValueDictionary[str, WriterLock]" = weakref.WeakValueDictionary()
+_held_here_guard = threading.Lock()
+
+
 class WriterLock:
     """One conversation's writer lock, held until release() or the process ends."""
 
@@ -170,20 +188,29 @@ class WriterLock:
     def take(cls, path: Path) -> "WriterLock | None":
         """The lock on path, or None while another holder has it (another process, or another
         lock object of this one)."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            if fcntl is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            else:
-                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-        except OSError:  # held elsewhere (BlockingIOError on POSIX, PermissionError on Windows)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                else:
+                    msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            except OSError:  # held elsewhere (BlockingIOError on POSIX, PermissionError on Windows)
+                os.close(fd)
+                return None
+            # A file deleted by remove_file between the open and the lock guards nothing: a later
+            # taker creates and locks a new one. Windows deletes no open file, so there it is named.
+            if fcntl is None or _still_named(fd, path):
+                break
             os.close(fd)
-            return None
         # For the note the other process shows: which process writes here.
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         os.write(fd, str(os.getpid()).encode())
-        return cls(path, fd)
+        lock = cls(path, fd)
+        with _held_here_guard:
+            _held_here[os.path.abspath(path)] = lock
+        return lock
 
     @property
     def held(self) -> bool:
@@ -191,8 +218,40 @@ class WriterLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing the only descriptor drops the lock
-            self._fd = None
+            with _held_here_guard:  # not let go while remove_file deletes the file as this process's
+                if _held_here.get(os.path.abspath(self.path)) is self:
+                    del _held_here[os.path.abspath(self.path)]
+                os.close(self._fd)  # closing the only descriptor drops the lock
+                self._fd = None
+
+    @classmethod
+    def remove_file(cls, path: Path) -> bool:
+        """Deletes the lock file where this process holds its lock or nobody does; one that another
+        process holds stays, guarding that process's writes. True if no file is left."""
+        if not path.exists():
+            return True
+        if fcntl is None:
+            # Windows deletes no file that is open, so this fails while anyone holds the lock (this
+            # process too), and a taker that opens the file first keeps it.
+            try:
+                os.unlink(path)
+            except OSError:
+                return False
+            return True
+        # Deleted while held, here or by a lock taken for it: a process that opened the file before
+        # takes the lock only after that, and take() then sees the file is no longer the path's.
+        with _held_here_guard:
+            if os.path.abspath(path) in _held_here:
+                path.unlink(missing_ok=True)
+                return True
+        taken = cls.take(path)
+        if taken is None:  # another process holds it
+            return False
+        try:
+            path.unlink(missing_ok=True)
+        finally:
+            taken.release()
+        return True
 
 
 def _conversation_row(row: tuple) -> ConversationRow:
@@ -399,18 +458,19 @@ class ChatStore:
 
     def delete_conversation(self, conversation_id: int) -> None:
         self._run("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+        WriterLock.remove_file(self._writer_lock_path(conversation_id))
 
     # --- one writer per conversation -------------------------------------------------------------
 
     def _writer_lock_path(self, conversation_id: int) -> Path:
-        directory = self.path.with_name(self.path.name + ".writers")
-        directory.mkdir(exist_ok=True)
-        return directory / f"{conversation_id}.lock"
+        return self.path.with_name(self.path.name + ".writers") / f"{conversation_id}.lock"
 
     def lock_for_writing(self, conversation_id: int) -> WriterLock | None:
         """The conversation's writer lock, or None while another process (or another lock of this
         one) holds it: then the conversation is read-only here."""
-        return WriterLock.take(self._writer_lock_path(conversation_id))
+        path = self._writer_lock_path(conversation_id)
+        path.parent.mkdir(exist_ok=True)
+        return WriterLock.take(path)
 
     def writer_pid(self, conversation_id: int) -> int | None:
         """The process that last took the conversation's writer lock, where it says."""

@@ -86,7 +86,26 @@ def fold_blocks(snapshot: EngineSnapshot, num_cells: int) -> FoldedBlocks:
     return FoldedBlocks(ranks, owners, per_cell)
 
 
-class BlockGrid(Widget):
+class KeptRows:
+    """A widget that builds its lines once and keeps them in _rows until they change. The lines
+    carry its size and the theme's colours, its background among them, so a resize or a new theme
+    builds them again: a graph whose data stands still would otherwise keep the old theme's
+    background after a switch (a dark strip across nvchat-light)."""
+
+    _rows: list[Strip] | None
+
+    def on_mount(self) -> None:
+        self.app.theme_changed_signal.subscribe(self, self._theme_changed)
+
+    def on_resize(self) -> None:
+        self._rows = None
+
+    def _theme_changed(self, _theme) -> None:
+        self._rows = None
+        self.refresh()
+
+
+class BlockGrid(KeptRows, Widget):
     """One character per cell; a cell is one block, or several when the cache has more blocks
     than the grid has cells. Drawn with the line API from runs of like cells, so a refresh costs a
     few segments per row rather than a styled span per block."""
@@ -106,9 +125,6 @@ class BlockGrid(Widget):
         changed = [y for y, (a, b) in enumerate(zip_longest(old, self._rows)) if a != b]
         if changed:
             self.refresh(Region(0, changed[0], self.size.width, changed[-1] - changed[0] + 1))
-
-    def on_resize(self) -> None:
-        self._rows = None
 
     def _build_rows(self) -> list[Strip]:
         width, height = max(1, self.size.width), max(1, self.size.height)
@@ -192,7 +208,7 @@ def legend_text(chats: list[BlockOwner], per_cell: int) -> Text:
     return text
 
 
-class ThroughputSparkline(Sparkline):
+class ThroughputSparkline(KeptRows, Sparkline):
     """Textual's Sparkline drawn with the line API: the same bars and colours, built once per
     refresh as three strips. Its own render goes through a Rich renderable per refresh, which
     cost the UI thread more than the rest of the panel's refresh together."""
@@ -205,9 +221,6 @@ class ThroughputSparkline(Sparkline):
         self._styles: dict[tuple, Style] = {}
 
     def watch_data(self) -> None:
-        self._rows = None
-
-    def on_resize(self) -> None:
         self._rows = None
 
     def _build_rows(self) -> list[Strip]:
@@ -318,7 +331,7 @@ class KVPanel(Vertical):
         counters.show(text)
         grid = self.query_one(BlockGrid)
         # The engine republishes its block map only after steps: an idle engine leaves it as it was.
-        key = (snap.taken_at, data.owners, data.chats, grid.size, self.app.theme)
+        key = (snap.taken_at, data.owners, data.chats, grid.size)
         if key != self._grid_key:
             self._grid_key = key
             grid.show(data)

@@ -344,32 +344,33 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
+    async def answer_checked(request: Request, schema, respond, endpoint: str | None = None):
+        """respond(body, engine) for a request whose body is read, then checked against schema (and
+        endpoint's refused fields), the engine's readiness and the model, on a worker thread."""
         raw = await _read_body(request, state.max_request_bytes)
 
         def work():
-            body = _validate(_decode(raw), TokenizeRequest)
+            body = _validate(_decode(raw), schema, endpoint)
             engine = state.ready_engine()
             state.check_model(body.model)
+            return respond(body, engine)
+        return await _off_the_loop(work)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        def respond(body: TokenizeRequest, engine):
             if body.messages is not None:
                 ids = engine.tokenize_chat(body.engine_messages(), body.enable_thinking, body.engine_tools())
             else:
                 ids = engine.tokenize(body.prompt, body.add_special_tokens)
             return {"count": len(ids), "max_model_len": engine.capabilities.context_length, "tokens": ids,
                     "token_strs": None}
-        return await _off_the_loop(work)
+        return await answer_checked(request, TokenizeRequest, respond)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        raw = await _read_body(request, state.max_request_bytes)
-
-        def work():
-            body = _validate(_decode(raw), DetokenizeRequest)
-            engine = state.ready_engine()
-            state.check_model(body.model)
-            return {"prompt": engine.detokenize(body.tokens)}
-        return await _off_the_loop(work)
+        return await answer_checked(request, DetokenizeRequest,
+                                    lambda body, engine: {"prompt": engine.detokenize(body.tokens)})
 
     @v1.get("/models")
     async def models():
@@ -383,12 +384,7 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
     async def start(request: Request, schema, endpoint: str, prepare):
         """Reads, checks and submits a request on a worker thread: (its body, its prompt's ids, a
         stream per choice). prepare(body, engine): the prompt's token ids and submit()'s keywords."""
-        raw = await _read_body(request, state.max_request_bytes)
-
-        def work():
-            body = _validate(_decode(raw), schema, endpoint)
-            engine = state.ready_engine()
-            state.check_model(body.model)
+        def submit(body, engine):
             ids, keywords = prepare(body, engine)
             capabilities = engine.capabilities
             params = body.sampling_params(_max_tokens(body, capabilities.context_length, len(ids)),
@@ -397,7 +393,7 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
                 return body, ids, [engine.submit(ids, params, **keywords)]
             return body, ids, engine.submit_n(ids, params, **keywords)
 
-        body, ids, streams = await _off_the_loop(work)
+        body, ids, streams = await answer_checked(request, schema, submit, endpoint)
         if state.stopping:  # begin_shutdown() ran while the request was being prepared
             for stream in streams:
                 stream.abort()

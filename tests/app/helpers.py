@@ -6,8 +6,11 @@ from textual import events
 from textual.command import CommandInput, CommandList, CommandPalette
 from textual.keys import _character_to_key
 
+from nvchat import paths
 from nvchat.app import NvchatApp
 from nvchat.app.chat_pane import ChatPane
+from nvchat.conversation import Message
+from nvchat.store import ChatStore
 
 # How long a wait may take before it counts as a hang. Generous: a passing test never waits this
 # long, and the app's replies slow many times over on a loaded 2-core box (30 s for a 400-token
@@ -120,3 +123,12 @@ async def reopen_the_only_past_conversation(pilot, app):
     await pilot.press("enter")
     await wait_for(pilot, lambda: len(app.query(ChatPane)) == 2, what="the conversation's tab")
     return app.active_pane
+
+
+def stored_messages(conversation_id: int) -> list[Message]:
+    """The conversation's messages as the store holds them, read through a connection of their own."""
+    store = ChatStore(paths.database_file())
+    try:
+        return store.load_messages(conversation_id)
+    finally:
+        store.close()

@@ -8,17 +8,9 @@ from nvchat.app.chat_pane import ChatPane
 from nvchat.app.message_view import AlternativesView, ReplyView, UserMessageView
 from nvchat.conversation import Conversation
 from nvchat.store import ChatStore, shown_branch
-from tests.app.helpers import idle, send, started, wait_for
+from tests.app.helpers import idle, send, started, stored_messages, wait_for
 
 SIZE = (140, 40)
-
-
-def stored_rows(pane: ChatPane):
-    store = ChatStore(paths.database_file())
-    try:
-        return store.load_messages(pane.conversation.id)
-    finally:
-        store.close()
 
 
 def transcript(pane: ChatPane) -> list[tuple[str, str, str]]:
@@ -45,7 +37,7 @@ async def test_regenerating_keeps_the_old_reply_as_a_branch_and_f8_f9_switch_bet
         second = pane.conversation.messages[-1]
         assert [m.role for m in pane.conversation.messages] == ["user", "assistant"]
         assert transcript(pane) == [("user", "roll the dice", "you"), ("assistant", second.content, "assistant  ◀ 2/2 ▶")]
-        rows = stored_rows(pane)
+        rows = stored_messages(pane.conversation.id)
         assert [(r.role, r.content) for r in rows] == [("user", "roll the dice"), ("assistant", first.content),
                                                        ("assistant", second.content)]
         assert rows[1].parent_id == rows[2].parent_id == rows[0].id  # siblings: nothing was replaced
@@ -54,7 +46,8 @@ async def test_regenerating_keeps_the_old_reply_as_a_branch_and_f8_f9_switch_bet
         await wait_for(pilot, lambda: pane.conversation.messages[-1] is first, what="the first reply shown")
         assert transcript(pane)[-1] == ("assistant", first.content, "assistant  ◀ 1/2 ▶")
         assert first.content in pane.conversation.to_markdown() and second.content not in pane.conversation.to_markdown()
-        assert [r.content for r in shown_branch(stored_rows(pane))][-1] == first.content  # reopens on it
+        reopened = shown_branch(stored_messages(pane.conversation.id))
+        assert reopened[-1].content == first.content  # reopens on it
         await pilot.press("f9")
         await wait_for(pilot, lambda: pane.conversation.messages[-1] is second, what="the second reply shown")
         assert transcript(pane)[-1] == ("assistant", second.content, "assistant  ◀ 2/2 ▶")
@@ -89,7 +82,7 @@ async def test_editing_an_earlier_message_makes_a_branch_that_the_next_turn_and_
         await idle(pilot, pane)
         new_branch = list(pane.conversation.messages)
         assert [m.content for m in new_branch[::2]] == ["first question again", "third question"]
-        rows = stored_rows(pane)
+        rows = stored_messages(pane.conversation.id)
         assert len(rows) == 8 and [r.content for r in shown_branch(rows)] == [m.content for m in new_branch]
 
         # F8 with nothing selected: the latest message that has siblings, the first one.
@@ -134,7 +127,7 @@ async def test_alternatives_come_side_by_side_and_the_one_picked_becomes_the_bra
         assert [m.role for m in messages] == ["user", "assistant"] and len(user.children) == 3
         assert [v.message for v in view.replies] == user.children
         assert messages[-1] is user.children[0]  # until one is picked, the chat goes on from the first
-        rows = stored_rows(pane)
+        rows = stored_messages(pane.conversation.id)
         assert [r.parent_id for r in rows[1:]] == [rows[0].id] * 3
         # One request for three samples: the prompt was computed once (past what earlier tests left in
         # the shared engine's cache), and the other two took its full blocks from the cache (each has
@@ -154,7 +147,7 @@ async def test_alternatives_come_side_by_side_and_the_one_picked_becomes_the_bra
         await wait_for(pilot, lambda: not pane.query(AlternativesView), what="the pick")
         assert pane.conversation.messages[-1] is user.children[1]
         assert transcript(pane)[-1] == ("assistant", user.children[1].content, "assistant  ◀ 2/3 ▶")
-        assert shown_branch(stored_rows(pane))[-1].content == user.children[1].content
+        assert shown_branch(stored_messages(pane.conversation.id))[-1].content == user.children[1].content
 
         # /alt N beside the last reply: more siblings of it.
         await send(pilot, "/alt 2")

@@ -26,19 +26,12 @@ from tests.app.helpers import (
     run_from_palette,
     send,
     started,
+    stored_messages,
     submit_now,
     wait_for,
 )
 
 SIZE = (110, 36)
-
-
-def stored_messages(pane: ChatPane):
-    store = ChatStore(paths.database_file())
-    try:
-        return store.load_messages(pane.conversation.id)
-    finally:
-        store.close()
 
 
 async def test_startup_builds_the_engine_behind_a_loading_screen():
@@ -122,8 +115,8 @@ async def test_send_streams_a_reply_with_footer_and_stores_it(make_app):
         assert reply.role == "assistant" and reply.stats["tokens"] == 300 and reply.stats["finish_reason"] == "length"
         footer = str(pane.query_one("#reply-footer").render())
         assert "300 tokens" in footer and "tok/s" in footer and "TTFT" in footer
-        assert [m.role for m in stored_messages(pane)] == ["user", "assistant"]
-        assert stored_messages(pane)[1].content == reply.content
+        assert [m.role for m in stored_messages(pane.conversation.id)] == ["user", "assistant"]
+        assert stored_messages(pane.conversation.id)[1].content == reply.content
         assert "hello there" in str(app.tabs.get_tab(pane.parent.id).label)  # titled after the first message
 
 
@@ -143,7 +136,7 @@ async def test_escape_stops_the_reply(make_app):
         assert reply.stats["finish_reason"] == "abort"
         assert 3 < reply.stats["tokens"] < 400 and reply.content
         assert "stopped" in str(pane.query_one("#reply-footer").render())
-        assert stored_messages(pane)[-1].stats["finish_reason"] == "abort"
+        assert stored_messages(pane.conversation.id)[-1].stats["finish_reason"] == "abort"
 
 
 async def test_edit_and_resend_the_last_message(make_app):
@@ -163,7 +156,7 @@ async def test_edit_and_resend_the_last_message(make_app):
         assert len(pane.conversation.messages) == 2
         assert [str(v.message.content) for v in pane.query(UserMessageView)] == ["second draft"]
         # Stored as a branch beside the first draft, which stays.
-        rows = stored_messages(pane)
+        rows = stored_messages(pane.conversation.id)
         assert [r.content for r in shown_branch(rows)][0] == "second draft"
         assert [r.content for r in rows if r.role == "user"] == ["frist draft", "second draft"]
 
@@ -709,9 +702,10 @@ async def test_closing_a_tab_mid_reply_keeps_what_it_said(make_app):
         await wait_for(pilot, lambda: pane not in app.query(ChatPane), what="the tab to close")
         assert len(app.query(ChatPane)) == 1  # a fresh chat takes the last tab's place
         # The reply's text may be stored mid-stream first (no numbers yet); its end follows.
-        await wait_for(pilot, lambda: len(rows := stored_messages(pane)) == 2 and rows[1].stats is not None,
+        conversation_id = pane.conversation.id
+        await wait_for(pilot, lambda: len(rows := stored_messages(conversation_id)) == 2 and rows[1].stats is not None,
                        what="the partial reply to be stored with its end")
-        assert stored_messages(pane)[1].stats["finish_reason"] == "abort"
+        assert stored_messages(conversation_id)[1].stats["finish_reason"] == "abort"
 
 
 async def test_default_system_prompt_from_the_palette(make_app):

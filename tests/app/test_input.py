@@ -1,20 +1,14 @@
 """Keys that arrive together: what a user types is sent or stays in the box, never dropped."""
 import threading
 
-from nvchat import paths
 from nvchat.app.message_view import AlternativesView, QueuedMessageView
-from nvchat.store import ChatStore
-from tests.app.helpers import burst, idle, press_now, started, wait_for
+from tests.app.helpers import burst, idle, press_now, started, stored_messages, wait_for
 
 SIZE = (110, 36)
 
 
 def stored_texts(conversation_id) -> list[tuple[str, str]]:
-    store = ChatStore(paths.database_file())
-    try:
-        return [(m.role, m.content) for m in store.load_messages(conversation_id)]
-    finally:
-        store.close()
+    return [(m.role, m.content) for m in stored_messages(conversation_id)]
 
 
 async def test_text_and_enter_in_one_read_send_the_text(make_app):
@@ -88,15 +82,20 @@ async def test_esc_stops_the_reply_and_puts_the_queued_messages_back_in_the_box(
         assert pane.conversation.messages[-1].interrupted
 
 
+async def three_alternatives_streaming(pilot, pane, prompt: str) -> None:
+    """Types prompt and asks for alternatives (F6); returns once all three stream."""
+    burst(pilot.app, prompt, enter=False)
+    await wait_for(pilot, lambda: pane.prompt.text == prompt, what="the typed text")
+    await press_now(pilot, "f6")
+    await wait_for(pilot, lambda: len(pane.streams) == 3, what="three alternatives streaming")
+
+
 async def test_a_message_sent_while_alternatives_stream_waits_below_them_until_every_one_is_stored(make_app):
     app = make_app(max_tokens=120)
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
         pane = app.active_pane
-        burst(app, "name a colour", enter=False)
-        await wait_for(pilot, lambda: pane.prompt.text == "name a colour", what="the typed text")
-        await press_now(pilot, "f6")
-        await wait_for(pilot, lambda: len(pane.streams) == 3, what="three alternatives streaming")
+        await three_alternatives_streaming(pilot, pane, "name a colour")
         burst(app, "and another")
         await wait_for(pilot, lambda: len(pane.queued) == 1, what="the queued message")
         alternatives = pane.query_one(AlternativesView)
@@ -117,10 +116,7 @@ async def test_esc_stops_every_alternative_and_puts_the_queue_back_in_the_box(ma
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
         pane = app.active_pane
-        burst(app, "name a colour", enter=False)
-        await wait_for(pilot, lambda: pane.prompt.text == "name a colour", what="the typed text")
-        await press_now(pilot, "f6")
-        await wait_for(pilot, lambda: len(pane.streams) == 3, what="three alternatives streaming")
+        await three_alternatives_streaming(pilot, pane, "name a colour")
         await wait_for(pilot, lambda: all(s.num_completion_tokens for s in pane.streams), what="text in each")
         burst(app, "waiting")
         await wait_for(pilot, lambda: len(pane.queued) == 1, what="the queued message")

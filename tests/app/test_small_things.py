@@ -1,9 +1,15 @@
 """Small things a daily user meets: warnings that name where a bad value came from, focus that can
-always be seen, every key in F1, toasts clear of the prompt box, a compact transcript."""
+always be seen, every key in F1, toasts clear of the prompt box, a compact transcript, a KV panel
+in the theme's colours."""
+from collections import defaultdict
+
+import pytest
+from textual.color import Color
 from textual.widgets import DataTable
 from textual.widgets._toast import Toast
 
 from nvchat.app import NvchatApp
+from nvchat.app.kv_panel import Counters, KVPanel
 from nvchat.app.message_view import ReplyView
 from tests.app.conftest import app_settings
 from tests.app.helpers import idle, send, started, wait_for
@@ -103,3 +109,35 @@ async def test_f12_makes_the_transcript_compact_and_the_choice_is_kept(make_app,
 def config_text(xdg_dirs) -> str:
     path = xdg_dirs / "config" / "nvchat" / "config.toml"
     return path.read_text() if path.exists() else ""
+
+
+def kv_panel_backgrounds(app) -> dict[str | None, list[tuple[int, int]]]:
+    """Each background colour drawn in the KV panel's region, with the cells (x, y) that have it."""
+    region = app.query_one(KVPanel).region
+    cells = defaultdict(list)
+    for y in range(region.y, region.bottom):
+        for x in range(region.x, region.right):
+            background = app.screen.get_style_at(x, y).bgcolor
+            cells[background.triplet.hex if background and background.triplet else None].append((x, y))
+    return cells
+
+
+@pytest.mark.parametrize("size", [(160, 48), (80, 24)], ids=lambda size: "%dx%d" % size)
+@pytest.mark.parametrize("first", ["nvchat-dark", "nvchat-light"])
+async def test_the_kv_panel_and_its_graph_take_each_themes_background(idle_engine, first, size):
+    # An idle engine's throughput stays 0, so the graph's data never changes: only the theme can
+    # make it draw again.
+    second = "nvchat-light" if first == "nvchat-dark" else "nvchat-dark"
+    app = NvchatApp(app_settings(theme=first), engine=idle_engine)
+    async with app.run_test(size=size) as pilot:
+        await started(pilot)
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: app.query_one(Counters).text, what="the KV panel's numbers")
+        for theme in (second, first, second):
+            app.theme = theme
+            await pilot.pause()
+            surface = Color.parse(app.current_theme.surface).hex.lower()
+            backgrounds = kv_panel_backgrounds(app)
+            strays = {colour: (cells[0], cells[-1], len(cells)) for colour, cells in backgrounds.items()
+                      if colour != surface}
+            assert not strays, f"in {theme}, cells of the KV panel not on its background {surface}: {strays}"

@@ -4,6 +4,7 @@ tool_choice names the function, so the engine's structured output holds the repl
 it), the approval dialog answered with its keys, the result stored, shown folded and fed back, and
 the reply going on."""
 import sys
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,7 @@ from textual.widgets import Collapsible, Label
 
 from engine import EngineThread
 from nvchat import conversation as conversation_module
-from nvchat import paths
 from nvchat.app import NvchatApp
-from nvchat.app.chat_pane import ChatPane
 from nvchat.app.message_view import ReplyView
 from nvchat.app.tool_approval_screen import ToolApprovalScreen
 from nvchat.app.tool_rounds import DECLINED
@@ -21,7 +20,6 @@ from nvchat.app.tool_views import ToolCallView
 from nvchat.conversation import Conversation
 from nvchat.remote_backend import RemoteBackend
 from nvchat.server.app import ServerState, create_app
-from nvchat.store import ChatStore
 from tests.app.conftest import ENGINE_ARGS, app_settings
 from tests.app.helpers import (
     idle,
@@ -29,6 +27,7 @@ from tests.app.helpers import (
     reopen_the_only_past_conversation,
     send,
     started,
+    stored_messages,
     submit_now,
     wait_for,
 )
@@ -48,30 +47,30 @@ def tool_engine(app_model_path):
     engine.shutdown()
 
 
-@pytest.fixture
-def make_app(tool_engine):
-    def make(**changes) -> NvchatApp:
-        return NvchatApp(app_settings(**changes), engine=tool_engine)
-    return make
+def force_calls(monkeypatch, name: str, rounds: int) -> None:
+    """The first `rounds` replies of each turn call the tool `name`, the engine holding them to it;
+    later replies may call tools or not ("auto")."""
+    def tool_choice(self, round_index):
+        return {"type": "function", "function": {"name": name}} if round_index < rounds else "auto"
+    monkeypatch.setattr(Conversation, "tool_choice", tool_choice)
 
 
 @pytest.fixture
-def calls_forced(monkeypatch):
-    """forced(name, rounds): the first `rounds` replies of each turn call the tool `name`, the
-    engine holding them to it; later replies may call tools or not ("auto")."""
-    def forced(name: str, rounds: int = 1) -> None:
-        def tool_choice(self, round_index):
-            return {"type": "function", "function": {"name": name}} if round_index < rounds else "auto"
-        monkeypatch.setattr(Conversation, "tool_choice", tool_choice)
-    return forced
-
-
-def stored(conversation_id: int):
-    store = ChatStore(paths.database_file())
-    try:
-        return store.load_messages(conversation_id)
-    finally:
-        store.close()
+def tool_chat(tool_engine, monkeypatch):
+    """async with tool_chat(tool, rounds, servers, **settings) as (pilot, app, pane): the app started,
+    with replies of 96 tokens, the MCP servers given running (or failed) and the first `rounds`
+    replies of each turn calling `tool`. With settings' backend, the app's own remote backend
+    talks to it instead of the test engine."""
+    @asynccontextmanager
+    async def run(tool: str, rounds: int = 1, servers: dict = TEST_SERVER, **changes):
+        force_calls(monkeypatch, tool, rounds)
+        settings = app_settings(max_tokens=96, mcp_servers=servers, **changes)
+        app = NvchatApp(settings, engine=None if settings.backend else tool_engine)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            await tools_ready(pilot, app, *servers)
+            yield pilot, app, app.active_pane
+    return run
 
 
 async def tools_ready(pilot, app, *servers: str) -> None:
@@ -84,13 +83,8 @@ async def approval(pilot, app) -> ToolApprovalScreen:
     return app.screen
 
 
-async def test_an_approved_call_runs_and_its_folded_result_is_fed_back_and_stored(make_app, calls_forced):
-    calls_forced("weather")
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test")
-        pane: ChatPane = app.active_pane
+async def test_an_approved_call_runs_and_its_folded_result_is_fed_back_and_stored(tool_chat):
+    async with tool_chat("weather") as (pilot, app, pane):
         await send(pilot, "what is the weather")
         dialog = await approval(pilot, app)
         shown = str(dialog.query_one("#approval-call").render())
@@ -100,7 +94,7 @@ async def test_an_approved_call_runs_and_its_folded_result_is_fed_back_and_store
         await pilot.press("y")
         await idle(pilot, pane, 60)
 
-        user, call, result, answer = stored(pane.conversation.id)
+        user, call, result, answer = stored_messages(pane.conversation.id)
         assert (user.role, call.role, result.role, answer.role) == ("user", "assistant", "tool", "assistant")
         city = call.tool_calls[0]["function"]["arguments"]
         assert result.content in (f"{c}: 21 degrees and sunny" for c in ("Paris", "Oslo")) and result.content[:4] in city
@@ -133,13 +127,8 @@ async def test_an_approved_call_runs_and_its_folded_result_is_fed_back_and_store
         assert sent == conversation.engine_messages()
 
 
-async def test_always_runs_the_tool_again_without_asking(make_app, calls_forced):
-    calls_forced("weather", rounds=2)
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test")
-        pane = app.active_pane
+async def test_always_runs_the_tool_again_without_asking(tool_chat):
+    async with tool_chat("weather", rounds=2) as (pilot, app, pane):
         await send(pilot, "twice")
         await approval(pilot, app)
         await pilot.press("a")
@@ -148,92 +137,67 @@ async def test_always_runs_the_tool_again_without_asking(make_app, calls_forced)
         await wait_for(pilot, lambda: asked_again.append(isinstance(app.screen, ToolApprovalScreen)) or not pane.busy,
                        60, "the turn to end")
         assert not any(asked_again)
-        roles = [m.role for m in stored(pane.conversation.id)]
+        roles = [m.role for m in stored_messages(pane.conversation.id)]
         assert roles == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
         assert len(pane.query(ToolCallView)) == 2
 
 
-async def test_a_declined_call_does_not_run_and_the_model_is_told(make_app, calls_forced):
-    calls_forced("weather")
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test")
-        pane = app.active_pane
+async def test_a_declined_call_does_not_run_and_the_model_is_told(tool_chat):
+    async with tool_chat("weather") as (pilot, app, pane):
         await send(pilot, "no")
         await approval(pilot, app)
         await pilot.press("n")
         await idle(pilot, pane, 60)
-        messages = stored(pane.conversation.id)
+        messages = stored_messages(pane.conversation.id)
         assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
         assert messages[2].content == DECLINED and messages[2].stats == {"error": True}
         assert pane.query_one(ToolCallView).has_class("-error")
 
 
-async def test_a_server_that_fails_and_a_tool_that_errors_are_notifications_and_the_chat_goes_on(
-        make_app, calls_forced):
-    calls_forced("broken")
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER | {"gone": {"command": "/nonexistent/mcp-server"}})
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test", "gone")
+async def test_a_server_that_fails_and_a_tool_that_errors_are_notifications_and_the_chat_goes_on(tool_chat):
+    async with tool_chat("broken", servers=TEST_SERVER | {"gone": {"command": "/nonexistent/mcp-server"}}) as (
+            pilot, app, pane):
         await wait_for(pilot, lambda: any(n.title == "An MCP server could not start" and "gone" in n.message
                                           for n in app._notifications), what="the failed server's notification")
         assert [d["function"]["name"] for d in app.tool_rounds.tools.definitions] == ["weather", "broken"]
-        pane = app.active_pane
         await send(pilot, "break it")
         await approval(pilot, app)
         await pilot.press("y")
         await wait_for(pilot, lambda: any(n.title == "The tool failed" and n.message.startswith("broken:")
                                           for n in app._notifications), what="the failed call's notification")
         await idle(pilot, pane, 60)
-        messages = stored(pane.conversation.id)
+        messages = stored_messages(pane.conversation.id)
         assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
         assert messages[2].stats == {"error": True} and messages[3].content
 
 
-async def test_calling_replies_in_a_row_are_bounded_and_the_last_reply_answers(make_app, calls_forced, monkeypatch):
+async def test_calling_replies_in_a_row_are_bounded_and_the_last_reply_answers(tool_chat, monkeypatch):
     monkeypatch.setattr(conversation_module, "MAX_TOOL_ROUNDS", 2)  # the bound itself: fewer replies to wait for
-    calls_forced("weather", rounds=100)
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test")
-        pane = app.active_pane
+    async with tool_chat("weather", rounds=100) as (pilot, app, pane):
         await send(pilot, "forever")
         await approval(pilot, app)
         await pilot.press("a")
         await idle(pilot, pane, 120)
-        messages = stored(pane.conversation.id)
+        messages = stored_messages(pane.conversation.id)
         calling = [m for m in messages if m.role == "assistant" and m.tool_calls]
         assert len(calling) == 2
         assert messages[-1].role == "assistant" and messages[-1].tool_calls is None and messages[-1].content
 
 
-async def test_with_a_remote_backend_the_tools_go_as_openai_tools(tool_engine, calls_forced):
-    calls_forced("weather")
+async def test_with_a_remote_backend_the_tools_go_as_openai_tools(tool_engine, tool_chat):
     with serving(create_app(ServerState("demo", tool_engine))) as url:
-        app = NvchatApp(app_settings(backend=url, max_tokens=96, mcp_servers=TEST_SERVER))
-        async with app.run_test(size=SIZE) as pilot:
-            await started(pilot)
+        async with tool_chat("weather", backend=url) as (pilot, app, pane):
             assert isinstance(app.engine, RemoteBackend)
-            await tools_ready(pilot, app, "test")
-            pane = app.active_pane
             await send(pilot, "remote weather")
             await approval(pilot, app)
             await pilot.press("y")
             await idle(pilot, pane, 60)
-            roles = [m.role for m in stored(pane.conversation.id)]
+            roles = [m.role for m in stored_messages(pane.conversation.id)]
             assert roles == ["user", "assistant", "tool", "assistant"]
 
 
-async def test_a_call_from_a_chat_in_a_hidden_tab_shows_that_chat_with_the_dialog(make_app, calls_forced):
-    calls_forced("weather")
-    app = make_app(max_tokens=96, mcp_servers=TEST_SERVER)
-    async with app.run_test(size=SIZE) as pilot:
-        await started(pilot)
-        await tools_ready(pilot, app, "test")
-        calling = app.active_pane
+async def test_a_call_from_a_chat_in_a_hidden_tab_shows_that_chat_with_the_dialog(tool_chat):
+    async with tool_chat("weather") as (pilot, app, calling):
         await submit_now(pilot, calling, "weather in the background")
         await press_now(pilot, "ctrl+t")
         await wait_for(pilot, lambda: app.active_pane is not calling, what="the new tab")
