@@ -3,16 +3,29 @@ serves over stdio, `python mcp_test_server.py http PORT` over streamable HTTP.
 
 Its tools' schemas take no keys beyond their parameters (additionalProperties false, as strict
 function tools' do), so that a call the engine holds to its schema ends with its arguments rather
-than running on with keys the model makes up."""
+than running on with keys the model makes up.
+
+With NVCHAT_TEST_GATE naming a file in its environment, weather answers only once that file exists
+(or after a minute): a test holds a call running for as long as it looks at the app meanwhile."""
+import os
 import sys
+import time
 from typing import Literal
 
+import anyio
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.tools import Tool
 
+GATE = os.environ.get("NVCHAT_TEST_GATE")
+GATE_PATIENCE_S = 60.0
 
-def weather(city: Literal["Paris", "Oslo"]) -> str:
+
+async def weather(city: Literal["Paris", "Oslo"]) -> str:
     """Today's weather in a city."""
+    if GATE:
+        deadline = time.monotonic() + GATE_PATIENCE_S
+        while not os.path.exists(GATE) and time.monotonic() < deadline:
+            await anyio.sleep(0.02)  # the poll's interval
     return f"{city}: 21 degrees and sunny"
 
 

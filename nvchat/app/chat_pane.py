@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple
 
 from textual import events
 from textual.app import ComposeResult
@@ -50,6 +50,18 @@ _AUTO_TITLE_CHARS = 40
 # A streaming reply is stored this often (and when it ends): what a kill of the process can lose.
 SAVE_EVERY_S = 2.0
 DEFAULT_ALTERNATIVES = 3
+
+
+class Activity(NamedTuple):
+    """What a busy chat is doing, as its status line says it."""
+
+    doing: str
+    esc: str | None  # what Esc does to it; None while a dialog takes the keys
+    stopping: str  # said instead of esc once Esc was pressed
+
+
+GENERATING = Activity("generating…", "Esc stops", "stopping")
+CALLING_TOOLS = Activity("the reply calls tools…", "Esc stops", "stopping")
 
 
 @dataclass(eq=False)
@@ -108,6 +120,7 @@ class ChatPane(Vertical):
         self._replies: list[LiveReply] = []  # the turn's replies, until they are stored
         self.last_stream: RequestStream | None = None  # the latest reply's, for /stats
         self.busy = False
+        self._activity = GENERATING  # what the turn is doing while busy
         self.editing = False
         self._edit_index: int | None = None  # which message of the branch shown F3 is editing
         self.cursor: int | None = None  # the message selected (Alt+Up/Down), an index into the branch shown
@@ -294,17 +307,29 @@ class ChatPane(Vertical):
         self.busy = busy
         if not busy:
             self._stop_requested = False
+            self._activity = GENERATING
         self._show_busy_status()
         self.post_message(self.StateChanged(self))
+
+    def _set_activity(self, activity: Activity) -> None:
+        self._activity = activity
+        self._show_busy_status()
 
     def _show_busy_status(self) -> None:
         if not self.busy:
             self._set_status(self._idle_status())
-        elif self.queued:
-            self._set_status(f"generating… {len(self.queued)} queued to send next · Esc stops and puts "
-                             f"{'it' if len(self.queued) == 1 else 'them'} back in the box")
-        else:
-            self._set_status("generating… Esc stops")
+            return
+        doing, esc, stopping = self._activity
+        count = len(self.queued)
+        if self._stop_requested:
+            esc = stopping
+        elif count and esc is not None:
+            esc += f" and puts {'it' if count == 1 else 'them'} back in the box"
+        if not count:
+            self._set_status(doing if esc is None else f"{doing} {esc}")
+            return
+        parts = [doing, f"{count} queued to send next"] + ([esc] if esc is not None else [])
+        self._set_status(" · ".join(parts))
 
     def _idle_status(self) -> str:
         if self.conversation.read_only:
@@ -518,7 +543,10 @@ class ChatPane(Vertical):
             for live in self._live:
                 live.stream.abort()
         elif self.busy:
-            self._stop_requested = True  # the turn is starting: its stream is stopped once it has one
+            # The turn is starting (its stream is stopped once it has one) or runs its tool calls
+            # (none runs after the one running now).
+            self._stop_requested = True
+            self._show_busy_status()
         elif self.editing:
             self.cancel_edit()
         elif self.cursor is not None:
@@ -526,6 +554,7 @@ class ChatPane(Vertical):
 
     async def _turn(self, start: Callable, *args, alternatives: int = 1, restore: str | None = None,
                     edit_index: int | None = None) -> None:
+        self._activity = GENERATING
         self._set_busy(True)
         first_turn = not self.conversation.messages
         try:
@@ -697,7 +726,7 @@ class ChatPane(Vertical):
         # calls are not run: none of them is the branch the chat goes on from until one is picked).
         if (not isinstance(view, AlternativesView) and len(stored) == 1 and stored[0] is not None
                 and stored[0].tool_calls and not self._stop_requested):
-            self._set_status("the reply calls tools…")
+            self._set_activity(CALLING_TOOLS)
             self.post_message(self.ToolCallsMade(self, stored[0]))
             return
         self._refresh_hint()
@@ -831,8 +860,12 @@ class ChatPane(Vertical):
         await self.transcript.mount(view, before=self.queued[0] if self.queued else None)
         return view
 
-    def set_tool_status(self, text: str) -> None:
-        self._set_status(text)
+    def show_tool_approval(self, name: str) -> None:
+        """The tool name waits for the user's answer in the approval dialog (which takes Esc)."""
+        self._set_activity(Activity(f"the model calls {name}: approve or decline it", None, "stopping"))
+
+    def show_tool_running(self, name: str) -> None:
+        self._set_activity(Activity(f"running {name}…", "Esc stops after it", "stopping after it"))
 
     def continue_after_tools(self) -> None:
         """Every call has its result stored: the reply goes on."""

@@ -69,7 +69,7 @@ class ToolRounds:
                 if pane in self.app.tabs.panes:  # the dialog asks about the chat it shows
                     self.app.tabs.show(pane)
                 view.set_status("waiting for your approval")
-                pane.set_tool_status(f"the model calls {name}: approve or decline it")
+                pane.show_tool_approval(name)
                 server = self.tools.server_of(name) if self.tools is not None else None
                 choice = await self.app.push_screen(ToolApprovalScreen(call, pane.conversation.title, server),
                                                     wait_for_dismiss=True)
@@ -79,7 +79,7 @@ class ToolRounds:
                 result = ToolResult(DECLINED, error=True)
             else:
                 view.set_status("running…")
-                pane.set_tool_status(f"running {name}… Esc stops after it")
+                pane.show_tool_running(name)
                 result = await self._call(call)
                 if result.error:
                     self.app.notify(f"{name}: {result.text}", title="The tool failed", severity="warning",

@@ -436,6 +436,33 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
             return sse_event(_shutting_down().body())
         return None
 
+    def streamed(streams: list[RequestStream], endpoint: str, chunk, nothing, opening: list[str], piece_events,
+                 include_usage: bool) -> EventStreamResponse:
+        """A streamed reply, as both endpoints send it: the opening events; then each choice's pieces
+        as piece_events(choice index, text, tool calls, logprobs) encodes them, and its end: a chunk
+        with its finish reason and `nothing` for content, or the error event that ends the whole
+        stream where a choice did not finish normally; then the usage, if asked for, and [DONE].
+        chunk(index, content, finish_reason, usage=): the endpoint's chunk. The streams end with the
+        response, however it ends."""
+        async def events():
+            for event in opening:
+                yield event
+            async for i, piece in merged(streams):
+                if piece is None:
+                    failure = ending_badly(streams[i])
+                    if failure is not None:
+                        yield failure
+                        return
+                    yield sse_event(chunk(i, nothing, streams[i].finish_reason))
+                    continue
+                for event in piece_events(i, *piece):
+                    yield event
+            if include_usage:
+                yield sse_event(chunk(0, None, usage=usage(streams)))
+            yield DONE
+
+        return EventStreamResponse(events(), on_close=lambda: finish(streams, endpoint))
+
     def token_texts() -> TokenTexts:
         if state.token_texts is None:
             state.token_texts = TokenTexts(state.engine.detokenize)
@@ -468,32 +495,19 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
 
         # The common event, a piece of text, is encoded once but for its text (see text_events).
         content_events = [text_events(chunk(i, {"content": TEXT_SLOT})) for i in range(len(streams))]
+        calls = [0] * len(streams)
 
-        async def events():
-            for i in range(len(streams)):
-                yield sse_event(chunk(i, {"role": "assistant", "content": ""}))
-            calls = [0] * len(streams)
-            async for i, piece in merged(streams):
-                if piece is None:
-                    failure = ending_badly(streams[i])
-                    if failure is not None:
-                        yield failure
-                        return
-                    yield sse_event(chunk(i, {}, streams[i].finish_reason))
-                    continue
-                text, tool_calls, logprobs = piece
-                if logprobs:
-                    yield sse_event(chunk(i, {"content": text}, logprobs=chat_logprobs(logprobs, token_texts())))
-                elif text:
-                    yield content_events[i](text)
-                for call in tool_calls:  # each whole, in one delta (OpenAI's may split the arguments)
-                    yield sse_event(chunk(i, {"tool_calls": [{"index": calls[i], **call.openai()}]}))
-                    calls[i] += 1
-            if include_usage:
-                yield sse_event(chunk(0, None, usage=usage(streams)))
-            yield DONE
+        def piece_events(i: int, text: str, tool_calls, logprobs):
+            if logprobs:
+                yield sse_event(chunk(i, {"content": text}, logprobs=chat_logprobs(logprobs, token_texts())))
+            elif text:
+                yield content_events[i](text)
+            for call in tool_calls:  # each whole, in one delta (OpenAI's may split the arguments)
+                yield sse_event(chunk(i, {"tool_calls": [{"index": calls[i], **call.openai()}]}))
+                calls[i] += 1
 
-        return EventStreamResponse(events(), on_close=lambda: finish(streams, "chat"))
+        opening = [sse_event(chunk(i, {"role": "assistant", "content": ""})) for i in range(len(streams))]
+        return streamed(streams, "chat", chunk, {}, opening, piece_events, include_usage)
 
     def completion_prompt(body: CompletionRequest, engine: Backend):
         prompt = body.engine_prompt()
@@ -525,28 +539,14 @@ def create_app(state: ServerState, *, api_key: str | None = None) -> FastAPI:
         text_event = [text_events(chunk(i, TEXT_SLOT)) for i in range(len(streams))]
         offsets = [CompletionLogprobs(token_texts()) for _ in streams] if with_logprobs else None
 
-        async def events():
-            if echoed:
-                for i in range(len(streams)):
-                    yield text_event[i](echoed)
-            async for i, piece in merged(streams):
-                if piece is None:
-                    failure = ending_badly(streams[i])
-                    if failure is not None:
-                        yield failure
-                        return
-                    yield sse_event(chunk(i, "", streams[i].finish_reason))
-                    continue
-                text, _, logprobs = piece
-                if logprobs:
-                    yield sse_event(chunk(i, text, logprobs=offsets[i](logprobs)))
-                elif text:
-                    yield text_event[i](text)
-            if include_usage:
-                yield sse_event(chunk(0, None, usage=usage(streams)))
-            yield DONE
+        def piece_events(i: int, text: str, _tool_calls, logprobs):
+            if logprobs:
+                yield sse_event(chunk(i, text, logprobs=offsets[i](logprobs)))
+            elif text:
+                yield text_event[i](text)
 
-        return EventStreamResponse(events(), on_close=lambda: finish(streams, "completions"))
+        opening = [text_event[i](echoed) for i in range(len(streams))] if echoed else []
+        return streamed(streams, "completions", chunk, "", opening, piece_events, include_usage)
 
     app.include_router(v1)
     if api_key:

@@ -116,12 +116,15 @@ async def run_from_palette(pilot, query: str, command: str) -> None:
 
 async def reopen_the_only_past_conversation(pilot, app):
     """Ctrl+O, then Enter on the one stored conversation; returns the tab it opens in (beside the
-    new chat the app starts with)."""
+    new chat the app starts with), once it is the one shown."""
+    open_before = list(app.query(ChatPane))
     await pilot.press("ctrl+o")
     await wait_for(pilot, lambda: app.screen.query("#conversations-table")
                    and app.screen.query_one("#conversations-table").row_count == 1)
     await pilot.press("enter")
-    await wait_for(pilot, lambda: len(app.query(ChatPane)) == 2, what="the conversation's tab")
+    # The new pane is in the DOM before its tab is made the active one.
+    await wait_for(pilot, lambda: len(app.query(ChatPane)) == 2 and app.active_pane is not None
+                   and app.active_pane not in open_before, what="the conversation's tab, shown")
     return app.active_pane
 
 

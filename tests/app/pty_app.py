@@ -16,6 +16,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# How long a wait on the process may take before it counts as a hang. Generous: a passing run never
+# waits this long, and on a loaded 2-core box the process starts (importing torch, loading the
+# model), replies and exits several times slower than alone.
+PATIENCE_S = 180.0
 
 
 class PtyApp:
@@ -57,7 +61,7 @@ class PtyApp:
         """One write, so the app reads it as one burst, as from a paste or tmux send-keys."""
         os.write(self.fd, data)
 
-    def wait_until(self, condition, timeout: float, what: str):
+    def wait_until(self, condition, what: str, timeout: float = PATIENCE_S):
         deadline = time.monotonic() + timeout
         while True:
             value = condition()
@@ -72,15 +76,15 @@ class PtyApp:
                 # Woken by new output; conditions on the database are checked again every 50 ms.
                 self._output_grew.wait(0.05)
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def wait_ready(self, timeout: float = PATIENCE_S) -> None:
         """Until the first chat is on screen (its hint names the send key) and takes the app's keys.
         The hint can be drawn before the app is ready (its tab is drawn while it mounts; 1 of 3
         starts), and a chat key such as Ctrl+O that arrives then is dropped; the footer lists the
         chat keys (Ctrl+W's "Close chat") only once the app is ready."""
-        self.wait_until(lambda: "Enter sends" in self.output and "Close chat" in self.output, timeout,
-                        "the first chat, ready for keys")
+        self.wait_until(lambda: "Enter sends" in self.output and "Close chat" in self.output,
+                        "the first chat, ready for keys", timeout)
 
-    def wait_output_read(self, timeout: float = 10) -> None:
+    def wait_output_read(self, timeout: float = PATIENCE_S) -> None:
         """Until every byte the process wrote has been read: after it exits, the terminal closes
         once the reader has taken what was left in it."""
         self._reader.join(timeout)
@@ -104,7 +108,7 @@ class PtyApp:
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(10)
 
-    def close(self, timeout: float = 30) -> int:
+    def close(self, timeout: float = PATIENCE_S) -> int:
         """Ctrl+Q, then waits for the exit (killing the process if it does not go)."""
         if self.process.poll() is None:
             try:

@@ -1,6 +1,10 @@
 """Text typed in a chat's prompt box and not sent is kept with the conversation: stored once typing
 pauses, and at once when its tab closes, another tab is shown or the app quits; back in the box
-when the conversation is reopened; cleared once sent."""
+when the conversation is reopened; cleared once sent.
+
+A key's effect is waited for before the next step relies on it: Pilot.press returns once the app
+looks idle, which a loaded machine's starved process looks like before the key has reached the
+prompt box, and the app's keys (Ctrl+W, Ctrl+T, Ctrl+Q) act as soon as the app reads them."""
 import pytest
 
 from nvchat import paths
@@ -9,7 +13,9 @@ from nvchat.app.chat_pane import ChatPane
 from nvchat.store import ChatStore
 from tests.app.conftest import app_settings
 from tests.app.helpers import (
-    idle,
+    PATIENCE_S,
+    burst,
+    handled,
     reopen_the_only_past_conversation,
     send,
     started,
@@ -39,8 +45,18 @@ def stored_conversations():
         store.close()
 
 
-async def type_text(pilot, text: str) -> None:
+async def type_text(pilot, pane, text: str) -> None:
+    """Types text into the chat's box, key by key, and returns once the box holds it."""
+    expected = pane.prompt.text + text
     await pilot.press(*["space" if ch == " " else ch for ch in text])
+    await wait_for(pilot, lambda: pane.prompt.text == expected, what=f"{text!r} in the box")
+
+
+async def replied(pilot, pane, messages: int) -> None:
+    """Until the chat holds `messages` messages and is idle: the turn that Enter started has ended
+    (waiting for idle alone could pass before the chat has taken the Enter)."""
+    await wait_for(pilot, lambda: len(pane.conversation.messages) == messages and not pane.busy, 2 * PATIENCE_S,
+                   f"{messages} messages and the reply stored")
 
 
 @pytest.fixture
@@ -54,12 +70,13 @@ async def test_a_draft_left_in_a_closed_tab_is_back_when_the_chat_is_reopened_an
     app = make_app(max_tokens=4)
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
-        await send(pilot, "first question")
         pane = app.active_pane
-        await idle(pilot, pane)
-        await type_text(pilot, "half a thought")
+        await send(pilot, "first question")
+        await replied(pilot, pane, 2)
+        await type_text(pilot, pane, "half a thought")
         await pilot.press("ctrl+j")
-        await type_text(pilot, "and a second line")
+        await wait_for(pilot, lambda: pane.prompt.text == "half a thought\n", what="the new line")
+        await type_text(pilot, pane, "and a second line")
         await pilot.press("ctrl+w")
         await wait_for(pilot, lambda: [c.draft for c in stored_conversations()] == ["half a thought\nand a second line"],
                        what="the closed tab's draft in the store")
@@ -70,10 +87,11 @@ async def test_a_draft_left_in_a_closed_tab_is_back_when_the_chat_is_reopened_an
         await started(pilot)
         pane = await reopen_the_only_past_conversation(pilot, fresh)
         assert pane.prompt.text == "half a thought\nand a second line"
-        assert pane.prompt.has_focus and pane.prompt.cursor_location == pane.prompt.document.end
-        await type_text(pilot, " done")
+        await wait_for(pilot, lambda: pane.prompt.has_focus, what="the reopened chat's box focused")
+        assert pane.prompt.cursor_location == pane.prompt.document.end
+        await type_text(pilot, pane, " done")
         await pilot.press("enter")
-        await idle(pilot, pane)
+        await replied(pilot, pane, 4)
         assert pane.conversation.messages[-2].content == "half a thought\nand a second line done"
         assert [c.draft for c in stored_conversations()] == [""]
 
@@ -88,7 +106,7 @@ async def test_a_new_chats_draft_survives_quitting_and_is_found_with_ctrl_o(make
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
-        await type_text(pilot, "never lose these words")
+        await type_text(pilot, app.active_pane, "never lose these words")
         assert stored_conversations() == []
         await pilot.press("ctrl+q")
     [row] = stored_conversations()
@@ -103,6 +121,7 @@ async def test_a_new_chats_draft_survives_quitting_and_is_found_with_ctrl_o(make
         title = fresh.screen.query_one("#conversations-table").get_row_at(0)[0]
         assert str(title) == "New chat  ✎ draft"
         await pilot.press("escape")
+        await wait_for(pilot, lambda: not fresh.screen.query("#conversations-table"), what="the list closed")
         pane = await reopen_the_only_past_conversation(pilot, fresh)
         assert pane.prompt.text == "never lose these words"
 
@@ -112,7 +131,7 @@ async def test_switching_tabs_stores_the_draft_of_the_chat_left(make_app, no_deb
     async with app.run_test(size=SIZE) as pilot:
         await started(pilot)
         first = app.active_pane
-        await type_text(pilot, "for later")
+        await type_text(pilot, first, "for later")
         await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: app.active_pane is not first, what="the new tab")
         await wait_for(pilot, lambda: [c.draft for c in stored_conversations()] == ["for later"],
@@ -128,11 +147,16 @@ async def test_typing_that_never_pauses_is_still_stored_every_so_often(shared_en
     try:
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot)
-            await type_text(pilot, "a")
+            pane = app.active_pane
+            await type_text(pilot, pane, "a")
+            # The chat has seen the change (it bubbles from the box through its container), so the
+            # longest a save waits counts from before the pause.
+            for widget in (pane.prompt, pane.prompt.parent, pane):
+                await handled(pilot, widget)
             # Timed on purpose: the behaviour is a time limit. Typing goes on past the longest a save
             # waits (0.2 s); a loaded machine only makes the pause longer, which the test allows.
             await pilot.pause(0.3)
-            await type_text(pilot, "b")
+            await type_text(pilot, pane, "b")
             await wait_for(pilot, lambda: store.draft_writes, what="a save while typing goes on")
             assert store.draft_writes == ["ab"]
     finally:
@@ -147,14 +171,16 @@ async def test_typing_stores_the_draft_once_it_pauses_not_per_key_and_f3_keeps_i
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot)
             pane = app.active_pane
-            await type_text(pilot, "twelve chars")
+            # In one read, as a terminal delivers fast typing: keys pressed one by one can lie further
+            # apart than the pause a save waits for on a loaded machine.
+            burst(app, "twelve chars", enter=False)
             await wait_for(pilot, lambda: store.draft_writes, what="the draft's save once typing paused")
             assert store.draft_writes == ["twelve chars"]
             await pilot.press("enter")
-            await idle(pilot, pane)
+            await replied(pilot, pane, 2)
             assert store.draft_writes == ["twelve chars", ""]
             # While F3 edits the last message, the draft it put aside is what the chat keeps.
-            await type_text(pilot, "kept")
+            await type_text(pilot, pane, "kept")
             await pilot.press("f3")
             assert pane.prompt.text == "twelve chars"
             await pilot.press("ctrl+w")

@@ -6,7 +6,7 @@ import sqlite3
 import pytest
 
 from nvchat.store import WriterLock
-from tests.app.pty_app import PtyApp
+from tests.app.pty_app import PATIENCE_S, PtyApp
 
 
 @pytest.fixture
@@ -31,21 +31,21 @@ def test_text_and_enter_in_one_write_are_sent_and_stored_and_sigterm_keeps_the_r
     app = nvchat_on_a_pty("--max-tokens", "3000", "--max-model-len", "4096", "--temperature", "0")
     app.wait_ready()
     app.write(b"first question\r")
-    assert app.wait_until(app.messages, 30, "the stored message")[0] == ("user", "first question")
+    assert app.wait_until(app.messages, "the stored message")[0] == ("user", "first question")
     app.write(b"\x1b")  # Esc stops the reply
     app.wait_until(lambda: app.query("SELECT stats FROM messages WHERE role = 'assistant' AND stats IS NOT NULL"),
-                   30, "the stopped reply")
+                   "the stopped reply")
     # A paste (bracketed, as terminals send one) with Enter after it, in a new chat (Ctrl+T): after
     # the stopped reply, whose length depends on when Esc landed, a greedy reply could end at once.
     drawn = len(app.output)
     app.write(b"\x14")
-    app.wait_until(lambda: "Enter sends" in app.output[drawn:], 30, "the new chat's hint")
+    app.wait_until(lambda: "Enter sends" in app.output[drawn:], "the new chat's hint")
     app.write(b"\x1b[200~pasted\nlines\x1b[201~\r")
-    app.wait_until(lambda: len(app.messages()) >= 4, 30, "the pasted message and its reply's first save")
+    app.wait_until(lambda: len(app.messages()) >= 4, "the pasted message and its reply's first save")
     assert app.messages()[2] == ("user", "pasted\nlines")
     # Asked to end mid-reply, it quits as Ctrl+Q does: the reply is stored as far as it got.
     app.process.send_signal(signal.SIGTERM)
-    assert app.process.wait(30) == 0
+    assert app.process.wait(PATIENCE_S) == 0
     [(complete, stats)] = app.query("SELECT complete, stats FROM messages WHERE id = (SELECT MAX(id) FROM messages)")
     assert complete == 0 and json.loads(stats)["finish_reason"] == "abort"
 
@@ -57,7 +57,7 @@ def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_o
     app.write(b"first question\r")
     # Saved while it streams: the reply's row appears, incomplete.
     [(saved, complete)] = app.wait_until(
-        lambda: app.query("SELECT content, complete FROM messages WHERE role = 'assistant'"), 30, "the reply's first save")
+        lambda: app.query("SELECT content, complete FROM messages WHERE role = 'assistant'"), "the reply's first save")
     assert complete == 0
     app.kill()
 
@@ -72,17 +72,17 @@ def test_kill_9_mid_reply_keeps_every_sent_message_and_the_reply_so_far(nvchat_o
     # sent), the cut-off reply there, marked, and it can be regenerated (it stays, as a branch).
     again = nvchat_on_a_pty("--max-tokens", "8", "--max-model-len", "4096")
     again.wait_ready()
-    again.wait_until(lambda: "interrupted" in again.output, 30, "the reopened reply, marked interrupted")
+    again.wait_until(lambda: "interrupted" in again.output, "the reopened reply, marked interrupted")
     again.write(b"\x12")  # Ctrl+R
     again.wait_until(lambda: again.query("SELECT complete FROM messages WHERE role = 'assistant' ORDER BY id")
-                     == [(0,), (1,)], 30, "the regenerated reply")
+                     == [(0,), (1,)], "the regenerated reply")
     assert again.close() == 0
 
 
 def test_plain_mode_says_in_one_line_when_it_cannot_keep_conversations(nvchat_on_a_pty, tmp_path):
     (tmp_path / "data").write_text("a file where the data directory would go")
     repl = nvchat_on_a_pty("--plain")
-    assert repl.process.wait(60) == 1
+    assert repl.process.wait(PATIENCE_S) == 1
     repl.wait_output_read()
     lines = [line for line in repl.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"nvchat: can't keep conversations in {tmp_path / 'data'}"), \
@@ -100,32 +100,32 @@ def test_two_nvchat_processes_on_one_data_directory_never_interleave_a_conversat
     # names none yet), so the read-only note below is the one Ctrl+O's Enter brings.
     second.wait_ready()
     first.write(b"from the first\r")
-    first.wait_until(lambda: first.query("SELECT 1 FROM messages WHERE role = 'assistant' AND stats IS NOT NULL"), 60,
+    first.wait_until(lambda: first.query("SELECT 1 FROM messages WHERE role = 'assistant' AND stats IS NOT NULL"),
                      "the first process's reply")
     second.write(b"\x0f")  # Ctrl+O
-    second.wait_until(lambda: "from the first" in second.output, 30, "the list of past conversations")
+    second.wait_until(lambda: "from the first" in second.output, "the list of past conversations")
     second.write(b"\r")
-    second.wait_until(lambda: "Read-only" in second.output, 30, "the read-only note")
+    second.wait_until(lambda: "Read-only" in second.output, "the read-only note")
     second.write(b"from the second\r\x12")  # typed into the read-only box, then Ctrl+R: neither writes
     drawn = len(second.output)
     second.write(b"\x14")  # Ctrl+T: a new chat, whose hint shows that the keys before it were handled
-    second.wait_until(lambda: "Enter sends" in second.output[drawn:], 30, "the keys to be handled")
+    second.wait_until(lambda: "Enter sends" in second.output[drawn:], "the keys to be handled")
 
     first.write(b"again from the first\r")
-    first.wait_until(lambda: len(first.query("SELECT 1 FROM messages WHERE stats IS NOT NULL")) == 2, 60,
+    first.wait_until(lambda: len(first.query("SELECT 1 FROM messages WHERE stats IS NOT NULL")) == 2,
                      "the first process's second reply")
     first.write(b"\x17")  # Ctrl+W: the conversation is closed there
-    first.wait_until(lambda: first.output.count("Enter sends") >= 2, 30, "the first process's new chat")
+    first.wait_until(lambda: first.output.count("Enter sends") >= 2, "the first process's new chat")
     # The lock goes with the closed tab, on the first process's conversation thread: shown before
     # that, the tab would rightly stay read-only.
     [(conversation_id,)] = first.query("SELECT DISTINCT conversation_id FROM messages")
     lock_file = first.database.with_name(first.database.name + ".writers") / f"{conversation_id}.lock"
-    first.wait_until(lambda: _lock_is_free(lock_file), 30, "the first process to let the conversation go")
+    first.wait_until(lambda: _lock_is_free(lock_file), "the first process to let the conversation go")
 
     second.write(b"\x1b[5;5~")  # Ctrl+PgUp: the read-only tab, shown again
-    second.wait_until(lambda: "writable" in second.output, 30, "the tab to become writable")
+    second.wait_until(lambda: "writable" in second.output, "the tab to become writable")
     second.write(b"now from the second\r")
-    second.wait_until(lambda: len(second.query("SELECT 1 FROM messages WHERE stats IS NOT NULL")) == 3, 60,
+    second.wait_until(lambda: len(second.query("SELECT 1 FROM messages WHERE stats IS NOT NULL")) == 3,
                       "the second process's reply")
     rows = second.query("SELECT id, parent_id, role, content FROM messages ORDER BY id")
     assert [content for _, _, role, content in rows if role == "user"] == [

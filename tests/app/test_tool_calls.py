@@ -22,6 +22,7 @@ from nvchat.remote_backend import RemoteBackend
 from nvchat.server.app import ServerState, create_app
 from tests.app.conftest import ENGINE_ARGS, app_settings
 from tests.app.helpers import (
+    burst,
     idle,
     press_now,
     reopen_the_only_past_conversation,
@@ -212,3 +213,34 @@ async def test_a_call_from_a_chat_in_a_hidden_tab_shows_that_chat_with_the_dialo
         views = [v for v in calling.transcript.children if isinstance(v, (ReplyView, ToolCallView))]
         assert [type(v) for v in views] == [ReplyView, ToolCallView, ReplyView]
         assert views[1].message is calling.conversation.messages[2]
+
+
+async def test_the_status_line_says_which_tool_waits_or_runs_and_how_many_messages_are_queued(tool_chat, tmp_path):
+    gate = tmp_path / "gate"  # the weather call runs until this file exists
+    servers = {"test": TEST_SERVER["test"] | {"env": {"NVCHAT_TEST_GATE": str(gate)}}}
+    async with tool_chat("weather", servers=servers) as (pilot, app, pane):
+        def status() -> str:
+            return str(pane.query_one("#chat-status").render())
+
+        try:
+            # Typed ahead in one read: the first is sent, the second waits for the turn to end.
+            burst(app, "what is the weather")
+            burst(app, "and tomorrow")
+            await wait_for(pilot, lambda: len(pane.queued) == 1, what="the queued message")
+            await approval(pilot, app)
+            assert status() == "the model calls weather: approve or decline it · 1 queued to send next"
+            await pilot.press("y")
+            await wait_for(pilot, lambda: status().startswith("running weather…") and pane.prompt.has_focus,
+                           what="the call running and the box focused again")
+            burst(app, "and the day after")
+            await wait_for(pilot, lambda: len(pane.queued) == 2, what="a second queued message")
+            assert status() == ("running weather… · 2 queued to send next · Esc stops after it and puts them "
+                                "back in the box")
+            await press_now(pilot, "escape")
+            assert status() == "running weather… stopping after it"
+            assert pane.prompt.text == "and tomorrow\nand the day after" and not pane.queued
+        finally:
+            gate.touch()
+        await idle(pilot, pane, 60)
+        assert [m.role for m in stored_messages(pane.conversation.id)] == ["user", "assistant", "tool"]
+        assert status() == ""
