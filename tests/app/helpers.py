@@ -56,9 +56,14 @@ async def idle(pilot, pane, timeout: float = 2 * PATIENCE_S) -> None:
     await wait_for(pilot, lambda: not pane.busy, timeout, "the reply to finish and be stored")
 
 
+async def type_text(pilot, text: str) -> None:
+    """Types text into the focused widget, key by key."""
+    await pilot.press(*["space" if ch == " " else ch for ch in text])
+
+
 async def send(pilot, text: str) -> None:
     """Types text into the active chat's prompt box and presses Enter."""
-    await pilot.press(*["space" if ch == " " else ch for ch in text])
+    await type_text(pilot, text)
     await pilot.press("enter")
 
 

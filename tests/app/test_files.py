@@ -4,13 +4,9 @@ notification that says so, and nothing typed is lost."""
 from textual.widgets import DirectoryTree
 
 from nvchat.app.file_picker_screen import FilePickerScreen
-from tests.app.helpers import idle, started, wait_for
+from tests.app.helpers import idle, started, type_text, wait_for
 
 SIZE = (110, 36)
-
-
-async def type_text(pilot, text: str) -> None:
-    await pilot.press(*["space" if ch == " " else ch for ch in text])
 
 
 def notices(app, title: str) -> list[str]:

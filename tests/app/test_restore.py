@@ -2,13 +2,9 @@
 not sent, and shows the one that had the focus."""
 from nvchat import paths
 from nvchat.app.open_tabs import tabs_file
-from tests.app.helpers import idle, send, started, wait_for
+from tests.app.helpers import idle, send, started, type_text, wait_for
 
 SIZE = (110, 36)
-
-
-async def type_text(pilot, text: str) -> None:
-    await pilot.press(*["space" if ch == " " else ch for ch in text])
 
 
 async def test_a_restart_reopens_the_open_chats_in_order_with_their_drafts_and_focus(make_app):
