@@ -15,6 +15,11 @@ def attach_decode_feed(llm: LLM, buckets=(1, 2, 4, 8)) -> DecodeGraphs:
     """Gives a CPU engine's runner the decode feed that a GPU runner captures. Buckets past
     max_num_seqs make more steps padded ones; the token buffer grows to hold them."""
     runner, config = llm.runner, llm.config
+    # The graphs' attention reads every block a table names and masks what lies past the context
+    # (sdpa_decode_attention_in_graph), so it needs a cache that starts zeroed, as a GPU runner
+    # allocates it: the CPU runner leaves its cache uninitialised, and a NaN in a slot nothing
+    # wrote survives its zero weight (0 * NaN) and turns the row's tokens into 0.
+    runner.kv_cache.zero_()
     runner.sampled = torch.zeros(max(buckets[-1], config.max_num_seqs), dtype=torch.int64)
     runner.decode_graphs = DecodeGraphs(
         runner.model, buckets=list(buckets), max_blocks_per_seq=-(-config.max_model_len // runner.block_size),
@@ -59,6 +64,17 @@ def test_greedy_tokens_match_the_general_path(tiny_qwen3, overlap):
     assert got == want
     assert counts["steps"] > 15 and counts["padded"] > 3 and counts["kinds"] == {"greedy"}
     assert counts["fed"] == (counts["steps"] if overlap else 0)
+
+
+def test_the_cpu_engine_reads_no_slot_it_has_not_written(tiny_qwen3):
+    """The CPU runner's cache starts uninitialised; batched decode pads the shorter contexts and
+    must not read their padding from slots nothing wrote. NaN in every slot at the start changes
+    no token."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 30, 3, 17, 25, 8, 20, 14, 6)]
+    want = greedy_reference(tiny_qwen3, params)
+    with LLM(tiny_qwen3, **KW) as llm:
+        llm.runner.kv_cache.fill_(float("nan"))
+        assert completions(run(llm, PROMPTS, params)[0]) == want
 
 
 def test_each_kind_of_sampling_graph_picks_what_the_settings_force(tiny_qwen3):
