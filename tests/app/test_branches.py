@@ -116,7 +116,8 @@ async def test_alternatives_come_side_by_side_and_the_one_picked_becomes_the_bra
         await started(pilot)
         pane = app.active_pane
         before = app.engine.stats()
-        await pilot.press(*"name", "space", *"a", "space", *"colour")
+        # A prompt no other test of the shared engine sends, so that its first sample computes it.
+        await pilot.press(*"name", "space", *"a", "space", *"river")
         await pilot.press("f6")
         await wait_for(pilot, lambda: pane.query(AlternativesView), what="the alternatives")
         view = pane.query_one(AlternativesView)
@@ -129,8 +130,8 @@ async def test_alternatives_come_side_by_side_and_the_one_picked_becomes_the_bra
         assert messages[-1] is user.children[0]  # until one is picked, the chat goes on from the first
         rows = stored_messages(pane.conversation.id)
         assert [r.parent_id for r in rows[1:]] == [rows[0].id] * 3
-        # One request for three samples: the prompt was computed once (past what earlier tests left in
-        # the shared engine's cache), and the other two took its full blocks from the cache (each has
+        # One request for three samples: the prompt was computed once (past the system prompt's
+        # blocks, which earlier tests left in the shared engine's cache), and the other two took its full blocks from the cache (each has
         # its first token by then, so a block ending the prompt is full too); the footers say so, as
         # the engine counted it.
         after = app.engine.stats()
