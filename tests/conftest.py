@@ -1,7 +1,21 @@
+import getpass
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+# The suite never writes the user's own directories: tests make random GGUF files and checkpoints
+# by the hundred, and the engine keeps an index, a tokenizer or weights for each under
+# $XDG_CACHE_HOME/nvchat. Caches go to one directory per user that outlives the run, as the real one
+# does (a rerun reuses SmolLM2's converted tokenizer); settings and conversations to a fresh one.
+# Tests that need their own directories still set them (tests/app/conftest.py: per test).
+os.environ["XDG_CACHE_HOME"] = str(Path(tempfile.gettempdir()) / f"nvchat-test-cache-{getpass.getuser()}")
+_RUN_DIR = Path(tempfile.mkdtemp(prefix="nvchat-test-run-"))
+os.environ["XDG_CONFIG_HOME"] = str(_RUN_DIR / "config")
+os.environ["XDG_DATA_HOME"] = str(_RUN_DIR / "data")
 
 # Without a GPU, Triton kernels run in its interpreter; it must be chosen before any kernel is
 # defined, so before the first `import kernels.*`.
@@ -10,6 +24,10 @@ if not torch.cuda.is_available():
 
 # The suite runs on CPU; keep it from fighting the 2-core CI box with oversubscribed threads.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_RUN_DIR, ignore_errors=True)
 
 
 def save_tiny_hf_model(path, *, tie: bool, arch: str = "qwen3", seed: int = 0, **overrides):
