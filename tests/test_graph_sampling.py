@@ -1,5 +1,5 @@
-"""Penalties, min_p, logit_bias and min_tokens sampled by the decode graphs' adjusted kinds
-(engine.runner.decode_graphs), against the eager Sampler. On CPU nothing is captured, so
+"""Penalties, min_p, logit_bias, min_tokens and structured output's masks sampled by the decode graphs'
+adjusted kinds (engine.runner.decode_graphs), against the eager Sampler. On CPU nothing is captured, so
 DecodeGraphs runs the code its graphs capture, eagerly: the same ops, so the same tokens, exactly,
 for greedy rows and (with the same random state) for sampled ones. tests/gpu checks the captured
 graphs."""
@@ -10,13 +10,18 @@ from array import array
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutput
 from engine.core.step_plan import SampleContext, StepPlan
 from engine.runner.decode_graphs import ADJUSTED, DecodeGraphs
 from engine.runner.sampler import Sampler
 from tests.conftest import save_tiny_hf_model
 from tests.test_async_scheduling import completions, run
-from tests.test_decode_graphs import KW, PROMPTS, attach_decode_feed, count_decode_feed_steps
+from tests.test_decode_graphs import (
+    KW,
+    PROMPTS,
+    attach_decode_feed,
+    count_decode_feed_steps,
+)
 
 
 def count_builds(graphs: DecodeGraphs) -> list:
@@ -132,8 +137,8 @@ class _Stream:
             return None
         end = len(self.tokens)
         banned = (self.eos,) if p.min_tokens and end - self.num_prompt < p.min_tokens else ()
-        return SampleContext(self.tokens if p.has_penalties else None, self.num_prompt, banned, False, end - 1,
-                             self.seq_id)
+        return SampleContext(self.tokens if p.has_penalties else None, self.num_prompt, banned,
+                             p.structured_output is not None, end - 1, self.seq_id)
 
 
 def _step_plan(streams: list[_Stream]) -> StepPlan:
@@ -143,7 +148,8 @@ def _step_plan(streams: list[_Stream]) -> StepPlan:
                     slot_mapping=[-1] * rows, cu_seqlens_q=list(range(rows + 1)),
                     context_lens=[len(s.tokens) for s in streams], block_tables=[[0]] * rows,
                     sample_rows=list(range(rows)), sample_params=[s.params for s in streams], is_decode=True,
-                    sample_contexts=contexts if any(contexts) else [])
+                    sample_contexts=contexts if any(contexts) else [],
+                    defer_sampling=any(c is not None and c.constrained for c in contexts))
 
 
 def _random_params(rng: random.Random, vocab: int, eos: int) -> SamplingParams:
@@ -209,6 +215,74 @@ def test_the_adjusted_kinds_give_the_eager_samplers_tokens_as_rows_come_and_go(s
     assert adjusted == ({ADJUSTED + "filter", ADJUSTED + "sample", ADJUSTED + "greedy"} if sampled
                         else {ADJUSTED + "greedy"})
     assert next_id > bucket + 10 and len(built) < 2 * next_id  # slots were reused, not rebuilt each step
+
+
+def _random_masks(rng: random.Random, rows: int, vocab: int) -> torch.Tensor:
+    """Packed token masks as the grammars give them ([rows, ceil(vocab / 32)] int32), each allowing
+    a few tokens (sometimes one: a forced token), the bits past the vocabulary set."""
+    words = torch.zeros(rows, -(-vocab // 32), dtype=torch.int32)
+    for row in range(rows):
+        for token in rng.sample(range(vocab), rng.choice([1, 3, 20])):
+            words[row, token // 32] |= torch.tensor(1 << (token % 32)).to(torch.int32)
+    if vocab % 32:
+        words[:, -1] |= torch.tensor(-1 << (vocab % 32), dtype=torch.int32)
+    return words
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rows_under_structured_output_sample_in_the_graph_with_their_masks(sampled):
+    """As above, with a third of the streams under structured output: the graph samples the step
+    once the constrained rows' masks are copied in (sample_masked), and its tokens are the eager
+    Sampler's given the same masks, in the same batches as rows with penalties, bans and none."""
+    vocab, bucket, eos = 80, 4, 3
+    rng = random.Random(11 + sampled)
+    graphs = DecodeGraphs(_Logits(), buckets=[1, 2, bucket], max_blocks_per_seq=1, hidden_size=vocab,
+                          sampled=torch.zeros(bucket, dtype=torch.int64), device=torch.device("cpu"),
+                          dtype=torch.float32, sample=True, vocab_size=vocab)
+    eager = Sampler(torch.device("cpu"))
+    constraint = StructuredOutput(regex="[a-z]+")  # the grammar itself is not used: the masks are given
+    streams, next_id, kinds, masked_steps = [], 0, set(), 0
+    for step in range(120):
+        rows = rng.choice([1, 2, bucket])
+        streams = [s for s in streams if rng.random() > 0.1][:rows]
+        while len(streams) < rows:
+            params = _random_params(rng, vocab, eos)
+            if not sampled:
+                params.temperature = 0
+            if rng.random() < 0.35:
+                params.structured_output = constraint
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+            streams.append(_Stream(next_id, prompt, params, eos))
+            next_id += 1
+        rng.shuffle(streams)
+        plan = _step_plan(streams)
+        kind = graphs.stage(plan, rows)
+        kinds.add(kind)
+        logits = torch.randn(rows, vocab) * 4
+        graphs.hidden[:rows] = logits
+        graphs.input_ids[:rows] = torch.tensor(plan.input_ids)
+        constrained = [row for row, s in enumerate(streams) if s.params.structured_output is not None]
+        # A constrained row may be left out: its sequence ended, nothing reads its token.
+        given = [row for row in constrained if rng.random() > 0.1]
+        masks = _random_masks(rng, len(given), vocab)
+        torch.manual_seed(step)
+        want, _ = eager.sample(logits, plan.sample_params, plan.sample_positions, plan.sample_contexts or None,
+                               torch.tensor(plan.input_ids), (given, masks) if constrained else None)
+        torch.manual_seed(step)
+        if constrained:
+            assert plan.defer_sampling and graphs.masked_rows == len(constrained) and kind is not None
+            graphs.sample_masked(rows, kind, given, masks)
+            masked_steps += 1
+        else:
+            assert graphs.masked_rows == 0
+            graphs.sample(rows, kind)
+        got = graphs.sampled[:rows]
+        assert got.tolist() == want.tolist(), (step, kind)
+        for s, token in zip(streams, got.tolist()):
+            s.tokens.append(token)
+    assert masked_steps > 40
+    assert {k for k in kinds if k.startswith(ADJUSTED)} == (
+        {ADJUSTED + "filter", ADJUSTED + "sample", ADJUSTED + "greedy"} if sampled else {ADJUSTED + "greedy"})
 
 
 def test_rows_with_neutral_settings_come_out_of_the_adjustment_bit_for_bit():

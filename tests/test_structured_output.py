@@ -187,3 +187,41 @@ def test_grammars_see_a_byte_level_vocabulary_as_its_bytes_whatever_steps_its_de
 def test_other_decoders_reach_llguidance_as_they_are(demo_model_path, decoder, pre_tokenizer):
     backend = byte_level_tokenizer(demo_model_path, decoder, pre_tokenizer).backend_tokenizer
     assert grammar_tokenizer_json(backend) == backend.to_str()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_decode_graphs_sample_constrained_rows_once_their_masks_are_in(demo_model_path, async_scheduling):
+    """The decode feed (a GPU's CUDA graphs, run eagerly on CPU) keeps a batch with rows under
+    structured output: the forward pass runs at once, the sampling graph after the masks, and every
+    row's tokens are the eager engine's."""
+    from tests.test_decode_graphs import attach_decode_feed, count_decode_feed_steps
+    schema = StructuredOutput(json_schema=SCHEMA)
+    prompts = ["tell me about cats", "a json please", "an email address:", "and dogs", "another json"]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=120, structured_output=schema),
+              SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3,
+                             structured_output=StructuredOutput(regex=REGEX)),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=0.5),
+              # A temperature this low draws the argmax: the sampling kinds' code, deterministically.
+              SamplingParams(temperature=1e-4, max_tokens=120, structured_output=schema)]
+    kw = dict(device="cpu", max_model_len=512, max_num_seqs=4, async_scheduling=async_scheduling)
+    with LLM(demo_model_path, **kw) as llm:
+        want = llm.generate(prompts, params)
+    with LLM(demo_model_path, **kw) as llm:
+        graphs = attach_decode_feed(llm)
+        counts = count_decode_feed_steps(graphs)
+        masked = []
+        sample_masked = graphs.sample_masked
+
+        def counted(bucket, kind, rows, masks):
+            masked.append(kind)
+            sample_masked(bucket, kind, rows, masks)
+        graphs.sample_masked = counted
+        got = llm.generate(prompts, params)
+    assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
+    for out in (got[1], got[4]):
+        assert out["finish_reason"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    assert re.fullmatch(REGEX, got[2]["text"]) and got[2]["finish_reason"] == "stop"
+    assert None not in counts["kinds"] and len(masked) > 20
+    assert {"adjusted_greedy", "adjusted_sample"} <= set(masked)

@@ -154,8 +154,8 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Only temperature, top-k, top-p and the seed shape the draw: a decode CUDA graph's plain
-        sampling. Penalties, min_p, logit_bias and min_tokens take its adjusted kinds; logprobs,
-        structured output and a seed on a sampled row sample eagerly (engine.runner)."""
+        sampling. Penalties, min_p, logit_bias, min_tokens and structured output take its adjusted
+        kinds; logprobs and a seed on a sampled row sample eagerly (engine.runner)."""
         return (not self.has_penalties and self.min_p == 0.0 and self.logit_bias is None and self.logprobs is None
                 and self.min_tokens == 0 and self.structured_output is None)
 

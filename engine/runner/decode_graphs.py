@@ -11,11 +11,15 @@ torch calls a step and 88% at six (bench_gil_contention, H200). Here a decode st
   step before is still sampling) from the runner's token buffer on the device;
 - on a single GPU a second, small graph per bucket and kind of sampling computes the logits and
   samples into that token buffer;
-- rows with penalties, min_p, logit_bias or min_tokens sample in an "adjusted" kind of that graph,
-  which applies them as the eager Sampler does (SamplingParams' order), from per-row settings staged
-  with the rest and from each sequence's token counts, kept on the device in a slot of their own
-  (_CountSlots): built once when the sequence takes the slot, then one added per sampled token by
-  the graph itself. A step that rebuilt no slot makes no more torch calls than a plain one;
+- rows with penalties, min_p, logit_bias, min_tokens or structured output sample in an "adjusted"
+  kind of that graph, which applies them as the eager Sampler does (SamplingParams' order), from
+  per-row settings staged with the rest and from each sequence's token counts, kept on the device
+  in a slot of their own (_CountSlots): built once when the sequence takes the slot, then one added
+  per sampled token by the graph itself. A step that rebuilt no slot makes no more torch calls than
+  a plain one;
+- a step with rows under structured output replays its forward pass at once and its sampling
+  graph later (sample_masked), once the host has computed the rows' token masks (LLM.step) and
+  copied them to the device: the unconstrained rows keep the graphs, and the masks cost one copy;
 - the runner then queues the tokens' copy to the host and records an event, and later waits on
   it.
 
@@ -41,13 +45,16 @@ BIAS_WIDTH = 64
 # "repetition" on; "slot" is the row's token-count slot, 0 (all zeros, never written) for a row
 # without penalties or logit_bias. A row's "banned" ids repeat its first one (or are 0 with "ban"
 # off), so that writing them back in one scatter never writes one token twice with different values.
+# "mask_row" is the row's token mask in DecodeGraphs.masks, 0 (every token allowed, never written)
+# for a row not under structured output.
 _FIELDS = (("input_ids", torch.int64, "q", 0, 1), ("positions", torch.int64, "q", 0, 1),
            ("slot_mapping", torch.int64, "q", -1, 1), ("feed_from", torch.int64, "q", -1, 1),
            ("context_lens", torch.int32, "i", 1, 1), ("temperatures", torch.float32, "f", 1.0, 1),
            ("top_p", torch.float32, "f", 1.0, 1), ("top_k", torch.int32, "i", 0, 1), ("greedy", torch.bool, "B", 1, 1),
            ("repetition", torch.float32, "f", 1.0, 1), ("frequency", torch.float32, "f", 0.0, 1),
            ("presence", torch.float32, "f", 0.0, 1), ("log_min_p", torch.float32, "f", -math.inf, 1),
-           ("slot", torch.int64, "q", 0, 1), ("banned", torch.int64, "q", 0, BAN_WIDTH), ("ban", torch.bool, "B", 0, 1))
+           ("slot", torch.int64, "q", 0, 1), ("banned", torch.int64, "q", 0, BAN_WIDTH), ("ban", torch.bool, "B", 0, 1),
+           ("mask_row", torch.int64, "q", 0, 1))
 # What the forward pass and the plain kinds read: a step of those leaves the rest as it was.
 _PLAIN_FIELDS = _FIELDS[:[name for name, *_ in _FIELDS].index("repetition")]
 ADJUSTED = "adjusted_"
@@ -206,6 +213,16 @@ class DecodeGraphs:
         self._slots = _CountSlots(slots)
         self._builds: list = []  # (slot, row, SampleContext, logit_bias) to build before the step samples
         self._step = 0
+        # Structured output's token masks, packed 32 tokens to an int32 word as the grammars give
+        # them: row 0 allows every token and is never written; a step's constrained rows take rows
+        # 1, 2, ... in row order. Filled on the host in pinned buffers used in turn, as the inputs.
+        words = -(-vocab_size // 32)
+        self.masks = torch.full((slots + 1, words), -1, dtype=torch.int32, device=device)
+        self._mask_staging = [torch.full((slots + 1, words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+                              for _ in range(_RING if slots else 0)]
+        self._next_mask = 0
+        self._mask_shifts = torch.arange(8, dtype=torch.uint8, device=device)
+        self._masked_rows = 0  # the constrained rows of the step staged last
 
     def bucket_for(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
@@ -256,9 +273,8 @@ class DecodeGraphs:
     def _stage_params(self, plan: StepPlan) -> str | None:
         """The per-row sampling settings as bytes (kept while the rows keep their settings, as
         streams do from step to step); returns the kind of sampling, None for what the runner's
-        eager Sampler does, for the whole step: a seeded row, logprobs, structured output, more
-        logit_bias entries than BIAS_WIDTH or bans than BAN_WIDTH. Rows with penalties, min_p,
-        logit_bias or min_tokens make it an adjusted kind."""
+        eager Sampler does, for the whole step: a seeded row, logprobs, more logit_bias entries than BIAS_WIDTH or bans than BAN_WIDTH. Rows with penalties, min_p,
+        logit_bias, min_tokens or structured output make it an adjusted kind."""
         params = plan.sample_params
         key = [(p.temperature, p.top_k, p.top_p, p.seed is None) if p.plain else
                (p.temperature, p.top_k, p.top_p, p.seed is None, p.repetition_penalty, p.frequency_penalty,
@@ -266,6 +282,7 @@ class DecodeGraphs:
                for p in params]
         if key != self._params_key:
             greedy = [p.temperature == 0 for p in params]
+            self._masked_rows = 0
             self._params_bytes = {
                 "temperatures": array("f", [1.0 if g else p.temperature for p, g in zip(params, greedy)]),
                 "top_p": array("f", [p.top_p for p in params]), "top_k": array("i", [min(p.top_k, _TOP_K_MAX) for p in params]),
@@ -273,7 +290,7 @@ class DecodeGraphs:
             self._adjusted = not all(p.plain for p in params)
             # The rows that hold a slot: their counts or their logit_bias live there.
             self._counted = [p.has_penalties or bool(p.logit_bias) for p in params]
-            if any((not g and p.seed is not None) or p.logprobs is not None or p.structured_output is not None
+            if any((not g and p.seed is not None) or p.logprobs is not None
                    or len(p.logit_bias or ()) > BIAS_WIDTH for p, g in zip(params, greedy)):
                 self._kind = None
             elif all(greedy):
@@ -288,6 +305,14 @@ class DecodeGraphs:
                     frequency=array("f", [p.frequency_penalty for p in params]),
                     presence=array("f", [p.presence_penalty for p in params]),
                     log_min_p=array("f", [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]))
+                mask_rows = array("q", bytes(8 * len(params)))
+                masked = 0
+                for row, p in enumerate(params):
+                    if p.structured_output is not None:
+                        masked += 1
+                        mask_rows[row] = masked
+                self._params_bytes["mask_row"] = mask_rows
+                self._masked_rows = masked
                 self._kind = ADJUSTED + self._kind
             self._params_key = key
         if self._kind is None or not self._adjusted:
@@ -417,11 +442,17 @@ class DecodeGraphs:
         self.bias_values[at] = _to_device(bias_values, torch.float32, device).view(len(builds), BIAS_WIDTH)
 
     def _adjust(self, logits: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Sampler.adjust_logits for every row at once, from the staged settings and the slots'
-        counts: a row with neutral settings (slot 0, no bans) comes out exactly as it went in."""
+        """Sampler.adjust_logits for every row at once, from the staged settings, the slots'
+        counts and the token masks: a row with neutral settings (slot 0, mask row 0, no bans) comes
+        out exactly as it went in."""
         logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
         slot = v["slot"]
         logits.scatter_add_(1, self.bias_ids.index_select(0, slot), self.bias_values.index_select(0, slot))
+        # The masks read as bytes (little-endian words: token t is bit t % 8 of byte t // 8), so
+        # that unpacking them writes a byte per token, not an int32.
+        mask_bytes = self.masks.index_select(0, v["mask_row"]).view(torch.uint8)
+        allowed = ((mask_bytes[:, :, None] >> self._mask_shifts) & 1).view(torch.bool).view(len(mask_bytes), -1)
+        logits = logits.masked_fill(~allowed[:, :logits.shape[-1]], float("-inf"))
         kept = logits.gather(1, v["banned"])
         banned = logits.scatter(1, v["banned"], kept.masked_fill(v["ban"][:, None], float("-inf")))
         # As the eager Sampler: a row that the bans would leave with no token keeps its end.
@@ -494,6 +525,31 @@ class DecodeGraphs:
             self._forward(bucket)
         if kind is not None:
             self.sample(bucket, kind)
+
+    @property
+    def masked_rows(self) -> int:
+        """The rows under structured output in the step staged last: its sampling waits for their
+        masks (sample_masked)."""
+        return self._masked_rows if self._kind is not None and self._adjusted else 0
+
+    def sample_masked(self, bucket: int, kind: str, rows: list[int], masks: torch.Tensor) -> None:
+        """Samples the replayed step (stage() gave `kind`) once the token masks of its constrained
+        rows are known: masks[i] is row rows[i]'s (Grammars.masks' packed words). A row under
+        structured output that `rows` leaves out (its sequence has ended: nothing reads its token)
+        allows every token."""
+        staging = self._mask_staging[self._next_mask]
+        self._next_mask = (self._next_mask + 1) % _RING
+        count = self._masked_rows
+        staging[1:count + 1].fill_(-1)
+        if rows:
+            mask_rows = self._params_bytes["mask_row"]  # stage() numbered the rows 1, 2, ... in row order
+            at = torch.tensor([mask_rows[row] for row in rows], dtype=torch.int64)
+            width = min(masks.shape[1], staging.shape[1])
+            staging[:, :width].index_copy_(0, at, masks[:, :width])
+            # Tokens past the grammar's vocabulary (the logits' padding) are never allowed.
+            staging[at, width:] = 0
+        self.masks[1:count + 1].copy_(staging[1:count + 1], non_blocking=True)
+        self.sample(bucket, kind)
 
     def sample(self, bucket: int, kind: str) -> None:
         """Samples the replayed step's rows into the token buffer, first building the token counts

@@ -184,7 +184,8 @@ class ModelRunner:
         # rank can feed the next step without rank 0's host in between, as the overlapped step needs.
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._readback = _TokenReadback(config.max_num_seqs) if self.device.type == "cuda" and rank == 0 else None
-        # A step whose sampling waits for structured output's masks: (plan, logits, last tokens).
+        # A step whose sampling waits for structured output's masks: (plan, logits, last tokens) for
+        # the eager Sampler, or (plan, bucket, kind) for a decode graph's.
         self._deferred = None
         self.decode_graphs = self.prefill_graphs = None  # the warmup below runs eagerly
         self.tiers: KVTierCopies | None = None  # made with the KV cache
@@ -553,9 +554,14 @@ class ModelRunner:
     def _execute_decode_graph(self, plan: StepPlan, bucket: int) -> SampledTokens | None:
         graphs = self.decode_graphs
         kind = graphs.stage(plan, bucket)
+        if kind is not None and plan.defer_sampling:
+            # Rows under structured output: the sampling graph waits for their masks.
+            graphs.replay(bucket, None)
+            self._deferred = (plan, bucket, kind)
+            return None
         graphs.replay(bucket, kind)
         if kind is None:
-            # Sampled eagerly (a seeded row, logprobs, structured output): the forward pass stayed
+            # Sampled eagerly (a seeded row, logprobs): the forward pass stayed
             # in the graph. The bucket is a size from the logits ladder: no gather, no new
             # cuBLAS shape.
             last_tokens = graphs.input_ids[:len(plan.input_ids)] if plan.sample_contexts else None
@@ -576,8 +582,12 @@ class ModelRunner:
         collective."""
         if self._deferred is None:
             raise RuntimeError("sample_deferred() without a step waiting to be sampled")
-        (plan, logits, last_tokens), self._deferred = self._deferred, None
-        return self._sample(plan, logits, last_tokens, masks)
+        deferred, self._deferred = self._deferred, None
+        plan = deferred[0]
+        if isinstance(deferred[1], int):  # a decode graph's bucket and kind of sampling
+            self.decode_graphs.sample_masked(deferred[1], deferred[2], *masks)
+            return self._read_back(self.sampled[:len(plan.input_ids)])
+        return self._sample(*deferred, masks)
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor | None, last_tokens: torch.Tensor | None = None,
                 masks=None) -> SampledTokens | None:

@@ -1,19 +1,31 @@
-"""Penalties, min_p, logit_bias and min_tokens sampled inside captured decode CUDA graphs (the
-adjusted kinds of engine.runner.decode_graphs), against the eager Sampler. Skipped without a CUDA
-device."""
+"""Penalties, min_p, logit_bias, min_tokens and structured output's masks sampled inside captured decode
+CUDA graphs (the adjusted kinds of engine.runner.decode_graphs), against the eager Sampler. Skipped
+without a CUDA device."""
+import json
 import random
 
+import jsonschema
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutput
 from engine.runner.decode_graphs import ADJUSTED, SAMPLE_KINDS, DecodeGraphs
 from engine.runner.sampler import Sampler, filter_top_k_top_p
 from engine.runner.step_graphs import capture_graph
 from tests.conftest import random_prompts
 from tests.gpu.test_sampling_gpu import GPU, count_replays
-from tests.test_graph_sampling import EOS, _Logits, _random_params, _step_plan, _Stream, chat_params, tiny_with_eos  # noqa: F401
+from tests.test_graph_sampling import (
+    EOS,
+    _Logits,
+    _random_masks,
+    _random_params,
+    _step_plan,
+    _Stream,
+    chat_params,
+    tiny_with_eos,  # noqa: F401
+)
 from tests.test_penalties_and_logprobs import hf_model, hf_reference_decode
+from tests.test_structured_output import REGEX, SCHEMA
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -114,3 +126,73 @@ def test_captured_adjusted_sampling_draws_from_the_eager_samplers_distribution()
     distance = 0.5 * (seen / draws - probs).abs().sum(-1)
     assert distance.max().item() < 0.05, distance.tolist()
     assert (seen[probs == 0] == 0).all()  # nothing outside what the filters keep
+
+
+@torch.inference_mode()
+def test_captured_adjusted_kinds_apply_structured_outputs_masks_as_the_eager_sampler():
+    """Rows under structured output among rows with penalties and bans, in captured graphs: the
+    masks copied in after the forward pass (sample_masked) give the eager Sampler's greedy tokens."""
+    vocab, bucket, eos = 1000, 4, 3
+    rng = random.Random(9)
+    graphs = _captured_graphs(vocab, [1, 2, bucket])
+    eager = Sampler(torch.device("cuda"))
+    constraint = StructuredOutput(regex="[a-z]+")
+    streams, next_id, masked = [], 0, 0
+    for step in range(200):
+        rows = rng.choice([1, 2, bucket])
+        streams = [s for s in streams if rng.random() > 0.1][:rows]
+        while len(streams) < rows:
+            params = _random_params(rng, vocab, eos)
+            params.temperature = 0
+            if rng.random() < 0.35:
+                params.structured_output = constraint
+            streams.append(_Stream(next_id, [rng.randrange(vocab) for _ in range(rng.randint(1, 40))], params, eos))
+            next_id += 1
+        rng.shuffle(streams)
+        plan = _step_plan(streams)
+        kind = graphs.stage(plan, rows)
+        logits = torch.randn(rows, vocab, device="cuda") * 4
+        graphs.hidden[:rows] = logits
+        graphs.input_ids[:rows] = torch.tensor(plan.input_ids, device="cuda")
+        given = [row for row, s in enumerate(streams) if s.params.structured_output is not None]
+        masks = _random_masks(rng, len(given), vocab)
+        want, _ = eager.sample(logits, plan.sample_params, plan.sample_positions, plan.sample_contexts or None,
+                               torch.tensor(plan.input_ids, device="cuda"), (given, masks) if given else None)
+        if given:
+            graphs.sample_masked(rows, kind, given, masks)
+            masked += 1
+        else:
+            graphs.sample(rows, kind)
+        got = graphs.sampled[:rows].tolist()
+        assert got == want.tolist(), (step, kind)
+        for s, token in zip(streams, got):
+            s.tokens.append(token)
+    assert masked > 60
+
+
+def test_constrained_rows_keep_the_graphs_and_the_eager_engines_tokens(demo_model_path):
+    """A quarter of a batch under structured output (JSON schema and regex, greedy and drawn at a
+    temperature that leaves only the argmax): every step samples in a captured graph, after its
+    masks, and every row's tokens are the eager engine's."""
+    schema = StructuredOutput(json_schema=SCHEMA)
+    plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.1)
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_output=schema),
+              SamplingParams(temperature=1e-4, max_tokens=40, structured_output=StructuredOutput(regex=REGEX))]
+    params += [plain] * 6
+    prompts = [f"prompt {i}" for i in range(8)]
+    with LLM(demo_model_path, enforce_eager=True, **GPU) as llm:
+        want = [o["token_ids"] for o in llm.generate(prompts, params)]
+    with LLM(demo_model_path, **GPU) as llm:
+        graphs = llm.runner.decode_graphs
+        masked = []
+        sample_masked = graphs.sample_masked
+
+        def spy(bucket, kind, rows, masks):
+            masked.append(kind)
+            sample_masked(bucket, kind, rows, masks)
+        graphs.sample_masked = spy
+        outs = llm.generate(prompts, params)
+    assert [o["token_ids"] for o in outs] == want
+    jsonschema.validate(json.loads(outs[0]["text"]), SCHEMA)
+    assert outs[1]["finish_reason"] == "stop"
+    assert len(masked) > 20 and set(masked) <= {ADJUSTED + "greedy", ADJUSTED + "sample"}

@@ -1,6 +1,7 @@
 """Penalties, logprobs, n samples and structured output on a CUDA device, with the decode CUDA
-graphs on: rows with logprobs or structured output sample eagerly while the forward pass stays in
-the graph (penalties alone sample in it: test_graph_sampling_gpu.py). Skipped without one."""
+graphs on: rows with logprobs or a seeded draw sample eagerly while the forward pass stays in the
+graph (penalties and structured output sample in it: test_graph_sampling_gpu.py). Skipped without
+one."""
 import json
 
 import jsonschema
