@@ -49,10 +49,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     # int4 head's order and second in the int8 head's.
     LEADERS = 16
 
-    def quantize(self, method: str, tied: bool) -> None:
-        """A quantized copy of the head for the logits; a tied table stays float for the
-        embedding's lookups (one row a token, so its bytes barely count)."""
-        self.quantized = quantize(self.weight.data, method)
+    def quantize(self, method: str, tied: bool, prebuilt=None) -> None:
+        """A quantized copy of the head for the logits (or prebuilt, as quantized.quantize takes it);
+        a tied table stays float for the embedding's lookups (one row a token, so its bytes barely
+        count)."""
+        self.quantized = quantize(self.weight.data, method, prebuilt)
         if not tied:
             self.weight = None
 

@@ -37,7 +37,9 @@ def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class _QuantizedWeight:
+    method: str  # quantize's name for it
     out_features: int
+    in_features: int
     # Rows from which a product expands the weight to float32 instead of running the quantized
     # kernel, whose time grows with the rows while the expansion's is mostly fixed. On the 2-core
     # box (one thread, SmolLM2's four projections, CPU ms a layer): int4's kernel against its
@@ -63,13 +65,51 @@ class _QuantizedWeight:
         """x [rows, in] @ weight.T through the quantized kernel at any row count, in bf16."""
         return self._kernel_product(_kernel_rows(x))
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The float weight's [out, in]."""
+        return self.out_features, self.in_features
+
+    @staticmethod
+    def tensor_specs(out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The tensors a weight of [out, in] is made of: {name: (shape, dtype)}."""
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Everything the weight is made of, by name, for a cache (engine/checkpoints/weight_cache.py)."""
+        return {name: getattr(self, name) for name in self.tensor_specs(self.out_features, self.in_features)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], shape: tuple[int, int]):
+        """The weight of shape [out, in] that tensors() gave, taken as they are (no copy); a
+        ValueError where a tensor is missing, extra or not the shape and dtype it must be."""
+        out_features, in_features = shape
+        specs = cls.tensor_specs(out_features, in_features)
+        if set(tensors) != set(specs):
+            raise ValueError(f"{cls.method} weight needs tensors {sorted(specs)}, got {sorted(tensors)}")
+        for name, (size, dtype) in specs.items():
+            t = tensors[name]
+            if tuple(t.shape) != size or t.dtype != dtype:
+                raise ValueError(f"{cls.method} {name} of a [{out_features}, {in_features}] weight must be "
+                                 f"{list(size)} {dtype}, got {list(t.shape)} {t.dtype}")
+        weight = cls.__new__(cls)
+        weight.out_features, weight.in_features = out_features, in_features
+        for name, t in tensors.items():
+            setattr(weight, name, t)
+        return weight
+
 
 class Int8Weight(_QuantizedWeight):
+    method = "int8"
     expanded_rows = 64
 
     def __init__(self, weight: torch.Tensor):
         self.q, self.scales = quantize_rows(weight)
-        self.out_features = self.q.shape[0]
+        self.out_features, self.in_features = self.q.shape
+
+    @staticmethod
+    def tensor_specs(out_features: int, in_features: int) -> dict:
+        return {"q": ((out_features, in_features), torch.int8), "scales": ((out_features,), torch.bfloat16)}
 
     def _kernel_product(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.q, self.scales)
@@ -85,6 +125,7 @@ class Int8Weight(_QuantizedWeight):
 
 
 class Int4Weight(_QuantizedWeight):
+    method = "int4"
     expanded_rows = 96
 
     def __init__(self, weight: torch.Tensor):
@@ -100,6 +141,12 @@ class Int4Weight(_QuantizedWeight):
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q.view(padded, cols), 1)
         # The kernel computes (q - 8) * scale + zero: zero is the group's value at q = 8.
         self.scales_and_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    @staticmethod
+    def tensor_specs(out_features: int, in_features: int) -> dict:
+        padded = out_features + (-out_features % 16)
+        return {"packed": ((padded, in_features // 2), torch.uint8),
+                "scales_and_zeros": ((in_features // INT4_GROUP, padded, 2), torch.bfloat16)}
 
     def _kernel_product(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
@@ -171,6 +218,13 @@ def _unpack_int4(packed: torch.Tensor, rows: int, cols: int, block: int, pairs: 
     return out
 
 
-def quantize(weight: torch.Tensor, method: str):
-    """A callable x -> x @ weight.T, in `method`'s bits."""
-    return {"int8": Int8Weight, "int4": Int4Weight}[method](weight)
+def quantize(weight: torch.Tensor, method: str, prebuilt: _QuantizedWeight | None = None):
+    """A callable x -> x @ weight.T, in `method`'s bits. prebuilt: that callable made before, as a
+    cache holds it (engine/checkpoints/weight_cache.py), taken instead of quantizing weight, whose
+    values are not read; a ValueError if it is not in method's bits and weight's shape."""
+    if prebuilt is None:
+        return {"int8": Int8Weight, "int4": Int4Weight}[method](weight)
+    if prebuilt.method != method or prebuilt.shape != tuple(weight.shape):
+        raise ValueError(f"a prebuilt {prebuilt.method} weight of shape {list(prebuilt.shape)} can't stand for a "
+                         f"{method} one of shape {list(weight.shape)}")
+    return prebuilt
