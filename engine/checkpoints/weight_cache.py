@@ -31,15 +31,15 @@ from safetensors.torch import save_file
 
 from engine.checkpoints import gguf, loader
 from engine.checkpoints.demo_model import default_cache_dir
-from engine.layers import embedding, linear, quantized, weights
+from engine.layers import quantized, weights
 
 # Raised when what an entry holds or how it is laid out changes.
 CACHE_FORMAT = 1
 KIND = "cpu-weights"
 _QUANTIZED_WEIGHTS = {"int4": quantized.Int4Weight, "int8": quantized.Int8Weight}
-# The modules whose code decides the cached tensors' values, besides the model's own module: the
-# GGUF reader and its dequantization, the loaders that place tensors, the quantization.
-_PRODUCERS = (gguf, loader, linear, embedding, weights, quantized, sys.modules[__name__])
+# The modules whose code decides the cached tensors' values besides those that define the model's
+# classes and layers: the GGUF reader and its dequantization, the loaders, the quantization.
+_PRODUCERS = (gguf, loader, weights, quantized, sys.modules[__name__])
 # A temporary file older than this is a write that was killed, not one under way (writing
 # SmolLM2's entry takes under a second).
 _ABANDONED_S = 3600
@@ -52,9 +52,15 @@ class CacheMismatch(Exception):
 
 
 def _sources_digest(model) -> str:
+    """A hash of the source of _PRODUCERS and of every engine module that defines the model's
+    class, its bases or its layers (their weight loaders and quantize methods)."""
+    classes = {*type(model).__mro__, *(type(m) for m in model.modules())}
+    names = {module.__name__ for module in _PRODUCERS}
+    names.update(c.__module__ for c in classes if c.__module__.split(".")[0] == "engine")
     digest = hashlib.sha256()
-    for module in (*_PRODUCERS, sys.modules[type(model).__module__]):
-        digest.update(Path(module.__file__).read_bytes())
+    for name in sorted(names):
+        digest.update(name.encode())
+        digest.update(Path(sys.modules[name].__file__).read_bytes())
     return digest.hexdigest()
 
 
@@ -117,6 +123,7 @@ class WeightCache:
         except (KeyError, ValueError) as e:
             _discard(entry)
             raise CacheMismatch(f"{entry.name}: {e}") from None
+        gguf.forget_opened()  # as load_weights: the parsed metadata is not needed again
         return True
 
     # --- writing ---------------------------------------------------------------------------------
@@ -186,7 +193,7 @@ def _contents(model) -> tuple[dict[str, torch.Tensor], dict]:
 
 def _checked(entry: Path, key: dict) -> tuple[dict[str, int], dict]:
     """The entry's checksums and layout once its key matches and every tensor's bytes match its
-    CRC-32; ValueError (or KeyError, TypeError on a mangled header) where not. The bytes are read
+    CRC-32; ValueError (or another error restore catches, on a mangled header) where not. The bytes are read
     from the file rather than through a mapping, so the check leaves no pages in the process's
     memory: the engine maps the file afterwards and touches only what it reads. A safetensors file
     is an 8-byte little-endian header length, a JSON header, then the tensors' bytes."""
