@@ -56,8 +56,14 @@ def loaded_from_cache(stages: list[str]) -> bool:
     return FROM_FILE not in stages
 
 
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory):
+    """Stacked experts, which stay in float (one parameter each), beside int4 attention."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-moe.gguf", arch="qwen3_moe", seed=2)
+
+
 @pytest.mark.parametrize("quantization, fixture", [("int4", "tied_gguf"), ("int8", "untied_gguf"),
-                                                   ("int4", "untied_gguf")])
+                                                   ("int4", "untied_gguf"), ("int4", "moe_gguf")])
 def test_a_second_engine_on_the_same_file_maps_the_cached_weights_and_answers_the_same(
         request, cache_dir, quantization, fixture):
     path = request.getfixturevalue(fixture)
