@@ -12,7 +12,8 @@ the engine's modules. On a GPU the engine's stages show its warm-up (Triton kern
 their first launch, here or from Triton's cache), the CUDA-graph memory measurement, the captures
 and the logits warm-up separately.
 
-Peak RSS and CPU seconds are the child's own (os.wait4). The CPU time tells a loaded box's runs
+Peak RSS and CPU seconds are the child's own (os.wait4); the peak by the end of each phase is the
+one the trace recorded at the next mark (VmHWM). The CPU time tells a loaded box's runs
 apart from a slow start: on a shared machine compare CPU seconds as well as wall time.
 
 --cold runs each start with an empty nvchat cache (XDG_CACHE_HOME: the GGUF index and tokenizer
@@ -67,16 +68,23 @@ _AFTER = {"pipe": {"ready": "ready, to the first token (the prompt's prefill)", 
           "app": {"ready": "ready, to the exit"}}
 
 
-def phases(started: float, marks: list[tuple[float, str]], ended: float, mode: str = "pipe") -> dict[str, float]:
+def phases(started: float, marks: list[tuple[float, str, int | None]], ended: float, mode: str = "pipe",
+           final_peak_kb: int | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds in each phase: from the start to the first mark ("python and nvchat's imports"), from
-    each mark to the next, and from the last mark to the exit."""
+    each mark to the next, and from the last mark to the exit; and the process's peak RSS in MB by
+    the end of each phase (the next mark's, and final_peak_kb for the last), where the trace has it."""
     if not marks:
-        return {"whole run (this tree writes no trace)": ended - started}
-    points = [(started, "python and nvchat's imports")] + [(t, _AFTER[mode].get(s, phase_label(s))) for t, s in marks]
-    out: dict[str, float] = {}
-    for (t, label), (t_next, _) in zip(points, points[1:] + [(ended, "")]):
-        out[label] = out.get(label, 0.0) + max(t_next - t, 0.0)
-    return out
+        return {"whole run (this tree writes no trace)": ended - started}, {}
+    points = [(started, "python and nvchat's imports")] + [(t, _AFTER[mode].get(s, phase_label(s))) for t, s, _ in marks]
+    traced_peaks = any(peak is not None for _, _, peak in marks)
+    ends = [(t, peak) for t, _, peak in marks] + [(ended, final_peak_kb if traced_peaks else None)]
+    seconds: dict[str, float] = {}
+    peaks: dict[str, float] = {}
+    for (t, label), (t_next, peak) in zip(points, ends):
+        seconds[label] = seconds.get(label, 0.0) + max(t_next - t, 0.0)
+        if peak is not None:
+            peaks[label] = max(peaks.get(label, 0.0), peak / 1024)
+    return seconds, peaks
 
 
 def _environment(tree: Path, cold_dir: Path | None, trace: Path) -> dict:
@@ -124,10 +132,11 @@ def run_once(mode: str, tree: Path, nvchat_args: list[str], cold: bool, python_f
     code = os.waitstatus_to_exitcode(status)
     goal = "first token" if mode == "pipe" else "ready"
     # A tree without the trace (a baseline from before it) still shows pipe mode's first token on stdout.
-    reached = next((t for t, s in marks if s == goal), first_output)
+    reached = next((t for t, s, _ in marks if s == goal), first_output)
     if reached is None:
         raise RuntimeError(f"{mode} start (exit {code}) never reached {goal!r}:\n{stderr[-3000:]}")
-    return {"to_goal_s": reached - started, "phases": phases(started, marks, ended, mode), "exit_code": code,
+    seconds, peaks = phases(started, marks, ended, mode, final_peak_kb=usage.ru_maxrss)
+    return {"to_goal_s": reached - started, "phases": seconds, "phase_peak_rss_mb": peaks, "exit_code": code,
             "peak_rss_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
             "triton_kernels_added": kernels_added, "stderr": stderr}
 
@@ -154,7 +163,7 @@ def _run_app(command: list[str], env: dict, cwd: Path, trace: Path):
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while process.poll() is None and time.monotonic() < deadline:
-            if trace.exists() and any(s == "ready" for _, s in read(trace)):
+            if trace.exists() and any(s == "ready" for _, s, _ in read(trace)):
                 break
             # The app draws to its terminal: keep reading it, or it blocks on a full buffer.
             try:
@@ -201,13 +210,17 @@ def report(name: str, runs: list[dict]) -> dict:
     labels = []
     for r in runs:
         labels += [label for label in r["phases"] if label not in labels]
-    rows = [(label, _summary([r["phases"].get(label, 0.0) for r in runs])) for label in labels]
-    rows += [("= to the goal (wall)", _summary([r["to_goal_s"] for r in runs])),
-             ("  CPU seconds, whole run", _summary([r["cpu_s"] for r in runs])),
-             ("  peak RSS, MB", _summary([r["peak_rss_mb"] for r in runs])),
-             ("  Triton kernels compiled", _summary([float(r["triton_kernels_added"]) for r in runs]))]
+    def peak(label: str) -> str:
+        values = [r["phase_peak_rss_mb"][label] for r in runs if label in r["phase_peak_rss_mb"]]
+        return f"{statistics.median(values):.0f}" if values else ""
+
+    rows = [(label, _summary([r["phases"].get(label, 0.0) for r in runs]), peak(label)) for label in labels]
+    rows += [("= to the goal (wall)", _summary([r["to_goal_s"] for r in runs]), ""),
+             ("  CPU seconds, whole run", _summary([r["cpu_s"] for r in runs]), ""),
+             ("  peak RSS, MB", _summary([r["peak_rss_mb"] for r in runs]), ""),
+             ("  Triton kernels compiled", _summary([float(r["triton_kernels_added"]) for r in runs]), "")]
     print(f"\n{name}: {len(runs)} runs, median (range)")
-    print_table(rows, ("phase", "seconds"))
+    print_table(rows, ("phase", "seconds", "peak RSS by its end, MB"))
     return {"runs": [{k: v for k, v in r.items() if k != "stderr"} for r in runs]}
 
 

@@ -8,9 +8,19 @@ what None decides ("unset"), its choices ("choices") and a short flag ("flag"). 
 
 Torch-free, so that the command line can read it without loading torch.
 """
+import os
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """nvchat's cache: what the engine builds from a model file (indexes, tokenizers, weights,
+    kernels) and the demo model."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nvchat"
+
 
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 QUANTIZATIONS = ("int8", "int4", "fp8")  # int8/int4: weight-only on CPU (engine/layers/quantized.py); fp8: CUDA

@@ -34,7 +34,9 @@ def run_tui(settings: Settings, flags: frozenset[str] = frozenset()) -> int:
     return app.return_code or 0
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, exit_after_pipe: bool = False) -> int:
+    """Runs the mode the arguments ask for; its exit status. exit_after_pipe: pipe mode ends the
+    process itself once its reply is out (nvchat.pipe.run_pipe's exit_process)."""
     startup_trace.mark("reading the command line")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
@@ -57,12 +59,17 @@ def main(argv=None) -> int:
         return 2
     if args.prompt is not None:
         from nvchat.pipe import run_pipe  # start-up: as serve above
-        return run_pipe(args.prompt, settings, json_output=args.json)
+        return run_pipe(args.prompt, settings, json_output=args.json, exit_process=exit_after_pipe)
     if args.plain:
         from nvchat.repl import run_repl  # start-up: as serve above
         return run_repl(settings)
     return run_tui(settings, flags_given(args))
 
 
+def command() -> int:
+    """The `nvchat` executable and `python -m nvchat.cli`."""
+    return main(exit_after_pipe=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

@@ -6,6 +6,7 @@ stdout carries the reply and nothing else (streamed as it arrives, or one JSON o
 import json
 import os
 import sys
+from typing import NoReturn
 
 from nvchat import startup_trace
 from nvchat.backend import model_name as backend_model_name
@@ -44,7 +45,30 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
-def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False) -> int:
+def run_pipe(prompt: str, settings: Settings, *, json_output: bool = False, exit_process: bool = False) -> int:
+    """Answers prompt; the exit status. exit_process: end the process once the reply is out and
+    the backend closed (see _exit_now), for the `nvchat` command, not for a caller in-process."""
+    code = _answer(prompt, settings, json_output)
+    if exit_process:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Ends the process without the interpreter's finalization. By then the backend has shut down
+    (the engine's disk KV writes drained, tensor-parallel workers stopped) and pipe mode holds
+    nothing else to close; finalizing the modules torch loads took 0.8-1.0 s after the reply on
+    the 2-core box (bench_startup's "first token, to the exit"; a bare `import torch` takes as long
+    to exit, most of it CPython's garbage collector over torch's objects, perf)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the reader went away, or the stream is closed
+            pass
+    os._exit(code)
+
+
+def _answer(prompt: str, settings: Settings, json_output: bool) -> int:
     stream = None
     try:
         text = read_prompt(prompt)

@@ -13,7 +13,7 @@ from engine.core.step_plan import StepPlan
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.norm import RMSNorm
 from engine.layers.paged_attention_torch import StepContext, store_kv, store_step_kv
-from engine.layers.quantized import Int4Weight, Int8Weight, quantize, unpack_int4
+from engine.layers.quantized import Int4Weight, Int8Weight, int4_class, quantize, unpack_int4
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.qwen3 import Qwen3ForCausalLM
 from tests.conftest import random_prompts, save_tiny_hf_model
@@ -94,11 +94,12 @@ def test_int4_unpacking_recovers_the_packed_values(rows):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_expanded_weight_is_what_the_kernel_multiplies_by(method):
-    """The kernel rounds its float32 sums to bf16 once: the expanded weight's float32 product of
-    the same bf16 rows lands within that rounding (2**-8 of each value, plus a hair at zero)."""
+    """torch's kernels round their float32 sums to bf16 once: the expanded weight's float32 product
+    of the same bf16 rows lands within that rounding (2**-8 of each value, plus a hair at zero).
+    (The C kernel's int4 weights: tests/test_q4_1_kernel.py.)"""
     g = _generator()
     w = torch.randn(401, 128, generator=g) * torch.rand(401, 1, generator=g)
-    weight = quantize(w, method)
+    weight = {"int8": Int8Weight, "int4": Int4Weight}[method](w)
     x = torch.randn(3, 128, generator=g).bfloat16()
     kernel = weight.product(x)
     assert kernel.dtype == torch.bfloat16 and kernel.shape == (3, 401)
@@ -195,7 +196,7 @@ def test_int4_models_quantize_the_head_to_int4_only_where_it_is_tied(tied):
     for p in model.parameters():
         p.data.normal_()
     model.quantize("int4")
-    assert type(model.lm_head.quantized) is (Int4Weight if tied else Int8Weight)
+    assert type(model.lm_head.quantized) is (int4_class() if tied else Int8Weight)
     assert (model.lm_head.weight is not None) == tied
 
 

@@ -1,5 +1,6 @@
 """The engine's options are declared once (engine/options.py): every one is a flag of every mode and
 a config.toml key, lands in the engine as given, and an unknown or bad one is named."""
+import gc
 from dataclasses import fields
 
 import pytest
@@ -138,3 +139,14 @@ def test_the_options_the_flags_give_are_what_the_engine_runs_with(demo_model_pat
         assert engine.capabilities.context_length == 256
         stream = engine.submit("Hello", SamplingParams(max_tokens=2, ignore_eos=True))
         assert stream.wait(60) and stream.num_completion_tokens == 2
+
+
+def test_garbage_collection_is_back_on_once_the_engine_has_started_or_failed_to(demo_model_path, tmp_path):
+    """open_backend pauses the collector while torch loads and the model is built (nvchat/backend.py)."""
+    assert gc.isenabled()
+    settings = Settings(model=str(demo_model_path), device="cpu", max_model_len=64, disk_cache_gib=0)
+    with open_backend(settings):
+        assert gc.isenabled()
+    with pytest.raises(ValueError):
+        open_backend(Settings(model=str(tmp_path / "no-such-model"), device="cpu"))
+    assert gc.isenabled()

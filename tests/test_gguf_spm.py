@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine import LLM, EngineThread, SamplingParams
-from engine.checkpoints.demo_model import default_cache_dir
+from engine.options import default_cache_dir
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.tokenizer import load_tokenizer
 from tests.conftest import random_prompts

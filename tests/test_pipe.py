@@ -160,3 +160,25 @@ def test_closed_stdout_exits_quietly(runs):
     result = runs["sigpipe"]
     assert result.stdout, "the reply had started"
     assert result.returncode == 141 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_the_next_run_finds_the_prompt_on_disk_although_the_process_ends_itself(demo_model_path, tmp_path):
+    """Pipe mode ends its process without the interpreter's finalization (nvchat.pipe._exit_now),
+    once the engine has shut down: the KV blocks it wrote to disk are whole for the next run, and
+    its JSON reaches a file's buffered stdout whole."""
+    (tmp_path / "cache" / "nvchat").mkdir(parents=True)
+    for entry in demo_model_path.parent.iterdir():
+        if entry.name != "kv":
+            (tmp_path / "cache" / "nvchat" / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_DATA_HOME": str(tmp_path / "data"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "OMP_NUM_THREADS": "1"}
+    question = "the same question again, " * 3
+    replies = []
+    for run in range(2):
+        with open(tmp_path / f"reply-{run}.json", "w") as out:
+            result = subprocess.run(NVCHAT + ["-p", question, "--json", *FAST], cwd=REPO, env=env, stdout=out,
+                                    stderr=subprocess.PIPE, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr
+        replies.append(json.loads((tmp_path / f"reply-{run}.json").read_text()))
+    assert replies[0]["cached_tokens"] == 0
+    assert replies[1]["cached_tokens"] >= 16 and replies[1]["text"] == replies[0]["text"]

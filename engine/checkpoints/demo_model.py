@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from engine.options import default_cache_dir
+
 DEMO_VERSION = 2
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -30,11 +32,6 @@ CHAT_TEMPLATE = (
 
 DEMO_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, max_position_embeddings=32768)
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "nvchat"
 
 
 def _byte_alphabet() -> list[str]:

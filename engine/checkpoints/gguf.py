@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.checkpoints.demo_model import default_cache_dir
+from engine.options import default_cache_dir
 from engine.checkpoints.errors import ModelError
 from engine.checkpoints.model_config import GGUF_MODEL_TYPES, ModelConfig
 from engine.models.registry import ARCHITECTURES as MODELS

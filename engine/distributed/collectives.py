@@ -13,8 +13,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.distributed import symm_allreduce
-
 
 class CollectiveError(RuntimeError):
     """A collective failed, almost always because another rank has gone away."""
@@ -27,8 +25,9 @@ class TPGroup:
         self.rank, self.size = rank, size
         self._backend = backend
         self.is_nccl = backend is not None and backend.name().lower() == "nccl"
-        # Sums of small CUDA tensors, when every rank could set it up (see create_group).
-        self.fast: symm_allreduce.SymmAllReduce | None = None
+        # Sums of small CUDA tensors: a symm_allreduce.SymmAllReduce, when every rank could set
+        # it up (see create_group).
+        self.fast = None
 
     def _pg(self):
         if self._backend is None:
@@ -190,6 +189,8 @@ def create_group(rank: int, size: int, store, device: torch.device, timeout: tim
     # NCCL's lazy connect blocks with no way to abort if a peer dies before reaching it.
     group.all_reduce(torch.zeros(1, device=device))
     if device.type == "cuda":
+        # start-up: its Triton kernel (0.3 s of imports on the 2-core box) only where it can run
+        from engine.distributed import symm_allreduce
         torch.cuda.synchronize(device)
         group.fast = symm_allreduce.connect(rank, size, backend, store, device,
                                             agree=lambda ok: group.min(int(ok), device) == 1)

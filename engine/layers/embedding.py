@@ -19,7 +19,12 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = (vocab_size + self.tp_size - 1) // self.tp_size
         self.start = self.tp_rank * self.shard_size
         self.end = min(self.start + self.shard_size, vocab_size)
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, dim), requires_grad=False)
+        # Left unwritten but for the last rank's rows past the vocabulary, which no checkpoint
+        # fills: every other row is loaded. A CPU start that maps its weights from the cache
+        # (engine/checkpoints/weight_cache.py) never touches these pages; zeroing them all made 213
+        # of its 482 MB peak (SmolLM2's table and the tied head's own, replaced at once).
+        self.weight = nn.Parameter(torch.empty(self.shard_size, dim), requires_grad=False)
+        self.weight.data[self.end - self.start:].zero_()
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         rows = shape_of(loaded)[0]
@@ -49,10 +54,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     # int4 head's order and second in the int8 head's.
     LEADERS = 16
 
-    def quantize(self, method: str, tied: bool) -> None:
-        """A quantized copy of the head for the logits; a tied table stays float for the
-        embedding's lookups (one row a token, so its bytes barely count)."""
-        self.quantized = quantize(self.weight.data, method)
+    def quantize(self, method: str, tied: bool, prebuilt=None) -> None:
+        """A quantized copy of the head for the logits (or prebuilt, as quantized.quantize takes it);
+        a tied table stays float for the embedding's lookups (one row a token, so its bytes barely
+        count)."""
+        self.quantized = quantize(self.weight.data, method, prebuilt)
         if not tied:
             self.weight = None
 

@@ -83,16 +83,17 @@ class _Linear(nn.Module):
             raise ValueError(f"has {shape_of(loaded)[dim]} {('rows', 'columns')[dim]}, need {start + size}")
         copy_into(param.data.narrow(dim, at, size), narrow(loaded, dim, start, size))
 
-    def quantize(self, method: str) -> None:
+    def quantize(self, method: str, prebuilt=None) -> None:
         """Swaps the float weight for its quantized form: for "fp8", e4m3 with block scales
-        (engine/layers/fp8.py); otherwise a CPU quantized weight (engine/layers/quantized.py)."""
+        (engine/layers/fp8.py); otherwise a CPU quantized weight (engine/layers/quantized.py), or
+        prebuilt, that weight as a cache holds it (quantized.quantize)."""
         if method == "fp8":
             self.scale_block = fp8.DEFAULT_BLOCK
             q, scale = fp8.quantize_blocks(self.weight.data, self.scale_block)
             self.weight = nn.Parameter(q, requires_grad=False)
             self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
             return
-        self.quantized = quantize(self.weight.data, method)
+        self.quantized = quantize(self.weight.data, method, prebuilt)
         self.weight = None
 
     def _multiply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

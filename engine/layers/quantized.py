@@ -9,11 +9,16 @@ the rounding: not bit-exact against HF.
 
 - int8: symmetric, one scale per output row.
 - int4: asymmetric, a scale and a minimum per 32 weights of a row, as GGUF's Q4_1 stores them, so
-  a Q4_1 file's projections come back on their own grid (up to bf16 rounding of the scales)."""
+  a Q4_1 file's projections come back on their own grid. Where the C kernel builds
+  (engine/layers/native_cpu.py: x86-64 with AVX2 and a C compiler) the weight keeps Q4_1's own
+  layout and multiplies through it (Q4_1Weight); elsewhere through torch's int4 kernel, in its
+  packing, with the scales in bf16 (Int4Weight)."""
 import functools
 
 import torch
 import torch.nn.functional as F
+
+from engine.layers import native_cpu
 
 INT4_GROUP = 32
 
@@ -37,7 +42,9 @@ def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class _QuantizedWeight:
+    method: str  # quantize's name for it
     out_features: int
+    in_features: int
     # Rows from which a product expands the weight to float32 instead of running the quantized
     # kernel, whose time grows with the rows while the expansion's is mostly fixed. On the 2-core
     # box (one thread, SmolLM2's four projections, CPU ms a layer): int4's kernel against its
@@ -63,13 +70,51 @@ class _QuantizedWeight:
         """x [rows, in] @ weight.T through the quantized kernel at any row count, in bf16."""
         return self._kernel_product(_kernel_rows(x))
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The float weight's [out, in]."""
+        return self.out_features, self.in_features
+
+    @staticmethod
+    def tensor_specs(out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The tensors a weight of [out, in] is made of: {name: (shape, dtype)}."""
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Everything the weight is made of, by name, for a cache (engine/checkpoints/weight_cache.py)."""
+        return {name: getattr(self, name) for name in self.tensor_specs(self.out_features, self.in_features)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], shape: tuple[int, int]):
+        """The weight of shape [out, in] that tensors() gave, taken as they are (no copy); a
+        ValueError where a tensor is missing, extra or not the shape and dtype it must be."""
+        out_features, in_features = shape
+        specs = cls.tensor_specs(out_features, in_features)
+        if set(tensors) != set(specs):
+            raise ValueError(f"{cls.method} weight needs tensors {sorted(specs)}, got {sorted(tensors)}")
+        for name, (size, dtype) in specs.items():
+            t = tensors[name]
+            if tuple(t.shape) != size or t.dtype != dtype:
+                raise ValueError(f"{cls.method} {name} of a [{out_features}, {in_features}] weight must be "
+                                 f"{list(size)} {dtype}, got {list(t.shape)} {t.dtype}")
+        weight = cls.__new__(cls)
+        weight.out_features, weight.in_features = out_features, in_features
+        for name, t in tensors.items():
+            setattr(weight, name, t)
+        return weight
+
 
 class Int8Weight(_QuantizedWeight):
+    method = "int8"
     expanded_rows = 64
 
     def __init__(self, weight: torch.Tensor):
         self.q, self.scales = quantize_rows(weight)
-        self.out_features = self.q.shape[0]
+        self.out_features, self.in_features = self.q.shape
+
+    @staticmethod
+    def tensor_specs(out_features: int, in_features: int) -> dict:
+        return {"q": ((out_features, in_features), torch.int8), "scales": ((out_features,), torch.bfloat16)}
 
     def _kernel_product(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.q, self.scales)
@@ -85,6 +130,7 @@ class Int8Weight(_QuantizedWeight):
 
 
 class Int4Weight(_QuantizedWeight):
+    method = "int4"
     expanded_rows = 96
 
     def __init__(self, weight: torch.Tensor):
@@ -101,6 +147,12 @@ class Int4Weight(_QuantizedWeight):
         # The kernel computes (q - 8) * scale + zero: zero is the group's value at q = 8.
         self.scales_and_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
+    @staticmethod
+    def tensor_specs(out_features: int, in_features: int) -> dict:
+        padded = out_features + (-out_features % 16)
+        return {"packed": ((padded, in_features // 2), torch.uint8),
+                "scales_and_zeros": ((in_features // INT4_GROUP, padded, 2), torch.bfloat16)}
+
     def _kernel_product(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
@@ -115,6 +167,77 @@ class Int4Weight(_QuantizedWeight):
         scale, zero = scales[..., :1], scales[..., 1:]
         w.mul_(scale).add_(zero - 8 * scale)
         return w.view(rows, -1)[:self.out_features]
+
+
+class Q4_1Weight(_QuantizedWeight):
+    """int4 in GGUF's Q4_1 form, multiplied by the C kernel (engine/layers/native/q4_1_gemv.c): per
+    row and group of 32, 16 bytes of nibbles (value j low, value j + 16 high in byte j) and a
+    float32 scale and minimum, w = scale * q + minimum; rows in blocks of four, each block's groups
+    side by side (nibbles [blocks, groups, 4, 16], scales and minimums [blocks, groups, 4]), the
+    last block padded with zero rows. The kernel takes the activations to 2^-16 of each group's
+    largest value (two int8 parts); the product is float32."""
+    method = "int4"
+    # The kernel's time grows with the rows, the expansion's (float32 GEMM) much less: SmolLM2's four
+    # projections, one thread, AVX2 box, ms a layer, kernel against expansion: 0.34 / 6.2 at 1 row,
+    # 5.9 / 12.7 at 16, 11.3 / 14.9 at 32, 17.0 / 17.7 at 48, 30.0 / 18.1 at 96.
+    expanded_rows = 48
+
+    def __init__(self, weight: torch.Tensor):
+        rows, cols = weight.shape
+        if cols % INT4_GROUP:
+            raise ValueError(f"int4 needs input features in multiples of {INT4_GROUP}, this layer has {cols}")
+        self.out_features, self.in_features = rows, cols
+        padded = rows + (-rows % 4)
+        w = F.pad(weight.float(), (0, 0, 0, padded - rows)).view(padded, cols // INT4_GROUP, INT4_GROUP)
+        low = w.amin(-1)
+        scale = ((w.amax(-1) - low) / 15).clamp(min=1e-12)
+        q = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+        scale[rows:], low[rows:] = 0.0, 0.0
+        blocks = padded // 4
+        self.nibbles = _blocked(q[..., :16] | (q[..., 16:] << 4), blocks)
+        self.scales, self.minimums = _blocked(scale, blocks), _blocked(low, blocks)
+
+    @staticmethod
+    def tensor_specs(out_features: int, in_features: int) -> dict:
+        blocks, groups = -(-out_features // 4), in_features // INT4_GROUP
+        return {"nibbles": ((blocks, groups, 4, 16), torch.uint8),
+                "scales": ((blocks, groups, 4), torch.float32),
+                "minimums": ((blocks, groups, 4), torch.float32)}
+
+    def by_row(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The nibbles [out, groups, 16], scales and minimums [out, groups], row by row."""
+        def rows(t):
+            return t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])[:self.out_features]
+        return rows(self.nibbles), rows(self.scales), rows(self.minimums)
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ weight.T through the C kernel at any row count, in float32."""
+        if x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1])
+        if x.dtype != torch.float32:
+            x = x.float()
+        return native_cpu.q4_1_product(x if x.is_contiguous() else x.contiguous(), self.nibbles, self.scales,
+                                       self.minimums, self.out_features)
+
+    def expanded(self) -> torch.Tensor:
+        """The weight in float32, [out, in], as the kernel sees it, in the shared expansion buffer
+        (see Int4Weight's)."""
+        blocks, groups = self.nibbles.shape[:2]
+        w = _expansion_buffer(blocks * 4 * self.in_features).view(blocks, 4, groups, INT4_GROUP).transpose(1, 2)
+        w[..., :16].copy_(self.nibbles & 15)
+        w[..., 16:].copy_(self.nibbles >> 4)
+        w.mul_(self.scales[..., None]).add_(self.minimums[..., None])
+        return _expansion_buffer(blocks * 4 * self.in_features).view(blocks * 4, -1)[:self.out_features]
+
+
+def _blocked(t: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[blocks * 4, groups, ...] by row -> [blocks, groups, 4, ...], a block's groups side by side."""
+    return t.view(blocks, 4, *t.shape[1:]).transpose(1, 2).contiguous()
+
+
+def int4_class() -> type:
+    """The int4 weight this machine multiplies fastest: Q4_1Weight where the C kernel builds."""
+    return Q4_1Weight if native_cpu.native_q4_1() is not None else Int4Weight
 
 
 _expansion = torch.empty(0)
@@ -171,6 +294,13 @@ def _unpack_int4(packed: torch.Tensor, rows: int, cols: int, block: int, pairs: 
     return out
 
 
-def quantize(weight: torch.Tensor, method: str):
-    """A callable x -> x @ weight.T, in `method`'s bits."""
-    return {"int8": Int8Weight, "int4": Int4Weight}[method](weight)
+def quantize(weight: torch.Tensor, method: str, prebuilt: _QuantizedWeight | None = None):
+    """A callable x -> x @ weight.T, in `method`'s bits. prebuilt: that callable made before, as a
+    cache holds it (engine/checkpoints/weight_cache.py), taken instead of quantizing weight, whose
+    values are not read; a ValueError if it is not in method's bits and weight's shape."""
+    if prebuilt is None:
+        return {"int8": Int8Weight, "int4": int4_class()}[method](weight)
+    if prebuilt.method != method or prebuilt.shape != tuple(weight.shape):
+        raise ValueError(f"a prebuilt {prebuilt.method} weight of shape {list(prebuilt.shape)} can't stand for a "
+                         f"{method} one of shape {list(weight.shape)}")
+    return prebuilt

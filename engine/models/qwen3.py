@@ -10,6 +10,7 @@ from engine.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    _Linear,
 )
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -181,24 +182,31 @@ class CausalLM(nn.Module):
         for i, norm in enumerate(norms):
             norm.reduce_slot = i % 2
 
-    def quantize(self, method: str) -> None:
-        """Every projection (and expert) to `method`'s weights. With int8 or int4 (CPU,
+    def quantize(self, method: str, prebuilt: dict | None = None) -> None:
+        """Every projection (and expert) to `method`'s weights. prebuilt: with int8 or int4, every
+        quantized projection's weight by module name, as a cache holds them
+        (engine/checkpoints/weight_cache.py), taken instead of quantizing the loaded weights (a
+        KeyError for one it lacks). With int8 or int4 (CPU,
         engine/layers/quantized.py) the LM head goes to int8, or with int4 to int4 where it is tied to
         the embedding, whose float table then settles each row's leading logits (ParallelLMHead).
         Before that recompute, a 4-bit head lost SmolLM2's Paris in the answer's first token; an
         untied head has only its own quantized rows to recompute from, so it keeps 8 bits. With fp8
         (CUDA, engine/layers/fp8.py) the head stays in the model's dtype, as Qwen's FP8 checkpoints
         keep it."""
-        for module in self.modules():
+        for name, module in self.named_modules():
             if hasattr(module, "quantize") and module is not self and module is not self.lm_head:
-                module.quantize(method)
+                if prebuilt is not None and isinstance(module, _Linear):
+                    module.quantize(method, prebuilt[name])
+                else:
+                    module.quantize(method)
         if method == "fp8":
             return
         # A tied head keeps its float table, from which ParallelLMHead recomputes each row's
         # leading logits: there int4 picks the same greedy tokens and reads half of int8's bytes
         # (SmolLM2's head, one row: 12.0 ms in int4 against 19.5 in int8, one thread, loaded 2-core box).
         head_method = "int4" if method == "int4" and self.tie_word_embeddings else "int8"
-        self.lm_head.quantize(head_method, tied=self.tie_word_embeddings)
+        self.lm_head.quantize(head_method, tied=self.tie_word_embeddings,
+                              prebuilt=prebuilt["lm_head"] if prebuilt is not None else None)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if type(mlp) is not MLP:  # a mixture of experts: its products keep their float32

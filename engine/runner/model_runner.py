@@ -5,8 +5,10 @@ from array import array
 
 import torch
 
+from engine.checkpoints.gguf import is_gguf
 from engine.checkpoints.loader import init_random_weights, load_weights
 from engine.checkpoints.quantization import fp8_block
+from engine.checkpoints.weight_cache import CacheMismatch, WeightCache
 from engine.config import EngineConfig
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.core.step_plan import KVTransfers, SampleContext, StepPlan
@@ -148,21 +150,26 @@ class ModelRunner:
         # A block-FP8 checkpoint's weights go into FP8 parameters as they are, when they stay FP8.
         checkpoint_block = fp8_block(getattr(config.hf_config, "quantization_config", None), str(config.model_path))
         built_fp8 = config.quantization == "fp8" and checkpoint_block is not None
-        old_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.dtype)
-        try:
-            with torch.device(self.device), collectives.building(self.tp_group), \
-                    fp8.building(checkpoint_block if built_fp8 else None):
-                self.model = config.architecture(config.hf_config, max_position=config.max_model_len)
-        finally:
-            torch.set_default_dtype(old_dtype)
-        progress("loading weights")
-        if config.load_format == "random":
-            init_random_weights(self.model)
-        else:
-            load_weights(self.model, config.model_path, checkpoint_block)
-        if config.quantization is not None and not built_fp8:
-            self.model.quantize(config.quantization)
+        self.model = self._build_model(checkpoint_block if built_fp8 else None)
+        cache = self._weight_cache()
+        restored = False
+        if cache is not None:
+            progress("loading the cached weights")
+            try:
+                restored = cache.restore(self.model)
+            except CacheMismatch:  # deleted; the model it part-filled is built again
+                self.model = self._build_model(None)
+        if not restored:
+            progress("loading weights")
+            if config.load_format == "random":
+                init_random_weights(self.model)
+            else:
+                load_weights(self.model, config.model_path, checkpoint_block)
+            if config.quantization is not None and not built_fp8:
+                self.model.quantize(config.quantization)
+            if cache is not None:
+                progress("caching the weights")
+                cache.save(self.model)
         self.model.eval()
         self.backend = make_backend(config.attention_backend, self.device.type, config.kvcache_block_size)
         self.attention_layers = self.model.attention_layers()
@@ -213,6 +220,28 @@ class ModelRunner:
             # them from one too: what start-up left cached (the logits just warmed, the captures'
             # eager runs) would otherwise count on top of those needs.
             self._settled_reserved()
+
+    def _build_model(self, fp8_checkpoint_block: tuple[int, int] | None):
+        """The model with its parameters allocated, not loaded. fp8_checkpoint_block: a block-FP8
+        checkpoint's block shape where its weights stay FP8 (engine/checkpoints/quantization.py)."""
+        config = self.config
+        old_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)
+        try:
+            with torch.device(self.device), collectives.building(self.tp_group), fp8.building(fp8_checkpoint_block):
+                return config.architecture(config.hf_config, max_position=config.max_model_len)
+        finally:
+            torch.set_default_dtype(old_dtype)
+
+    def _weight_cache(self) -> WeightCache | None:
+        """Where a GGUF file's int4 or int8 weights are kept for the next start, on CPU and one rank
+        (engine/checkpoints/weight_cache.py); None where weights are built every start."""
+        config = self.config
+        if (self.device.type != "cpu" or config.tensor_parallel_size != 1 or config.load_format == "random"
+                or config.quantization not in ("int4", "int8")
+                or not (config.model_path.is_file() and is_gguf(config.model_path))):
+            return None
+        return WeightCache(config.model_path, config.quantization, config.dtype)
 
     # --- KV cache --------------------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ turn after a cached prefix and a prompt chunk mixed into decoding streams look l
 import torch
 
 from engine.layers.attention import AttentionMetadata
-from kernels.prefill_attention import ITEM_FIELDS, PrefillWork, split_cap
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -51,6 +50,8 @@ class StepGraphs:
         # The prefill kernel's work list (kernels.prefill_attention), refilled every replay: the
         # captured kernel runs the step's own tiles and splits, whatever the bucket. Rows bound any
         # step's items: at most a tile per query token or sequence, times the split cap.
+        # start-up: Triton and its kernels (0.3 s of a CPU start's imports) only where graphs run
+        from kernels.prefill_attention import ITEM_FIELDS, split_cap
         self.work_items = torch.zeros((tokens + seqs) * split_cap(token_buckets[0]), ITEM_FIELDS,
                                       dtype=torch.int32, device=device)
         self.work_count = torch.zeros(1, dtype=torch.int32, device=device)
@@ -67,6 +68,7 @@ class StepGraphs:
         return next((t for t in self.buckets if t >= tokens and self.seqs_in(t) >= seqs), None)
 
     def _meta(self, tokens: int) -> AttentionMetadata:
+        from kernels.prefill_attention import PrefillWork, split_cap  # start-up: as in __init__
         s = self.seqs_in(tokens)
         work = PrefillWork(self.work_items, self.work_count, self.token_splits[:tokens], split_cap(tokens))
         return AttentionMetadata(slot_mapping=self.slot_mapping[:tokens], context_lens=self.context_lens[:s],

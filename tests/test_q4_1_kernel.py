@@ -1,0 +1,114 @@
+"""The C int4 kernel (engine/layers/native/q4_1_gemv.c) against torch references, on fresh random
+inputs each run, its output poisoned beforehand: the same arithmetic done in float64 (activations
+split into two int8 parts per group of 32, integer dot products), and the float product of the
+weight it holds. Skipped where the kernel does not build (no C compiler, not x86-64 with AVX2)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.layers import native_cpu
+from engine.layers.quantized import INT4_GROUP, Int4Weight, Q4_1Weight, int4_class
+
+needs_kernel = pytest.mark.skipif(native_cpu.native_q4_1() is None,
+                                  reason=f"no native kernel: {native_cpu.unavailable_reason()}")
+
+
+def reference(x: torch.Tensor, weight: Q4_1Weight) -> torch.Tensor:
+    """What the kernel computes, in float64: x split per group into two int8 parts, high + low /
+    256 in units of amax / 127 (each rounded half to even, as the kernel's float32 steps do), times
+    the nibbles, scaled, plus each group's minimum times the group's sum of x."""
+    rows, k = x.shape
+    groups = x.view(rows, k // INT4_GROUP, INT4_GROUP)
+    scale = groups.abs().amax(-1) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    scaled = groups * inverse[..., None]
+    high = torch.round(scaled)
+    low = torch.round((scaled - high) * 256).clamp(max=127)
+    parts = (256 * high + low).double()  # [rows, G, 32]
+    nibbles, scales, minimums = weight.by_row()
+    q = torch.cat([nibbles & 15, nibbles >> 4], -1).double()  # [N, G, 32]
+    dots = torch.einsum("mgi,ngi->mng", parts, q)
+    xs = scale.double() / 256
+    return (dots * scales.double()[None] * xs[:, None] + minimums.double()[None]
+            * groups.double().sum(-1)[:, None]).sum(-1)
+
+
+def expanded_reference(weight: Q4_1Weight) -> torch.Tensor:
+    """The weight as floats, unpacked value by value from GGUF's Q4_1 byte order."""
+    nibbles, scales, minimums = weight.by_row()
+    n, groups, _ = nibbles.shape
+    out = torch.empty(n, groups, INT4_GROUP, dtype=torch.float64)
+    for j in range(16):
+        out[..., j] = (nibbles[..., j] & 15).double()
+        out[..., j + 16] = (nibbles[..., j] >> 4).double()
+    return (out * scales.double()[..., None] + minimums.double()[..., None]).view(n, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n, k", [(1, 32), (3, 64), (4, 32), (5, 96), (17, 576), (64, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
+def test_the_kernel_does_its_split_int8_arithmetic_exactly(n, k, rows, threads):
+    torch.set_num_threads(threads)
+    try:
+        weight = Q4_1Weight(torch.randn(n, k) * torch.rand(n, 1) * 3)
+        x = torch.randn(rows, k) * torch.rand(rows, 1) * 5
+        x[0, :INT4_GROUP] = 0.0  # a group of zeros: scale 0, nothing divided by it
+        out = torch.full((rows, n), float("nan"))
+        got = native_cpu.q4_1_product(x, weight.nibbles, weight.scales, weight.minimums, n, out=out)
+    finally:
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    want = reference(x, weight)
+    assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_kernel
+def test_the_product_is_the_float_product_of_the_weight_it_holds():
+    w = torch.randn(300, 640)
+    weight = Q4_1Weight(w)
+    x = torch.randn(7, 640)
+    exact = x.double() @ expanded_reference(weight).T
+    got = weight.kernel_product(x)
+    assert got.dtype == torch.float32 and got.shape == (7, 300)
+    # The activations' two int8 parts hold each to 2^-16 of its group's largest value.
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-4
+    # The quantized weight itself is within half a step of the float one.
+    step = weight.by_row()[1].repeat_interleave(INT4_GROUP, -1)
+    assert ((expanded_reference(weight) - w.double()).abs() <= step.double() / 2 + 1e-6).all()
+
+
+@needs_kernel
+def test_the_expansion_and_the_many_row_product_match_the_weights_values():
+    weight = Q4_1Weight(torch.randn(70, 96))
+    assert torch.allclose(weight.expanded().double(), expanded_reference(weight), rtol=1e-6, atol=1e-6)
+    x = torch.randn(weight.expanded_rows + 3, 96)  # past expanded_rows: float32 GEMM on the expansion
+    assert torch.allclose(weight.product(x).double(), x.double() @ expanded_reference(weight).T, rtol=1e-4,
+                          atol=1e-4)
+
+
+@needs_kernel
+def test_a_weight_on_the_q4_1_grid_keeps_its_values():
+    q = torch.randint(0, 16, (8, 4, INT4_GROUP))
+    q[..., 0], q[..., 1] = 0, 15  # each group spans the grid, so its scale and minimum are exact
+    scale, minimum = torch.rand(8, 4, 1) + 0.5, torch.randn(8, 4, 1)
+    w = (q * scale + minimum).view(8, -1)
+    weight = Q4_1Weight(w)
+    assert torch.equal(weight.by_row()[0], (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8))
+    assert torch.allclose(expanded_reference(weight), w.double(), atol=1e-5)
+
+
+@needs_kernel
+def test_int4_weights_take_the_kernel_where_it_builds():
+    assert int4_class() is Q4_1Weight
+
+
+def test_without_the_kernel_int4_weights_take_torchs():
+    code = ("from engine.layers import native_cpu, quantized;"
+            "print(native_cpu.unavailable_reason(), quantized.int4_class().__name__)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, native_cpu.DISABLE_VARIABLE: "0"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [f"{native_cpu.DISABLE_VARIABLE}=0", Int4Weight.__name__]
