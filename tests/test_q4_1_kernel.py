@@ -8,25 +8,28 @@ import sys
 
 import pytest
 import torch
+from transformers import Qwen3Config
 
 from engine.layers import native_cpu
 from engine.layers.quantized import INT4_GROUP, Int4Weight, Q4_1Weight, int4_class
+from engine.models.qwen3 import Qwen3ForCausalLM
 
 needs_kernel = pytest.mark.skipif(native_cpu.native_q4_1() is None,
                                   reason=f"no native kernel: {native_cpu.unavailable_reason()}")
 
 
-def reference(x: torch.Tensor, weight: Q4_1Weight) -> torch.Tensor:
+def reference(x: torch.Tensor, weight: Q4_1Weight, two_parts: bool = True) -> torch.Tensor:
     """What the kernel computes, in float64: x split per group into two int8 parts, high + low /
-    256 in units of amax / 127 (each rounded half to even, as the kernel's float32 steps do), times
-    the nibbles, scaled, plus each group's minimum times the group's sum of x."""
+    256 in units of amax / 127 (each rounded half to even, as the kernel's float32 steps do; the
+    high part alone without two_parts), times the nibbles, scaled, plus each group's minimum times
+    the group's sum of x."""
     rows, k = x.shape
     groups = x.view(rows, k // INT4_GROUP, INT4_GROUP)
     scale = groups.abs().amax(-1) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     scaled = groups * inverse[..., None]
     high = torch.round(scaled)
-    low = torch.round((scaled - high) * 256).clamp(max=127)
+    low = torch.round((scaled - high) * 256).clamp(max=127) if two_parts else torch.zeros_like(high)
     parts = (256 * high + low).double()  # [rows, G, 32]
     nibbles, scales, minimums = weight.by_row()
     q = torch.cat([nibbles & 15, nibbles >> 4], -1).double()  # [N, G, 32]
@@ -48,20 +51,22 @@ def expanded_reference(weight: Q4_1Weight) -> torch.Tensor:
 
 
 @needs_kernel
+@pytest.mark.parametrize("two_parts", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n, k", [(1, 32), (3, 64), (4, 32), (5, 96), (17, 576), (64, 1536)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
-def test_the_kernel_does_its_split_int8_arithmetic_exactly(n, k, rows, threads):
+def test_the_kernel_does_its_split_int8_arithmetic_exactly(n, k, rows, threads, two_parts):
     torch.set_num_threads(threads)
     try:
         weight = Q4_1Weight(torch.randn(n, k) * torch.rand(n, 1) * 3)
         x = torch.randn(rows, k) * torch.rand(rows, 1) * 5
         x[0, :INT4_GROUP] = 0.0  # a group of zeros: scale 0, nothing divided by it
         out = torch.full((rows, n), float("nan"))
-        got = native_cpu.q4_1_product(x, weight.nibbles, weight.scales, weight.minimums, n, out=out)
+        got = native_cpu.q4_1_product(x, weight.nibbles, weight.scales, weight.minimums, n, out=out,
+                                      two_parts=two_parts)
     finally:
         torch.set_num_threads(min(2, os.cpu_count() or 1))
-    want = reference(x, weight)
+    want = reference(x, weight, two_parts)
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
@@ -76,9 +81,13 @@ def test_the_product_is_the_float_product_of_the_weight_it_holds():
     assert got.dtype == torch.float32 and got.shape == (7, 300)
     # The activations' two int8 parts hold each to 2^-16 of its group's largest value.
     assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-4
-    # The quantized weight itself is within half a step of the float one.
-    step = weight.by_row()[1].repeat_interleave(INT4_GROUP, -1)
-    assert ((expanded_reference(weight) - w.double()).abs() <= step.double() / 2 + 1e-6).all()
+    # The quantized weight is within half a step of the float one, plus the float16 rounding of the
+    # step and the minimum (2^-11 of each; the step counts up to 15 times).
+    _, scales, minimums = weight.by_row()
+    step = scales.double().repeat_interleave(INT4_GROUP, -1)
+    minimum = minimums.double().abs().repeat_interleave(INT4_GROUP, -1)
+    bound = step / 2 + (15 * step + minimum) * 2**-11 + 1e-6
+    assert ((expanded_reference(weight) - w.double()).abs() <= bound).all()
 
 
 @needs_kernel
@@ -94,7 +103,8 @@ def test_the_expansion_and_the_many_row_product_match_the_weights_values():
 def test_a_weight_on_the_q4_1_grid_keeps_its_values():
     q = torch.randint(0, 16, (8, 4, INT4_GROUP))
     q[..., 0], q[..., 1] = 0, 15  # each group spans the grid, so its scale and minimum are exact
-    scale, minimum = torch.rand(8, 4, 1) + 0.5, torch.randn(8, 4, 1)
+    # float16 values, as Q4_1 stores its scales and minimums
+    scale, minimum = (torch.rand(8, 4, 1) + 0.5).half().float(), torch.randn(8, 4, 1).half().float()
     w = (q * scale + minimum).view(8, -1)
     weight = Q4_1Weight(w)
     assert torch.equal(weight.by_row()[0], (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8))
@@ -112,3 +122,15 @@ def test_without_the_kernel_int4_weights_take_torchs():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, native_cpu.DISABLE_VARIABLE: "0"},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == [f"{native_cpu.DISABLE_VARIABLE}=0", Int4Weight.__name__]
+
+
+@needs_kernel
+def test_a_tied_int4_head_ranks_with_one_int8_an_activation_and_its_projections_take_two():
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config, 64)
+    for p in model.parameters():
+        p.data.normal_()
+    model.quantize("int4")
+    assert model.lm_head.quantized.precise_activations is False
+    assert model.model.layers[0].mlp.down_proj.quantized.precise_activations is True

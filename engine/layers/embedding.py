@@ -61,6 +61,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.quantized = quantize(self.weight.data, method, prebuilt)
         if not tied:
             self.weight = None
+        elif hasattr(self.quantized, "precise_activations"):
+            # The float table settles the leaders (_recompute_leaders): the rest only rank them.
+            self.quantized.precise_activations = False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on rank 0 (None elsewhere)."""

@@ -28,7 +28,7 @@ import torch
 from engine.options import default_cache_dir
 
 SOURCE = Path(__file__).parent / "native" / "q4_1_gemv.c"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 DISABLE_VARIABLE = "NVCHAT_NATIVE_KERNELS"
 
 _lock = threading.Lock()
@@ -87,7 +87,7 @@ def _library(cache_dir: Path | None):
     gemv = library.nvchat_q4_1_gemv
     gemv.restype = ctypes.c_int
     gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     return gemv
 
 
@@ -109,16 +109,17 @@ def unavailable_reason(cache_dir: Path | None = None) -> str | None:
 
 
 def q4_1_product(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, n: int,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, two_parts: bool = True) -> torch.Tensor:
     """x [rows, K] float32 (contiguous) @ the transpose of a Q4_1 weight of n rows in blocks of four
     (engine/layers/quantized.py's Q4_1Weight): [rows, n] float32. nibbles [ceil(n / 4), K / 32, 4,
-    16] uint8, scales and minimums [ceil(n / 4), K / 32, 4] float32, all contiguous. Needs the
-    kernel (native_q4_1() not None)."""
+    16] uint8, scales and minimums [ceil(n / 4), K / 32, 4] float16, all contiguous. Needs the
+    kernel (native_q4_1() not None). two_parts: the activations to 2^-16 of each group's largest
+    value; False: one int8 each (faster, llama.cpp's precision)."""
     gemv = native_q4_1()
     rows, k = x.shape
     if out is None:
         out = torch.empty(rows, n)
     if gemv(x.data_ptr(), rows, k, nibbles.data_ptr(), scales.data_ptr(), minimums.data_ptr(), n, out.data_ptr(),
-            torch.get_num_threads()) != 0:
+            torch.get_num_threads(), two_parts) != 0:
         raise MemoryError(f"the int4 kernel could not allocate scratch for {rows} x {k} activations")
     return out

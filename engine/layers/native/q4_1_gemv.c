@@ -2,10 +2,11 @@
 
    The weight is stored in blocks of four rows, in groups of 32 along K: 16 bytes of nibbles per
    row and group (byte j holds value j in its low nibble and value j + 16 in its high one), the
-   four rows' groups side by side ([blocks][groups][4][16]), with a float32 scale and minimum per
-   row and group ([blocks][groups][4]): w = scale * q + minimum, q in 0..15. A block is read front
-   to back, one stream of nibbles and one of scales, which the prefetchers follow; the rows one
-   after another made twelve streams and ran at half the bandwidth.
+   four rows' groups side by side ([blocks][groups][4][16]), with a float16 scale and minimum per
+   row and group ([blocks][groups][4], as Q4_1 stores them): w = scale * q + minimum, q in 0..15,
+   20 bytes a row and group. A block is read front to back, one stream of nibbles and two of
+   scales, which the prefetchers follow; the rows one after another made twelve streams and ran at
+   half the bandwidth.
 
    The activations are split into two int8 parts per group of 32, x = xscale * (high + low / 256)
    with xscale = amax / 127, so that a group's dot product is integer arithmetic: AVX2's maddubs
@@ -14,12 +15,13 @@
    largest value: rounding x to one int8 (llama.cpp's Q8_1) turned SmolLM2's "The capital of
    France is Paris" into "L'Étoile, la Marseillaise", as llama.cpp answers on the same file. Per
    group, sum_i w_i x_i = scale * xscale / 256 * sum_i q_i (256 high_i + low_i) + minimum * sum_i x_i.
+   The high part alone is one int8 per value, which a caller may choose (two_parts 0).
 
    Four weight rows go through the group loop together, against two activation rows at a time:
    eight independent accumulators keep the FMA units busy where one row's chain of dependent adds
    would wait on itself, and each group's nibbles are unpacked once for both activation rows. The
    blocks of four weight rows are split between OpenMP threads. Built by
-   engine/layers/native_cpu.py with -mavx2 -mfma. */
+   engine/layers/native_cpu.py with -mavx2 -mfma -mf16c. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -33,8 +35,9 @@ static inline float sum8(__m256 v) {
 }
 
 /* Rows x[m] in two int8 parts per group of 32 (high, then low, 64 bytes a group), the group's
-   xscale / 256, and the group's sum of x. */
-static void split_rows(const float *x, int64_t rows, int64_t groups, int8_t *parts, float *xscale, float *xsum) {
+   xscale / 256 (xscale, for the high part alone), and the group's sum of x. */
+static void split_rows(const float *x, int64_t rows, int64_t groups, int two_parts, int8_t *parts, float *xscale,
+                       float *xsum) {
     for (int64_t g = 0; g < rows * groups; g++) {
         const float *v = x + g * 32;
         int8_t *high = parts + g * 64, *low = high + 32;
@@ -52,16 +55,16 @@ static void split_rows(const float *x, int64_t rows, int64_t groups, int8_t *par
             high[i] = (int8_t)h;
             low[i] = (int8_t)fminf(l, 127.0f);
         }
-        xscale[g] = scale / 256.0f;
+        xscale[g] = two_parts ? scale / 256.0f : scale;
         xsum[g] = sum;
     }
 }
 
 /* A block of four weight rows against `pair` activation rows (1 or 2): each group's nibbles are
    unpacked once for both activation rows. */
-static inline void block_of_four(const uint8_t *w, const float *s, const float *mins, int64_t groups,
-                                 const int8_t *const *parts, const float *const *xscale, const float *const *xsum,
-                                 int pair, int count, float *const *out) {
+static inline __attribute__((always_inline)) void block_of_four(
+        const uint8_t *w, const uint16_t *s, const uint16_t *mins, int64_t groups, const int8_t *const *parts,
+        const float *const *xscale, const float *const *xsum, int pair, int count, int two_parts, float *const *out) {
     __m256 acc[4][2];
     float base[4][2];
     for (int r = 0; r < 4; r++)
@@ -77,14 +80,20 @@ static inline void block_of_four(const uint8_t *w, const float *s, const float *
             high[m] = _mm256_loadu_si256((const __m256i *)(parts[m] + g * 64));
             low[m] = _mm256_loadu_si256((const __m256i *)(parts[m] + g * 64 + 32));
         }
+        float block_scales[4], block_minimums[4];  /* the four rows' float16 pairs, widened at once */
+        _mm_storeu_ps(block_scales, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(s + g * 4))));
+        _mm_storeu_ps(block_minimums, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mins + g * 4))));
         for (int r = 0; r < 4; r++) {
             __m128i packed = _mm_loadu_si128((const __m128i *)(w + (g * 4 + r) * 16));
             __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_bits);
-            const float scale = s[g * 4 + r], minimum = mins[g * 4 + r];
+            const float scale = block_scales[r], minimum = block_minimums[r];
             for (int m = 0; m < pair; m++) {
                 __m256i h = _mm256_madd_epi16(_mm256_maddubs_epi16(q, high[m]), ones);
-                __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(q, low[m]), ones);
-                __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(h, 8), l));
+                if (two_parts) {
+                    __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(q, low[m]), ones);
+                    h = _mm256_add_epi32(_mm256_slli_epi32(h, 8), l);
+                }
+                __m256 dot = _mm256_cvtepi32_ps(h);
                 acc[r][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale * xscale[m][g]), acc[r][m]);
                 base[r][m] += minimum * xsum[m][g];
             }
@@ -94,9 +103,11 @@ static inline void block_of_four(const uint8_t *w, const float *s, const float *
         for (int r = 0; r < count; r++) out[m][r] = sum8(acc[r][m]) + base[r][m];
 }
 
-/* Returns 0, or -1 where the scratch memory could not be had (y is then not written). */
-int nvchat_q4_1_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *nibbles, const float *scales,
-                     const float *minimums, int64_t n, float *y, int threads) {
+/* two_parts 0 rounds each activation to one int8 (Q8_1's precision), for a product whose largest
+   results are computed again in float (the LM head's leaders). Returns 0, or -1 where the scratch
+   memory could not be had (y is then not written). */
+int nvchat_q4_1_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *nibbles, const uint16_t *scales,
+                     const uint16_t *minimums, int64_t n, float *y, int threads, int two_parts) {
     const int64_t groups = k / 32;
     int8_t *parts = malloc((size_t)(rows * k * 2));
     float *xscale = malloc(sizeof(float) * (size_t)(rows * groups));
@@ -105,21 +116,25 @@ int nvchat_q4_1_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *nib
         free(parts); free(xscale); free(xsum);
         return -1;
     }
-    split_rows(x, rows, groups, parts, xscale, xsum);
+    split_rows(x, rows, groups, two_parts, parts, xscale, xsum);
     const int64_t blocks = (n + 3) / 4;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t block = 0; block < blocks; block++) {
         const int64_t first = block * 4;
         const int count = n - first < 4 ? (int)(n - first) : 4;  /* a last block's padding rows are not written */
         const uint8_t *w = nibbles + first * groups * 16;
-        const float *s = scales + first * groups, *mins = minimums + first * groups;
+        const uint16_t *s = scales + first * groups, *mins = minimums + first * groups;
         for (int64_t m = 0; m < rows; m += 2) {
             const int pair = rows - m < 2 ? 1 : 2;
             const int8_t *p[2] = {parts + m * k * 2, parts + (m + pair - 1) * k * 2};
             const float *xs[2] = {xscale + m * groups, xscale + (m + pair - 1) * groups};
             const float *xt[2] = {xsum + m * groups, xsum + (m + pair - 1) * groups};
             float *out[2] = {y + m * n + first, y + (m + pair - 1) * n + first};
-            block_of_four(w, s, mins, groups, p, xs, xt, pair, count, out);
+            /* literal 0 and 1: each call inlines a copy with its own inner loop */
+            if (two_parts)
+                block_of_four(w, s, mins, groups, p, xs, xt, pair, count, 1, out);
+            else
+                block_of_four(w, s, mins, groups, p, xs, xt, pair, count, 0, out);
         }
     }
     free(parts); free(xscale); free(xsum);
