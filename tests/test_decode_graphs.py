@@ -15,11 +15,8 @@ def attach_decode_feed(llm: LLM, buckets=(1, 2, 4, 8)) -> DecodeGraphs:
     """Gives a CPU engine's runner the decode feed that a GPU runner captures. Buckets past
     max_num_seqs make more steps padded ones; the token buffer grows to hold them."""
     runner, config = llm.runner, llm.config
-    # The graphs' attention reads every block a table names and masks what lies past the context
-    # (sdpa_decode_attention_in_graph), so it needs a cache that starts zeroed, as a GPU runner
-    # allocates it: the CPU runner leaves its cache uninitialised, and a NaN in a slot nothing
-    # wrote survives its zero weight (0 * NaN) and turns the row's tokens into 0.
-    runner.kv_cache.zero_()
+    # What a CPU cache nothing wrote may hold: the graphs' attention must never read it.
+    runner.kv_cache.fill_(float("nan"))
     runner.sampled = torch.zeros(max(buckets[-1], config.max_num_seqs), dtype=torch.int64)
     runner.decode_graphs = DecodeGraphs(
         runner.model, buckets=list(buckets), max_blocks_per_seq=-(-config.max_model_len // runner.block_size),

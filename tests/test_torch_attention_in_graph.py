@@ -48,5 +48,12 @@ def test_the_graph_decode_matches_the_reference_past_junk_table_entries(heads, k
     context_lens = torch.tensor(lengths, dtype=torch.int32)
     q = torch.randn(len(lengths), heads, head_dim, generator=g)
     expected = paged_decode_attention(q, k_cache, v_cache, tables, context_lens, 0.25)
+    # Every slot no sequence's context covers holds NaN, as a CPU cache nothing wrote may.
+    covered = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        for position in range(length):
+            covered[tables[row, position // block_size].item() * block_size + position % block_size] = True
+    for cache in (k_cache, v_cache):
+        cache.view(num_blocks * block_size, -1)[~covered] = float("nan")
     got = sdpa_decode_attention_in_graph(q, k_cache, v_cache, tables, context_lens, 0.25)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

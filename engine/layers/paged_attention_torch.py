@@ -176,17 +176,23 @@ def store_kv_in_graph(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def sdpa_decode_attention_in_graph(q, k_cache, v_cache, block_tables, context_lens, scale):
     """sdpa_decode_attention for a CUDA graph: every sequence reads its table's whole width (the
-    graph's fixed shape) and masks the positions past its context, all in one batched call. Table
-    entries past a sequence's blocks may hold anything, so they are clamped to a real block: what
-    they point at is masked. A sequence of context 0 would attend to nothing (NaN); the decode
-    graphs pad with context 1."""
+    graph's fixed shape) and masks the positions past its context, all in one batched call. Those
+    positions read the sequence's first slot again, as StepContext's padding does: table entries
+    past a sequence's blocks may hold anything, and slots past its context may never have been
+    written, where a NaN would survive its zero weight (0 * NaN). A sequence of context 0 would
+    attend to nothing (NaN); the decode graphs pad with context 1."""
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     width = block_tables.shape[1]
-    blocks = block_tables.clamp(0, num_blocks - 1).flatten()
-    k = k_cache.index_select(0, blocks).view(batch, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, blocks).view(batch, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    visible = torch.arange(width * block_size, device=q.device)[None, :] < context_lens[:, None]
+    positions = torch.arange(width * block_size, device=q.device)
+    blocks = block_tables.clamp(0, num_blocks - 1).long()
+    slots = (blocks[:, :, None] * block_size + positions[:block_size]).view(batch, -1)
+    visible = positions[None, :] < context_lens[:, None]
+    slots = torch.where(visible, slots, slots[:, :1]).flatten()
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    k = k.view(batch, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.view(batch, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
     grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=visible[:, None, None, :], scale=scale)
     return out.reshape(batch, num_heads, head_dim)
