@@ -12,7 +12,11 @@ import torch
 # $XDG_CACHE_HOME/nvchat. Caches go to one directory per user that outlives the run, as the real one
 # does (a rerun reuses SmolLM2's converted tokenizer); settings and conversations to a fresh one.
 # Tests that need their own directories still set them (tests/app/conftest.py: per test).
-os.environ["XDG_CACHE_HOME"] = str(Path(tempfile.gettempdir()) / f"nvchat-test-cache-{getpass.getuser()}")
+try:
+    _USER = getpass.getuser()
+except (KeyError, OSError):  # a uid with no name (some containers)
+    _USER = str(os.getuid())
+os.environ["XDG_CACHE_HOME"] = str(Path(tempfile.gettempdir()) / f"nvchat-test-cache-{_USER}")
 _RUN_DIR = Path(tempfile.mkdtemp(prefix="nvchat-test-run-"))
 os.environ["XDG_CONFIG_HOME"] = str(_RUN_DIR / "config")
 os.environ["XDG_DATA_HOME"] = str(_RUN_DIR / "data")
