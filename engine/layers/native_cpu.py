@@ -81,6 +81,11 @@ def _library(cache_dir: Path | None):
     try:
         if not target.exists():
             _build(compiler, target)
+            # Builds of other sources (earlier versions of nvchat) go: a process that has one
+            # loaded keeps its mapping.
+            for older in target.parent.glob("q4_1_gemv-*.so"):
+                if older != target:
+                    older.unlink(missing_ok=True)
         library = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"building or loading {target.name} failed: {e}"
