@@ -96,7 +96,7 @@ class ReadOnlyConversation(RuntimeError):
 
 
 # Alternatives: how many replies one request for them may ask for at once.
-MIN_ALTERNATIVES, MAX_ALTERNATIVES = 2, 4
+MIN_ALTERNATIVES, MAX_ALTERNATIVES, DEFAULT_ALTERNATIVES = 2, 4, 3
 
 
 class Conversation:
