@@ -25,6 +25,7 @@ from nvchat import paths, repl_slash_handlers, slash_table, startup_trace
 from nvchat.backend import model_name, open_backend
 from nvchat.conversation import Conversation, Message, first_line
 from nvchat.default_model import GIBBERISH_NOTE
+from nvchat.repl_tools import ReplTools
 from nvchat.settings import Settings
 from nvchat.store import ChatStore
 
@@ -80,6 +81,8 @@ class Repl:
         self.next_line = ""
         self.editing: int | None = None
         self.alternatives: list[Message | None] = []  # the last /alt's replies, for /pick
+        # config.toml's MCP servers, started with the loop (run_async)
+        self.tools = ReplTools(settings.mcp_servers, input=input, output=output) if settings.mcp_servers else None
         self.new_conversation()
         self.session = PromptSession(PROMPT, multiline=True, prompt_continuation=CONTINUATION,
                                      key_bindings=_key_bindings(self._line_cleared), history=history,
@@ -90,6 +93,7 @@ class Repl:
             self.conversation.release()  # another process may write it now
         self.conversation = Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
                                          model_name=self.model_name, settings=self.settings)
+        self.conversation.toolbox = self.tools.tools if self.tools is not None else None
         self._line_cleared()
         self.alternatives = []
         return self.conversation
@@ -117,13 +121,24 @@ class Repl:
             stream.abort()
 
     async def run_async(self) -> int:
+        if self.tools is not None:
+            self.conversation.toolbox = self.tools.start()
         self._print(f"nvchat plain mode · model: {self.model_name}")
         if self.note:
             self._print(f"[{self.note}]")
         self._print("Enter sends · Meta+Enter or Ctrl-J: new line · Ctrl-C stops a reply · /help lists commands")
+        try:
+            return await self._loop()
+        finally:
+            if self.tools is not None:
+                await asyncio.to_thread(self.tools.close)
+
+    async def _loop(self) -> int:
         quit_armed = False
         with self._sigint_as_key():
             while True:
+                for report in self.tools.take_reports() if self.tools is not None else ():
+                    self._print(report)
                 try:
                     line = await self.session.prompt_async(handle_sigint=False, default=self.next_line)
                 except KeyboardInterrupt:
@@ -211,18 +226,34 @@ class Repl:
         return f"[{what} is branch {which}/{count}; /branch prev shows the one before]"
 
     async def _turn(self, start) -> RequestStream | None:
-        """start(): the conversation's call that stores the message and starts the reply."""
+        """start(): the conversation's call that stores the message and starts the reply. A reply
+        that calls tools goes on once they have run (as many rounds as the conversation allows)."""
+        first = None
+        while True:
+            try:
+                stream = start()
+            except (ValueError, RuntimeError, sqlite3.Error) as e:
+                self._print(f"error: {e}")
+                return first
+            first = first or stream
+            self.alternatives = []
+            self.last_stream = stream
+            await self._stream_replies([stream])
+            self._finish(stream, show=True)
+            self._end_reply(stream)
+            if not await self._run_tool_calls():
+                return first
+            start = self.conversation.continue_after_tools
+
+    async def _run_tool_calls(self) -> bool:
+        """True when the last reply's tool calls have all run (or been refused) and it may go on."""
+        if self.tools is None or not self.conversation.pending_tool_calls:
+            return False
         try:
-            stream = start()
-        except (ValueError, RuntimeError, sqlite3.Error) as e:
-            self._print(f"error: {e}")
-            return None
-        self.alternatives = []
-        self.last_stream = stream
-        await self._stream_replies([stream])
-        self._finish(stream, show=True)
-        self._end_reply(stream)
-        return stream
+            return await self.tools.run_calls(self.conversation, self._print)
+        except sqlite3.Error as e:
+            self._print(f"error: the tool's result could not be stored ({e}); the turn ends here")
+            return False
 
     async def alternatives_beside_last_reply(self, count: int) -> list[RequestStream]:
         """count replies at once in place of the last one; the first streams, the others are printed

@@ -2,8 +2,10 @@
 running the demo model. The REPL runs on its own thread; the test types into the pipe and waits
 (bounded) for what the REPL writes to its output stream or stores."""
 import re
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from prompt_toolkit.application import create_app_session
@@ -13,11 +15,14 @@ from prompt_toolkit.output import DummyOutput
 
 from engine import EngineThread
 from nvchat import paths
+from nvchat.conversation import Conversation
 from nvchat.repl import Repl
+from nvchat.repl_tools import DECLINED
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
 from nvchat.store import ChatStore
 
 TIMEOUT_S = 60
+TEST_SERVER = {"test": {"command": sys.executable, "args": [str(Path(__file__).parent / "mcp_test_server.py")]}}
 
 
 @pytest.fixture(scope="module")
@@ -372,6 +377,64 @@ def test_file_goes_into_the_next_message_and_sampling_is_the_chats_own(drive, tm
     d.type("/sampling reset\r")
     d.wait_for(lambda: d.repl.conversation.sampling == {}, "the reset")
     assert d.store.get_conversation(conversation_id).sampling is None, "no values of its own"
+
+
+def force_calls(monkeypatch, name: str, rounds: int) -> None:
+    """The first `rounds` replies of each turn call the tool `name`: the engine's structured output
+    holds the demo model to the call (later replies may call tools or not)."""
+    def tool_choice(self, round_index):
+        return {"type": "function", "function": {"name": name}} if round_index < rounds else "auto"
+    monkeypatch.setattr(Conversation, "tool_choice", tool_choice)
+
+
+def tools_ready(d, *servers: str) -> None:
+    d.wait_for(lambda: all(d.repl.tools.tools.status.get(s) != "starting" for s in servers), "the MCP servers")
+
+
+def stored_roles(d) -> list[str]:
+    return [m.role for m in d.store.load_messages(d.repl.conversation.id)]
+
+
+def test_tool_calls_are_asked_about_run_and_fed_back_and_always_asks_no_more(drive, monkeypatch):
+    force_calls(monkeypatch, "weather", rounds=2)
+    d = drive(max_tokens=96, mcp_servers=TEST_SERVER | {"gone": {"command": "/nonexistent/mcp-server"}})
+    tools_ready(d, "test", "gone")
+    d.type("what is the weather\r")
+    d.wait_for(lambda: d.repl.tools.asking == "weather", "the question about the call")
+    assert re.search(r'\[tool call: weather\(\{"city": "(Paris|Oslo)"\}\)\]', d.out.text)
+    d.type("a\r")  # always: the second round's call runs without a question (none would be answered)
+    d.wait_for(lambda: d.repl.streaming is None and stored_roles(d)[-1:] == ["assistant"] and len(stored_roles(d)) == 6,
+               "the turn's end")
+    assert stored_roles(d) == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    results = [m.content for m in d.store.load_messages(d.repl.conversation.id) if m.role == "tool"]
+    assert all(r in ("Paris: 21 degrees and sunny", "Oslo: 21 degrees and sunny") for r in results)
+    assert d.out.text.count("[result]\n  ") == 2 and results[0] in d.out.text
+    assert d.repl.conversation.messages[-1].content and d.repl.last_stream.finish_reason == "length"
+    d.type("/stats\r")  # a prompt comes back, and the failed server's report with it
+    d.wait_for(lambda: "[MCP server gone could not start:" in d.out.text and "last reply:" in d.out.text,
+               "the failed server's report")
+
+
+def test_a_declined_call_tells_the_model_and_ctrl_c_at_the_question_ends_the_turn(drive, monkeypatch):
+    force_calls(monkeypatch, "weather", rounds=1)
+    d = drive(max_tokens=96, mcp_servers=TEST_SERVER)
+    tools_ready(d, "test")
+    d.type("no\r")
+    d.wait_for(lambda: d.repl.tools.asking == "weather", "the question")
+    d.type("maybe\r")  # not an answer: asked again
+    d.type("n\r")
+    d.wait_for(lambda: len(stored_roles(d)) == 4 and d.repl.streaming is None, "the reply after the refusal")
+    messages = d.store.load_messages(d.repl.conversation.id)
+    assert messages[2].content == DECLINED and messages[2].stats == {"error": True}
+    assert "[declined]" in d.out.text
+
+    d.type("again\r")
+    d.wait_for(lambda: d.repl.tools.asking == "weather", "the second turn's question")
+    d.type("\x03")
+    d.wait_for(lambda: "[not run; the turn ends here]" in d.out.text, "the turn ended at the question")
+    assert stored_roles(d) == ["user", "assistant", "tool", "assistant", "user", "assistant", "tool"]
+    d.type("/rename still here\r")
+    d.wait_for(lambda: "renamed to still here" in d.out.text, "the REPL going on")
 
 
 def test_every_repl_command_has_a_handler():
