@@ -65,6 +65,8 @@ class Message:
 # Replies in a row that may call tools; the next is offered none, so that a model calling tools
 # again and again still answers the user.
 MAX_TOOL_ROUNDS = 5
+# A streaming reply is stored this often (and when it ends): what a kill of the process can lose.
+SAVE_EVERY_S = 2.0
 NOT_RUN = "(the tool was not run: the conversation went on without its result)"
 
 

@@ -23,7 +23,7 @@ from engine import RequestStream
 from engine.backend import Backend
 from nvchat import paths, repl_slash_handlers, slash_table, startup_trace
 from nvchat.backend import model_name, open_backend
-from nvchat.conversation import Conversation, Message, first_line
+from nvchat.conversation import SAVE_EVERY_S, Conversation, Message, first_line
 from nvchat.default_model import GIBBERISH_NOTE
 from nvchat.repl_tools import ReplTools
 from nvchat.settings import Settings
@@ -264,6 +264,7 @@ class Repl:
             self._print(f"error: {e}")
             return []
         self.last_stream = streams[0]
+        self._print(f"[alternative 1 of {count}]")
         await self._stream_replies(streams)
         self.alternatives = [self._finish(stream, show=number == 1) for number, stream in enumerate(streams, 1)]
         self._end_reply(streams[0])
@@ -319,8 +320,17 @@ class Repl:
             async for _ in stream:
                 pass
 
+        async def save_every_few_seconds() -> None:
+            # What a kill of the process can lose: the last few seconds of each reply, not all of it.
+            while True:
+                await asyncio.sleep(SAVE_EVERY_S)
+                for stream in streams:
+                    if stream.finish_reason is None:
+                        self._save_so_far(stream)
+
         self.streaming, self._streaming_all = shown, streams
         others = [asyncio.ensure_future(drain(stream)) for stream in streams[1:]]
+        saver = asyncio.ensure_future(save_every_few_seconds())
         try:
             with keyboard.raw_mode(), keyboard.attach(lambda: take_keys(keyboard.read_keys())):
                 # Keys that arrived with the message (sent in the same read) are already parsed.
@@ -331,9 +341,15 @@ class Repl:
                         self.out.flush()
                 await asyncio.gather(*others)
         finally:
-            for task in others:
+            for task in (*others, saver):
                 task.cancel()
             self.streaming, self._streaming_all = None, []
+
+    def _save_so_far(self, stream: RequestStream) -> None:
+        try:
+            self.conversation.save_reply_so_far(stream)
+        except sqlite3.Error as e:  # said once the reply ends, when storing it fails the same way
+            self._print(f"\n[the reply so far could not be stored: {e}]")
 
 
 def run_repl(settings: Settings) -> int:

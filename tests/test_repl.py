@@ -166,6 +166,25 @@ def test_ctrl_c_stops_the_reply(drive):
     assert d.thread.is_alive(), "stopping a reply does not quit"
 
 
+def test_a_reply_is_stored_while_it_streams(drive):
+    # Greedy on the demo model this prompt runs to max_tokens: seconds of streaming on CPU.
+    d = drive(max_tokens=2000, system_prompt=DEFAULT_SYSTEM_PROMPT)
+    d.type("x\r")
+    d.wait_for(lambda: d.repl.streaming is not None, "the reply to start")
+
+    def stored_so_far():
+        conversation_id = d.repl.conversation.id
+        rows = d.store.load_messages(conversation_id) if conversation_id is not None else []
+        return [r for r in rows if r.role == "assistant"]
+    d.wait_for(lambda: stored_so_far(), "the reply stored before it ends")
+    [row] = stored_so_far()
+    assert not row.complete and row.content and d.repl.streaming is not None, "stored while it streams"
+    d.type("\x03")
+    d.wait_for_messages(2)
+    [row] = stored_so_far()
+    assert row.content == d.repl.last_stream.text and row.stats["finish_reason"] == "abort"
+
+
 def test_system_command_changes_the_next_turn(drive, engine):
     d = drive(max_tokens=4)
     d.type("hello\r")

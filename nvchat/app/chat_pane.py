@@ -41,14 +41,19 @@ from nvchat.app.message_view import AlternativesView, QueuedMessageView, ReplyVi
 from nvchat.app.prompt_input import PromptInput
 from nvchat.app.tool_views import ToolCallView
 from nvchat.attachments import AttachmentError, attach
-from nvchat.conversation import DEFAULT_ALTERNATIVES, Conversation, Message, first_line, reply_stats
+from nvchat.conversation import (
+    DEFAULT_ALTERNATIVES,
+    SAVE_EVERY_S,
+    Conversation,
+    Message,
+    first_line,
+    reply_stats,
+)
 from nvchat.slash_table import as_typed
 
 Background = Callable[..., Awaitable]
 _DEFAULT_TITLE = "New chat"
 _AUTO_TITLE_CHARS = 40
-# A streaming reply is stored this often (and when it ends): what a kill of the process can lose.
-SAVE_EVERY_S = 2.0
 
 
 class Activity(NamedTuple):
