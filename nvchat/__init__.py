@@ -10,8 +10,9 @@ The package is layered: a module imports only from its own layer and the layers 
     conversation, export, attachments, backend, remote_backend
         one chat, its Markdown export, files added to its messages, and what it runs on: the
         in-process engine or a remote server
-    app, repl, repl_slash_handlers, pipe, server
-        the front-ends: the Textual app, the plain REPL and its slash commands, pipe mode, `nvchat serve`
+    app, repl, repl_slash_handlers, repl_tools, pipe, server
+        the front-ends: the Textual app, the plain REPL with its slash commands and tool calls, pipe
+        mode, `nvchat serve`
     cli
         the `nvchat` command, which picks a front-end
 

@@ -65,6 +65,8 @@ class Message:
 # Replies in a row that may call tools; the next is offered none, so that a model calling tools
 # again and again still answers the user.
 MAX_TOOL_ROUNDS = 5
+# A streaming reply is stored this often (and when it ends): what a kill of the process can lose.
+SAVE_EVERY_S = 2.0
 NOT_RUN = "(the tool was not run: the conversation went on without its result)"
 
 
@@ -96,7 +98,7 @@ class ReadOnlyConversation(RuntimeError):
 
 
 # Alternatives: how many replies one request for them may ask for at once.
-MIN_ALTERNATIVES, MAX_ALTERNATIVES = 2, 4
+MIN_ALTERNATIVES, MAX_ALTERNATIVES, DEFAULT_ALTERNATIVES = 2, 4, 3
 
 
 class Conversation:

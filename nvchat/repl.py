@@ -5,6 +5,7 @@ mode, so Ctrl-C arrives as a key, not a signal): Ctrl-C aborts the reply, and an
 is kept as typeahead for the next prompt. That also makes Ctrl-C deliverable from a pipe input.
 """
 import asyncio
+import inspect
 import signal
 import sqlite3
 import sys
@@ -22,8 +23,9 @@ from engine import RequestStream
 from engine.backend import Backend
 from nvchat import paths, repl_slash_handlers, slash_table, startup_trace
 from nvchat.backend import model_name, open_backend
-from nvchat.conversation import Conversation, first_line
+from nvchat.conversation import SAVE_EVERY_S, Conversation, Message, first_line
 from nvchat.default_model import GIBBERISH_NOTE
+from nvchat.repl_tools import ReplTools
 from nvchat.settings import Settings
 from nvchat.store import ChatStore
 
@@ -32,7 +34,8 @@ CONTINUATION = ". "
 _INTERRUPT_KEYS = (Keys.ControlC, Keys.SIGINT)
 
 
-def _key_bindings() -> KeyBindings:
+def _key_bindings(on_clear) -> KeyBindings:
+    """on_clear: called when Ctrl-C empties the line (an edit or an added file is given up)."""
     kb = KeyBindings()
 
     @kb.add("enter")
@@ -50,6 +53,7 @@ def _key_bindings() -> KeyBindings:
         buffer = event.current_buffer
         if buffer.text:
             buffer.reset()
+            on_clear()
         else:
             event.app.exit(exception=KeyboardInterrupt())
 
@@ -69,18 +73,34 @@ class Repl:
         self.model_name = model_name or settings.model_name
         self.note = note
         self.last_stream: RequestStream | None = None
-        self.streaming: RequestStream | None = None
+        self.streaming: RequestStream | None = None  # the reply being shown as it streams
+        self._streaming_all: list[RequestStream] = []  # it and the alternatives generated beside it
         self.conversation: Conversation | None = None
+        # What the next prompt starts with (/edit's message, /file's blocks), and the message that
+        # line replaces when sent (/edit): both given up when Ctrl-C clears the line.
+        self.next_line = ""
+        self.editing: int | None = None
+        self.alternatives: list[Message | None] = []  # the last /alt's replies, for /pick
+        # config.toml's MCP servers, started with the loop (run_async)
+        self.tools = ReplTools(settings.mcp_servers, input=input, output=output) if settings.mcp_servers else None
         self.new_conversation()
         self.session = PromptSession(PROMPT, multiline=True, prompt_continuation=CONTINUATION,
-                                     key_bindings=_key_bindings(), history=history, input=input, output=output)
+                                     key_bindings=_key_bindings(self._line_cleared), history=history,
+                                     input=input, output=output)
 
     def new_conversation(self) -> Conversation:
         if self.conversation is not None:
             self.conversation.release()  # another process may write it now
         self.conversation = Conversation(self.engine, self.store, system_prompt=self.settings.system_prompt,
                                          model_name=self.model_name, settings=self.settings)
+        self.conversation.toolbox = self.tools.tools if self.tools is not None else None
+        self._line_cleared()
+        self.alternatives = []
         return self.conversation
+
+    def _line_cleared(self) -> None:
+        self.next_line = ""
+        self.editing = None
 
     def _print(self, text: str = "") -> None:
         self.out.write(text + "\n")
@@ -93,20 +113,34 @@ class Repl:
         try:
             return asyncio.run(self.run_async())
         except KeyboardInterrupt:
-            if self.streaming is not None:
-                self.streaming.abort()
+            self._abort_replies()
             return 130
 
+    def _abort_replies(self) -> None:
+        for stream in self._streaming_all:
+            stream.abort()
+
     async def run_async(self) -> int:
+        if self.tools is not None:
+            self.conversation.toolbox = self.tools.start()
         self._print(f"nvchat plain mode · model: {self.model_name}")
         if self.note:
             self._print(f"[{self.note}]")
         self._print("Enter sends · Meta+Enter or Ctrl-J: new line · Ctrl-C stops a reply · /help lists commands")
+        try:
+            return await self._loop()
+        finally:
+            if self.tools is not None:
+                await asyncio.to_thread(self.tools.close)
+
+    async def _loop(self) -> int:
         quit_armed = False
         with self._sigint_as_key():
             while True:
+                for report in self.tools.take_reports() if self.tools is not None else ():
+                    self._print(report)
                 try:
-                    line = await self.session.prompt_async(handle_sigint=False)
+                    line = await self.session.prompt_async(handle_sigint=False, default=self.next_line)
                 except KeyboardInterrupt:
                     if quit_armed:
                         break
@@ -116,19 +150,28 @@ class Repl:
                 except EOFError:
                     break
                 quit_armed = False
+                self.next_line = ""
                 text = line.strip()
                 if not text:
                     continue
                 invocation = slash_table.parse(text, slash_table.REPL)
                 if invocation is not None:
+                    if self.editing is not None and invocation.name != "edit":
+                        self.editing = None
+                        self._print("[the edit is given up]")
                     try:
                         message = repl_slash_handlers.dispatch(self, invocation)
+                        if inspect.isawaitable(message):  # a command that streams a reply
+                            message = await message
                     except repl_slash_handlers.QuitRepl:
                         break
                     except (OSError, ValueError, sqlite3.Error) as e:  # /save to a bad path, a locked store
                         message = f"error: {e}"
                     if message:
                         self._print(message)
+                elif self.editing is not None:
+                    index, self.editing = self.editing, None
+                    await self.edit(index, slash_table.message_text(text))
                 else:
                     await self.ask(slash_table.message_text(text))
         return 0
@@ -149,7 +192,7 @@ class Repl:
 
     def _on_sigint(self) -> None:
         if self.streaming is not None:
-            self.streaming.abort()
+            self._abort_replies()
         elif self.session.app.is_running:
             self.session.app.key_processor.send_sigint()
         else:  # between prompts: the next prompt takes it as its first key
@@ -162,17 +205,87 @@ class Repl:
         conversation = self.conversation
         if not conversation.messages and conversation.title == "New chat":  # not after a /rename
             conversation.title = first_line(text, 60) or "New chat"
+        return await self._turn(lambda: conversation.send(text))
+
+    async def edit(self, index: int, text: str) -> RequestStream | None:
+        """Sends text in place of the user message at messages[index], as a new branch beside it."""
+        stream = await self._turn(lambda: self.conversation.edit(index, text))
+        if stream is not None:
+            self._print(self._branch_note(index, "your message"))
+        return stream
+
+    async def regenerate(self) -> RequestStream | None:
+        """A new reply beside the last one (kept as a branch)."""
+        stream = await self._turn(self.conversation.regenerate)
+        if stream is not None:
+            self._print(self._branch_note(len(self.conversation.messages) - 1, "the reply"))
+        return stream
+
+    def _branch_note(self, index: int, what: str) -> str:
+        which, count = self.conversation.branch_position(self.conversation.messages[index])
+        return f"[{what} is branch {which}/{count}; /branch prev shows the one before]"
+
+    async def _turn(self, start) -> RequestStream | None:
+        """start(): the conversation's call that stores the message and starts the reply. A reply
+        that calls tools goes on once they have run (as many rounds as the conversation allows)."""
+        first = None
+        while True:
+            try:
+                stream = start()
+            except (ValueError, RuntimeError, sqlite3.Error) as e:
+                self._print(f"error: {e}")
+                return first
+            first = first or stream
+            self.alternatives = []
+            self.last_stream = stream
+            await self._stream_replies([stream])
+            self._finish(stream, show=True)
+            self._end_reply(stream)
+            if not await self._run_tool_calls():
+                return first
+            start = self.conversation.continue_after_tools
+
+    async def _run_tool_calls(self) -> bool:
+        """True when the last reply's tool calls have all run (or been refused) and it may go on."""
+        if self.tools is None or not self.conversation.pending_tool_calls:
+            return False
         try:
-            stream = conversation.send(text)
+            return await self.tools.run_calls(self.conversation, self._print)
+        except sqlite3.Error as e:
+            self._print(f"error: the tool's result could not be stored ({e}); the turn ends here")
+            return False
+
+    async def alternatives_beside_last_reply(self, count: int) -> list[RequestStream]:
+        """count replies at once in place of the last one; the first streams, the others are printed
+        as they are when all have ended. Each is stored; /pick N keeps another as the one shown."""
+        try:
+            streams = self.conversation.regenerate(alternatives=count)
         except (ValueError, RuntimeError, sqlite3.Error) as e:
             self._print(f"error: {e}")
-            return None
-        self.last_stream = stream
-        await self._stream_reply(stream)
+            return []
+        self.last_stream = streams[0]
+        self._print(f"[alternative 1 of {count}]")
+        await self._stream_replies(streams)
+        self.alternatives = [self._finish(stream, show=number == 1) for number, stream in enumerate(streams, 1)]
+        self._end_reply(streams[0])
+        for number, stream in enumerate(streams[1:], 2):
+            self._print(f"[alternative {number} of {count}]")
+            if stream.text:
+                self.out.write(stream.text)
+            self._end_reply(stream)
+        self._print(f"[alternative 1 of {count} is the reply shown; /pick N keeps another, and the others "
+                    "stay as branches]")
+        return streams
+
+    def _finish(self, stream: RequestStream, show: bool) -> Message | None:
         try:
-            conversation.finish_reply(stream)
+            return self.conversation.finish_reply(stream, show=show)
         except sqlite3.Error as e:
             self._print(f"error: the reply could not be stored ({e}); /save still writes it to a file")
+            return None
+
+    def _end_reply(self, stream: RequestStream) -> None:
+        """Ends the reply's text with a new line, and says how it ended where it did not end by itself."""
         if stream.text and not stream.text.endswith("\n"):
             self.out.write("\n")
         footer = {"abort": f"[stopped after {stream.num_completion_tokens} tokens]",
@@ -181,27 +294,62 @@ class Repl:
         if footer:
             self._print(footer)
         self.out.flush()
-        return stream
 
-    async def _stream_reply(self, stream: RequestStream) -> None:
+    def print_messages(self, messages: list[Message]) -> None:
+        """Messages as the REPL showed them when they were sent: the user's after the prompt."""
+        for message in messages:
+            if message.role == "user":
+                self._print(PROMPT + message.content.replace("\n", "\n" + CONTINUATION))
+            elif message.role == "tool":
+                call = message.answered_call
+                self._print(f"[result of {call['function']['name'] if call else 'a tool'}]")
+            elif message.content:
+                self._print(message.content.rstrip("\n"))
+
+    async def _stream_replies(self, streams: list[RequestStream]) -> None:
+        """Streams the first reply to `out` until every one has ended; Ctrl-C stops them all."""
         keyboard = self.session.input
+        shown = streams[0]
 
         def take_keys(keys) -> None:
             if any(k.key in _INTERRUPT_KEYS for k in keys):
-                stream.abort()
+                self._abort_replies()
             store_typeahead(keyboard, [k for k in keys if k.key not in _INTERRUPT_KEYS])
 
-        self.streaming = stream
+        async def drain(stream: RequestStream) -> None:
+            async for _ in stream:
+                pass
+
+        async def save_every_few_seconds() -> None:
+            # What a kill of the process can lose: the last few seconds of each reply, not all of it.
+            while True:
+                await asyncio.sleep(SAVE_EVERY_S)
+                for stream in streams:
+                    if stream.finish_reason is None:
+                        self._save_so_far(stream)
+
+        self.streaming, self._streaming_all = shown, streams
+        others = [asyncio.ensure_future(drain(stream)) for stream in streams[1:]]
+        saver = asyncio.ensure_future(save_every_few_seconds())
         try:
             with keyboard.raw_mode(), keyboard.attach(lambda: take_keys(keyboard.read_keys())):
                 # Keys that arrived with the message (sent in the same read) are already parsed.
                 take_keys(get_typeahead(keyboard))
-                async for delta in stream:
+                async for delta in shown:
                     if delta.text:
                         self.out.write(delta.text)
                         self.out.flush()
+                await asyncio.gather(*others)
         finally:
-            self.streaming = None
+            for task in (*others, saver):
+                task.cancel()
+            self.streaming, self._streaming_all = None, []
+
+    def _save_so_far(self, stream: RequestStream) -> None:
+        try:
+            self.conversation.save_reply_so_far(stream)
+        except sqlite3.Error as e:  # said once the reply ends, when storing it fails the same way
+            self._print(f"\n[the reply so far could not be stored: {e}]")
 
 
 def run_repl(settings: Settings) -> int:

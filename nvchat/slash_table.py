@@ -24,19 +24,15 @@ COMMANDS: tuple[Command, ...] = (
     Command("rename", "/rename TITLE", "retitle the conversation"),
     Command("stats", "/stats", "KV cache, prefix cache and last reply numbers"),
     Command("save", "/save [PATH]", "export the conversation as Markdown and show the file's path"),
-    Command("file", "/file [PATH]", "add a text file to the message being written (no PATH: pick one)",
-            app_only=True),
-    Command("sampling", "/sampling", "this chat's temperature, top-p, top-k and max tokens", app_only=True),
+    Command("file", "/file [PATH]", "add a text file to the message being written (the app: no PATH picks one)"),
+    Command("sampling", "/sampling [NAME=VALUE...]", "this chat's temperature, top-p, top-k, max tokens... "
+            "(the app: a dialog)"),
     Command("stop", "/stop", "stop the reply being generated", app_only=True),
-    Command("regenerate", "/regenerate", "a new reply beside the selected (or last) one, kept as a branch",
-            app_only=True),
-    Command("edit", "/edit", "put the selected (or your last) message in the box: sent, it makes a branch",
-            app_only=True),
-    Command("branch", "/branch [N|next|prev]", "show another branch of the selected (or latest branching) message",
-            app_only=True),
-    Command("alt", "/alt [N]", "N replies at once (2-4, default 3) to the message in the box, or beside the last reply",
-            app_only=True),
-    Command("pick", "/pick N", "keep alternative N as the branch shown (the others stay as branches)", app_only=True),
+    Command("regenerate", "/regenerate", "a new reply beside the selected (or last) one, kept as a branch"),
+    Command("edit", "/edit", "put the selected (or your last) message in the box: sent, it makes a branch"),
+    Command("branch", "/branch [N|next|prev]", "show another branch of the selected (or latest branching) message"),
+    Command("alt", "/alt [N]", "N replies at once (2-4, default 3) to the message in the box, or beside the last reply"),
+    Command("pick", "/pick N", "keep alternative N as the branch shown (the others stay as branches)"),
     Command("quit", "/quit", "leave (conversations are already stored)", aliases=("exit", "q")),
 )
 
@@ -132,3 +128,18 @@ def format_stats(snap, last_stream=None) -> str:
             + (f" ({last_stream.finish_reason})" if last_stream.finish_reason else ""))
     return "\n".join(lines)
 
+
+def sampling_changes(arg: str, defaults: dict) -> dict:
+    """/sampling's NAME=VALUE words as values (top-p and top_p alike); ValueError names a bad word.
+    defaults: the chat's values, whose types the new ones take."""
+    changes = {}
+    for word in arg.split():
+        name, equals, text = word.partition("=")
+        name = name.lower().replace("-", "_")
+        if not equals or name not in defaults:
+            raise ValueError(f"/sampling takes NAME=VALUE, NAME one of {', '.join(defaults)}; not {word!r}")
+        try:
+            changes[name] = int(text) if isinstance(defaults[name], int) else float(text)
+        except ValueError:
+            raise ValueError(f"{name}: {text!r} is not a number") from None
+    return changes

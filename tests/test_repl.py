@@ -2,8 +2,10 @@
 running the demo model. The REPL runs on its own thread; the test types into the pipe and waits
 (bounded) for what the REPL writes to its output stream or stores."""
 import re
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from prompt_toolkit.application import create_app_session
@@ -13,11 +15,14 @@ from prompt_toolkit.output import DummyOutput
 
 from engine import EngineThread
 from nvchat import paths
+from nvchat.conversation import Conversation
 from nvchat.repl import Repl
+from nvchat.repl_tools import DECLINED
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
 from nvchat.store import ChatStore
 
 TIMEOUT_S = 60
+TEST_SERVER = {"test": {"command": sys.executable, "args": [str(Path(__file__).parent / "mcp_test_server.py")]}}
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +166,25 @@ def test_ctrl_c_stops_the_reply(drive):
     assert d.thread.is_alive(), "stopping a reply does not quit"
 
 
+def test_a_reply_is_stored_while_it_streams(drive):
+    # Greedy on the demo model this prompt runs to max_tokens: seconds of streaming on CPU.
+    d = drive(max_tokens=2000, system_prompt=DEFAULT_SYSTEM_PROMPT)
+    d.type("x\r")
+    d.wait_for(lambda: d.repl.streaming is not None, "the reply to start")
+
+    def stored_so_far():
+        conversation_id = d.repl.conversation.id
+        rows = d.store.load_messages(conversation_id) if conversation_id is not None else []
+        return [r for r in rows if r.role == "assistant"]
+    d.wait_for(lambda: stored_so_far(), "the reply stored before it ends")
+    [row] = stored_so_far()
+    assert not row.complete and row.content and d.repl.streaming is not None, "stored while it streams"
+    d.type("\x03")
+    d.wait_for_messages(2)
+    [row] = stored_so_far()
+    assert row.content == d.repl.last_stream.text and row.stats["finish_reason"] == "abort"
+
+
 def test_system_command_changes_the_next_turn(drive, engine):
     d = drive(max_tokens=4)
     d.type("hello\r")
@@ -232,11 +256,11 @@ def test_double_slash_sends_a_leading_slash_and_rename_and_app_commands(drive):
     assert d.repl.conversation.messages[0].content == "/etc/hosts is a path"
     assert d.repl.conversation.title == "Slash talk", "the first message does not retitle a renamed chat"
     assert [c.title for c in d.store.list_conversations()] == ["Slash talk"]
-    d.type("/regenerate\r")
-    d.wait_for(lambda: "/regenerate is an app command" in d.out.text, "the app-only notice")
+    d.type("/stop\r")
+    d.wait_for(lambda: "/stop is an app command" in d.out.text, "the app-only notice")
     d.type("/help\r")
     d.wait_for(lambda: "/rename TITLE" in d.out.text and "keys:" in d.out.text, "/help")
-    assert "/regenerate " not in d.out.text[d.out.text.index("commands:"):], "/help lists the REPL's commands"
+    assert "/stop " not in d.out.text[d.out.text.index("commands:"):], "/help lists the REPL's commands"
     assert len(d.repl.conversation.messages) == 2
 
 
@@ -250,6 +274,186 @@ def test_second_ctrl_c_at_an_empty_prompt_quits(drive):
     d.thread.join(TIMEOUT_S)
     assert not d.thread.is_alive() and d.exit_code == 0
     assert d.repl.conversation.messages == [] and d.out.text.count("press Ctrl-C again") == 1
+
+
+def stored_tree(d) -> list[tuple[str, str, int | None]]:
+    """Every message of the conversation in the store, every branch: (role, text, parent row)."""
+    return [(m.role, m.content, m.parent_id) for m in d.store.load_messages(d.repl.conversation.id)]
+
+
+def test_regenerate_branch_and_edit_keep_every_message(drive):
+    d = drive(temperature=0.9, max_tokens=8)
+    d.type("hello\r")
+    d.wait_for_messages(2)
+    first_reply = d.repl.conversation.messages[1]
+
+    d.type("/regenerate\r")
+    d.wait_for(lambda: "[the reply is branch 2/2" in d.out.text, "/regenerate's note")
+    conversation = d.repl.conversation
+    second_reply = conversation.messages[1]
+    assert len(conversation.messages) == 2 and second_reply is not first_reply
+    assert conversation.siblings(second_reply) == [first_reply, second_reply]
+
+    mark = len(d.out.text)
+    d.type("/branch prev\r")
+    d.wait_for(lambda: "[branch 1/2 of message 2]" in d.out.text, "/branch's note")
+    assert d.repl.conversation.messages[1] is first_reply
+    assert first_reply.content.rstrip("\n") in d.out.text[mark:], "the branch switched to is printed"
+
+    d.type("/edit\r")
+    d.wait_for(lambda: "editing your last message" in d.out.text, "/edit's note")
+    d.type(" there\r")  # the prompt starts with the message: typing goes on after it
+    d.wait_for(lambda: "[your message is branch 2/2" in d.out.text, "the edit's note")
+    messages = d.repl.conversation.messages
+    assert [m.content for m in messages][0] == "hello there" and len(messages) == 2
+
+    roles = [(role, text) for role, text, _ in stored_tree(d)]
+    assert roles.count(("user", "hello")) == 1 and ("user", "hello there") in roles and len(roles) == 5, \
+        "every branch stays in the store"
+
+    # Ctrl-C clearing the line gives the edit up: the next line is a new message, not an edit.
+    d.type("/edit\r")
+    d.wait_for(lambda: d.out.text.count("editing your last message") == 2, "the second /edit")
+    d.type("\x03")
+    d.type("new turn\r")
+    d.wait_for_messages(4)
+    assert [m.content for m in d.repl.conversation.messages][::2] == ["hello there", "new turn"]
+
+
+def test_alternatives_come_at_once_and_pick_keeps_one(drive):
+    d = drive(temperature=1.0, max_tokens=6)
+    d.type("/alt 3\r")
+    d.wait_for(lambda: "error: nothing to regenerate" in d.out.text, "the refusal with no message yet")
+    d.type("hi\r")
+    d.wait_for_messages(2)
+    d.type("/alt 3\r")
+    d.wait_for(lambda: "/pick N keeps another" in d.out.text, "the alternatives")
+    out = d.out.text
+    assert out.index("[alternative 2 of 3]") < out.index("[alternative 3 of 3]")
+    alternatives = d.repl.alternatives
+    conversation = d.repl.conversation
+    assert len(alternatives) == 3 and conversation.messages[-1] is alternatives[0]
+    assert conversation.siblings(alternatives[0])[-3:] == alternatives
+
+    d.type("/pick 3\r")
+    d.wait_for(lambda: "alternative 3 is the reply shown now" in d.out.text, "/pick's note")
+    assert conversation.messages[-1] is alternatives[2]
+    d.type("/pick 9\r")
+    d.wait_for(lambda: "no alternative '9' to pick" in d.out.text, "/pick's refusal")
+    d.type("/alt 7\r")
+    d.wait_for(lambda: "/alt takes how many replies: 2 to 4, not '7'" in d.out.text, "/alt's refusal")
+
+    # The next turn follows the reply picked.
+    d.type("more\r")
+    d.wait_for_messages(4)
+    assert d.repl.conversation.messages[1] is alternatives[2]
+    assert stored_tree(d)[-2][2] == alternatives[2].id, "the new message answers the reply picked"
+
+
+def test_ctrl_c_stops_every_alternative(drive):
+    d = drive(temperature=1.0, max_tokens=2000, system_prompt=DEFAULT_SYSTEM_PROMPT)
+    d.type("x\r")
+    d.wait_for(lambda: d.repl.streaming is not None, "the first reply to start")
+    d.type("\x03")
+    d.wait_for_messages(2)
+    mark = len(d.out.text)
+    d.type("/alt 2\r")
+    d.wait_for(lambda: len(d.out.text) > mark + 16, "the alternatives to start streaming")
+    d.type("\x03")
+    d.wait_for(lambda: "/pick N keeps another" in d.out.text, "the alternatives' end")
+    assert [m.stats["finish_reason"] for m in d.repl.alternatives] == ["abort", "abort"]
+    assert d.out.text.count("[stopped after") == 3
+
+
+def test_file_goes_into_the_next_message_and_sampling_is_the_chats_own(drive, tmp_path):
+    d = drive()
+    notes = tmp_path / "notes.py"
+    notes.write_text("print(42)\n")
+    d.type(f"/file {notes}\r")
+    d.wait_for(lambda: "is in the next message" in d.out.text, "/file's note")
+    assert re.search(r"notes\.py \(\d+ tokens\) is in the next message", d.out.text)
+    d.type("what does it print?\r")
+    d.wait_for_messages(2)
+    sent = d.repl.conversation.messages[0].content
+    assert sent == f"{notes}:\n```py\nprint(42)\n```\nwhat does it print?"
+
+    (tmp_path / "blob").write_bytes(b"\x00\x01")
+    d.type(f"/file {tmp_path / 'blob'}\r")
+    d.wait_for(lambda: "is a binary file, not text" in d.out.text, "/file's refusal")
+    d.type("/file\r")
+    d.wait_for(lambda: "usage: /file PATH" in d.out.text, "/file's usage")
+
+    d.type("/sampling temperature=0.3 top-k=5\r")
+    d.wait_for(lambda: "temperature 0.3 (this chat's)" in d.out.text, "/sampling's values")
+    assert "top_k 5 (this chat's)" in d.out.text and "top_p 0.95," in d.out.text
+    conversation_id = d.repl.conversation.id
+    assert d.store.get_conversation(conversation_id).sampling == {"temperature": 0.3, "top_k": 5}
+    d.type("/sampling top_p=2\r")
+    d.wait_for(lambda: "error: top_p" in d.out.text, "the bad value's error")
+    d.type("/sampling warmth=3\r")
+    d.wait_for(lambda: "not 'warmth=3'" in d.out.text, "the unknown name's error")
+    assert d.repl.conversation.sampling == {"temperature": 0.3, "top_k": 5}
+    d.type("/sampling reset\r")
+    d.wait_for(lambda: d.repl.conversation.sampling == {}, "the reset")
+    assert d.store.get_conversation(conversation_id).sampling is None, "no values of its own"
+
+
+def force_calls(monkeypatch, name: str, rounds: int) -> None:
+    """The first `rounds` replies of each turn call the tool `name`: the engine's structured output
+    holds the demo model to the call (later replies may call tools or not)."""
+    def tool_choice(self, round_index):
+        return {"type": "function", "function": {"name": name}} if round_index < rounds else "auto"
+    monkeypatch.setattr(Conversation, "tool_choice", tool_choice)
+
+
+def tools_ready(d, *servers: str) -> None:
+    d.wait_for(lambda: all(d.repl.tools.tools.status.get(s) != "starting" for s in servers), "the MCP servers")
+
+
+def stored_roles(d) -> list[str]:
+    return [m.role for m in d.store.load_messages(d.repl.conversation.id)]
+
+
+def test_tool_calls_are_asked_about_run_and_fed_back_and_always_asks_no_more(drive, monkeypatch):
+    force_calls(monkeypatch, "weather", rounds=2)
+    d = drive(max_tokens=96, mcp_servers=TEST_SERVER | {"gone": {"command": "/nonexistent/mcp-server"}})
+    tools_ready(d, "test", "gone")
+    d.type("what is the weather\r")
+    d.wait_for(lambda: d.repl.tools.asking == "weather", "the question about the call")
+    assert re.search(r'\[tool call: weather\(\{"city": "(Paris|Oslo)"\}\)\]', d.out.text)
+    d.type("a\r")  # always: the second round's call runs without a question (none would be answered)
+    d.wait_for(lambda: d.repl.streaming is None and stored_roles(d)[-1:] == ["assistant"] and len(stored_roles(d)) == 6,
+               "the turn's end")
+    assert stored_roles(d) == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    results = [m.content for m in d.store.load_messages(d.repl.conversation.id) if m.role == "tool"]
+    assert all(r in ("Paris: 21 degrees and sunny", "Oslo: 21 degrees and sunny") for r in results)
+    assert d.out.text.count("[result]\n  ") == 2 and results[0] in d.out.text
+    assert d.repl.conversation.messages[-1].content and d.repl.last_stream.finish_reason == "length"
+    d.type("/stats\r")  # a prompt comes back, and the failed server's report with it
+    d.wait_for(lambda: "[MCP server gone could not start:" in d.out.text and "last reply:" in d.out.text,
+               "the failed server's report")
+
+
+def test_a_declined_call_tells_the_model_and_ctrl_c_at_the_question_ends_the_turn(drive, monkeypatch):
+    force_calls(monkeypatch, "weather", rounds=1)
+    d = drive(max_tokens=96, mcp_servers=TEST_SERVER)
+    tools_ready(d, "test")
+    d.type("no\r")
+    d.wait_for(lambda: d.repl.tools.asking == "weather", "the question")
+    d.type("maybe\r")  # not an answer: asked again
+    d.type("n\r")
+    d.wait_for(lambda: len(stored_roles(d)) == 4 and d.repl.streaming is None, "the reply after the refusal")
+    messages = d.store.load_messages(d.repl.conversation.id)
+    assert messages[2].content == DECLINED and messages[2].stats == {"error": True}
+    assert "[declined]" in d.out.text
+
+    d.type("again\r")
+    d.wait_for(lambda: d.repl.tools.asking == "weather", "the second turn's question")
+    d.type("\x03")
+    d.wait_for(lambda: "[not run; the turn ends here]" in d.out.text, "the turn ended at the question")
+    assert stored_roles(d) == ["user", "assistant", "tool", "assistant", "user", "assistant", "tool"]
+    d.type("/rename still here\r")
+    d.wait_for(lambda: "renamed to still here" in d.out.text, "the REPL going on")
 
 
 def test_every_repl_command_has_a_handler():

@@ -12,6 +12,8 @@ from typing import Callable
 
 from textual.screen import ModalScreen
 
+from engine import SamplingParams
+
 from nvchat import paths
 from nvchat.app.bindings import APP_KEYS, SLASH_ACTIONS
 from nvchat.app.chat_pane import ChatPane
@@ -31,7 +33,7 @@ from nvchat.app.tool_rounds import ToolRounds
 from nvchat.conversation import MAX_ALTERNATIVES, MIN_ALTERNATIVES, Conversation
 from nvchat.export import export_markdown, save_markdown_to
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings, save_setting
-from nvchat.slash_table import format_stats
+from nvchat.slash_table import format_stats, sampling_changes
 
 _BOUND_ACTIONS = {spec.action.partition("(")[0] for spec in APP_KEYS}  # names, as check_action gets them
 # Actions that need a started engine and the chat screen on top.
@@ -266,6 +268,8 @@ class ChatActions:
             self.run_worker(pane.rename(arg))
         elif name == "file" and arg:
             self.run_worker(pane.attach_file(arg, typed=f"/file {arg}"))
+        elif name == "sampling" and arg:
+            self._sampling_command(pane, arg)
         elif name == "save" and arg:
             self.run_worker(self.export(pane.conversation, Path(arg).expanduser()))
         elif name == "stop" and not (pane.busy or pane.editing):
@@ -287,6 +291,18 @@ class ChatActions:
                 await pane.pick_alternative(number)
         else:
             await self.run_action(SLASH_ACTIONS[name])
+
+    def _sampling_command(self, pane: ChatPane, arg: str) -> None:
+        """/sampling NAME=VALUE...: this chat's own values, checked before they are kept; reset: none."""
+        conversation = pane.conversation
+        defaults = conversation.sampling_defaults()
+        try:
+            sampling = {} if arg.lower() == "reset" else conversation.sampling | sampling_changes(arg, defaults)
+            SamplingParams(**(defaults | sampling))
+        except ValueError as e:
+            self.notify(str(e), title="Sampling not changed", severity="warning")
+            return
+        self.run_worker(pane.set_sampling(sampling))
 
     async def _branch_command(self, pane: ChatPane, arg: str) -> None:
         word = arg.lower()

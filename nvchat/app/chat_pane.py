@@ -41,15 +41,19 @@ from nvchat.app.message_view import AlternativesView, QueuedMessageView, ReplyVi
 from nvchat.app.prompt_input import PromptInput
 from nvchat.app.tool_views import ToolCallView
 from nvchat.attachments import AttachmentError, attach
-from nvchat.conversation import Conversation, Message, first_line, reply_stats
+from nvchat.conversation import (
+    DEFAULT_ALTERNATIVES,
+    SAVE_EVERY_S,
+    Conversation,
+    Message,
+    first_line,
+    reply_stats,
+)
 from nvchat.slash_table import as_typed
 
 Background = Callable[..., Awaitable]
 _DEFAULT_TITLE = "New chat"
 _AUTO_TITLE_CHARS = 40
-# A streaming reply is stored this often (and when it ends): what a kill of the process can lose.
-SAVE_EVERY_S = 2.0
-DEFAULT_ALTERNATIVES = 3
 
 
 class Activity(NamedTuple):
@@ -889,7 +893,9 @@ class ChatPane(Vertical):
             return
         if self.prompt.cursor_location[1]:
             self.prompt.insert("\n")
-        self.prompt.insert(attachment.block)
+        at_start = self.prompt.cursor_location == (0, 0)
+        # A block named by an absolute path must not make the message read as a /command.
+        self.prompt.insert(as_typed(attachment.block) if at_start else attachment.block)
         self.prompt.focus()
         tokens = "" if attachment.tokens is None else f" ({attachment.tokens} tokens)"
         self.notify(f"{attachment.name}{tokens}", title="File added to the message")

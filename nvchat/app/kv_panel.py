@@ -20,6 +20,7 @@ from textual.app import ComposeResult
 from textual.color import Color
 from textual.containers import Vertical
 from textual.geometry import Region
+from textual.message import Message
 from textual.renderables._blend_colors import blend_colors
 from textual.renderables.sparkline import Sparkline as SparklineRenderable
 from textual.strip import Strip
@@ -110,10 +111,17 @@ class BlockGrid(KeptRows, Widget):
     than the grid has cells. Drawn with the line API from runs of like cells, so a refresh costs a
     few segments per row rather than a styled span per block."""
 
+    class Resized(Message):
+        """The grid has a new size, so the panel's legend ("1 cell = N blocks") may be stale."""
+
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.data: PanelData | None = None
         self._rows: list[Strip] | None = None
+
+    def on_resize(self) -> None:
+        super().on_resize()
+        self.post_message(self.Resized())
 
     def show(self, data: PanelData) -> None:
         self.data = data
@@ -335,11 +343,24 @@ class KVPanel(Vertical):
         if key != self._grid_key:
             self._grid_key = key
             grid.show(data)
-        per_cell = blocks_per_cell(snap.num_blocks, grid.size.width * grid.size.height)
+        self._show_legend(data)
+
+    def _show_legend(self, data: PanelData) -> None:
+        grid = self.query_one(BlockGrid)
+        if not grid.size:
+            return  # not laid out yet (the panel was hidden): its Resized comes once it is
+        per_cell = blocks_per_cell(data.snapshot.num_blocks, grid.size.width * grid.size.height)
         legend = legend_text(data.chats, per_cell)
         if legend != self._legend:
             self._legend = legend
             self.query_one("#kv-legend", Static).update(legend)
+
+    def on_block_grid_resized(self, _message: BlockGrid.Resized) -> None:
+        # The grid's size depends on the legend's height, and the legend on the grid's size; this
+        # settles in a step or two, instead of showing a wrong legend until the timer's next tick.
+        grid = self.query_one(BlockGrid)
+        if grid.data is not None and grid.data.snapshot is not None:
+            self._show_legend(grid.data)
 
     def _show_unavailable(self) -> None:
         if self._grid_key == NO_BLOCK_STATS:

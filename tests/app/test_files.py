@@ -32,6 +32,22 @@ async def test_slash_file_adds_the_file_named_and_fenced_and_it_is_sent_with_the
         assert pane.conversation.messages[0].content == block + "what does it do?"
 
 
+async def test_a_file_named_by_its_absolute_path_is_sent_as_a_message_not_read_as_a_command(make_app, xdg_dirs):
+    path = xdg_dirs / "notes.txt"
+    path.write_text("hello\n")
+    app = make_app(max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await type_text(pilot, f"/file {path}")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "hello" in pane.prompt.text, what="the file in the box")
+        assert pane.prompt.text == f"/{path}:\n```txt\nhello\n```\n", "escaped as a leading / is (//)"
+        await pilot.press("enter")
+        await idle(pilot, pane)
+        assert pane.conversation.messages[0].content == f"{path}:\n```txt\nhello\n```"
+
+
 async def test_a_missing_a_binary_and_a_too_long_file_are_refused_with_the_reason(make_app, xdg_dirs):
     (xdg_dirs / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
     (xdg_dirs / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))

@@ -7,7 +7,7 @@ reads it."""
 from textual.widgets import Input
 
 from nvchat.app.sampling_screen import SamplingScreen
-from tests.app.helpers import burst, started, wait_for
+from tests.app.helpers import burst, started, type_text, wait_for
 
 SIZE = (110, 36)
 
@@ -112,3 +112,28 @@ async def test_a_chats_sampling_is_set_in_a_dialog_used_and_kept(make_app):
         await wait_for(pilot, lambda: reopened.conversation.messages[-1] is not replaced and not reopened.busy,
                        what="a regenerated reply")
         assert reopened.conversation.messages[-1].stats["tokens"] == 5
+
+
+async def test_slash_sampling_with_values_sets_them_without_the_dialog(make_app):
+    app = make_app(max_tokens=24, temperature=0.8)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        pane = app.active_pane
+        await type_text(pilot, "/sampling max-tokens=3 temperature=0")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: pane.conversation.sampling == {"max_tokens": 3, "temperature": 0.0},
+                       what="the chat's sampling")
+        assert not isinstance(app.screen, SamplingScreen)
+        for typed, reason in (("/sampling top_p=1.5", "top_p must be in (0, 1], got 1.5"),
+                              ("/sampling warmth=2", "not 'warmth=2'")):
+            await type_text(pilot, typed)
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: any(reason in n.message for n in app._notifications
+                                              if n.title == "Sampling not changed"), what=reason)
+        assert pane.conversation.sampling == {"max_tokens": 3, "temperature": 0.0}
+        burst(app, "short")
+        await wait_for(pilot, lambda: len(pane.conversation.messages) == 2 and not pane.busy, what="the reply")
+        assert pane.conversation.messages[1].stats["tokens"] == 3
+        await type_text(pilot, "/sampling reset")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: pane.conversation.sampling == {}, what="the chat's own values gone")

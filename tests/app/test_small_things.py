@@ -9,7 +9,7 @@ from textual.widgets import DataTable
 from textual.widgets._toast import Toast
 
 from nvchat.app import NvchatApp
-from nvchat.app.kv_panel import Counters, KVPanel
+from nvchat.app.kv_panel import BlockGrid, Counters, KVPanel, blocks_per_cell
 from nvchat.app.message_view import ReplyView
 from tests.app.conftest import app_settings
 from tests.app.helpers import idle, send, started, wait_for
@@ -141,3 +141,22 @@ async def test_the_kv_panel_and_its_graph_take_each_themes_background(idle_engin
             strays = {colour: (cells[0], cells[-1], len(cells)) for colour, cells in backgrounds.items()
                       if colour != surface}
             assert not strays, f"in {theme}, cells of the KV panel not on its background {surface}: {strays}"
+
+
+@pytest.mark.parametrize("size", [(100, 32), (160, 48)], ids=lambda size: "%dx%d" % size)
+async def test_the_kv_panel_opens_with_the_legend_of_its_grid(idle_engine, size):
+    # The legend's "1 cell = N blocks" depends on the grid's size, which the panel has only once it
+    # is laid out: a legend made on opening was for a grid of no size until the timer's next tick.
+    app = NvchatApp(app_settings(), engine=idle_engine)
+    async with app.run_test(size=size) as pilot:
+        await started(pilot)
+        await pilot.press("f5")
+        await pilot.pause()
+        panel = app.query_one(KVPanel)
+        grid = panel.query_one(BlockGrid)
+        per_cell = blocks_per_cell(idle_engine.stats().num_blocks, grid.size.width * grid.size.height)
+        legend = str(panel.query_one("#kv-legend").render())
+        if per_cell > 1:
+            assert legend.endswith(f"1 cell = {per_cell} blocks"), (grid.size, legend)
+        else:
+            assert "1 cell" not in legend, (grid.size, legend)

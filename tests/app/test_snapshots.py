@@ -4,7 +4,7 @@ import pytest
 
 from nvchat import paths
 from nvchat.app import NvchatApp
-from nvchat.app.kv_panel import Counters, KVPanel
+from nvchat.app.kv_panel import BlockGrid, Counters, KVPanel, blocks_per_cell
 from nvchat.app.open_tabs import OpenTabs, save_open_tabs, tabs_file
 from nvchat.app.prompt_input import PromptInput
 from nvchat.store import ChatStore
@@ -20,9 +20,18 @@ def settle(*keys: str):
         pilot.app.query_one(PromptInput).cursor_blink = False  # a blinking cursor is a coin toss
         await pilot.press(*keys)
         panels = pilot.app.screen.query(KVPanel)  # none under a dialog
-        await wait_for(pilot, lambda: all(not panel.display or panel.query_one(Counters).text for panel in panels),
-                       what="the KV panel's numbers")
+        await wait_for(pilot, lambda: all(not panel.display or panel_settled(panel) for panel in panels),
+                       what="the KV panel's numbers and the legend of its grid")
     return run_before
+
+
+def panel_settled(panel: KVPanel) -> bool:
+    grid = panel.query_one(BlockGrid)
+    if not panel.query_one(Counters).text or grid.data is None or not grid.size:
+        return False
+    per_cell = blocks_per_cell(grid.data.snapshot.num_blocks, grid.size.width * grid.size.height)
+    legend = str(panel.query_one("#kv-legend").render())
+    return legend.endswith(f"1 cell = {per_cell} blocks") if per_cell > 1 else "1 cell" not in legend
 
 
 def test_empty_chat(snap_compare, idle_engine):
