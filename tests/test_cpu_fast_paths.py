@@ -10,11 +10,13 @@ from transformers import Qwen3Config
 
 from engine import LLM, SamplingParams
 from engine.core.step_plan import StepPlan
+from engine.layers import native_cpu
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.norm import RMSNorm
 from engine.layers.paged_attention_torch import StepContext, store_kv, store_step_kv
 from engine.layers.quantized import Int4Weight, Int8Weight, int4_class, quantize, unpack_int4
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.cpu_decode import CpuDecode
 from engine.models.qwen3 import Qwen3ForCausalLM
 from tests.conftest import random_prompts, save_tiny_hf_model
 
@@ -146,9 +148,11 @@ def test_quantized_lm_head_settles_a_near_tie_in_float32(tied):
 
 
 def _run_steps(path, prompts, quantization, fast, block_size=4):
-    """Greedy tokens and every step's logits, with decode steps in CpuDecode or in the modules."""
+    """Greedy tokens and every step's logits, with decode steps in CpuDecode's torch operations or in
+    the modules."""
     with LLM(path, device="cpu", kvcache_block_size=block_size, quantization=quantization) as llm:
         assert llm.runner._cpu_decode is not None
+        llm.runner._cpu_decode.native = False
         if not fast:
             llm.runner._cpu_decode = None
         caught, compute = [], llm.runner.model.compute_logits
@@ -171,6 +175,37 @@ def test_cpu_decode_equals_the_model_forward_bit_for_bit(tmp_path, arch, quantiz
         assert fast_tokens == tokens
         assert len(fast_logits) == len(logits) == 10
         assert all(torch.equal(a, b) for a, b in zip(fast_logits, logits))
+
+
+@pytest.mark.skipif(native_cpu.native_kernels() is None, reason=f"no native kernels: {native_cpu.unavailable_reason()}")
+@pytest.mark.parametrize("quantization,tolerance", [("int4", 2e-3), ("int8", 0.1)])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_the_native_decode_step_matches_the_torch_step(tmp_path, arch, quantization, tolerance, monkeypatch):
+    """Every decode step's hidden states from the C operations against CpuDecode's torch operations
+    from the same cache. Not bit for bit: C rounds the norms, RoPE and attention in another order,
+    which bfloat16 products (torch's int8) round up to ~1e-2. Float32 weights never take this path."""
+    save_tiny_hf_model(tmp_path, tie=arch == "llama", arch=arch)
+    native_step, compared = CpuDecode._native_step, []
+
+    def both(self, input_ids, positions, meta):
+        native = native_step(self, input_ids, positions, meta)
+        self.native = False
+        try:
+            reference = CpuDecode.__call__(self, input_ids, positions, meta)
+        finally:
+            self.native = True
+        compared.append((native.shape[0], meta.context.run_start is not None))
+        torch.testing.assert_close(native, reference, rtol=tolerance, atol=tolerance)
+        return native
+    monkeypatch.setattr(CpuDecode, "_native_step", both)
+    seed = int(torch.randint(0, 2**31, ()))
+    for prompts in (random_prompts([5, 30, 17], seed=seed), random_prompts([9], seed=seed)):
+        with LLM(tmp_path, device="cpu", kvcache_block_size=4, quantization=quantization) as llm:
+            assert llm.runner._cpu_decode.native
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert (3, False) in compared and (1, True) in compared, "a gathered batch and a lone sequence in a run"
+    with LLM(tmp_path, device="cpu", kvcache_block_size=4) as llm:
+        assert not llm.runner._cpu_decode.native, "float32 weights keep torch's operations (HF's rounding)"
 
 
 def test_int4_tied_head_greedy_picks_float32s_leader():

@@ -138,8 +138,8 @@ def test_a_tied_int4_head_ranks_with_one_int8_an_activation_and_its_projections_
 
 @needs_kernel
 def test_a_build_replaces_the_builds_of_other_sources(tmp_path):
-    stale = tmp_path / "native" / "q4_1_gemv-0000000000000000.so"
+    stale = tmp_path / "native" / "cpu_kernels-0000000000000000.so"
     stale.parent.mkdir()
     stale.write_bytes(b"an older build")
     assert native_cpu.native_q4_1(tmp_path) is not None
-    assert not stale.exists() and len(list((tmp_path / "native").glob("q4_1_gemv-*.so"))) == 1
+    assert not stale.exists() and len(list((tmp_path / "native").glob("cpu_kernels-*.so"))) == 1

@@ -13,6 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from engine.layers import native_cpu
 from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import _Linear
 from engine.layers.norm import RMSNorm, rms_norm_float32
@@ -38,6 +39,11 @@ def _norm(norm: RMSNorm):
     return norm._norm
 
 
+def _float32(product: torch.Tensor) -> torch.Tensor:
+    # The native int4 kernel's products are float32; torch's int8 and int4 ones are bfloat16.
+    return product if product.dtype == torch.float32 else product.float()
+
+
 class _Layer:
     __slots__ = (
         "attn",
@@ -46,13 +52,19 @@ class _Layer:
         "head_dim",
         "heads",
         "input_norm",
+        "input_norm_weight",
         "k_heads",
         "k_norm",
+        "k_norm_weight",
         "k_slots",
         "kv_heads",
+        "norm_eps",
         "o",
         "post_norm",
+        "post_norm_weight",
         "q_norm",
+        "q_norm_weight",
+        "qk_norm_eps",
         "qk_size",
         "qkv",
         "v_heads",
@@ -63,6 +75,13 @@ class _Layer:
         attention = layer.self_attn
         self.attn = attention.attn
         self.input_norm, self.post_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        # For the native step: the norms' weights and epsilons as the C operations take them.
+        self.input_norm_weight = layer.input_layernorm.weight
+        self.post_norm_weight = layer.post_attention_layernorm.weight
+        self.norm_eps = layer.input_layernorm.eps
+        self.q_norm_weight = attention.q_norm.weight if attention.q_norm is not None else None
+        self.k_norm_weight = attention.k_norm.weight if attention.k_norm is not None else None
+        self.qk_norm_eps = attention.q_norm.eps if attention.q_norm is not None else 0.0
         self.qkv, self.o = _product(attention.qkv_proj), _product(attention.o_proj)
         self.gate_up, self.down = _product(layer.mlp.gate_up_proj), _product(layer.mlp.down_proj)
         self.q_norm = _norm(attention.q_norm) if attention.q_norm is not None else None
@@ -87,7 +106,21 @@ class CpuDecode:
         self.rotary = decoder.layers[0].self_attn.rotary
         self.layers = [_Layer(layer) for layer in decoder.layers]
         self.final_norm = _norm(decoder.norm)
+        self.final_norm_weight, self.final_norm_eps = decoder.norm.weight, decoder.norm.eps
         self.dtype = self.embedding.dtype
+        self.native = self._native_eligible(model)
+
+    @staticmethod
+    def _native_eligible(model: CausalLM) -> bool:
+        """Whether the step's small operations run in C (native_cpu): float32 throughout, with
+        quantized products. Float32 products keep torch's operations, whose rounding HF's model
+        shares: with them a step equals HF's token for token."""
+        if native_cpu.native_kernels() is None:
+            return False
+        tensors = [p for name, p in model.named_parameters() if "norm" in name] + [model.model.embed_tokens.weight]
+        linears = [m for m in model.modules() if isinstance(m, _Linear)]
+        return (all(t.dtype == torch.float32 for t in tensors) and bool(linears)
+                and all(m.quantized is not None for m in linears))
 
     @staticmethod
     def supports(model) -> bool:
@@ -101,6 +134,8 @@ class CpuDecode:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final hidden states of a decode step, one row per sequence."""
+        if self.native:
+            return self._native_step(input_ids, positions, meta)
         context = meta.context
         batch = input_ids.shape[0]
         cos, sin = self.rotary.rows_for_step(positions, meta.rope_rows, self.dtype)
@@ -150,3 +185,38 @@ class CpuDecode:
             gate, up = layer.gate_up(layer.post_norm(residual)).chunk(2, -1)
             x = layer.down(F.silu(gate) * up)
         return self.final_norm(x + residual)
+
+    def _native_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step with its norms, RoPE, K/V store, attention and SiLU in C: eight calls a layer,
+        four of them the products. The same arithmetic in another order of rounding."""
+        context = meta.context
+        batch = input_ids.shape[0]
+        first = self.layers[0]
+        heads, kv_heads, head_dim = first.heads, first.kv_heads, first.head_dim
+        cos, sin = self.rotary.rows_for_step(positions, meta.rope_rows, torch.float32)
+        cos, sin = cos.reshape(batch, head_dim).contiguous(), sin.reshape(batch, head_dim).contiguous()
+        slots = meta.slot_mapping.long()
+        if context.run_start is not None:  # one sequence, its keys in a run of slots
+            table = torch.arange(context.run_start, context.run_start + context.longest).view(1, -1)
+        else:
+            table = context.slots.view(batch, context.longest)
+        lengths = meta.context_lens.long()
+        residual = F.embedding(input_ids, self.embedding)  # a new tensor: added to in place below
+        hidden = torch.empty_like(residual)
+        queries = torch.empty(batch, heads, head_dim)
+        attended = torch.empty(batch, heads * head_dim)
+        x = None
+        for layer in self.layers:
+            native_cpu.add_rms_norm(x, residual, layer.input_norm_weight, layer.norm_eps, hidden)
+            native_cpu.rope_store(_float32(layer.qkv(hidden)), heads, kv_heads, head_dim, cos, sin, layer.q_norm_weight,
+                                  layer.k_norm_weight, layer.qk_norm_eps, slots, layer.k_slots, layer.v_slots, queries)
+            native_cpu.decode_attention(queries, layer.k_slots, layer.v_slots, table, lengths, layer.attn.scale,
+                                        attended)
+            native_cpu.add_rms_norm(_float32(layer.o(attended)), residual, layer.post_norm_weight, layer.norm_eps, hidden)
+            gate_up = _float32(layer.gate_up(hidden))
+            activated = torch.empty(batch, gate_up.shape[1] // 2)
+            native_cpu.silu_mul(gate_up, activated)
+            x = _float32(layer.down(activated))
+        out = torch.empty_like(residual)
+        native_cpu.add_rms_norm(x, residual, self.final_norm_weight, self.final_norm_eps, out)
+        return out
