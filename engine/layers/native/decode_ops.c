@@ -13,6 +13,33 @@ static inline float horizontal_sum(__m256 v) {
     return _mm_cvtss_f32(sum);
 }
 
+/* e^x for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf polynomial, 2^n built in the
+ * exponent bits; within 2 ulp of expf. x is clamped to [-87.3, 88.4], where 2^n stays normal: below,
+ * the result is ~1e-38 instead of 0 (a softmax weight or a SiLU of a very negative value: both
+ * negligible). libm's expf, one value a call, was most of attention's time. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts, for precision */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+static inline float exp1(float x) {
+    float out[8];
+    _mm256_storeu_ps(out, exp8(_mm256_set1_ps(x)));
+    return out[0];
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -78,6 +105,77 @@ void nvchat_rope_store(const float *qkv, int64_t rows, int64_t heads, int64_t kv
     }
 }
 
+/* Softmax of scores[0..length) in place, from their largest value. */
+static void softmax(float *scores, int64_t length, float largest) {
+    __m256 sums = _mm256_setzero_ps(), top = _mm256_set1_ps(largest);
+    int64_t j = 0;
+    for (; j + 8 <= length; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top));
+        _mm256_storeu_ps(scores + j, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    float total = horizontal_sum(sums);
+    for (; j < length; j++) {
+        scores[j] = exp1(scores[j] - largest);
+        total += scores[j];
+    }
+    float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+    for (j = 0; j < length; j++)
+        scores[j] *= inverse;
+}
+
+/* One query head over its keys and values (each at cache + slots[j] * stride), head_dim = 8 * chunks
+ * with chunks even and at most 16: the query and the output stay in registers across the keys. */
+static inline __attribute__((always_inline)) void attend_in_registers(
+        const float *query, const float *k_cache, const float *v_cache, const int64_t *slots, int64_t length,
+        int64_t stride, float scale, float *scores, float *out, const int chunks) {
+    __m256 held[16];
+    for (int c = 0; c < chunks; c++)
+        held[c] = _mm256_loadu_ps(query + 8 * c);
+    float largest = -INFINITY;
+    for (int64_t j = 0; j < length; j++) {
+        const float *key = k_cache + slots[j] * stride;
+        __m256 even = _mm256_mul_ps(held[0], _mm256_loadu_ps(key));
+        __m256 odd = _mm256_mul_ps(held[1], _mm256_loadu_ps(key + 8));
+        for (int c = 2; c < chunks; c += 2) {
+            even = _mm256_fmadd_ps(held[c], _mm256_loadu_ps(key + 8 * c), even);
+            odd = _mm256_fmadd_ps(held[c + 1], _mm256_loadu_ps(key + 8 * c + 8), odd);
+        }
+        float score = horizontal_sum(_mm256_add_ps(even, odd)) * scale;
+        scores[j] = score;
+        largest = score > largest ? score : largest;
+    }
+    softmax(scores, length, largest);
+    for (int c = 0; c < chunks; c++)
+        held[c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < length; j++) {
+        const float *value = v_cache + slots[j] * stride;
+        __m256 weight = _mm256_set1_ps(scores[j]);
+        for (int c = 0; c < chunks; c++)
+            held[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * c), held[c]);
+    }
+    for (int c = 0; c < chunks; c++)
+        _mm256_storeu_ps(out + 8 * c, held[c]);
+}
+
+/* The same for any head_dim. */
+static void attend(const float *query, const float *k_cache, const float *v_cache, const int64_t *slots,
+                   int64_t length, int64_t stride, int64_t head_dim, float scale, float *scores, float *out) {
+    float largest = -INFINITY;
+    for (int64_t j = 0; j < length; j++) {
+        scores[j] = dot(query, k_cache + slots[j] * stride, head_dim) * scale;
+        largest = scores[j] > largest ? scores[j] : largest;
+    }
+    softmax(scores, length, largest);
+    for (int64_t i = 0; i < head_dim; i++)
+        out[i] = 0.0f;
+    for (int64_t j = 0; j < length; j++) {
+        const float *value = v_cache + slots[j] * stride;
+        for (int64_t i = 0; i < head_dim; i++)
+            out[i] += scores[j] * value[i];
+    }
+}
+
 /* Decode attention: each row's query heads q [rows, heads, head_dim] over the keys and values at
  * its slots (slot_table [rows, table_width], the first lengths[r] of them), grouped-query (query head
  * h reads kv head h / (heads / kv_heads)); out [rows, heads * head_dim]. Returns nonzero where
@@ -85,55 +183,26 @@ void nvchat_rope_store(const float *qkv, int64_t rows, int64_t heads, int64_t kv
 int nvchat_decode_attention(const float *q, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                             const float *k_cache, const float *v_cache, const int64_t *slot_table,
                             int64_t table_width, const int64_t *lengths, float scale, float *out, int threads) {
-    int64_t group = heads / kv_heads, tasks = rows * kv_heads;
+    int64_t group = heads / kv_heads, tasks = rows * heads, stride = kv_heads * head_dim;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && tasks > 1)
     for (int64_t task = 0; task < tasks; task++) {
-        int64_t r = task / kv_heads, g = task % kv_heads, length = lengths[r];
+        int64_t r = task / heads, h = task % heads, length = lengths[r];
         const int64_t *slots = slot_table + r * table_width;
-        float *scores = malloc(sizeof(float) * group * (length > 0 ? length : 1));
+        float *scores = malloc(sizeof(float) * (length > 0 ? length : 1));
         if (scores == NULL) {
             failed = 1;
             continue;
         }
-        const float *queries = q + (r * heads + g * group) * head_dim;
-        float *outputs = out + (r * heads + g * group) * head_dim;
-        float largest[group];
-        for (int64_t h = 0; h < group; h++)
-            largest[h] = -INFINITY;
-        for (int64_t j = 0; j < length; j++) {
-            const float *key = k_cache + (slots[j] * kv_heads + g) * head_dim;
-            for (int64_t h = 0; h < group; h++) {
-                float score = dot(queries + h * head_dim, key, head_dim) * scale;
-                scores[h * length + j] = score;
-                if (score > largest[h])
-                    largest[h] = score;
-            }
-        }
-        for (int64_t h = 0; h < group; h++) {
-            float total = 0.0f, *p = scores + h * length;
-            for (int64_t j = 0; j < length; j++) {
-                p[j] = expf(p[j] - largest[h]);
-                total += p[j];
-            }
-            float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-            for (int64_t j = 0; j < length; j++)
-                p[j] *= inverse;
-            for (int64_t i = 0; i < head_dim; i++)
-                outputs[h * head_dim + i] = 0.0f;
-        }
-        for (int64_t j = 0; j < length; j++) {
-            const float *value = v_cache + (slots[j] * kv_heads + g) * head_dim;
-            for (int64_t h = 0; h < group; h++) {
-                float weight = scores[h * length + j], *o = outputs + h * head_dim;
-                __m256 w = _mm256_set1_ps(weight);
-                int64_t i = 0;
-                for (; i + 8 <= head_dim; i += 8)
-                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(value + i), _mm256_loadu_ps(o + i)));
-                for (; i < head_dim; i++)
-                    o[i] += weight * value[i];
-            }
-        }
+        const float *query = q + (r * heads + h) * head_dim;
+        const float *keys = k_cache + (h / group) * head_dim, *values = v_cache + (h / group) * head_dim;
+        float *o = out + (r * heads + h) * head_dim;
+        if (head_dim == 64)
+            attend_in_registers(query, keys, values, slots, length, stride, scale, scores, o, 8);
+        else if (head_dim == 128)
+            attend_in_registers(query, keys, values, slots, length, stride, scale, scores, o, 16);
+        else
+            attend(query, keys, values, slots, length, stride, head_dim, scale, scores, o);
         free(scores);
     }
     return failed;
@@ -141,9 +210,17 @@ int nvchat_decode_attention(const float *q, int64_t rows, int64_t heads, int64_t
 
 /* out [rows, n] = silu(gate) * up, gate_up [rows, 2n] holding gate then up. */
 void nvchat_silu_mul(const float *gate_up, int64_t rows, int64_t n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * n, *up = gate + n;
-        for (int64_t i = 0; i < n; i++)
-            out[r * n + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        float *o = out + r * n;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 g = _mm256_loadu_ps(gate + i);
+            __m256 sigmoid = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+        }
+        for (; i < n; i++)
+            o[i] = gate[i] / (1.0f + exp1(-gate[i])) * up[i];
     }
 }
