@@ -298,6 +298,11 @@ class Conversation:
                 ancestor.selected_at = now
         self.messages = path + _shown_below(message.children)
 
+    def latest_branching(self) -> int | None:
+        """The index of the latest message of the branch shown that has siblings, or None."""
+        return next((i for i in range(len(self.messages) - 1, -1, -1)
+                     if self.branch_position(self.messages[i])[1] > 1), None)
+
     def switch_branch(self, index: int, step: int) -> Message:
         """Shows the sibling step places from messages[index] (wrapping around); returns it."""
         message = self.messages[index]

@@ -95,6 +95,17 @@ class ToolResult:
     error: bool = False  # the tool reported an error, or could not be called
 
 
+DECLINED = ToolResult("The user declined to run this tool.", error=True)
+
+
+async def run_call(tools: McpTools | None, call: dict) -> ToolResult:
+    """Runs an OpenAI-form tool call (from the loop of whoever awaits it) with the servers' tools."""
+    if tools is None:
+        return ToolResult("No MCP server is configured.", error=True)
+    function = call["function"]
+    return await asyncio.wrap_future(tools.call(function["name"], function.get("arguments") or "{}"))
+
+
 @dataclass(frozen=True)
 class _Tool:
     server: str

@@ -107,16 +107,9 @@ async def _regenerate(repl, arg: str) -> None:
     await repl.regenerate()
 
 
-def _branch_target(conversation) -> int | None:
-    """The latest message of the branch shown that has siblings."""
-    messages = conversation.messages
-    return next((i for i in range(len(messages) - 1, -1, -1) if conversation.branch_position(messages[i])[1] > 1),
-                None)
-
-
 def _branch(repl, arg: str) -> str | None:
     conversation = repl.conversation
-    index = _branch_target(conversation)
+    index = conversation.latest_branching()
     if index is None:
         return "no other branch yet: /edit and /regenerate make them"
     which, count = conversation.branch_position(conversation.messages[index])

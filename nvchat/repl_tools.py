@@ -9,15 +9,13 @@ and is printed before the next prompt, never into a line being typed or a reply 
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 
 from prompt_toolkit import PromptSession
 
 from nvchat.conversation import Conversation, call_summary
-from nvchat.mcp_tools import McpTools, ToolResult, server_specs
+from nvchat.mcp_tools import DECLINED, McpTools, ToolResult, run_call, server_specs
 
-DECLINED = "The user declined to run this tool."
 SHOWN_RESULT_LINES = 4
 YES, ALWAYS, NO = "y", "a", "n"
 _ANSWERS = {"y": YES, "yes": YES, "a": ALWAYS, "always": ALWAYS, "n": NO, "no": NO}
@@ -63,12 +61,12 @@ class ReplTools:
             say(f"[tool call: {call_summary(call)}]")
             choice = ALWAYS if name in self.always_allowed else await self._ask(name)
             if choice is None:
-                conversation.add_tool_result(call, DECLINED, error=True)
+                conversation.add_tool_result(call, DECLINED.text, DECLINED.error)
                 say("[not run; the turn ends here]")
                 return False
             if choice == ALWAYS:
                 self.always_allowed.add(name)
-            result = ToolResult(DECLINED, error=True) if choice == NO else await self._call(call)
+            result = DECLINED if choice == NO else await run_call(self.tools, call)
             conversation.add_tool_result(call, result.text, result.error)
             say(folded(result))
         return True
@@ -89,16 +87,10 @@ class ReplTools:
         finally:
             self.asking = None
 
-    async def _call(self, call: dict) -> ToolResult:
-        if self.tools is None:
-            return ToolResult("No MCP server is configured.", error=True)
-        function = call["function"]
-        return await asyncio.wrap_future(self.tools.call(function["name"], function.get("arguments") or "{}"))
-
 
 def folded(result: ToolResult) -> str:
     """A result as the REPL prints it: its first lines, and how many more there are."""
-    if result.text == DECLINED:
+    if result == DECLINED:
         return "[declined]"
     lines = result.text.splitlines() or [""]
     head = "\n".join("  " + line for line in lines[:SHOWN_RESULT_LINES])

@@ -1,6 +1,7 @@
 import getpass
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -119,3 +120,17 @@ def hf_greedy(path, prompts, max_new_tokens, **load_kwargs):
                                  pad_token_id=0, eos_token_id=None)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+# The tests' own MCP server (tests/mcp_test_server.py) over stdio, as config.toml's mcp_servers names one.
+MCP_TEST_SERVER = {"test": {"command": sys.executable, "args": [str(Path(__file__).parent / "mcp_test_server.py")]}}
+
+
+def force_tool_calls(monkeypatch, name: str, rounds: int) -> None:
+    """The first `rounds` replies of each turn call the tool `name`, the engine's structured output
+    holding the model to the call; later replies may call tools or not ("auto")."""
+    from nvchat.conversation import Conversation
+
+    def tool_choice(self, round_index):
+        return {"type": "function", "function": {"name": name}} if round_index < rounds else "auto"
+    monkeypatch.setattr(Conversation, "tool_choice", tool_choice)

@@ -2,10 +2,8 @@
 running the demo model. The REPL runs on its own thread; the test types into the pipe and waits
 (bounded) for what the REPL writes to its output stream or stores."""
 import re
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from prompt_toolkit.application import create_app_session
@@ -15,14 +13,13 @@ from prompt_toolkit.output import DummyOutput
 
 from engine import EngineThread
 from nvchat import paths
-from nvchat.conversation import Conversation
+from nvchat.mcp_tools import DECLINED
 from nvchat.repl import Repl
-from nvchat.repl_tools import DECLINED
 from nvchat.settings import DEFAULT_SYSTEM_PROMPT, Settings
 from nvchat.store import ChatStore
+from tests.conftest import MCP_TEST_SERVER, force_tool_calls
 
 TIMEOUT_S = 60
-TEST_SERVER = {"test": {"command": sys.executable, "args": [str(Path(__file__).parent / "mcp_test_server.py")]}}
 
 
 @pytest.fixture(scope="module")
@@ -398,14 +395,6 @@ def test_file_goes_into_the_next_message_and_sampling_is_the_chats_own(drive, tm
     assert d.store.get_conversation(conversation_id).sampling is None, "no values of its own"
 
 
-def force_calls(monkeypatch, name: str, rounds: int) -> None:
-    """The first `rounds` replies of each turn call the tool `name`: the engine's structured output
-    holds the demo model to the call (later replies may call tools or not)."""
-    def tool_choice(self, round_index):
-        return {"type": "function", "function": {"name": name}} if round_index < rounds else "auto"
-    monkeypatch.setattr(Conversation, "tool_choice", tool_choice)
-
-
 def tools_ready(d, *servers: str) -> None:
     d.wait_for(lambda: all(d.repl.tools.tools.status.get(s) != "starting" for s in servers), "the MCP servers")
 
@@ -415,8 +404,8 @@ def stored_roles(d) -> list[str]:
 
 
 def test_tool_calls_are_asked_about_run_and_fed_back_and_always_asks_no_more(drive, monkeypatch):
-    force_calls(monkeypatch, "weather", rounds=2)
-    d = drive(max_tokens=96, mcp_servers=TEST_SERVER | {"gone": {"command": "/nonexistent/mcp-server"}})
+    force_tool_calls(monkeypatch, "weather", rounds=2)
+    d = drive(max_tokens=96, mcp_servers=MCP_TEST_SERVER | {"gone": {"command": "/nonexistent/mcp-server"}})
     tools_ready(d, "test", "gone")
     d.type("what is the weather\r")
     d.wait_for(lambda: d.repl.tools.asking == "weather", "the question about the call")
@@ -435,8 +424,8 @@ def test_tool_calls_are_asked_about_run_and_fed_back_and_always_asks_no_more(dri
 
 
 def test_a_declined_call_tells_the_model_and_ctrl_c_at_the_question_ends_the_turn(drive, monkeypatch):
-    force_calls(monkeypatch, "weather", rounds=1)
-    d = drive(max_tokens=96, mcp_servers=TEST_SERVER)
+    force_tool_calls(monkeypatch, "weather", rounds=1)
+    d = drive(max_tokens=96, mcp_servers=MCP_TEST_SERVER)
     tools_ready(d, "test")
     d.type("no\r")
     d.wait_for(lambda: d.repl.tools.asking == "weather", "the question")
@@ -444,7 +433,7 @@ def test_a_declined_call_tells_the_model_and_ctrl_c_at_the_question_ends_the_tur
     d.type("n\r")
     d.wait_for(lambda: len(stored_roles(d)) == 4 and d.repl.streaming is None, "the reply after the refusal")
     messages = d.store.load_messages(d.repl.conversation.id)
-    assert messages[2].content == DECLINED and messages[2].stats == {"error": True}
+    assert messages[2].content == DECLINED.text and messages[2].stats == {"error": True}
     assert "[declined]" in d.out.text
 
     d.type("again\r")

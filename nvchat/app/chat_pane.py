@@ -776,11 +776,7 @@ class ChatPane(Vertical):
     def _branch_target(self) -> int | None:
         """The message whose siblings F8/F9 go through: the selected one, else the latest message of
         the branch shown that has any."""
-        if self.cursor is not None:
-            return self.cursor
-        messages = self.conversation.messages
-        return next((i for i in range(len(messages) - 1, -1, -1)
-                     if self.conversation.branch_position(messages[i])[1] > 1), None)
+        return self.cursor if self.cursor is not None else self.conversation.latest_branching()
 
     async def switch_branch(self, step: int = 0, number: int | None = None) -> None:
         """Shows the sibling step places from the target message (or sibling number, from 1)."""

@@ -18,9 +18,7 @@ from textual.app import App
 from nvchat.app.chat_pane import ChatPane
 from nvchat.app.tool_approval_screen import ALWAYS, DENY, ToolApprovalScreen
 from nvchat.conversation import Message
-from nvchat.mcp_tools import McpTools, ToolResult, server_specs
-
-DECLINED = "The user declined to run this tool."
+from nvchat.mcp_tools import DECLINED, McpTools, run_call, server_specs
 
 
 class ToolRounds:
@@ -76,11 +74,11 @@ class ToolRounds:
             if choice == ALWAYS:
                 self.always_allowed.add(name)
             if choice == DENY:
-                result = ToolResult(DECLINED, error=True)
+                result = DECLINED
             else:
                 view.set_status("running…")
                 pane.show_tool_running(name)
-                result = await self._call(call)
+                result = await run_call(self.tools, call)
                 if result.error:
                     self.app.notify(f"{name}: {result.text}", title="The tool failed", severity="warning",
                                     timeout=8)
@@ -96,9 +94,3 @@ class ToolRounds:
             pane.end_tool_round()
         else:
             pane.continue_after_tools()
-
-    async def _call(self, call: dict) -> ToolResult:
-        if self.tools is None:
-            return ToolResult("No MCP server is configured.", error=True)
-        function = call["function"]
-        return await asyncio.wrap_future(self.tools.call(function["name"], function.get("arguments") or "{}"))

@@ -3,9 +3,7 @@ a subprocess over stdio), the demo model's calls made by the engine itself (the 
 tool_choice names the function, so the engine's structured output holds the reply to one call of
 it), the approval dialog answered with its keys, the result stored, shown folded and fed back, and
 the reply going on."""
-import sys
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import pytest
 from textual.widgets import Collapsible, Label
@@ -15,9 +13,8 @@ from nvchat import conversation as conversation_module
 from nvchat.app import NvchatApp
 from nvchat.app.message_view import ReplyView
 from nvchat.app.tool_approval_screen import ToolApprovalScreen
-from nvchat.app.tool_rounds import DECLINED
 from nvchat.app.tool_views import ToolCallView
-from nvchat.conversation import Conversation
+from nvchat.mcp_tools import DECLINED
 from nvchat.remote_backend import RemoteBackend
 from nvchat.server.app import ServerState, create_app
 from tests.app.conftest import ENGINE_ARGS, app_settings
@@ -32,11 +29,10 @@ from tests.app.helpers import (
     submit_now,
     wait_for,
 )
+from tests.conftest import MCP_TEST_SERVER, force_tool_calls
 from tests.serving import serving
 
 SIZE = (110, 36)
-SERVER = str(Path(__file__).resolve().parent.parent / "mcp_test_server.py")
-TEST_SERVER = {"test": {"command": sys.executable, "args": [SERVER]}}
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +44,6 @@ def tool_engine(app_model_path):
     engine.shutdown()
 
 
-def force_calls(monkeypatch, name: str, rounds: int) -> None:
-    """The first `rounds` replies of each turn call the tool `name`, the engine holding them to it;
-    later replies may call tools or not ("auto")."""
-    def tool_choice(self, round_index):
-        return {"type": "function", "function": {"name": name}} if round_index < rounds else "auto"
-    monkeypatch.setattr(Conversation, "tool_choice", tool_choice)
-
-
 @pytest.fixture
 def tool_chat(tool_engine, monkeypatch):
     """async with tool_chat(tool, rounds, servers, **settings) as (pilot, app, pane): the app started,
@@ -63,8 +51,8 @@ def tool_chat(tool_engine, monkeypatch):
     replies of each turn calling `tool`. With settings' backend, the app's own remote backend
     talks to it instead of the test engine."""
     @asynccontextmanager
-    async def run(tool: str, rounds: int = 1, servers: dict = TEST_SERVER, **changes):
-        force_calls(monkeypatch, tool, rounds)
+    async def run(tool: str, rounds: int = 1, servers: dict = MCP_TEST_SERVER, **changes):
+        force_tool_calls(monkeypatch, tool, rounds)
         settings = app_settings(max_tokens=96, mcp_servers=servers, **changes)
         app = NvchatApp(settings, engine=None if settings.backend else tool_engine)
         async with app.run_test(size=SIZE) as pilot:
@@ -151,12 +139,12 @@ async def test_a_declined_call_does_not_run_and_the_model_is_told(tool_chat):
         await idle(pilot, pane, 60)
         messages = stored_messages(pane.conversation.id)
         assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
-        assert messages[2].content == DECLINED and messages[2].stats == {"error": True}
+        assert messages[2].content == DECLINED.text and messages[2].stats == {"error": True}
         assert pane.query_one(ToolCallView).has_class("-error")
 
 
 async def test_a_server_that_fails_and_a_tool_that_errors_are_notifications_and_the_chat_goes_on(tool_chat):
-    async with tool_chat("broken", servers=TEST_SERVER | {"gone": {"command": "/nonexistent/mcp-server"}}) as (
+    async with tool_chat("broken", servers=MCP_TEST_SERVER | {"gone": {"command": "/nonexistent/mcp-server"}}) as (
             pilot, app, pane):
         await wait_for(pilot, lambda: any(n.title == "An MCP server could not start" and "gone" in n.message
                                           for n in app._notifications), what="the failed server's notification")
@@ -217,7 +205,7 @@ async def test_a_call_from_a_chat_in_a_hidden_tab_shows_that_chat_with_the_dialo
 
 async def test_the_status_line_says_which_tool_waits_or_runs_and_how_many_messages_are_queued(tool_chat, tmp_path):
     gate = tmp_path / "gate"  # the weather call runs until this file exists
-    servers = {"test": TEST_SERVER["test"] | {"env": {"NVCHAT_TEST_GATE": str(gate)}}}
+    servers = {"test": MCP_TEST_SERVER["test"] | {"env": {"NVCHAT_TEST_GATE": str(gate)}}}
     async with tool_chat("weather", servers=servers) as (pilot, app, pane):
         def status() -> str:
             return str(pane.query_one("#chat-status").render())
