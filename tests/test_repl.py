@@ -106,12 +106,21 @@ class Driver:
         self.store.close()
 
 
+class FixedLengthSettings(Settings):
+    """Replies run to max_tokens: sampled, the demo model otherwise stops whenever it happens to
+    draw its end-of-turn token."""
+
+    def sampling_params(self, recommended=None, **overrides):
+        return super().sampling_params(recommended, ignore_eos=True, **overrides)
+
+
 @pytest.fixture
 def drive(engine):
     drivers = []
 
-    def start(**settings) -> Driver:
-        driver = Driver(engine, Settings(**{"model": "demo", "temperature": 0.0, "max_tokens": 12, **settings}))
+    def start(fixed_length: bool = False, **settings) -> Driver:
+        kind = FixedLengthSettings if fixed_length else Settings
+        driver = Driver(engine, kind(**{"model": "demo", "temperature": 0.0, "max_tokens": 12, **settings}))
         drivers.append(driver)
         return driver
 
@@ -348,7 +357,7 @@ def test_alternatives_come_at_once_and_pick_keeps_one(drive):
 
 
 def test_ctrl_c_stops_every_alternative(drive):
-    d = drive(temperature=1.0, max_tokens=2000, system_prompt=DEFAULT_SYSTEM_PROMPT)
+    d = drive(temperature=1.0, max_tokens=2000, system_prompt=DEFAULT_SYSTEM_PROMPT, fixed_length=True)
     d.type("x\r")
     d.wait_for(lambda: d.repl.streaming is not None, "the first reply to start")
     d.type("\x03")
