@@ -250,10 +250,14 @@ class Conversation:
     def sampling_params(self) -> SamplingParams:
         return self.settings.sampling_params(recommended=self._recommended_sampling, **self.sampling)
 
+    def check_sampling(self, sampling: dict) -> None:
+        """ValueError naming a bad value, where sampling (this chat's own values) can't be used."""
+        self.settings.sampling_params(recommended=self._recommended_sampling, **sampling)
+
     def set_sampling(self, sampling: dict) -> None:
         """Checks the values (ValueError names a bad one), then keeps and stores them."""
         self._check_writable()
-        self.settings.sampling_params(recommended=self._recommended_sampling, **sampling)
+        self.check_sampling(sampling)
         self.sampling = dict(sampling)
         self._ensure_stored()
         if self.store is not None:
@@ -444,8 +448,12 @@ class Conversation:
             raise
         self._reply_parent = parent
 
+    def last_user_index(self) -> int | None:
+        """The index of the user's last message in the branch shown, or None."""
+        return max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
+
     def _last_user_index(self, what: str) -> int:
-        index = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
+        index = self.last_user_index()
         if index is None:
             raise ValueError(f"nothing to {what}: the conversation has no message yet")
         return index

@@ -73,8 +73,7 @@ class Repl:
         self.model_name = model_name or settings.model_name
         self.note = note
         self.last_stream: RequestStream | None = None
-        self.streaming: RequestStream | None = None  # the reply being shown as it streams
-        self._streaming_all: list[RequestStream] = []  # it and the alternatives generated beside it
+        self._streaming: list[RequestStream] = []  # the reply shown as it streams, then its alternatives
         self.conversation: Conversation | None = None
         # What the next prompt starts with (/edit's message, /file's blocks), and the message that
         # line replaces when sent (/edit): both given up when Ctrl-C clears the line.
@@ -98,6 +97,11 @@ class Repl:
         self.alternatives = []
         return self.conversation
 
+    @property
+    def streaming(self) -> RequestStream | None:
+        """The reply being shown as it streams, if one is."""
+        return self._streaming[0] if self._streaming else None
+
     def _line_cleared(self) -> None:
         self.next_line = ""
         self.editing = None
@@ -117,7 +121,7 @@ class Repl:
             return 130
 
     def _abort_replies(self) -> None:
-        for stream in self._streaming_all:
+        for stream in self._streaming:
             stream.abort()
 
     async def run_async(self) -> int:
@@ -328,7 +332,7 @@ class Repl:
                     if stream.finish_reason is None:
                         self._save_so_far(stream)
 
-        self.streaming, self._streaming_all = shown, streams
+        self._streaming = streams
         others = [asyncio.ensure_future(drain(stream)) for stream in streams[1:]]
         saver = asyncio.ensure_future(save_every_few_seconds())
         try:
@@ -343,7 +347,7 @@ class Repl:
         finally:
             for task in (*others, saver):
                 task.cancel()
-            self.streaming, self._streaming_all = None, []
+            self._streaming = []
 
     def _save_so_far(self, stream: RequestStream) -> None:
         try:

@@ -95,7 +95,7 @@ def _file(repl, arg: str) -> str:
 
 def _edit(repl, arg: str) -> str:
     conversation = repl.conversation
-    index = max((i for i, m in enumerate(conversation.messages) if m.role == "user"), default=None)
+    index = conversation.last_user_index()
     if index is None:
         return "no message to edit yet"
     repl.editing = index

@@ -12,8 +12,6 @@ from typing import Callable
 
 from textual.screen import ModalScreen
 
-from engine import SamplingParams
-
 from nvchat import paths
 from nvchat.app.bindings import APP_KEYS, SLASH_ACTIONS
 from nvchat.app.chat_pane import ChatPane
@@ -295,10 +293,10 @@ class ChatActions:
     def _sampling_command(self, pane: ChatPane, arg: str) -> None:
         """/sampling NAME=VALUE...: this chat's own values, checked before they are kept; reset: none."""
         conversation = pane.conversation
-        defaults = conversation.sampling_defaults()
         try:
-            sampling = {} if arg.lower() == "reset" else conversation.sampling | sampling_changes(arg, defaults)
-            SamplingParams(**(defaults | sampling))
+            sampling = ({} if arg.lower() == "reset" else
+                        conversation.sampling | sampling_changes(arg, conversation.sampling_defaults()))
+            conversation.check_sampling(sampling)
         except ValueError as e:
             self.notify(str(e), title="Sampling not changed", severity="warning")
             return

@@ -507,7 +507,7 @@ class ChatPane(Vertical):
         if self.cursor is not None:
             index = self.cursor if messages[self.cursor].role == "user" else self.cursor - 1
             return index if index >= 0 and messages[index].role == "user" else None
-        return max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
+        return self.conversation.last_user_index()
 
     def start_edit(self) -> None:
         if self._refuse_if_busy():
