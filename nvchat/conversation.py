@@ -17,13 +17,15 @@ MAX_TOOL_ROUNDS replies in a row may call tools: the one after them is offered n
 import re
 import time
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine import RequestStream, SamplingParams
 from engine.backend import Backend
 from engine.text.tool_calls import Tools
 from nvchat.settings import Settings
-from nvchat.store import ChatStore, WriterLock
+
+if TYPE_CHECKING:  # start-up: pipe mode keeps no store, and sqlite3 with the store took ~7 ms of its start
+    from nvchat.store import ChatStore, WriterLock
 
 _THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
 
@@ -106,7 +108,7 @@ class Conversation:
     sibling; nothing is replaced); `messages` is the branch shown, which turns send and exports
     write. `roots` are the first messages: the first one sent and any edits of it."""
 
-    def __init__(self, engine: Backend, store: ChatStore | None, *, system_prompt: str, model_name: str,
+    def __init__(self, engine: Backend, store: "ChatStore | None", *, system_prompt: str, model_name: str,
                  settings: Settings, title: str = "New chat", conversation_id: int | None = None,
                  messages: list[Message] | None = None, sampling: dict | None = None, draft: str = "",
                  roots: list[Message] | None = None):
@@ -137,7 +139,7 @@ class Conversation:
         self.toolbox: Toolbox | None = None  # the tools each request offers (the app's MCP servers)
 
     @classmethod
-    def load(cls, engine: Backend, store: ChatStore, conversation_id: int, settings: Settings) -> "Conversation":
+    def load(cls, engine: Backend, store: "ChatStore", conversation_id: int, settings: Settings) -> "Conversation":
         """The stored conversation with the branch shown when it was last written, and its writer
         lock; where another process holds that lock it is read-only here (read_only says why)."""
         row = store.get_conversation(conversation_id)
