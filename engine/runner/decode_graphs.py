@@ -552,14 +552,17 @@ class DecodeGraphs:
         staging = self._mask_staging[self._next_mask]
         self._next_mask = (self._next_mask + 1) % _RING
         count = self._masked_rows
-        staging[1:count + 1].fill_(-1)
-        if rows:
+        width = min(masks.shape[1], staging.shape[1])
+        if len(rows) == count:  # every row under structured output, in row order: rows 1, 2, ...
+            staging[1:count + 1, :width] = masks[:, :width]
+            at = slice(1, count + 1)
+        else:
+            staging[1:count + 1].fill_(-1)
             mask_rows = self._params_bytes["mask_row"]  # stage() numbered the rows 1, 2, ... in row order
             at = torch.tensor([mask_rows[row] for row in rows], dtype=torch.int64)
-            width = min(masks.shape[1], staging.shape[1])
             staging[:, :width].index_copy_(0, at, masks[:, :width])
-            # Tokens past the grammar's vocabulary (the logits' padding) are never allowed.
-            staging[at, width:] = 0
+        if width < staging.shape[1]:
+            staging[at, width:] = 0  # tokens past the grammar's vocabulary (the logits' padding): never
         self.masks[1:count + 1].copy_(staging[1:count + 1], non_blocking=True)
         self.sample(bucket, kind)
 
