@@ -16,7 +16,8 @@ bytes of K/V read / graph time, against the H200's 4.25 TB/s.
 --sweep also times the decode and prefill kernels over launch configs (tile size, warps, stages,
 split count), which is how their defaults were chosen. --decode-launches only compares the ways a
 decode step's attention can launch (see run_decode_launches), with PDL on and off. --moe-fp8 runs
-only the mixture-of-experts and FP8 rows; --sweep-moe-fp8 times those kernels over launch configs
+only the mixture-of-experts and FP8 rows, --adjust-logits only the adjusted sampling's logits
+adjustments; --sweep-moe-fp8 times those kernels over launch configs
 (their defaults are untuned). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
 smoke test of this script, and times nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot
 wrong, so the grouped MoE path's smoke diffs are garbage there).
@@ -42,7 +43,9 @@ from engine.layers.fp8 import quantize_blocks  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
+from engine.runner.decode_graphs import adjust_logits_torch  # noqa: E402
 from kernels import fp8 as fp8_kernels  # noqa: E402
+from kernels.adjust_logits import adjust_logits  # noqa: E402
 from kernels import fused_moe  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
     paged_decode_attention,
@@ -236,6 +239,31 @@ def fused_cases():
     for t in tokens:
         x = torch.randn(t, 2 * INTERMEDIATE, device=DEVICE).to(DTYPE)
         yield ("silu_and_mul", f"tokens={t}", lambda x=x: silu_and_mul(x), lambda x=x: act(x))
+    # The adjusted sampling graphs' logits adjustments: 64 rows, a quarter of them with a token
+    # mask, a logit_bias entry and a repetition penalty from their counts (bench_structured's batch).
+    for vocab in [2048] if SMOKE else [49152, 151936]:
+        args = adjust_logits_args(64, vocab)
+        yield ("adjust logits", f"rows=64 vocab={vocab}", lambda a=args: adjust_logits(*a),
+               lambda a=args: adjust_logits_torch(*a))
+
+
+def adjust_logits_args(rows, vocab):
+    """kernels.adjust_logits' arguments for `rows` rows, every fourth one adjusted (its own slot
+    and mask row, one bias entry); slot 0 and mask row 0 neutral, as the decode graphs keep them."""
+    slots, words = rows // 4 + 1, -(-vocab // 32)
+    adjusted = torch.arange(rows, device=DEVICE) % 4 == 0
+    slot = torch.where(adjusted, torch.arange(rows, device=DEVICE) // 4 + 1, 0)
+    masks = torch.randint(-2**31, 2**31 - 1, (slots, words), dtype=torch.int32, device=DEVICE)
+    counts = torch.randint(0, 2, (slots, vocab), dtype=torch.int32, device=DEVICE)
+    seen = torch.rand(slots, vocab, device=DEVICE) < 0.05
+    bias_ids = torch.zeros(slots, 64, dtype=torch.int64, device=DEVICE)
+    bias_values = torch.zeros(slots, 64, device=DEVICE)
+    masks[0], counts[0], seen[0] = -1, 0, False
+    bias_ids[1:, 0], bias_values[1:, 0] = 2, -100.0
+    per_row = torch.zeros(rows, device=DEVICE)
+    return (torch.randn(rows, vocab, device=DEVICE).to(DTYPE), slot, slot, masks, counts, seen, per_row + 1.1,
+            per_row, per_row, bias_ids, bias_values, torch.zeros(rows, 4, dtype=torch.int64, device=DEVICE),
+            torch.zeros(rows, dtype=torch.bool, device=DEVICE))
 
 
 # -- mixture of experts and FP8 ------------------------------------------------------------------
@@ -490,9 +518,11 @@ def run_prefill(block_size):
     return rows
 
 
-def run_fused():
+def run_fused(only=None):
     rows = []
     for kernel, case, tri, ref in fused_cases():
+        if only is not None and kernel != only:
+            continue
         rows.append(row(kernel, case, time_eager(tri), time_eager(ref), time_graph(tri), time_graph(ref)))
         print_row(rows[-1])
     return rows
@@ -707,6 +737,8 @@ def main():
     parser.add_argument("--moe-fp8", action="store_true", help="only the mixture-of-experts and FP8 rows, then exit")
     parser.add_argument("--sweep-moe-fp8", action="store_true",
                         help="only the mixture-of-experts and FP8 launch-config sweeps, then exit")
+    parser.add_argument("--adjust-logits", action="store_true",
+                        help="only the adjusted sampling's logits adjustments (kernels/adjust_logits.py), then exit")
     args = parser.parse_args()
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
     torch.manual_seed(0)
@@ -724,6 +756,11 @@ def main():
     def save():
         out_path.write_text(json.dumps(result, indent=1))
 
+    if args.adjust_logits:
+        print_header()
+        result["rows"] = run_fused(only="adjust logits")
+        save()
+        return
     if args.moe_fp8:
         print_header()
         result["rows"] = run_moe() + run_fp8()

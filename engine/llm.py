@@ -18,9 +18,10 @@ it (a prompt's blocks) or when its last token lands (a completion's).
 
 A row under structured output needs its grammar's state after the token it runs on, which is still
 being sampled when its step is launched. So a step with such rows is launched without its sampling
-(the forward pass and the logits are queued), the step before is settled (each grammar takes its
-token), and then the masks are computed and the sampling queued, while the GPU runs the forward
-pass: constrained and unconstrained rows alike keep the overlap.
+(the forward pass and the logits are queued). Once the step before has landed, its tokens go to
+the grammars first, and the masks are computed and the sampling queued before the rest of that
+step is settled, while the GPU runs the forward pass: constrained and unconstrained rows alike keep
+the overlap, and the sampling waits only for the masks, not for the whole settle.
 
 With host_cache_gib or disk_cache_dir, the KV cache has lower tiers (engine/core/kv_tiers.py):
 each step's copies between them are queued ahead of the step (runner.transfer), and once the engine
@@ -350,7 +351,8 @@ class LLM:
             launched = self._launch(batch) if batch else None
             previous, self._inflight = self._inflight, launched
             if previous is not None:
-                outputs += self._settle(previous)
+                deferred = launched if launched is not None and launched.tokens is None else None
+                outputs += self._settle(previous, deferred)
             if launched is not None and launched.tokens is None:
                 self._sample_deferred(launched)
             if not self.async_scheduling and self._inflight is not None:
@@ -455,19 +457,45 @@ class LLM:
         self.last_step_tokens = (len(plan.input_ids) - decode, decode)
         return _Launched(entries, rows, tokens, constrained)
 
-    def _sample_deferred(self, launched: _Launched) -> None:
+    def _sample_deferred(self, launched: _Launched, grammars_ended: set[Sequence] = frozenset()) -> None:
         """Samples a launched step that has rows under structured output, with their masks: each
-        computed from its grammar's state once the step before has landed (step() settles it
-        first), so that state includes the token this step's row runs on. The GPU meanwhile runs
-        the step's forward pass. A sequence that the step before ended gets an open mask; its
+        computed from its grammar's state once the step before has landed, so that state includes
+        the token this step's row runs on. The GPU meanwhile runs the step's forward pass. A
+        sequence that has ended, or whose grammar the step before ended, gets an open mask: its
         token is dropped."""
-        matchers = [None if seq.is_finished else seq.matcher for _, seq in launched.constrained]
+        matchers = [None if seq.is_finished or seq in grammars_ended else seq.matcher
+                    for _, seq in launched.constrained]
         masks = self.grammars().masks(matchers)
         launched.tokens = self.runner.sample_deferred(([row for row, _ in launched.constrained], masks))
 
-    def _settle(self, launched: _Launched) -> list[StepOutput]:
-        """Waits for a launched step's tokens and post-processes its sequences."""
+    @staticmethod
+    def _consume_grammar_tokens(launched: _Launched, tokens: list[int]) -> dict[Sequence, bool]:
+        """Gives each grammar of a landed step its sampled token, as _settle_rows accepts them (a
+        sequence it skips is skipped here too); returns, per constrained sequence, whether the token
+        ended its grammar: one outside the mask (only ever the end of the reply, let through by
+        min_tokens' fallback) or one that completes it."""
+        ended = {}
+        row = 0
+        for seq, _, _, sampled in launched.entries:
+            if not seq.is_finished:
+                for i, sample in enumerate(sampled, row):
+                    if sample.matcher is not None and not sample.is_finished:
+                        matcher = sample.matcher
+                        ended[sample] = not matcher.consume_token(tokens[i]) or matcher.is_stopped()
+            row += len(sampled)
+        return ended
+
+    def _settle(self, launched: _Launched, deferred: _Launched | None = None) -> list[StepOutput]:
+        """Waits for a launched step's tokens and post-processes its sequences. deferred: the step
+        launched after it, waiting for its masks: it is sampled as soon as the grammars have their
+        tokens, before the rest of the settle."""
         tokens = launched.tokens.tolist()
+        grammars_ended = self._consume_grammar_tokens(launched, tokens) if launched.constrained else {}
+        if deferred is not None:
+            self._sample_deferred(deferred, {seq for seq, ended in grammars_ended.items() if ended})
+        return self._settle_rows(launched, tokens, grammars_ended)
+
+    def _settle_rows(self, launched: _Launched, tokens: list[int], grammars_ended: dict) -> list[StepOutput]:
         logprobs = launched.tokens.logprobs()
         commit = self.blocks.commit_full_blocks
         outputs = []
@@ -485,16 +513,18 @@ class LLM:
                 for i, fork in enumerate(sampled[1:], first + 1):
                     if not fork.is_finished:
                         fork.num_cached_tokens = seq.num_cached_tokens
-                        outputs.append(self._accept(fork, count, tokens[i], logprobs, i))
+                        outputs.append(self._accept(fork, count, tokens[i], logprobs, i, grammars_ended))
                         if not fork.is_finished:
                             started.append(fork)
                 self.scheduler.start_forks(seq, started)
-            outputs.append(self._accept(seq, count, tokens[first], logprobs, first))
+            outputs.append(self._accept(seq, count, tokens[first], logprobs, first, grammars_ended))
         return outputs
 
-    def _accept(self, seq: Sequence, count: int, token: int, logprobs, row: int) -> StepOutput:
+    def _accept(self, seq: Sequence, count: int, token: int, logprobs, row: int,
+                grammars_ended: dict[Sequence, bool]) -> StepOutput:
         """Gives seq the token sampled after its first `count` tokens (its pending token, or a
-        fork's first), and ends it if that token does."""
+        fork's first), and ends it if that token does (or ends its grammar: grammars_ended, from
+        _consume_grammar_tokens)."""
         if count < len(seq.token_ids):
             seq.token_ids[count] = token
         else:
@@ -504,11 +534,7 @@ class LLM:
             top = list(zip(logprobs[1][row][:seq.params.logprobs], logprobs[2][row][:seq.params.logprobs]))
             new_logprobs = [TokenLogprobs(token, logprobs[0][row], top)]
             seq.logprobs += new_logprobs
-        grammar_done = False
-        if seq.matcher is not None:
-            # A token outside the mask (only ever the end of the reply, let through by min_tokens'
-            # fallback) ends the grammar as well.
-            grammar_done = not seq.matcher.consume_token(token) or seq.matcher.is_stopped()
+        grammar_done = grammars_ended.get(seq, False)
         text = seq.detokenizer.push([token]) if seq.detokenizer else ""
         reason = self._finish_reason(seq, token, count + 1) or ("stop" if grammar_done else None)
         if reason:

@@ -251,3 +251,48 @@ def moe_reference(x, w13, w2, topk_weights, topk_ids):
             h = to(torch.nn.functional.silu(gate) * up)
             out[t] += to(h @ w2[e].float().T) * topk_weights[t, j].float()
     return out.to(x.dtype)
+
+
+def adjust_logits_inputs(dtype, device, rows=9, vocab=None, slots=5, mask_rows=4):
+    """kernels.adjust_logits' arguments, random, with every case the decode graphs stage: neutral
+    rows (slot 0, mask row 0; rows 0 and 2 have no mask), penalties, logit_bias (slot 1 names a
+    token twice), token masks, bans on the odd rows, and on row 3 bans that would leave it no
+    token; logits are a column slice of a wider tensor."""
+    from engine.runner.decode_graphs import BAN_WIDTH, BIAS_WIDTH
+    vocab = vocab or random.randrange(1500, 2600)
+    words = -(-vocab // 32)
+    wide = torch.randn(rows, vocab + 37, dtype=torch.float32) * 4
+    logits = wide[:, 5:5 + vocab].to(dtype)
+    counts = torch.randint(0, 3, (slots, vocab), dtype=torch.int32) * (torch.rand(slots, vocab) < 0.05)
+    prompt_seen = torch.rand(slots, vocab) < 0.05
+    bias_ids = torch.zeros(slots, BIAS_WIDTH, dtype=torch.int64)
+    bias_values = torch.zeros(slots, BIAS_WIDTH)
+    counts[0], prompt_seen[0] = 0, False  # slot 0: the rows without penalties or bias
+    for s in range(1, slots):
+        n = random.randrange(0, 6)
+        bias_ids[s, :n] = torch.randint(0, vocab, (n,))
+        bias_values[s, :n] = torch.randn(n) * 5
+    bias_ids[1, 6], bias_values[1, 6] = bias_ids[1, 0], 2.5  # one token named twice: the two add up
+    masks = torch.randint(-2**31, 2**31 - 1, (mask_rows, words), dtype=torch.int32)
+    masks[0] = -1  # row 0 allows every token
+    slot = torch.tensor([random.randrange(slots) for _ in range(rows)])
+    slot[:3] = torch.tensor([0, 1, 2])
+    mask_row = torch.tensor([random.randrange(mask_rows) for _ in range(rows)])
+    mask_row[0] = 0
+    repetition = torch.where(torch.rand(rows) < 0.3, 1.0, 1 + torch.rand(rows))
+    frequency = torch.where(torch.rand(rows) < 0.3, 0.0, torch.rand(rows))
+    presence = torch.where(torch.rand(rows) < 0.3, 0.0, torch.rand(rows) - 0.5)
+    banned = torch.zeros(rows, BAN_WIDTH, dtype=torch.int64)
+    ban = torch.zeros(rows, dtype=torch.bool)
+    for r in range(1, rows, 2):  # bans as staged: a row's ids, its first repeated to the width
+        ids = random.sample(range(vocab), random.randrange(1, BAN_WIDTH + 1))
+        banned[r] = torch.tensor(ids + [ids[0]] * (BAN_WIDTH - len(ids)))
+        ban[r] = True
+    # Row 3's mask allows only its banned tokens: the bans would leave it nothing, so they do not apply.
+    mask_row[3] = mask_rows - 1
+    masks[mask_rows - 1] = 0
+    for t in banned[3].tolist():
+        masks[mask_rows - 1, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    args = (logits, slot, mask_row, masks, counts, prompt_seen, repetition, frequency, presence, bias_ids,
+            bias_values, banned, ban)
+    return tuple(a.to(device) for a in args)

@@ -160,6 +160,30 @@ class _Layout:
         return out
 
 
+def adjust_logits_torch(logits, slot, mask_row, masks, counts, prompt_seen, repetition, frequency, presence,
+                        bias_ids, bias_values, banned, ban) -> torch.Tensor:
+    """kernels.adjust_logits in torch operations (its arguments and result; the CPU's path and
+    the kernel's reference): logit_bias, token masks, bans, then penalties, for every row."""
+    logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
+    logits.scatter_add_(1, bias_ids.index_select(0, slot), bias_values.index_select(0, slot))
+    # The masks read as bytes (little-endian words: token t is bit t % 8 of byte t // 8), so that
+    # unpacking them writes a byte per token, not an int32.
+    mask_bytes = masks.index_select(0, mask_row).view(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = ((mask_bytes[:, :, None] >> shifts) & 1).view(torch.bool).view(len(mask_bytes), -1)
+    logits = logits.masked_fill(~allowed[:, :logits.shape[-1]], float("-inf"))
+    kept = logits.gather(1, banned)
+    banned_logits = logits.scatter(1, banned, kept.masked_fill(ban[:, None], float("-inf")))
+    # As the eager Sampler: a row that the bans would leave with no token keeps its end.
+    logits = torch.where(torch.isfinite(banned_logits).any(-1, keepdim=True), banned_logits, logits)
+    counts = counts.index_select(0, slot)
+    in_completion = counts > 0
+    seen = prompt_seen.index_select(0, slot) | in_completion
+    repetition = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * in_completion.float()
+
+
 class DecodeGraphs:
     def __init__(self, model, *, buckets: list[int], max_blocks_per_seq: int, hidden_size: int,
                  sampled: torch.Tensor, device, dtype, sample: bool, vocab_size: int):
@@ -221,7 +245,6 @@ class DecodeGraphs:
         self._mask_staging = [torch.full((slots + 1, words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
                               for _ in range(_RING if slots else 0)]
         self._next_mask = 0
-        self._mask_shifts = torch.arange(8, dtype=torch.uint8, device=device)
         self._masked_rows = 0  # the constrained rows of the step staged last
 
     def bucket_for(self, rows: int) -> int | None:
@@ -444,25 +467,14 @@ class DecodeGraphs:
     def _adjust(self, logits: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sampler.adjust_logits for every row at once, from the staged settings, the slots'
         counts and the token masks: a row with neutral settings (slot 0, mask row 0, no bans) comes
-        out exactly as it went in."""
-        logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
-        slot = v["slot"]
-        logits.scatter_add_(1, self.bias_ids.index_select(0, slot), self.bias_values.index_select(0, slot))
-        # The masks read as bytes (little-endian words: token t is bit t % 8 of byte t // 8), so
-        # that unpacking them writes a byte per token, not an int32.
-        mask_bytes = self.masks.index_select(0, v["mask_row"]).view(torch.uint8)
-        allowed = ((mask_bytes[:, :, None] >> self._mask_shifts) & 1).view(torch.bool).view(len(mask_bytes), -1)
-        logits = logits.masked_fill(~allowed[:, :logits.shape[-1]], float("-inf"))
-        kept = logits.gather(1, v["banned"])
-        banned = logits.scatter(1, v["banned"], kept.masked_fill(v["ban"][:, None], float("-inf")))
-        # As the eager Sampler: a row that the bans would leave with no token keeps its end.
-        logits = torch.where(torch.isfinite(banned).any(-1, keepdim=True), banned, logits)
-        counts = self.counts.index_select(0, slot)
-        in_completion = counts > 0
-        seen = self.prompt_seen.index_select(0, slot) | in_completion
-        repetition = v["repetition"][:, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
-        return logits - v["frequency"][:, None] * counts - v["presence"][:, None] * in_completion.float()
+        out exactly as it went in. On a GPU in two kernels (kernels/adjust_logits.py), elsewhere in
+        torch operations."""
+        args = (logits, v["slot"], v["mask_row"], self.masks, self.counts, self.prompt_seen, v["repetition"],
+                v["frequency"], v["presence"], self.bias_ids, self.bias_values, v["banned"], v["ban"])
+        if logits.is_cuda:
+            from kernels.adjust_logits import adjust_logits  # start-up: Triton loads only where it runs
+            return adjust_logits(*args)
+        return adjust_logits_torch(*args)
 
     def _sample(self, bucket: int, kind: str) -> None:
         v = self.views[bucket]
@@ -540,14 +552,17 @@ class DecodeGraphs:
         staging = self._mask_staging[self._next_mask]
         self._next_mask = (self._next_mask + 1) % _RING
         count = self._masked_rows
-        staging[1:count + 1].fill_(-1)
-        if rows:
+        width = min(masks.shape[1], staging.shape[1])
+        if len(rows) == count:  # every row under structured output, in row order: rows 1, 2, ...
+            staging[1:count + 1, :width] = masks[:, :width]
+            at = slice(1, count + 1)
+        else:
+            staging[1:count + 1].fill_(-1)
             mask_rows = self._params_bytes["mask_row"]  # stage() numbered the rows 1, 2, ... in row order
             at = torch.tensor([mask_rows[row] for row in rows], dtype=torch.int64)
-            width = min(masks.shape[1], staging.shape[1])
             staging[:, :width].index_copy_(0, at, masks[:, :width])
-            # Tokens past the grammar's vocabulary (the logits' padding) are never allowed.
-            staging[at, width:] = 0
+        if width < staging.shape[1]:
+            staging[at, width:] = 0  # tokens past the grammar's vocabulary (the logits' padding): never
         self.masks[1:count + 1].copy_(staging[1:count + 1], non_blocking=True)
         self.sample(bucket, kind)
 
