@@ -13,7 +13,9 @@ Its key is the GGUF file's path, size and modification time, the quantization, t
 the cache's format, torch's version and the CPU's vector width (torch packs int4 weights for it),
 and the source of the code that turns a file into these tensors (so a change there builds entries
 again instead of running stale weights). A hash of the key names the file; the key itself is in
-the file's metadata and must match. So is a CRC-32 of each tensor, checked before anything is used:
+the file's metadata and must match. So is an XXH3 hash of each tensor, checked before anything is
+used (a CRC-32 took 0.12 s of the 0.14 s that reading SmolLM2's 198 MB entry back takes on the 2-core
+box; XXH3 0.035):
 an entry that was cut short, damaged or written by something else is deleted and built again, never
 used. Entries are written under a temporary name and renamed into place."""
 import hashlib
@@ -22,10 +24,10 @@ import os
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -34,7 +36,7 @@ from engine.options import default_cache_dir
 from engine.layers import quantized, weights
 
 # Raised when what an entry holds or how it is laid out changes.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 KIND = "cpu-weights"
 _QUANTIZED_WEIGHTS = {"int4": quantized.int4_class, "int8": lambda: quantized.Int8Weight}
 # The modules whose code decides the cached tensors' values besides those that define the model's
@@ -64,8 +66,8 @@ def _sources_digest(model) -> str:
     return digest.hexdigest()
 
 
-def _crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+def _digest(t: torch.Tensor) -> int:
+    return xxhash.xxh3_64_intdigest(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 class WeightCache:
@@ -136,7 +138,7 @@ class WeightCache:
         entry = self.entry(key)
         tensors, layout = _contents(model)
         metadata = {"key": json.dumps(key, sort_keys=True), "layout": json.dumps(layout),
-                    "crc32": json.dumps({name: _crc32(t) for name, t in tensors.items()})}
+                    "xxh3_64": json.dumps({name: _digest(t) for name, t in tensors.items()})}
         tmp = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -194,7 +196,7 @@ def _contents(model) -> tuple[dict[str, torch.Tensor], dict]:
 
 def _checked(entry: Path, key: dict) -> tuple[dict[str, int], dict]:
     """The entry's checksums and layout once its key matches and every tensor's bytes match its
-    CRC-32; ValueError (or another error restore catches, on a mangled header) where not. The bytes are read
+    hash; ValueError (or another error restore catches, on a mangled header) where not. The bytes are read
     from the file rather than through a mapping, so the check leaves no pages in the process's
     memory: the engine maps the file afterwards and touches only what it reads. A safetensors file
     is an 8-byte little-endian header length, a JSON header, then the tensors' bytes."""
@@ -207,7 +209,7 @@ def _checked(entry: Path, key: dict) -> tuple[dict[str, int], dict]:
         metadata = header.pop("__metadata__")
         if json.loads(metadata["key"]) != key:
             raise ValueError("written for another file, setting or version")
-        checksums, layout = json.loads(metadata["crc32"]), json.loads(metadata["layout"])
+        checksums, layout = json.loads(metadata["xxh3_64"]), json.loads(metadata["layout"])
         if set(checksums) != set(header):
             raise ValueError("tensors and checksums differ")
         data_start = 8 + header_length
@@ -219,14 +221,14 @@ def _checked(entry: Path, key: dict) -> tuple[dict[str, int], dict]:
         view = memoryview(buffer)
         for (start, stop), name in spans:
             f.seek(data_start + start)
-            crc, left = 0, stop - start
+            digest, left = xxhash.xxh3_64(), stop - start
             while left:
                 n = f.readinto(view[:min(left, _READ_CHUNK)])
                 if not n:
                     raise ValueError("cut short")
-                crc = zlib.crc32(view[:n], crc)
+                digest.update(view[:n])
                 left -= n
-            if crc != checksums[name]:
+            if digest.intdigest() != checksums[name]:
                 raise ValueError(f"{name} does not match its checksum")
     return checksums, layout
 
