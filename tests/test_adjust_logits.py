@@ -21,20 +21,11 @@ from engine.runner.decode_graphs import adjust_logits_torch  # noqa: E402
 from tests.kernel_checks import adjust_logits_inputs, assert_close, poison, seed  # noqa: E402,F401 (fixtures)
 
 adjust = importlib.import_module("kernels.adjust_logits")
-
-
-def _interpreted() -> bool:
-    return type(adjust._mask_and_penalize_kernel).__name__ == "InterpretedFunction"
-
-
-if not _interpreted() and not torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "1":
+if type(adjust._mask_and_penalize_kernel).__name__ != "InterpretedFunction":
+    if torch.cuda.is_available() or os.environ["TRITON_INTERPRET"] != "1":
+        pytest.skip("the GPU runs tests/gpu/test_adjust_logits_gpu.py", allow_module_level=True)
     adjust = importlib.reload(adjust)  # imported before TRITON_INTERPRET was set: decorate it again
-if _interpreted():
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    pytest.skip("needs TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
+DEVICE = "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
