@@ -231,14 +231,21 @@ def test_int4_tied_head_greedy_picks_float32s_leader():
     torch.testing.assert_close(logits.gather(1, leaders), exact.gather(1, leaders), rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_int4_models_quantize_the_head_to_int4_only_where_it_is_tied(tied):
+def int4_tiny_qwen3(tied: bool) -> Qwen3ForCausalLM:
+    """A one-layer Qwen3 (vocabulary 256, hidden 64) of normal random weights, quantized to int4,
+    its LM head tied to the embedding or not."""
     config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=tied)
     model = Qwen3ForCausalLM(config, 64)
     for p in model.parameters():
         p.data.normal_()
     model.quantize("int4")
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_int4_models_quantize_the_head_to_int4_only_where_it_is_tied(tied):
+    model = int4_tiny_qwen3(tied)
     assert type(model.lm_head.quantized) is (int4_class() if tied else Int8Weight)
     assert (model.lm_head.weight is not None) == tied
 

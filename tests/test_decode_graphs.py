@@ -40,6 +40,18 @@ def count_decode_feed_steps(graphs: DecodeGraphs) -> dict:
     return counts
 
 
+def record_masked_kinds(graphs: DecodeGraphs) -> list[str]:
+    """The kinds of sampling graphs.sample_masked samples with, one per call, from now on."""
+    kinds = []
+    sample_masked = graphs.sample_masked
+
+    def recorded(bucket, kind, rows, masks):
+        kinds.append(kind)
+        sample_masked(bucket, kind, rows, masks)
+    graphs.sample_masked = recorded
+    return kinds
+
+
 # Streams join as others end (max_num_seqs 5 of 9), so decode batches change rows, buckets and
 # padding, with prompt chunks and the steps that end them in between on the general path.
 PROMPTS = random_prompts([30, 5, 41, 16, 9, 23, 12, 7, 19], seed=31)

@@ -152,6 +152,17 @@ def _step_plan(streams: list[_Stream]) -> StepPlan:
                     defer_sampling=any(c is not None and c.constrained for c in contexts))
 
 
+def _stage_random_step(graphs, streams: list[_Stream], rows: int, vocab: int, device="cpu"):
+    """Plans and stages the streams' decode step in graphs, and writes random logits as its
+    hidden states (which _Logits passes on as they are): (plan, kind, logits)."""
+    plan = _step_plan(streams)
+    kind = graphs.stage(plan, rows)
+    logits = torch.randn(rows, vocab, device=device) * 4
+    graphs.hidden[:rows] = logits
+    graphs.input_ids[:rows] = torch.tensor(plan.input_ids, device=device)
+    return plan, kind, logits
+
+
 def _random_params(rng: random.Random, vocab: int, eos: int) -> SamplingParams:
     temperature = rng.choice([0, 0, 0.7, 1.3])
     kw = dict(temperature=temperature, max_tokens=1000, top_k=rng.choice([0, 0, 5]) if temperature else 0,
@@ -196,12 +207,8 @@ def test_the_adjusted_kinds_give_the_eager_samplers_tokens_as_rows_come_and_go(s
             streams.append(_Stream(next_id, prompt + [rng.randrange(vocab)] * rng.randint(0, 3), params, eos))
             next_id += 1
         rng.shuffle(streams)
-        plan = _step_plan(streams)
-        kind = graphs.stage(plan, rows)
+        plan, kind, logits = _stage_random_step(graphs, streams, rows, vocab)
         kinds.add(kind)
-        logits = torch.randn(rows, vocab) * 4
-        graphs.hidden[:rows] = logits
-        graphs.input_ids[:rows] = torch.tensor(plan.input_ids)
         torch.manual_seed(step)
         want, _ = eager.sample(logits, plan.sample_params, plan.sample_positions, plan.sample_contexts or None,
                                torch.tensor(plan.input_ids))
@@ -255,12 +262,8 @@ def test_rows_under_structured_output_sample_in_the_graph_with_their_masks(sampl
             streams.append(_Stream(next_id, prompt, params, eos))
             next_id += 1
         rng.shuffle(streams)
-        plan = _step_plan(streams)
-        kind = graphs.stage(plan, rows)
+        plan, kind, logits = _stage_random_step(graphs, streams, rows, vocab)
         kinds.add(kind)
-        logits = torch.randn(rows, vocab) * 4
-        graphs.hidden[:rows] = logits
-        graphs.input_ids[:rows] = torch.tensor(plan.input_ids)
         constrained = [row for row, s in enumerate(streams) if s.params.structured_output is not None]
         # A constrained row may be left out: its sequence ended, nothing reads its token.
         given = [row for row in constrained if rng.random() > 0.1]

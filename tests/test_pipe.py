@@ -40,19 +40,24 @@ def _cut_short(env, how: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, returncode, first.decode(), err)
 
 
+def _own_dirs(root, demo_model_path) -> dict:
+    """An environment whose nvchat cache, data and config directories are under root. nvchat finds
+    the demo model under $XDG_CACHE_HOME/nvchat: the session's copy is linked there, so no
+    subprocess writes its own; what the runs write (the KV cache's disk tier) stays under root."""
+    (root / "cache" / "nvchat").mkdir(parents=True)
+    for entry in demo_model_path.parent.iterdir():
+        if entry.name != "kv":
+            (root / "cache" / "nvchat" / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    return {**os.environ, "XDG_CACHE_HOME": str(root / "cache"), "XDG_DATA_HOME": str(root / "data"),
+            "XDG_CONFIG_HOME": str(root / "config"), "OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture(scope="module")
 def runs(demo_model_path, tmp_path_factory):
     """Every nvchat run of this module, two at a time: each spends most of its seconds importing
     torch on one core, so pairs roughly halve the module's time on a 2-core box."""
     root = tmp_path_factory.mktemp("xdg")
-    # nvchat finds the demo model under $XDG_CACHE_HOME/nvchat: link the session's copy there so
-    # no subprocess writes its own. What the runs write (the KV cache's disk tier) stays here.
-    (root / "cache" / "nvchat").mkdir(parents=True)
-    for entry in demo_model_path.parent.iterdir():
-        if entry.name != "kv":
-            (root / "cache" / "nvchat" / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-    env = {**os.environ, "XDG_CACHE_HOME": str(root / "cache"), "XDG_DATA_HOME": str(root / "data"),
-           "XDG_CONFIG_HOME": str(root / "config"), "OMP_NUM_THREADS": "1"}
+    env = _own_dirs(root, demo_model_path)
     missing = root / "no-such-checkpoint"
     jobs = {
         "json": (_run, ["-p", QUESTION, "--json", *FAST]),
@@ -166,12 +171,7 @@ def test_the_next_run_finds_the_prompt_on_disk_although_the_process_ends_itself(
     """Pipe mode ends its process without the interpreter's finalization (nvchat.pipe._exit_now),
     once the engine has shut down: the KV blocks it wrote to disk are whole for the next run, and
     its JSON reaches a file's buffered stdout whole."""
-    (tmp_path / "cache" / "nvchat").mkdir(parents=True)
-    for entry in demo_model_path.parent.iterdir():
-        if entry.name != "kv":
-            (tmp_path / "cache" / "nvchat" / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_DATA_HOME": str(tmp_path / "data"),
-           "XDG_CONFIG_HOME": str(tmp_path / "config"), "OMP_NUM_THREADS": "1"}
+    env = _own_dirs(tmp_path, demo_model_path)
     question = "the same question again, " * 3
     replies = []
     for run in range(2):

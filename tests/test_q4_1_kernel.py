@@ -8,11 +8,10 @@ import sys
 
 import pytest
 import torch
-from transformers import Qwen3Config
 
 from engine.layers import native_cpu
 from engine.layers.quantized import INT4_GROUP, Int4Weight, Q4_1Weight, int4_class
-from engine.models.qwen3 import Qwen3ForCausalLM
+from tests.test_cpu_fast_paths import int4_tiny_qwen3
 
 needs_kernel = pytest.mark.skipif(native_cpu.native_q4_1() is None,
                                   reason=f"no native kernel: {native_cpu.unavailable_reason()}")
@@ -126,12 +125,7 @@ def test_without_the_kernel_int4_weights_take_torchs():
 
 @needs_kernel
 def test_a_tied_int4_head_ranks_with_one_int8_an_activation_and_its_projections_take_two():
-    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
-    model = Qwen3ForCausalLM(config, 64)
-    for p in model.parameters():
-        p.data.normal_()
-    model.quantize("int4")
+    model = int4_tiny_qwen3(tied=True)
     assert model.lm_head.quantized.precise_activations is False
     assert model.model.layers[0].mlp.down_proj.quantized.precise_activations is True
 

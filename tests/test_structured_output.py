@@ -194,7 +194,11 @@ def test_the_decode_graphs_sample_constrained_rows_once_their_masks_are_in(demo_
     """The decode feed (a GPU's CUDA graphs, run eagerly on CPU) keeps a batch with rows under
     structured output: the forward pass runs at once, the sampling graph after the masks, and every
     row's tokens are the eager engine's."""
-    from tests.test_decode_graphs import attach_decode_feed, count_decode_feed_steps
+    from tests.test_decode_graphs import (
+        attach_decode_feed,
+        count_decode_feed_steps,
+        record_masked_kinds,
+    )
     schema = StructuredOutput(json_schema=SCHEMA)
     prompts = ["tell me about cats", "a json please", "an email address:", "and dogs", "another json"]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
@@ -210,13 +214,7 @@ def test_the_decode_graphs_sample_constrained_rows_once_their_masks_are_in(demo_
     with LLM(demo_model_path, **kw) as llm:
         graphs = attach_decode_feed(llm)
         counts = count_decode_feed_steps(graphs)
-        masked = []
-        sample_masked = graphs.sample_masked
-
-        def counted(bucket, kind, rows, masks):
-            masked.append(kind)
-            sample_masked(bucket, kind, rows, masks)
-        graphs.sample_masked = counted
+        masked = record_masked_kinds(graphs)
         got = llm.generate(prompts, params)
     assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
     for out in (got[1], got[4]):

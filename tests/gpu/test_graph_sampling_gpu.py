@@ -14,11 +14,13 @@ from engine.runner.sampler import Sampler, filter_top_k_top_p
 from engine.runner.step_graphs import capture_graph
 from tests.conftest import random_prompts
 from tests.gpu.test_sampling_gpu import GPU, count_replays
+from tests.test_decode_graphs import record_masked_kinds
 from tests.test_graph_sampling import (
     EOS,
     _Logits,
     _random_masks,
     _random_params,
+    _stage_random_step,
     _step_plan,
     _Stream,
     chat_params,
@@ -76,12 +78,8 @@ def test_captured_adjusted_kinds_give_the_eager_samplers_greedy_tokens_as_rows_c
             streams.append(_Stream(next_id, prompt, params, eos))
             next_id += 1
         rng.shuffle(streams)
-        plan = _step_plan(streams)
-        kind = graphs.stage(plan, rows)
+        plan, kind, logits = _stage_random_step(graphs, streams, rows, vocab, "cuda")
         kinds.add(kind)
-        logits = torch.randn(rows, vocab, device="cuda") * 4
-        graphs.hidden[:rows] = logits
-        graphs.input_ids[:rows] = torch.tensor(plan.input_ids, device="cuda")
         want, _ = eager.sample(logits, plan.sample_params, plan.sample_positions, plan.sample_contexts or None,
                                torch.tensor(plan.input_ids, device="cuda"))
         graphs.sample(rows, kind)
@@ -149,11 +147,7 @@ def test_captured_adjusted_kinds_apply_structured_outputs_masks_as_the_eager_sam
             streams.append(_Stream(next_id, [rng.randrange(vocab) for _ in range(rng.randint(1, 40))], params, eos))
             next_id += 1
         rng.shuffle(streams)
-        plan = _step_plan(streams)
-        kind = graphs.stage(plan, rows)
-        logits = torch.randn(rows, vocab, device="cuda") * 4
-        graphs.hidden[:rows] = logits
-        graphs.input_ids[:rows] = torch.tensor(plan.input_ids, device="cuda")
+        plan, kind, logits = _stage_random_step(graphs, streams, rows, vocab, "cuda")
         given = [row for row, s in enumerate(streams) if s.params.structured_output is not None]
         masks = _random_masks(rng, len(given), vocab)
         want, _ = eager.sample(logits, plan.sample_params, plan.sample_positions, plan.sample_contexts or None,
@@ -184,13 +178,7 @@ def test_constrained_rows_keep_the_graphs_and_the_eager_engines_tokens(demo_mode
         want = [o["token_ids"] for o in llm.generate(prompts, params)]
     with LLM(demo_model_path, **GPU) as llm:
         graphs = llm.runner.decode_graphs
-        masked = []
-        sample_masked = graphs.sample_masked
-
-        def spy(bucket, kind, rows, masks):
-            masked.append(kind)
-            sample_masked(bucket, kind, rows, masks)
-        graphs.sample_masked = spy
+        masked = record_masked_kinds(graphs)
         outs = llm.generate(prompts, params)
     assert [o["token_ids"] for o in outs] == want
     jsonschema.validate(json.loads(outs[0]["text"]), SCHEMA)
