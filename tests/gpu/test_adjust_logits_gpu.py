@@ -38,8 +38,10 @@ def test_adjusted_logits_match_the_torch_operations(vocab, dtype, poison):
 def test_a_captured_graph_adjusts_each_replay_from_its_inputs():
     args = adjust_logits_inputs(torch.bfloat16, "cuda", rows=64, vocab=49152, slots=17, mask_rows=17)
     graph, out = capture(lambda: adjust.adjust_logits(*args))
+    counts = args[4]
     for _ in range(2):  # new logits and counts in place, as the engine's buffers change between steps
         args[0].copy_(torch.randn_like(args[0], dtype=torch.float32).mul_(4))
-        args[4].add_((torch.rand_like(args[4], dtype=torch.float32) < 0.01).int())
+        # Slot 0 stays all zeros: it is the rows without penalties, whose counts nothing writes.
+        counts[1:].add_((torch.rand_like(counts[1:], dtype=torch.float32) < 0.01).int())
         graph.replay()
         _check(out, adjust_logits_torch(*args))
