@@ -10,11 +10,11 @@ from transformers import Qwen3Config
 
 from engine import LLM, SamplingParams
 from engine.core.step_plan import StepPlan
-from engine.layers import native_cpu
+from engine.layers import native_cpu, quantized
 from engine.layers.embedding import ParallelLMHead
 from engine.layers.norm import RMSNorm
 from engine.layers.paged_attention_torch import StepContext, store_kv, store_step_kv
-from engine.layers.quantized import Int4Weight, Int8Weight, int4_class, quantize, unpack_int4
+from engine.layers.quantized import Int4Weight, Int8Weight, int4_class, int8_class, quantize, unpack_int4
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.cpu_decode import CpuDecode
 from engine.models.qwen3 import Qwen3ForCausalLM
@@ -121,10 +121,12 @@ def test_many_rows_multiply_by_the_expanded_weight_in_float32(method):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_quantized_lm_head_settles_a_near_tie_in_float32(tied):
-    """Two tokens 0.03 apart at 25, one bf16 value in the kernel's output. The head recomputes its
-    leaders in float32 (from the float table when tied, else from the int8 rows), so argmax finds
-    the larger, and the leaders' logits are those products."""
+def test_quantized_lm_head_settles_a_near_tie_in_float32(tied, monkeypatch):
+    """Two tokens 0.03 apart at 25, one bf16 value in torch's int8 kernel's output (the head's where
+    the C kernels do not build; theirs is float32). The head recomputes its leaders in float32 (from
+    the float table when tied, else from the int8 rows), so argmax finds the larger, and the
+    leaders' logits are those products."""
+    monkeypatch.setattr(quantized, "int8_class", lambda in_features: Int8Weight)
     g = _generator()
     head = ParallelLMHead(300, 64)
     weight = torch.randn(300, 64, generator=g) / 64
@@ -181,8 +183,8 @@ def test_cpu_decode_equals_the_model_forward_bit_for_bit(tmp_path, arch, quantiz
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_the_native_decode_step_matches_the_torch_step(tmp_path, arch, monkeypatch):
     """Every decode step's hidden states from the C step against CpuDecode's torch operations from
-    the same cache, int4 weights (Qwen3's q/k norms, Llama's plain attention). Not bit for bit: C
-    rounds the norms, RoPE and attention in another order."""
+    the same cache, int4 and int8 weights (Qwen3's q/k norms, Llama's plain attention). Not bit for
+    bit: C rounds the norms, RoPE and attention in another order."""
     save_tiny_hf_model(tmp_path, tie=arch == "llama", arch=arch)
     native_step, compared = CpuDecode._native_step, []
 
@@ -198,15 +200,15 @@ def test_the_native_decode_step_matches_the_torch_step(tmp_path, arch, monkeypat
         return native
     monkeypatch.setattr(CpuDecode, "_native_step", both)
     seed = int(torch.randint(0, 2**31, ()))
-    for prompts in (random_prompts([5, 30, 17], seed=seed), random_prompts([9], seed=seed)):
-        with LLM(tmp_path, device="cpu", kvcache_block_size=4, quantization="int4") as llm:
-            assert llm.runner._cpu_decode.native
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    assert (3, False) in compared and (1, True) in compared, "a gathered batch and a lone sequence in a run"
+    for quantization in ("int4", "int8"):
+        compared.clear()
+        for prompts in (random_prompts([5, 30, 17], seed=seed), random_prompts([9], seed=seed)):
+            with LLM(tmp_path, device="cpu", kvcache_block_size=4, quantization=quantization) as llm:
+                assert llm.runner._cpu_decode.native
+                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        assert (3, False) in compared and (1, True) in compared, "a gathered batch and a lone sequence in a run"
     with LLM(tmp_path, device="cpu", kvcache_block_size=4) as llm:
         assert not llm.runner._cpu_decode.native, "float32 weights keep torch's operations (HF's rounding)"
-    with LLM(tmp_path, device="cpu", kvcache_block_size=4, quantization="int8") as llm:
-        assert not llm.runner._cpu_decode.native, "int8 products are torch's"
 
 
 @pytest.mark.skipif(native_cpu.native_kernels() is None, reason=f"no native kernels: {native_cpu.unavailable_reason()}")
@@ -246,7 +248,7 @@ def int4_tiny_qwen3(tied: bool) -> Qwen3ForCausalLM:
 @pytest.mark.parametrize("tied", [True, False])
 def test_int4_models_quantize_the_head_to_int4_only_where_it_is_tied(tied):
     model = int4_tiny_qwen3(tied)
-    assert type(model.lm_head.quantized) is (int4_class() if tied else Int8Weight)
+    assert type(model.lm_head.quantized) is (int4_class() if tied else int8_class(64))
     assert (model.lm_head.weight is not None) == tied
 
 

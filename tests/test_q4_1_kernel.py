@@ -1,4 +1,4 @@
-"""The C int4 kernel (engine/layers/native/q4_1_gemv.c) against torch references, on fresh random
+"""The C int4 kernel (engine/layers/native/quantized_gemv.c) against torch references, on fresh random
 inputs each run, its output poisoned beforehand: the same arithmetic done in float64 (activations
 split into two int8 parts per group of 32, integer dot products), and the float product of the
 weight it holds. Skipped where the kernel does not build (no C compiler, not x86-64 with AVX2)."""

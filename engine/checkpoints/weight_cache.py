@@ -38,7 +38,8 @@ from engine.layers import quantized, weights
 # Raised when what an entry holds or how it is laid out changes.
 CACHE_FORMAT = 2
 KIND = "cpu-weights"
-_QUANTIZED_WEIGHTS = {"int4": quantized.int4_class, "int8": lambda: quantized.Int8Weight}
+# Each method's weight class on this machine, for a weight of rows of in_features values.
+_QUANTIZED_WEIGHTS = {"int4": lambda in_features: quantized.int4_class(), "int8": quantized.int8_class}
 # The modules whose code decides the cached tensors' values besides those that define the model's
 # classes and layers: the GGUF reader and its dequantization, the loaders, the quantization.
 _PRODUCERS = (gguf, loader, weights, quantized, sys.modules[__name__])
@@ -86,7 +87,7 @@ class WeightCache:
         return {"format": CACHE_FORMAT, "file": str(self.model_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                 "quantization": self.quantization, "dtype": str(self.dtype), "torch": torch.__version__,
                 "cpu": torch.backends.cpu.get_cpu_capability(), "model": type(model).__name__,
-                "int4": quantized.int4_class().__name__,
+                "int4": quantized.int4_class().__name__, "int8": quantized.int8_class(32).__name__,
                 "code": _sources_digest(model)}
 
     def _prefix(self) -> str:
@@ -237,7 +238,7 @@ def _place(model, method: str, tensors: dict[str, torch.Tensor], layout: dict) -
     """Quantizes model with the cached weights and points its parameters at the cached tensors."""
     prebuilt = {}
     for name, (weight_method, out_features, in_features) in layout["quantized"].items():
-        cls = _QUANTIZED_WEIGHTS[weight_method]()
+        cls = _QUANTIZED_WEIGHTS[weight_method](in_features)
         parts = {part: tensors.pop(f"{name}#{part}") for part in cls.tensor_specs(out_features, in_features)}
         prebuilt[name] = cls.from_tensors(parts, (out_features, in_features))
     model.quantize(method, prebuilt)

@@ -1,5 +1,5 @@
-"""The CPU engine's native kernels, in C (engine/layers/native/): the int4 product of a decode step
-(q4_1_gemv.c), and the small operations between the products (decode_ops.c: RMSNorm, RoPE with the
+"""The CPU engine's native kernels, in C (engine/layers/native/): the int4 and int8 products of a
+decode step (quantized_gemv.c), and the small operations between the products (decode_ops.c: RMSNorm, RoPE with the
 K/V store, attention, SiLU).
 
 torch's int4 kernel for CPU computes in float: on the AVX2 box it took 23.3 ms of SmolLM2's 38.7 ms
@@ -29,7 +29,7 @@ import torch
 
 from engine.options import default_cache_dir
 
-SOURCES = (Path(__file__).parent / "native" / "q4_1_gemv.c", Path(__file__).parent / "native" / "decode_ops.c")
+SOURCES = (Path(__file__).parent / "native" / "quantized_gemv.c", Path(__file__).parent / "native" / "decode_ops.c")
 LIBRARY = "cpu_kernels"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 DISABLE_VARIABLE = "NVCHAT_NATIVE_KERNELS"
@@ -109,6 +109,7 @@ class NativeKernels:
 
     def __init__(self, library: ctypes.CDLL):
         self.q4_1_gemv = _typed(library.nvchat_q4_1_gemv, _INT, _P, _I64, _I64, _P, _P, _P, _I64, _P, _INT, _INT)
+        self.q8_gemv = _typed(library.nvchat_q8_gemv, _INT, _P, _I64, _I64, _P, _P, _I64, _P, _INT, _INT)
         self.add_rms_norm = _typed(library.nvchat_add_rms_norm, None, _P, _P, _P, _F32, _P, _I64, _I64)
         self.rope_store = _typed(library.nvchat_rope_store, None, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _F32,
                                  _P, _P, _P, _P)
@@ -154,6 +155,21 @@ def q4_1_product(x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, m
     if gemv(x.data_ptr(), rows, k, nibbles.data_ptr(), scales.data_ptr(), minimums.data_ptr(), n, out.data_ptr(),
             torch.get_num_threads(), two_parts) != 0:
         raise MemoryError(f"the int4 kernel could not allocate scratch for {rows} x {k} activations")
+    return out
+
+
+def q8_product(x: torch.Tensor, weights: torch.Tensor, row_scales: torch.Tensor, n: int,
+               out: torch.Tensor | None = None, two_parts: bool = True) -> torch.Tensor:
+    """x [rows, K] float32 (contiguous) @ the transpose of an int8 weight of n rows in blocks of four
+    (engine/layers/quantized.py's NativeInt8Weight): [rows, n] float32. weights [ceil(n / 4), K / 32,
+    4, 32] int8, row_scales [ceil(n / 4) * 4] float32, both contiguous. Needs the kernels
+    (native_kernels() not None). two_parts as q4_1_product's."""
+    rows, k = x.shape
+    if out is None:
+        out = torch.empty(rows, n)
+    if native_kernels().q8_gemv(x.data_ptr(), rows, k, weights.data_ptr(), row_scales.data_ptr(), n, out.data_ptr(),
+                                torch.get_num_threads(), two_parts) != 0:
+        raise MemoryError(f"the int8 kernel could not allocate scratch for {rows} x {k} activations")
     return out
 
 

@@ -7,7 +7,9 @@ arithmetic instead, where those kernels lose to float32's GEMM (int4 took 1.9x f
 buffer the next layer reuses, for float32's GEMM. The logits move away from the float model's by
 the rounding: not bit-exact against HF.
 
-- int8: symmetric, one scale per output row.
+- int8: symmetric, one scale per output row. Where the C kernels build the weight is kept in their
+  blocks and multiplies through them (NativeInt8Weight, for rows in multiples of 32 values);
+  elsewhere through torch's int8 kernel (Int8Weight).
 - int4: asymmetric, a scale and a minimum per 32 weights of a row, as GGUF's Q4_1 stores them, so
   a Q4_1 file's projections come back on their own grid. Where the C kernel builds
   (engine/layers/native_cpu.py: x86-64 with AVX2 and a C compiler) the weight keeps Q4_1's own
@@ -129,6 +131,61 @@ class Int8Weight(_QuantizedWeight):
         return torch.mul(self.q[index], self.scales[index].float().unsqueeze(-1))
 
 
+class NativeInt8Weight(_QuantizedWeight):
+    """int8 with a scale per row (quantize_rows' values, the scales in float32), multiplied by the C
+    kernel (engine/layers/native/quantized_gemv.c): rows in blocks of four, each block's groups of
+    32 values side by side (q [blocks, groups, 4, 32]), the last block padded with zero rows. The
+    kernel takes the activations in two int8 parts, or with precise_activations off in one, as
+    Q4_1Weight's; the product is float32."""
+    method = "int8"
+    precise_activations = True  # as Q4_1Weight's
+    # As Q4_1Weight's. SmolLM2's four projections, one thread, AVX2 box, ms a layer, kernel against
+    # expansion: 0.25 / 2.1 at 1 row, 6.4 / 6.2 at 32, 9.9 / 10.6 at 48, 15.0 / 11.8 at 64.
+    expanded_rows = 48
+
+    def __init__(self, weight: torch.Tensor):
+        rows, cols = weight.shape
+        if cols % INT4_GROUP:
+            raise ValueError(f"the int8 kernel needs input features in multiples of {INT4_GROUP}, this layer has {cols}")
+        q, scales = quantize_rows(weight)
+        self.out_features, self.in_features = rows, cols
+        padded = rows + (-rows % 4)
+        q = F.pad(q, (0, 0, 0, padded - rows)).view(padded, cols // INT4_GROUP, INT4_GROUP)
+        self.q = _blocked(q, padded // 4)
+        self.scales = F.pad(scales.float(), (0, padded - rows))
+
+    @staticmethod
+    def tensor_specs(out_features: int, in_features: int) -> dict:
+        blocks = -(-out_features // 4)
+        return {"q": ((blocks, in_features // INT4_GROUP, 4, INT4_GROUP), torch.int8),
+                "scales": ((blocks * 4,), torch.float32)}
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ weight.T through the C kernel at any row count, in float32."""
+        if x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1])
+        if x.dtype != torch.float32:
+            x = x.float()
+        return native_cpu.q8_product(x if x.is_contiguous() else x.contiguous(), self.q, self.scales,
+                                     self.out_features, two_parts=self.precise_activations)
+
+    def by_row(self) -> torch.Tensor:
+        """The int8 values [out, in], row by row."""
+        blocks, groups = self.q.shape[:2]
+        return self.q.transpose(1, 2).reshape(blocks * 4, groups * INT4_GROUP)[:self.out_features]
+
+    def expanded(self) -> torch.Tensor:
+        """The weight in float32, [out, in], in the shared expansion buffer (see Int4Weight's)."""
+        w = _expansion_buffer(self.out_features * self.in_features).view(self.out_features, self.in_features)
+        return w.copy_(self.by_row()).mul_(self.scales[:self.out_features, None])
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The weight's rows at index (any shape), in float32: [*index.shape, in]."""
+        block, within = index // 4, index % 4
+        q = self.q[block, :, within].flatten(-2)
+        return torch.mul(q, self.scales[index].unsqueeze(-1))
+
+
 class Int4Weight(_QuantizedWeight):
     method = "int4"
     expanded_rows = 96
@@ -170,7 +227,7 @@ class Int4Weight(_QuantizedWeight):
 
 
 class Q4_1Weight(_QuantizedWeight):
-    """int4 in GGUF's Q4_1 form, multiplied by the C kernel (engine/layers/native/q4_1_gemv.c): per
+    """int4 in GGUF's Q4_1 form, multiplied by the C kernel (engine/layers/native/quantized_gemv.c): per
     row and group of 32, 16 bytes of nibbles (value j low, value j + 16 high in byte j) and a
     float16 scale and minimum (as Q4_1 stores them), w = scale * q + minimum; rows in blocks of four, each block's groups
     side by side (nibbles [blocks, groups, 4, 16], scales and minimums [blocks, groups, 4]), the
@@ -244,6 +301,12 @@ def int4_class() -> type:
     return Q4_1Weight if native_cpu.native_q4_1() is not None else Int4Weight
 
 
+def int8_class(in_features: int) -> type:
+    """The int8 weight this machine multiplies fastest for rows of in_features values:
+    NativeInt8Weight where the C kernels build and the rows are whole groups of 32."""
+    return NativeInt8Weight if native_cpu.native_kernels() is not None and in_features % INT4_GROUP == 0 else Int8Weight
+
+
 _expansion = torch.empty(0)
 
 
@@ -303,7 +366,7 @@ def quantize(weight: torch.Tensor, method: str, prebuilt: _QuantizedWeight | Non
     cache holds it (engine/checkpoints/weight_cache.py), taken instead of quantizing weight, whose
     values are not read; a ValueError if it is not in method's bits and weight's shape."""
     if prebuilt is None:
-        return {"int8": Int8Weight, "int4": int4_class()}[method](weight)
+        return {"int8": int8_class(weight.shape[1]), "int4": int4_class()}[method](weight)
     if prebuilt.method != method or prebuilt.shape != tuple(weight.shape):
         raise ValueError(f"a prebuilt {prebuilt.method} weight of shape {list(prebuilt.shape)} can't stand for a "
                          f"{method} one of shape {list(weight.shape)}")

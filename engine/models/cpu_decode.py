@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from engine.layers import native_cpu
 from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import _Linear
-from engine.layers.quantized import Q4_1Weight
+from engine.layers.quantized import NativeInt8Weight, Q4_1Weight
 from engine.layers.norm import RMSNorm, rms_norm_float32
 from engine.models.qwen3 import MLP, CausalLM, DecoderAttention, DecoderLayer
 
@@ -97,8 +97,8 @@ class CpuDecode:
     @staticmethod
     def _native_layers(model: CausalLM) -> list["_NativeLayer"] | None:
         """The layers as the C step takes them, where it can run the model: float32 norms and
-        embedding, every product the native int4 kernel's (Q4_1Weight) without a bias, Llama's or
-        Qwen3's attention. None otherwise, and for float32 weights, which keep torch's operations,
+        embedding, every product a native kernel's (Q4_1Weight, NativeInt8Weight) without a bias,
+        Llama's or Qwen3's attention. None otherwise, and for float32 weights, which keep torch's operations,
         whose rounding HF's model shares: with them a step equals HF's token for token."""
         if native_cpu.native_kernels() is None:
             return None
@@ -107,7 +107,8 @@ class CpuDecode:
         if not all(t.dtype == torch.float32 for t in [*norms, decoder.embed_tokens.weight]):
             return None
         linears = [m for m in model.modules() if isinstance(m, _Linear)]
-        if not linears or not all(isinstance(m.quantized, Q4_1Weight) and m.bias is None for m in linears):
+        if not linears or not all(isinstance(m.quantized, (Q4_1Weight, NativeInt8Weight)) and m.bias is None
+                                  for m in linears):
             return None
         return [_NativeLayer(layer) for layer in decoder.layers]
 
@@ -176,7 +177,7 @@ class CpuDecode:
         return self.final_norm(x + residual)
 
     def _native_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The step in C: nine calls a layer (four of them the int4 products), made straight on the
+        """The step in C: nine calls a layer (four of them the quantized products), made straight on the
         tensors' addresses: the Python between them was a fifth of a SmolLM2 step's time. The same
         arithmetic as __call__'s in another order of rounding."""
         context = meta.context
@@ -196,12 +197,12 @@ class CpuDecode:
         queries = torch.empty(batch, heads, head_dim)
         attended = torch.empty(batch, heads * head_dim)
         layer0 = self.native_layers[0]
-        qkv = torch.empty(batch, layer0.qkv[3])
-        gate_up = torch.empty(batch, layer0.gate_up[3])
-        activated = torch.empty(batch, layer0.gate_up[3] // 2)
+        qkv = torch.empty(batch, layer0.qkv[1][-1])
+        gate_up = torch.empty(batch, layer0.gate_up[1][-1])
+        activated = torch.empty(batch, layer0.gate_up[1][-1] // 2)
         kernels, threads, dim = native_cpu.native_kernels(), torch.get_num_threads(), residual.shape[1]
-        gemv, norm, rope_store, attention, silu_mul = (kernels.q4_1_gemv, kernels.add_rms_norm, kernels.rope_store,
-                                                       kernels.decode_attention, kernels.silu_mul)
+        norm, rope_store, attention, silu_mul = (kernels.add_rms_norm, kernels.rope_store, kernels.decode_attention,
+                                                 kernels.silu_mul)
         p_residual, p_hidden, p_x, p_queries, p_attended, p_qkv, p_gate_up, p_activated = (
             t.data_ptr() for t in (residual, hidden, x, queries, attended, qkv, gate_up, activated))
         p_cos, p_sin, p_slots, p_table, p_lengths = (t.data_ptr() for t in (cos, sin, slots, table, lengths))
@@ -209,34 +210,44 @@ class CpuDecode:
         added = None  # the residual's addend: none before the first layer, then each layer's output
         for layer in self.native_layers:
             norm(added, p_residual, layer.input_norm, layer.eps, p_hidden, batch, dim)
-            gemv(p_hidden, batch, dim, *layer.qkv, p_qkv, threads, 1)
+            gemv, weight = layer.qkv
+            gemv(p_hidden, batch, dim, *weight, p_qkv, threads, 1)
             rope_store(p_qkv, batch, heads, kv_heads, head_dim, p_cos, p_sin, layer.q_norm, layer.k_norm,
                        layer.qk_eps, p_slots, layer.k_cache, layer.v_cache, p_queries)
             if attention(p_queries, batch, heads, kv_heads, head_dim, layer.k_cache, layer.v_cache, p_table, width,
                          p_lengths, layer.scale, p_attended, threads) != 0:
                 raise MemoryError("the attention kernel could not allocate its scores")
-            gemv(p_attended, batch, heads * head_dim, *layer.o, p_x, threads, 1)
+            gemv, weight = layer.o
+            gemv(p_attended, batch, heads * head_dim, *weight, p_x, threads, 1)
             norm(p_x, p_residual, layer.post_norm, layer.eps, p_hidden, batch, dim)
-            gemv(p_hidden, batch, dim, *layer.gate_up, p_gate_up, threads, 1)
+            gemv, weight = layer.gate_up
+            gemv(p_hidden, batch, dim, *weight, p_gate_up, threads, 1)
             silu_mul(p_gate_up, batch, activated_width, p_activated)
-            gemv(p_activated, batch, activated_width, *layer.down, p_x, threads, 1)
+            gemv, weight = layer.down
+            gemv(p_activated, batch, activated_width, *weight, p_x, threads, 1)
             added = p_x
         norm(added, p_residual, self.final_norm_weight.data_ptr(), self.final_norm_eps, out.data_ptr(), batch, dim)
         return out
 
 
 class _NativeLayer:
-    """A layer's addresses and sizes as the C step passes them: a product's (nibbles, scales,
-    minimums, out_features), the norms' weights (0 for none: Llama has no q/k norm), the caches."""
+    """A layer's addresses and sizes as the C step passes them: a product's C function and its
+    weight's arguments (Q4_1's nibbles, scales and minimums, or int8's values and row scales, then
+    out_features), the norms' weights (0 for none: Llama has no q/k norm), the caches."""
     __slots__ = ("down", "eps", "gate_up", "input_norm", "k_cache", "k_norm", "o", "post_norm", "q_norm",
                  "qk_eps", "qkv", "scale", "v_cache")
 
     def __init__(self, layer: DecoderLayer):
         attention = layer.self_attn
 
-        def product(linear: _Linear) -> tuple[int, int, int, int]:
+        kernels = native_cpu.native_kernels()
+
+        def product(linear: _Linear) -> tuple[object, tuple[int, ...]]:
             q = linear.quantized
-            return q.nibbles.data_ptr(), q.scales.data_ptr(), q.minimums.data_ptr(), q.out_features
+            if isinstance(q, Q4_1Weight):
+                return kernels.q4_1_gemv, (q.nibbles.data_ptr(), q.scales.data_ptr(), q.minimums.data_ptr(),
+                                           q.out_features)
+            return kernels.q8_gemv, (q.q.data_ptr(), q.scales.data_ptr(), q.out_features)
         self.qkv, self.o = product(attention.qkv_proj), product(attention.o_proj)
         self.gate_up, self.down = product(layer.mlp.gate_up_proj), product(layer.mlp.down_proj)
         self.input_norm = layer.input_layernorm.weight.data_ptr()

@@ -1,4 +1,8 @@
-/* x [M, K] (float32) times a 4-bit weight [N, K] in GGUF's Q4_1 form, transposed: y [M, N].
+/* The quantized products of the CPU engine's decode steps: x [M, K] (float32) times a weight [N, K]
+   transposed, y [M, N], for a 4-bit weight in GGUF's Q4_1 form (nvchat_q4_1_gemv) and an 8-bit one
+   with a scale per row (nvchat_q8_gemv). Both take the activations as integers, in the same parts.
+
+   Q4_1:
 
    The weight is stored in blocks of four rows, in groups of 32 along K: 16 bytes of nibbles per
    row and group (byte j holds value j in its low nibble and value j + 16 in its high one), the
@@ -36,8 +40,8 @@ static inline float sum8(__m256 v) {
 
 /* Rows x[m] in two int8 parts per group of 32 (high, then low, 64 bytes a group), the group's
    xscale / 256 (xscale, for the high part alone), and the group's sum of x. */
-static void split_rows(const float *x, int64_t rows, int64_t groups, int two_parts, int8_t *parts, float *xscale,
-                       float *xsum) {
+static void split_rows(const float *x, int64_t rows, int64_t groups, int two_parts, int lowest, int8_t *parts,
+                       float *xscale, float *xsum) {
     for (int64_t g = 0; g < rows * groups; g++) {
         const float *v = x + g * 32;
         int8_t *high = parts + g * 64, *low = high + 32;
@@ -53,7 +57,7 @@ static void split_rows(const float *x, int64_t rows, int64_t groups, int two_par
             float h = nearbyintf(scaled);
             float l = nearbyintf((scaled - h) * 256.0f);
             high[i] = (int8_t)h;
-            low[i] = (int8_t)fminf(l, 127.0f);
+            low[i] = (int8_t)fmaxf(fminf(l, 127.0f), (float)lowest);
         }
         xscale[g] = two_parts ? scale / 256.0f : scale;
         xsum[g] = sum;
@@ -116,7 +120,7 @@ int nvchat_q4_1_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *nib
         free(parts); free(xscale); free(xsum);
         return -1;
     }
-    split_rows(x, rows, groups, two_parts, parts, xscale, xsum);
+    split_rows(x, rows, groups, two_parts, -128, parts, xscale, xsum);
     const int64_t blocks = (n + 3) / 4;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t block = 0; block < blocks; block++) {
@@ -135,6 +139,78 @@ int nvchat_q4_1_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *nib
                 block_of_four(w, s, mins, groups, p, xs, xt, pair, count, 1, out);
             else
                 block_of_four(w, s, mins, groups, p, xs, xt, pair, count, 0, out);
+        }
+    }
+    free(parts); free(xscale); free(xsum);
+    return 0;
+}
+
+/* The 8-bit weight: w = scale * q, q in -127..127, one float32 scale per row. Stored as Q4_1's
+   nibbles are, in blocks of four rows with their groups of 32 side by side ([blocks][groups][4][32],
+   32 bytes a row and group), the scales [blocks * 4], a last block's padding rows zero.
+
+   maddubs multiplies unsigned by signed bytes, so each group's product takes the weights' absolute
+   values and moves their signs onto the activations (sign_epi8), as llama.cpp's Q8_0 product does;
+   that needs activations above -128, so the low part is kept to -127..127 (the high part is there
+   already: |x| / xscale <= 127). A pair of products is at most 2 * 127 * 127, within int16. */
+static inline __attribute__((always_inline)) void q8_block_of_four(
+        const int8_t *w, const float *row_scales, int64_t groups, const int8_t *const *parts,
+        const float *const *xscale, int pair, int count, int two_parts, float *const *out) {
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; r++)
+        for (int m = 0; m < 2; m++) acc[r][m] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i high[2], low[2];
+        for (int m = 0; m < pair; m++) {
+            high[m] = _mm256_loadu_si256((const __m256i *)(parts[m] + g * 64));
+            low[m] = _mm256_loadu_si256((const __m256i *)(parts[m] + g * 64 + 32));
+        }
+        for (int r = 0; r < 4; r++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(w + (g * 4 + r) * 32));
+            __m256i magnitude = _mm256_sign_epi8(q, q);
+            for (int m = 0; m < pair; m++) {
+                __m256i h = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(high[m], q)), ones);
+                if (two_parts) {
+                    __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(low[m], q)), ones);
+                    h = _mm256_add_epi32(_mm256_slli_epi32(h, 8), l);
+                }
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_set1_ps(xscale[m][g]), acc[r][m]);
+            }
+        }
+    }
+    for (int m = 0; m < pair; m++)
+        for (int r = 0; r < count; r++) out[m][r] = row_scales[r] * sum8(acc[r][m]);
+}
+
+/* As nvchat_q4_1_gemv, for the 8-bit weight. Returns 0, or -1 where the scratch memory could not
+   be had (y is then not written). */
+int nvchat_q8_gemv(const float *x, int64_t rows, int64_t k, const int8_t *weights, const float *row_scales,
+                   int64_t n, float *y, int threads, int two_parts) {
+    const int64_t groups = k / 32;
+    int8_t *parts = malloc((size_t)(rows * k * 2));
+    float *xscale = malloc(sizeof(float) * (size_t)(rows * groups));
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * groups));
+    if (!parts || !xscale || !xsum) {
+        free(parts); free(xscale); free(xsum);
+        return -1;
+    }
+    split_rows(x, rows, groups, two_parts, -127, parts, xscale, xsum);
+    const int64_t blocks = (n + 3) / 4;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t block = 0; block < blocks; block++) {
+        const int64_t first = block * 4;
+        const int count = n - first < 4 ? (int)(n - first) : 4;
+        const int8_t *w = weights + first * groups * 32;
+        for (int64_t m = 0; m < rows; m += 2) {
+            const int pair = rows - m < 2 ? 1 : 2;
+            const int8_t *p[2] = {parts + m * k * 2, parts + (m + pair - 1) * k * 2};
+            const float *xs[2] = {xscale + m * groups, xscale + (m + pair - 1) * groups};
+            float *out[2] = {y + m * n + first, y + (m + pair - 1) * n + first};
+            if (two_parts)
+                q8_block_of_four(w, row_scales + first, groups, p, xs, pair, count, 1, out);
+            else
+                q8_block_of_four(w, row_scales + first, groups, p, xs, pair, count, 0, out);
         }
     }
     free(parts); free(xscale); free(xsum);

@@ -1,0 +1,105 @@
+"""The C int8 kernel (engine/layers/native/quantized_gemv.c) against torch references, on fresh
+random inputs each run, its output poisoned beforehand: the same arithmetic done in float64
+(activations split into two int8 parts per group of 32, integer dot products), and the float
+product of the weight it holds. Skipped where the kernels do not build (no C compiler, not x86-64
+with AVX2)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.layers import native_cpu
+from engine.layers.quantized import INT4_GROUP, Int8Weight, NativeInt8Weight, int8_class, quantize, quantize_rows
+
+needs_kernel = pytest.mark.skipif(native_cpu.native_kernels() is None,
+                                  reason=f"no native kernel: {native_cpu.unavailable_reason()}")
+
+
+def reference(x: torch.Tensor, weight: NativeInt8Weight, two_parts: bool = True) -> torch.Tensor:
+    """What the kernel computes, in float64: x split per group into two int8 parts, high + low /
+    256 in units of amax / 127 (each rounded half to even, the low part kept to -127..127; the high
+    part alone without two_parts), times the int8 values, in units of each row's scale."""
+    rows, k = x.shape
+    groups = x.view(rows, k // INT4_GROUP, INT4_GROUP)
+    scale = groups.abs().amax(-1) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    scaled = groups * inverse[..., None]
+    high = torch.round(scaled)
+    low = torch.round((scaled - high) * 256).clamp(-127, 127) if two_parts else torch.zeros_like(high)
+    parts = (256 * high + low).double()  # [rows, G, 32]
+    q = weight.by_row().double().view(weight.out_features, -1, INT4_GROUP)  # [N, G, 32]
+    dots = torch.einsum("mgi,ngi->mng", parts, q)
+    return (dots * (scale.double() / 256)[:, None]).sum(-1) * weight.scales[:weight.out_features].double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("two_parts", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n, k", [(1, 32), (3, 64), (4, 32), (5, 96), (17, 576), (64, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
+def test_the_kernel_does_its_split_int8_arithmetic_exactly(n, k, rows, threads, two_parts):
+    torch.set_num_threads(threads)
+    try:
+        weight = NativeInt8Weight(torch.randn(n, k) * torch.rand(n, 1) * 3)
+        x = torch.randn(rows, k) * torch.rand(rows, 1) * 5
+        x[0, :INT4_GROUP] = 0.0  # a group of zeros: scale 0, nothing divided by it
+        out = torch.full((rows, n), float("nan"))
+        got = native_cpu.q8_product(x, weight.q, weight.scales, n, out=out, two_parts=two_parts)
+    finally:
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    want = reference(x, weight, two_parts)
+    assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_kernel
+def test_negative_weights_meet_the_lowest_activation_parts_without_overflow():
+    # Every weight -127 against activations whose low parts sit at the ends of their range: the
+    # signs move onto the activations, where a -128 would have wrapped.
+    k = 64
+    weight = NativeInt8Weight(torch.full((4, k), -1.0))
+    # With 127 the group's largest value its unit is 1: x.5 rounds to the even neighbour above it,
+    # leaving -0.5, a low part of -128 before the kernel keeps it to -127.
+    x = torch.tensor([[127.0] + [3.5, 5.5, -2.5, -6.5] * 7 + [1.0, 2.0, 3.0] + [0.0] * 32])
+    got = weight.kernel_product(x)
+    want = reference(x, weight)
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    # Each such value is off by 1/256 of the unit (the low part's -128 kept to -127); a wrapped one
+    # would be off by hundreds.
+    assert torch.allclose(got.double(), x.double() @ (-torch.ones(4, k, dtype=torch.float64)).T, rtol=2e-3)
+
+
+@needs_kernel
+def test_the_layout_holds_quantize_rows_values_and_the_products_match_the_weight():
+    w = torch.randn(301, 640)
+    weight = NativeInt8Weight(w)
+    q, scales = quantize_rows(w)
+    assert torch.equal(weight.by_row(), q)
+    assert torch.equal(weight.scales[:301], scales.float()) and (weight.scales[301:] == 0).all()
+    exact = q.double() * scales.double()[:, None]
+    x = torch.randn(7, 640)
+    got = weight.kernel_product(x)
+    assert got.dtype == torch.float32 and got.shape == (7, 301)
+    # The activations' two int8 parts hold each to 2^-16 of its group's largest value.
+    assert ((got.double() - x.double() @ exact.T).norm() / (x.double() @ exact.T).norm()).item() < 1e-4
+    assert torch.allclose(weight.expanded().double(), exact, rtol=1e-6, atol=1e-6)
+    many = torch.randn(weight.expanded_rows + 3, 640)  # past expanded_rows: float32 GEMM on the expansion
+    assert torch.allclose(weight.product(many).double(), many.double() @ exact.T, rtol=1e-4, atol=1e-4)
+    index = torch.tensor([[0, 300], [5, 4]])
+    assert torch.allclose(weight.rows(index).double(), exact[index], rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+def test_int8_weights_take_the_kernel_where_their_rows_are_whole_groups():
+    assert int8_class(576) is NativeInt8Weight and type(quantize(torch.randn(8, 64), "int8")) is NativeInt8Weight
+    assert int8_class(48) is Int8Weight and type(quantize(torch.randn(8, 48), "int8")) is Int8Weight
+
+
+def test_without_the_kernel_int8_weights_take_torchs():
+    code = ("from engine.layers import native_cpu, quantized;"
+            "print(native_cpu.unavailable_reason(), quantized.int8_class(576).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, native_cpu.DISABLE_VARIABLE: "0"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [f"{native_cpu.DISABLE_VARIABLE}=0", Int8Weight.__name__]
