@@ -17,19 +17,27 @@ needs_kernel = pytest.mark.skipif(native_cpu.native_q4_1() is None,
                                   reason=f"no native kernel: {native_cpu.unavailable_reason()}")
 
 
-def reference(x: torch.Tensor, weight: Q4_1Weight, two_parts: bool = True) -> torch.Tensor:
-    """What the kernel computes, in float64: x split per group into two int8 parts, high + low /
-    256 in units of amax / 127 (each rounded half to even, as the kernel's float32 steps do; the
-    high part alone without two_parts), times the nibbles, scaled, plus each group's minimum times
-    the group's sum of x."""
+def split_activations(x: torch.Tensor, two_parts: bool, lowest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernels' activations in float64: per group of 32, 256 * high + low in units of amax /
+    127 / 256 (each part rounded half to even, as the kernels' float32 steps do; low kept to lowest
+    .. 127; the high part alone without two_parts), [rows, G, 32], and each group's amax / 127."""
     rows, k = x.shape
     groups = x.view(rows, k // INT4_GROUP, INT4_GROUP)
     scale = groups.abs().amax(-1) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     scaled = groups * inverse[..., None]
     high = torch.round(scaled)
-    low = torch.round((scaled - high) * 256).clamp(max=127) if two_parts else torch.zeros_like(high)
-    parts = (256 * high + low).double()  # [rows, G, 32]
+    low = torch.round((scaled - high) * 256).clamp(lowest, 127) if two_parts else torch.zeros_like(high)
+    return (256 * high + low).double(), scale
+
+
+def reference(x: torch.Tensor, weight: Q4_1Weight, two_parts: bool = True) -> torch.Tensor:
+    """What the kernel computes, in float64: x split per group into two int8 parts, high + low /
+    256 in units of amax / 127 (each rounded half to even, as the kernel's float32 steps do; the
+    high part alone without two_parts), times the nibbles, scaled, plus each group's minimum times
+    the group's sum of x."""
+    groups = x.view(x.shape[0], -1, INT4_GROUP)
+    parts, scale = split_activations(x, two_parts, lowest=-128)
     nibbles, scales, minimums = weight.by_row()
     q = torch.cat([nibbles & 15, nibbles >> 4], -1).double()  # [N, G, 32]
     dots = torch.einsum("mgi,ngi->mng", parts, q)

@@ -12,6 +12,7 @@ import torch
 
 from engine.layers import native_cpu
 from engine.layers.quantized import INT4_GROUP, Int8Weight, NativeInt8Weight, int8_class, quantize, quantize_rows
+from tests.test_q4_1_kernel import split_activations
 
 needs_kernel = pytest.mark.skipif(native_cpu.native_kernels() is None,
                                   reason=f"no native kernel: {native_cpu.unavailable_reason()}")
@@ -21,14 +22,7 @@ def reference(x: torch.Tensor, weight: NativeInt8Weight, two_parts: bool = True)
     """What the kernel computes, in float64: x split per group into two int8 parts, high + low /
     256 in units of amax / 127 (each rounded half to even, the low part kept to -127..127; the high
     part alone without two_parts), times the int8 values, in units of each row's scale."""
-    rows, k = x.shape
-    groups = x.view(rows, k // INT4_GROUP, INT4_GROUP)
-    scale = groups.abs().amax(-1) / 127
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    scaled = groups * inverse[..., None]
-    high = torch.round(scaled)
-    low = torch.round((scaled - high) * 256).clamp(-127, 127) if two_parts else torch.zeros_like(high)
-    parts = (256 * high + low).double()  # [rows, G, 32]
+    parts, scale = split_activations(x, two_parts, lowest=-127)
     q = weight.by_row().double().view(weight.out_features, -1, INT4_GROUP)  # [N, G, 32]
     dots = torch.einsum("mgi,ngi->mng", parts, q)
     return (dots * (scale.double() / 256)[:, None]).sum(-1) * weight.scales[:weight.out_features].double()

@@ -43,6 +43,15 @@ def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+def _native_rows(x: torch.Tensor) -> torch.Tensor:
+    # The C kernels want 2-D contiguous float32 activations.
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x if x.is_contiguous() else x.contiguous()
+
+
 class _QuantizedWeight:
     method: str  # quantize's name for it
     out_features: int
@@ -162,12 +171,8 @@ class NativeInt8Weight(_QuantizedWeight):
 
     def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ weight.T through the C kernel at any row count, in float32."""
-        if x.dim() != 2:
-            x = x.reshape(-1, x.shape[-1])
-        if x.dtype != torch.float32:
-            x = x.float()
-        return native_cpu.q8_product(x if x.is_contiguous() else x.contiguous(), self.q, self.scales,
-                                     self.out_features, two_parts=self.precise_activations)
+        return native_cpu.q8_product(_native_rows(x), self.q, self.scales, self.out_features,
+                                     two_parts=self.precise_activations)
 
     def by_row(self) -> torch.Tensor:
         """The int8 values [out, in], row by row."""
@@ -273,12 +278,8 @@ class Q4_1Weight(_QuantizedWeight):
 
     def kernel_product(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ weight.T through the C kernel at any row count, in float32."""
-        if x.dim() != 2:
-            x = x.reshape(-1, x.shape[-1])
-        if x.dtype != torch.float32:
-            x = x.float()
-        return native_cpu.q4_1_product(x if x.is_contiguous() else x.contiguous(), self.nibbles, self.scales,
-                                       self.minimums, self.out_features, two_parts=self.precise_activations)
+        return native_cpu.q4_1_product(_native_rows(x), self.nibbles, self.scales, self.minimums, self.out_features,
+                                       two_parts=self.precise_activations)
 
     def expanded(self) -> torch.Tensor:
         """The weight in float32, [out, in], as the kernel sees it, in the shared expansion buffer

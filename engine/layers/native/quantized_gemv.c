@@ -64,6 +64,39 @@ static void split_rows(const float *x, int64_t rows, int64_t groups, int two_par
     }
 }
 
+/* The activations as both kernels take them: split_rows' parts, scales and sums, in memory of their own. */
+struct activations {
+    int8_t *parts;
+    float *xscale, *xsum;
+};
+
+static void free_activations(struct activations *a) {
+    free(a->parts); free(a->xscale); free(a->xsum);
+}
+
+/* Returns 0, or -1 where the memory could not be had (nothing is then held). */
+static int split_activations(const float *x, int64_t rows, int64_t k, int two_parts, int lowest, struct activations *a) {
+    const int64_t groups = k / 32;
+    a->parts = malloc((size_t)(rows * k * 2));
+    a->xscale = malloc(sizeof(float) * (size_t)(rows * groups));
+    a->xsum = malloc(sizeof(float) * (size_t)(rows * groups));
+    if (!a->parts || !a->xscale || !a->xsum) {
+        free_activations(a);
+        return -1;
+    }
+    split_rows(x, rows, groups, two_parts, lowest, a->parts, a->xscale, a->xsum);
+    return 0;
+}
+
+/* Group g's two parts of each of the `pair` activation rows. */
+static inline __attribute__((always_inline)) void load_parts(const int8_t *const *parts, int pair, int64_t g,
+                                                              __m256i *high, __m256i *low) {
+    for (int m = 0; m < pair; m++) {
+        high[m] = _mm256_loadu_si256((const __m256i *)(parts[m] + g * 64));
+        low[m] = _mm256_loadu_si256((const __m256i *)(parts[m] + g * 64 + 32));
+    }
+}
+
 /* A block of four weight rows against `pair` activation rows (1 or 2): each group's nibbles are
    unpacked once for both activation rows. */
 static inline __attribute__((always_inline)) void block_of_four(
@@ -80,10 +113,7 @@ static inline __attribute__((always_inline)) void block_of_four(
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < groups; g++) {
         __m256i high[2], low[2];
-        for (int m = 0; m < pair; m++) {
-            high[m] = _mm256_loadu_si256((const __m256i *)(parts[m] + g * 64));
-            low[m] = _mm256_loadu_si256((const __m256i *)(parts[m] + g * 64 + 32));
-        }
+        load_parts(parts, pair, g, high, low);
         float block_scales[4], block_minimums[4];  /* the four rows' float16 pairs, widened at once */
         _mm_storeu_ps(block_scales, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(s + g * 4))));
         _mm_storeu_ps(block_minimums, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mins + g * 4))));
@@ -113,14 +143,11 @@ static inline __attribute__((always_inline)) void block_of_four(
 int nvchat_q4_1_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *nibbles, const uint16_t *scales,
                      const uint16_t *minimums, int64_t n, float *y, int threads, int two_parts) {
     const int64_t groups = k / 32;
-    int8_t *parts = malloc((size_t)(rows * k * 2));
-    float *xscale = malloc(sizeof(float) * (size_t)(rows * groups));
-    float *xsum = malloc(sizeof(float) * (size_t)(rows * groups));
-    if (!parts || !xscale || !xsum) {
-        free(parts); free(xscale); free(xsum);
+    struct activations a;
+    if (split_activations(x, rows, k, two_parts, -128, &a) != 0)
         return -1;
-    }
-    split_rows(x, rows, groups, two_parts, -128, parts, xscale, xsum);
+    const int8_t *parts = a.parts;
+    const float *xscale = a.xscale, *xsum = a.xsum;
     const int64_t blocks = (n + 3) / 4;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t block = 0; block < blocks; block++) {
@@ -141,7 +168,7 @@ int nvchat_q4_1_gemv(const float *x, int64_t rows, int64_t k, const uint8_t *nib
                 block_of_four(w, s, mins, groups, p, xs, xt, pair, count, 0, out);
         }
     }
-    free(parts); free(xscale); free(xsum);
+    free_activations(&a);
     return 0;
 }
 
@@ -162,10 +189,7 @@ static inline __attribute__((always_inline)) void q8_block_of_four(
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < groups; g++) {
         __m256i high[2], low[2];
-        for (int m = 0; m < pair; m++) {
-            high[m] = _mm256_loadu_si256((const __m256i *)(parts[m] + g * 64));
-            low[m] = _mm256_loadu_si256((const __m256i *)(parts[m] + g * 64 + 32));
-        }
+        load_parts(parts, pair, g, high, low);
         for (int r = 0; r < 4; r++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + (g * 4 + r) * 32));
             __m256i magnitude = _mm256_sign_epi8(q, q);
@@ -188,14 +212,11 @@ static inline __attribute__((always_inline)) void q8_block_of_four(
 int nvchat_q8_gemv(const float *x, int64_t rows, int64_t k, const int8_t *weights, const float *row_scales,
                    int64_t n, float *y, int threads, int two_parts) {
     const int64_t groups = k / 32;
-    int8_t *parts = malloc((size_t)(rows * k * 2));
-    float *xscale = malloc(sizeof(float) * (size_t)(rows * groups));
-    float *xsum = malloc(sizeof(float) * (size_t)(rows * groups));
-    if (!parts || !xscale || !xsum) {
-        free(parts); free(xscale); free(xsum);
+    struct activations a;
+    if (split_activations(x, rows, k, two_parts, -127, &a) != 0)
         return -1;
-    }
-    split_rows(x, rows, groups, two_parts, -127, parts, xscale, xsum);
+    const int8_t *parts = a.parts;
+    const float *xscale = a.xscale;
     const int64_t blocks = (n + 3) / 4;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t block = 0; block < blocks; block++) {
@@ -213,6 +234,6 @@ int nvchat_q8_gemv(const float *x, int64_t rows, int64_t k, const int8_t *weight
                 q8_block_of_four(w, row_scales + first, groups, p, xs, pair, count, 0, out);
         }
     }
-    free(parts); free(xscale); free(xsum);
+    free_activations(&a);
     return 0;
 }
