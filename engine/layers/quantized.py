@@ -196,16 +196,9 @@ class Int4Weight(_QuantizedWeight):
     expanded_rows = 96
 
     def __init__(self, weight: torch.Tensor):
-        rows, cols = weight.shape
-        if cols % INT4_GROUP:
-            raise ValueError(f"int4 needs input features in multiples of {INT4_GROUP}, this layer has {cols}")
-        self.out_features, self.in_features = rows, cols
-        padded = rows + (-rows % 16)  # the packing kernel takes rows in multiples of 16
-        w = F.pad(weight.float(), (0, 0, 0, padded - rows)).view(padded, cols // INT4_GROUP, INT4_GROUP)
-        low = w.amin(-1)
-        scale = ((w.amax(-1) - low) / 15).clamp(min=1e-12)
-        q = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.view(padded, cols), 1)
+        self.out_features, self.in_features = weight.shape
+        q, scale, low = _int4_grid(weight, 16)  # the packing kernel takes rows in multiples of 16
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(q.shape[0], -1), 1)
         # The kernel computes (q - 8) * scale + zero: zero is the group's value at q = 8.
         self.scales_and_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
@@ -249,17 +242,10 @@ class Q4_1Weight(_QuantizedWeight):
     expanded_rows = 48
 
     def __init__(self, weight: torch.Tensor):
-        rows, cols = weight.shape
-        if cols % INT4_GROUP:
-            raise ValueError(f"int4 needs input features in multiples of {INT4_GROUP}, this layer has {cols}")
-        self.out_features, self.in_features = rows, cols
-        padded = rows + (-rows % 4)
-        w = F.pad(weight.float(), (0, 0, 0, padded - rows)).view(padded, cols // INT4_GROUP, INT4_GROUP)
-        low = w.amin(-1)
-        scale = ((w.amax(-1) - low) / 15).clamp(min=1e-12)
-        q = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
-        scale[rows:], low[rows:] = 0.0, 0.0
-        blocks = padded // 4
+        self.out_features, self.in_features = weight.shape
+        q, scale, low = _int4_grid(weight, 4)
+        scale[self.out_features:], low[self.out_features:] = 0.0, 0.0
+        blocks = q.shape[0] // 4
         self.nibbles = _blocked(q[..., :16] | (q[..., 16:] << 4), blocks)
         self.scales, self.minimums = _blocked(scale.half(), blocks), _blocked(low.half(), blocks)
 
@@ -290,6 +276,20 @@ class Q4_1Weight(_QuantizedWeight):
         w[..., 16:].copy_(self.nibbles >> 4)
         w.mul_(self.scales[..., None].float()).add_(self.minimums[..., None].float())
         return _expansion_buffer(blocks * 4 * self.in_features).view(blocks * 4, -1)[:self.out_features]
+
+
+def _int4_grid(weight: torch.Tensor, row_multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [out, in] on Q4_1's grid, its rows padded with zeros to a multiple of row_multiple:
+    the values q [padded, groups, 32] (uint8, 0..15), and each group's scale and minimum [padded,
+    groups] (float32), w ~= scale * q + minimum."""
+    rows, cols = weight.shape
+    if cols % INT4_GROUP:
+        raise ValueError(f"int4 needs input features in multiples of {INT4_GROUP}, this layer has {cols}")
+    padded = rows + (-rows % row_multiple)
+    w = F.pad(weight.float(), (0, 0, 0, padded - rows)).view(padded, cols // INT4_GROUP, INT4_GROUP)
+    low = w.amin(-1)
+    scale = ((w.amax(-1) - low) / 15).clamp(min=1e-12)
+    return torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8), scale, low
 
 
 def _blocked(t: torch.Tensor, blocks: int) -> torch.Tensor:
