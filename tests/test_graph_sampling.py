@@ -124,6 +124,13 @@ class _Logits(torch.nn.Module):
         return hidden
 
 
+def sampling_graphs(vocab: int, buckets: list[int]) -> DecodeGraphs:
+    """Decode graphs on CPU whose hidden states are the logits, sampling `vocab` tokens."""
+    return DecodeGraphs(_Logits(), buckets=buckets, max_blocks_per_seq=1, hidden_size=vocab,
+                        sampled=torch.zeros(max(buckets), dtype=torch.int64), device=torch.device("cpu"),
+                        dtype=torch.float32, sample=True, vocab_size=vocab)
+
+
 class _Stream:
     """One sequence, decoding: its tokens so far, and the next one's context."""
 
@@ -188,9 +195,7 @@ def test_the_adjusted_kinds_give_the_eager_samplers_tokens_as_rows_come_and_go(s
     tokens are the eager Sampler's, exactly, greedy and, from the same random state, sampled."""
     vocab, bucket, eos = 96, 4, 3
     rng = random.Random(7 + sampled)
-    graphs = DecodeGraphs(_Logits(), buckets=[1, 2, bucket], max_blocks_per_seq=1, hidden_size=vocab,
-                          sampled=torch.zeros(bucket, dtype=torch.int64), device=torch.device("cpu"),
-                          dtype=torch.float32, sample=True, vocab_size=vocab)
+    graphs = sampling_graphs(vocab, [1, 2, bucket])
     eager = Sampler(torch.device("cpu"))
     built = count_builds(graphs)
     streams, next_id, kinds = [], 0, set()
@@ -243,9 +248,7 @@ def test_rows_under_structured_output_sample_in_the_graph_with_their_masks(sampl
     Sampler's given the same masks, in the same batches as rows with penalties, bans and none."""
     vocab, bucket, eos = 80, 4, 3
     rng = random.Random(11 + sampled)
-    graphs = DecodeGraphs(_Logits(), buckets=[1, 2, bucket], max_blocks_per_seq=1, hidden_size=vocab,
-                          sampled=torch.zeros(bucket, dtype=torch.int64), device=torch.device("cpu"),
-                          dtype=torch.float32, sample=True, vocab_size=vocab)
+    graphs = sampling_graphs(vocab, [1, 2, bucket])
     eager = Sampler(torch.device("cpu"))
     constraint = StructuredOutput(regex="[a-z]+")  # the grammar itself is not used: the masks are given
     streams, next_id, kinds, masked_steps = [], 0, set(), 0
@@ -290,9 +293,7 @@ def test_rows_under_structured_output_sample_in_the_graph_with_their_masks(sampl
 
 def test_rows_with_neutral_settings_come_out_of_the_adjustment_bit_for_bit():
     vocab, rows = 64, 4
-    graphs = DecodeGraphs(_Logits(), buckets=[rows], max_blocks_per_seq=1, hidden_size=vocab,
-                          sampled=torch.zeros(rows, dtype=torch.int64), device=torch.device("cpu"),
-                          dtype=torch.float32, sample=True, vocab_size=vocab)
+    graphs = sampling_graphs(vocab, [rows])
     streams = [_Stream(0, [1, 2, 2, 9], SamplingParams(temperature=0.8, repetition_penalty=1.4, min_tokens=2), 5)]
     streams += [_Stream(i, [3, 4, 5], SamplingParams(temperature=t), 5) for i, t in ((1, 0), (2, 1.0), (3, 0.5))]
     plan = _step_plan(streams)
@@ -316,9 +317,7 @@ def test_history_is_copied_only_when_read():
 
 def test_the_adjusted_settings_are_staged_per_row_with_neutral_padding():
     vocab, rows, bucket = 64, 3, 4
-    graphs = DecodeGraphs(_Logits(), buckets=[bucket], max_blocks_per_seq=1, hidden_size=vocab,
-                          sampled=torch.zeros(bucket, dtype=torch.int64), device=torch.device("cpu"),
-                          dtype=torch.float32, sample=True, vocab_size=vocab)
+    graphs = sampling_graphs(vocab, [bucket])
     for staging in graphs._staging:  # what other steps may have left there
         staging.fill_(0x7F)
     streams = [_Stream(0, [1, 2], SamplingParams(temperature=0, repetition_penalty=1.3, min_tokens=3), 5),
