@@ -1,7 +1,7 @@
 """The GPU suite. Every module here skips without a CUDA device (test_tp_gpu.py without two).
 
 One GPU, the whole suite, in six processes that share the card (meant to finish within 5 minutes
-on an H100 or H200 from a cold Triton cache; --durations shows where the time goes, -s the agreement
+on an H100 or H200 from a cold Triton cache; --durations shows where the time goes, -rP the agreement
 figures the dtype and SmolLM2 tests print):
     PYTHONPATH=$PWD python -m pytest -q -n 6 --durations=20 tests/gpu
 Without `-n` it runs in one process, as any pytest run does.
