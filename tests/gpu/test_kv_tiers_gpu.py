@@ -133,6 +133,7 @@ def test_blocks_come_back_from_disk_after_a_restart_bit_for_bit(tmp_path):
     assert restored == device_hit
 
 
+@pytest.mark.whole_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tensor_parallel_ranks_restore_their_shards_from_host_and_disk_over_nccl(tiny_qwen3, tmp_path):
     prompt = random_prompts([300], seed=8)[0]

@@ -1,5 +1,5 @@
 """The KV cache's sizing on a CUDA device: the costliest steps an engine can take stay within
-gpu_memory_utilization. In a module of its own, so that no other engine holds memory meanwhile.
+gpu_memory_utilization. Whole-GPU tests: no other test of the suite allocates meanwhile.
 Run (one GPU): PYTHONPATH=$PWD python -m pytest -q tests/gpu/test_memory_gpu.py
 """
 import pytest
@@ -9,7 +9,7 @@ from benchmarks.bench_memory import peak_use
 from benchmarks.common import CONFIGS
 from engine import LLM
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.whole_gpu]
 
 
 # One utilization a shape: the test holds the peak to whatever budget it is given. 0.9 is the

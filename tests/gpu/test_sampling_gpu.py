@@ -15,7 +15,8 @@ from tests.test_structured_output import REGEX, SCHEMA
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-GPU = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3)
+# A fixed KV cache: engines in other test processes share the GPU (see conftest.py).
+GPU = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, num_kvcache_blocks=256)
 
 
 def count_replays(llm) -> list:
