@@ -19,7 +19,9 @@ and needs the `gguf` package (pure Python; pip install --no-deps gguf).
 Two GPUs: the same command also runs test_tp_gpu.py (tensor parallelism, one process per GPU).
 """
 import fcntl
+import gc
 import os
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,7 +54,23 @@ def _gpu_turn(whole_gpu: bool):
         else:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
             fcntl.flock(room, fcntl.LOCK_SH)
-        yield  # closing the files releases both locks
+        try:
+            yield
+        finally:
+            _give_back_memory()
+        # closing the files releases both locks
+
+
+def _give_back_memory() -> None:
+    """Frees what the test left to the caching allocator before the next turn, so that a whole-GPU
+    test sizes its KV cache with the other processes holding only what their fixtures keep. A failed
+    test's traceback (sys.last_*, kept for post-mortem debugging) would hold its engine's tensors."""
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @pytest.hookimpl(wrapper=True)
