@@ -288,13 +288,19 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     return q, scales
 
 
-def gemm_launch_config(M: int, N: int, scale_k: int) -> tuple[int, int, int, int, int, int]:
+def gemm_launch_config(M: int, N: int, scale_k: int, ieee: bool = False) -> tuple[int, int, int, int, int, int]:
     """(block_m, block_n, block_k, group_m, num_warps, num_stages), not yet swept (bench_kernels
     --sweep-moe-fp8 times candidates at 256 and 4096 rows): from 257 rows the tile of Triton's FP8
     matmul tutorial and vLLM's block-FP8 kernel on Hopper. Fewer rows (decode steps of many
     streams) read W in as many programs as its column tiles make, so those tiles are narrower:
     32 and 64 columns make 128 programs of Qwen3-8B's 4096-row projections for the H100's 132
-    SMs, where 64 and 128 made 64, idling half of them on a step bound by W's bytes."""
+    SMs, where 64 and 128 made 64, idling half of them on a step bound by W's bytes.
+
+    ieee (float32 activations, multiplied exactly on the CUDA cores, not the tensor cores): the dot's
+    operands sit in registers, and the 128 x 128 x 128 tile spilled 20,048 bytes a thread on an H100,
+    for which the driver then kept ~4.9 GiB of local memory. Tiles of 64 x 64 x 32 hold them."""
+    if ieee:
+        return min(64, max(16, triton.next_power_of_2(M))), 64, min(32, scale_k), 8, 4, 3
     block_k = min(128, scale_k)
     if M <= 64:
         return max(16, triton.next_power_of_2(M)), 32, block_k, 8, 4, 4
@@ -316,11 +322,12 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
     scale_n, scale_k = scale_block
     if quantize_input is None:
         quantize_input = x.dtype in (torch.bfloat16, torch.float16)
+    ieee = not quantize_input and x.dtype == torch.float32
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
     block_m, block_n, block_k, group_m, num_warps, num_stages = (
-        launch.get(name) or c for name, c in zip(_GEMM_KNOBS, gemm_launch_config(M, N, scale_k)))
+        launch.get(name) or c for name, c in zip(_GEMM_KNOBS, gemm_launch_config(M, N, scale_k, ieee)))
     block_k = min(block_k, scale_k)
     if scale_k % block_k:
         raise ValueError(f"fp8_gemm's block_k ({block_k}) must divide the scale block's K side ({scale_k})")
@@ -333,7 +340,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
     _fp8_gemm_kernel[grid](
         a, a_scale, weight, scale, out, M, N, K, a.stride(0), a_scale.stride(0), weight.stride(0), scale.stride(0),
         out.stride(0), SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=group_m, QUANT_A=quantize_input, IEEE=x.dtype == torch.float32, PDL=pdl_on, num_warps=num_warps,
+        GROUP_M=group_m, QUANT_A=quantize_input, IEEE=ieee, PDL=pdl_on, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=pdl_on)
     return out
 

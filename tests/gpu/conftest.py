@@ -23,11 +23,14 @@ import gc
 import os
 import sys
 import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu import thread_stack
 
 
 def pytest_configure(config):
@@ -71,6 +74,21 @@ def _give_back_memory() -> None:
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _spilled_stack_given_back():
+    """A kernel that spills grows the context's stack, and the driver keeps local memory for it in
+    every thread the card holds (tests/gpu/thread_stack.py): ~5 GiB of an H100, in every process that
+    ran one, which a whole-GPU test then lacks. Given back after each test, with a warning that names it."""
+    yield
+    if not torch.cuda.is_initialized():
+        return
+    grown = thread_stack.stack_bytes()
+    if grown > thread_stack.DEFAULT_STACK_BYTES:
+        torch.cuda.synchronize()
+        thread_stack.reset_stack()
+        warnings.warn(f"a kernel grew the CUDA stack to {grown} bytes a thread: it spills registers", stacklevel=1)
 
 
 @pytest.hookimpl(wrapper=True)

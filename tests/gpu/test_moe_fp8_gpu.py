@@ -25,6 +25,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.layers.fp8 import dequantize_blocks  # noqa: E402
 from kernels import fp8, fused_moe  # noqa: E402
 from tests.conftest import hf_greedy, random_prompts, save_tiny_hf_model  # noqa: E402
+from tests.gpu import thread_stack  # noqa: E402
 from tests.kernel_checks import (  # noqa: E402,F401 (fixtures)
     assert_close,
     capture,
@@ -218,6 +219,21 @@ def test_fp8_gemm_at_8b_shapes(M, N, K, poison):
     with poison():
         exact = fp8.fp8_gemm(x, q, scales, (128, 128))
     assert_close(exact, x @ w.T, F32)
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_fp8_gemm_tiles_fit_the_registers(dtype):
+    """No spill at the prefill's tile: a spilling kernel makes the driver keep local memory for every
+    thread the card holds (tests/gpu/thread_stack.py), ~4.9 GiB of an H100 for float32's first tiles."""
+    q, scales = fp8_blocks(torch.randn(4096, 4096, device="cuda") / 64, (128, 128))
+    x = torch.randn(1000, 4096, device="cuda").to(dtype)
+    torch.cuda.synchronize()
+    thread_stack.reset_stack()
+    before = thread_stack.stack_bytes()
+    fp8.fp8_gemm(x, q, scales, (128, 128))
+    torch.cuda.synchronize()
+    assert thread_stack.stack_bytes() == before
 
 
 @needs_fp8
