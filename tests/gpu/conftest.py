@@ -91,8 +91,21 @@ def _spilled_stack_given_back():
         warnings.warn(f"a kernel grew the CUDA stack to {grown} bytes a thread: it spills registers", stacklevel=1)
 
 
+def _takes_the_whole_gpu(item) -> bool:
+    """Marked whole_gpu, and not skipped by a skipif whose condition is already decided (the
+    two-GPU tests on one GPU): a whole-GPU turn waits for every running test to end."""
+    return item.get_closest_marker("whole_gpu") is not None and \
+        not any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config, items):
+    # Whole-GPU tests last (every process collects the same order): handed out as the other tests
+    # run out, each one's wait for the running tests is short.
+    items.sort(key=lambda item: item.get_closest_marker("whole_gpu") is not None)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     # Around set-up, call and tear-down alike: a module's engine is built and freed within a turn.
-    with _gpu_turn(item.get_closest_marker("whole_gpu") is not None):
+    with _gpu_turn(_takes_the_whole_gpu(item)):
         return (yield)
