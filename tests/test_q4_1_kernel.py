@@ -57,25 +57,42 @@ def expanded_reference(weight: Q4_1Weight) -> torch.Tensor:
     return (out * scales.double()[..., None] + minimums.double()[..., None]).view(n, -1)
 
 
-@needs_kernel
-@pytest.mark.parametrize("two_parts", [True, False])
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n, k", [(1, 32), (3, 64), (4, 32), (5, 96), (17, 576), (64, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
-def test_the_kernel_does_its_split_int8_arithmetic_exactly(n, k, rows, threads, two_parts):
+def split_int8_cases(test):
+    """The cases of a split-int8 arithmetic test (this kernel's and the int8 one's, in
+    tests/test_q8_kernel.py): weights of n rows by k columns, `rows` activation rows, on 1 and 2
+    threads, with and without the low parts."""
+    for mark in (pytest.mark.parametrize("rows", [1, 2, 3, 8, 9]),
+                 pytest.mark.parametrize("n, k", [(1, 32), (3, 64), (4, 32), (5, 96), (17, 576), (64, 1536)]),
+                 pytest.mark.parametrize("threads", [1, 2]),
+                 pytest.mark.parametrize("two_parts", [True, False])):
+        test = mark(test)
+    return test
+
+
+def check_split_int8_arithmetic(make_weight, product, reference, n, k, rows, threads, two_parts):
+    """product(x, weight, out, two_parts) of a weight of fresh random values against reference(x,
+    weight, two_parts), on `threads` threads, into an output poisoned with NaN."""
     torch.set_num_threads(threads)
     try:
-        weight = Q4_1Weight(torch.randn(n, k) * torch.rand(n, 1) * 3)
+        weight = make_weight(torch.randn(n, k) * torch.rand(n, 1) * 3)
         x = torch.randn(rows, k) * torch.rand(rows, 1) * 5
         x[0, :INT4_GROUP] = 0.0  # a group of zeros: scale 0, nothing divided by it
         out = torch.full((rows, n), float("nan"))
-        got = native_cpu.q4_1_product(x, weight.nibbles, weight.scales, weight.minimums, n, out=out,
-                                      two_parts=two_parts)
+        got = product(x, weight, out, two_parts)
     finally:
         torch.set_num_threads(min(2, os.cpu_count() or 1))
     want = reference(x, weight, two_parts)
     assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_kernel
+@split_int8_cases
+def test_the_kernel_does_its_split_int8_arithmetic_exactly(n, k, rows, threads, two_parts):
+    check_split_int8_arithmetic(
+        Q4_1Weight, lambda x, w, out, two_parts: native_cpu.q4_1_product(
+            x, w.nibbles, w.scales, w.minimums, w.out_features, out=out, two_parts=two_parts),
+        reference, n, k, rows, threads, two_parts)
 
 
 @needs_kernel

@@ -12,7 +12,7 @@ import torch
 
 from engine.layers import native_cpu
 from engine.layers.quantized import INT4_GROUP, Int8Weight, NativeInt8Weight, int8_class, quantize, quantize_rows
-from tests.test_q4_1_kernel import split_activations
+from tests.test_q4_1_kernel import check_split_int8_arithmetic, split_activations, split_int8_cases
 
 needs_kernel = pytest.mark.skipif(native_cpu.native_kernels() is None,
                                   reason=f"no native kernel: {native_cpu.unavailable_reason()}")
@@ -29,23 +29,12 @@ def reference(x: torch.Tensor, weight: NativeInt8Weight, two_parts: bool = True)
 
 
 @needs_kernel
-@pytest.mark.parametrize("two_parts", [True, False])
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n, k", [(1, 32), (3, 64), (4, 32), (5, 96), (17, 576), (64, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
+@split_int8_cases
 def test_the_kernel_does_its_split_int8_arithmetic_exactly(n, k, rows, threads, two_parts):
-    torch.set_num_threads(threads)
-    try:
-        weight = NativeInt8Weight(torch.randn(n, k) * torch.rand(n, 1) * 3)
-        x = torch.randn(rows, k) * torch.rand(rows, 1) * 5
-        x[0, :INT4_GROUP] = 0.0  # a group of zeros: scale 0, nothing divided by it
-        out = torch.full((rows, n), float("nan"))
-        got = native_cpu.q8_product(x, weight.q, weight.scales, n, out=out, two_parts=two_parts)
-    finally:
-        torch.set_num_threads(min(2, os.cpu_count() or 1))
-    want = reference(x, weight, two_parts)
-    assert got.data_ptr() == out.data_ptr() and not got.isnan().any()
-    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    check_split_int8_arithmetic(
+        NativeInt8Weight, lambda x, w, out, two_parts: native_cpu.q8_product(
+            x, w.q, w.scales, w.out_features, out=out, two_parts=two_parts),
+        reference, n, k, rows, threads, two_parts)
 
 
 @needs_kernel
