@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.layers import native_cpu
-from engine.layers.quantized import INT4_GROUP, Int4Weight, Q4_1Weight, int4_class
+from engine.layers.quantized import INT4_GROUP, Int4Weight, Int8Weight, Q4_1Weight, int4_class
 from tests.test_cpu_fast_paths import int4_tiny_qwen3
 
 needs_kernel = pytest.mark.skipif(native_cpu.native_q4_1() is None,
@@ -140,12 +140,12 @@ def test_int4_weights_take_the_kernel_where_it_builds():
     assert int4_class() is Q4_1Weight
 
 
-def test_without_the_kernel_int4_weights_take_torchs():
+def test_without_the_kernels_int4_and_int8_weights_take_torchs():
     code = ("from engine.layers import native_cpu, quantized;"
-            "print(native_cpu.unavailable_reason(), quantized.int4_class().__name__)")
+            "print(native_cpu.unavailable_reason(), quantized.int4_class().__name__, quantized.int8_class(576).__name__)")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, native_cpu.DISABLE_VARIABLE: "0"},
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == [f"{native_cpu.DISABLE_VARIABLE}=0", Int4Weight.__name__]
+    assert out == [f"{native_cpu.DISABLE_VARIABLE}=0", Int4Weight.__name__, Int8Weight.__name__]
 
 
 @needs_kernel
