@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 import weakref
 from pathlib import Path
 
@@ -163,6 +164,12 @@ def test_two_engines_in_one_process(tiny_qwen3, tiny_qwen3_tied):
 # --- failures ---------------------------------------------------------------------------------------------
 
 
+def thread_stacks() -> str:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+                     for ident, frame in sys._current_frames().items())
+
+
 def kill_worker_mid_decode(llm: LLM, pid: int, seq, timeout: float) -> WorkerError:
     """Steps llm on a thread until seq has decoded a few tokens, kills worker `pid`, and returns
     the WorkerError the stepping thread got, checking it names the killed rank."""
@@ -180,7 +187,8 @@ def kill_worker_mid_decode(llm: LLM, pid: int, seq, timeout: float) -> WorkerErr
     wait_until(lambda: seq.num_completion_tokens >= 3 or not stepper.is_alive(), timeout, "decoding to start")
     os.kill(pid, signal.SIGKILL)
     stepper.join(timeout=timeout)
-    assert not stepper.is_alive(), "the caller hung after its worker died"
+    # Where each thread waits (the stepper, the TP monitor, a fast all-reduce's releaser) if it hangs.
+    assert not stepper.is_alive(), f"the caller hung after its worker died; its threads:\n{thread_stacks()}"
     error = outcome.get("error")
     assert isinstance(error, WorkerError), f"expected a WorkerError, got {error!r}"
     assert f"rank 1 (pid {pid}) was killed by SIGKILL" in str(error)
