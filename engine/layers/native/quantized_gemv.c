@@ -31,6 +31,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* How far ahead of its products a kernel asks for its weights, in groups: 16 groups of an int8
+   block of four rows are 2 KiB. The hardware prefetchers alone left one core reading ~9 GB/s of a
+   stream it can read at ~16; asking this far ahead gave SmolLM2's int8 products 18% and its int4
+   ones 6% on one thread on the AVX2 box (8 groups ahead: 10%; 32: as 16). */
+enum { PREFETCH_GROUPS = 16 };
+
 static inline float sum8(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
@@ -98,43 +104,50 @@ static inline __attribute__((always_inline)) void load_parts(const int8_t *const
 }
 
 /* A block of four weight rows against `pair` activation rows (1 or 2): each group's nibbles are
-   unpacked once for both activation rows. */
+   unpacked once for both activation rows, and its four scales and minimums are taken together. */
 static inline __attribute__((always_inline)) void block_of_four(
         const uint8_t *w, const uint16_t *s, const uint16_t *mins, int64_t groups, const int8_t *const *parts,
         const float *const *xscale, const float *const *xsum, int pair, int count, int two_parts, float *const *out) {
     __m256 acc[4][2];
-    float base[4][2];
+    __m128 base[2] = {_mm_setzero_ps(), _mm_setzero_ps()};  /* the four rows' sums of minimum * xsum */
     for (int r = 0; r < 4; r++)
-        for (int m = 0; m < 2; m++) {
-            acc[r][m] = _mm256_setzero_ps();
-            base[r][m] = 0.0f;
-        }
+        for (int m = 0; m < 2; m++) acc[r][m] = _mm256_setzero_ps();
     const __m256i low_bits = _mm256_set1_epi8(15);
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1), times_256 = _mm256_set1_epi16(256);
     for (int64_t g = 0; g < groups; g++) {
         __m256i high[2], low[2];
         load_parts(parts, pair, g, high, low);
-        float block_scales[4], block_minimums[4];  /* the four rows' float16 pairs, widened at once */
-        _mm_storeu_ps(block_scales, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(s + g * 4))));
-        _mm_storeu_ps(block_minimums, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mins + g * 4))));
+        _mm_prefetch((const char *)(w + (g + PREFETCH_GROUPS) * 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(s + (g + PREFETCH_GROUPS) * 4), _MM_HINT_T0);
+        _mm_prefetch((const char *)(mins + (g + PREFETCH_GROUPS) * 4), _MM_HINT_T0);
+        const __m128 scales = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(s + g * 4)));
+        const __m128 minimums = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mins + g * 4)));
+        float product_scale[2][4];  /* row r's scale * xscale, broadcast from memory below */
+        for (int m = 0; m < pair; m++) {
+            _mm_storeu_ps(product_scale[m], _mm_mul_ps(scales, _mm_set1_ps(xscale[m][g])));
+            base[m] = _mm_fmadd_ps(minimums, _mm_set1_ps(xsum[m][g]), base[m]);
+        }
         for (int r = 0; r < 4; r++) {
-            __m128i packed = _mm_loadu_si128((const __m128i *)(w + (g * 4 + r) * 16));
-            __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_bits);
-            const float scale = block_scales[r], minimum = block_minimums[r];
+            /* The row's 16 bytes in both halves, the high nibbles shifted down in the upper one. */
+            __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + (g * 4 + r) * 16)));
+            __m256i q = _mm256_and_si256(_mm256_blend_epi32(both, _mm256_srli_epi16(both, 4), 0xF0), low_bits);
             for (int m = 0; m < pair; m++) {
-                __m256i h = _mm256_madd_epi16(_mm256_maddubs_epi16(q, high[m]), ones);
-                if (two_parts) {
-                    __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(q, low[m]), ones);
-                    h = _mm256_add_epi32(_mm256_slli_epi32(h, 8), l);
-                }
-                __m256 dot = _mm256_cvtepi32_ps(h);
-                acc[r][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale * xscale[m][g]), acc[r][m]);
-                base[r][m] += minimum * xsum[m][g];
+                __m256i dot;
+                if (two_parts)  /* 256 * high + low, summed in pairs by the two madds */
+                    dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q, high[m]), times_256),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(q, low[m]), ones));
+                else
+                    dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, high[m]), ones);
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&product_scale[m][r]),
+                                            acc[r][m]);
             }
         }
     }
-    for (int m = 0; m < pair; m++)
-        for (int r = 0; r < count; r++) out[m][r] = sum8(acc[r][m]) + base[r][m];
+    for (int m = 0; m < pair; m++) {
+        float row_base[4];
+        _mm_storeu_ps(row_base, base[m]);
+        for (int r = 0; r < count; r++) out[m][r] = sum8(acc[r][m]) + row_base[r];
+    }
 }
 
 /* two_parts 0 rounds each activation to one int8 (Q8_1's precision), for a product whose largest
@@ -186,19 +199,23 @@ static inline __attribute__((always_inline)) void q8_block_of_four(
     __m256 acc[4][2];
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < 2; m++) acc[r][m] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1), times_256 = _mm256_set1_epi16(256);
     for (int64_t g = 0; g < groups; g++) {
         __m256i high[2], low[2];
         load_parts(parts, pair, g, high, low);
+        _mm_prefetch((const char *)(w + (g + PREFETCH_GROUPS) * 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + (g + PREFETCH_GROUPS) * 128 + 64), _MM_HINT_T0);
         for (int r = 0; r < 4; r++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(w + (g * 4 + r) * 32));
             __m256i magnitude = _mm256_sign_epi8(q, q);
             for (int m = 0; m < pair; m++) {
-                __m256i h = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(high[m], q)), ones);
-                if (two_parts) {
-                    __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(low[m], q)), ones);
-                    h = _mm256_add_epi32(_mm256_slli_epi32(h, 8), l);
-                }
+                __m256i h;
+                if (two_parts)
+                    h = _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(high[m], q)), times_256),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(low[m], q)), ones));
+                else
+                    h = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(high[m], q)), ones);
                 acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_set1_ps(xscale[m][g]), acc[r][m]);
             }
         }
