@@ -154,7 +154,12 @@ def launch_config(dtype: torch.dtype, head_dim: int, group: int, tokens: int,
     interpreter) gives small tiles, which it runs faster. block_m overrides the rows (tests)."""
     if limits is None:
         rows, block_n, num_warps, num_stages, per_sm = 32, 32, 1, 1, 1
-    elif dtype == torch.float32 or head_dim > 128:
+    elif dtype == torch.float32:
+        # Exact float32 dots run on the CUDA cores with their operands in registers: 64-row tiles
+        # on 4 warps spilled 7,136 bytes a thread on an H100, local memory the driver then keeps
+        # for every thread the card holds (~1.8 GiB). Half the rows on twice the warps hold them.
+        rows, block_n, num_warps, num_stages, per_sm = 32, 32, 8, 2, 2
+    elif head_dim > 128:
         rows, block_n, num_warps, num_stages, per_sm = 64, 32, 4, 2, 2
     elif tokens <= SMALL_STEP_TOKENS:
         rows, block_n, num_warps, num_stages, per_sm = 64, 64, 4, 3, 2

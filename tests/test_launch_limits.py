@@ -130,7 +130,7 @@ def test_prefill_attention_keeps_its_tuned_launches_on_hopper(card):
         assert (config.block_m, config.block_n, config.num_warps, config.num_stages, config.per_sm) == \
             ((128, 128, 8, 2, 1) if big else (64, 64, 4, 3, 2)), (dtype, tokens)
     config = prefill_attention.launch_config(torch.float32, 128, 2, 4096, card)
-    assert (config.block_m, config.block_n, config.num_warps, config.num_stages) == (64, 32, 4, 2)
+    assert (config.block_m, config.block_n, config.num_warps, config.num_stages) == (32, 32, 8, 2)
 
 
 def test_a_card_too_small_for_any_launch_is_named_in_the_error():
