@@ -44,29 +44,52 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
+static inline float max8(__m256 v) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
+    return _mm_cvtss_f32(a);
+}
+
+/* Eight int32 vectors' values (each in int8 range) as 32 bytes in order. */
+static inline __m256i pack_bytes(const __m256i *v) {
+    /* packs works within 128-bit halves: the 4-byte runs come out as v0 lo, v1 lo, v2 lo, v3 lo,
+       v0 hi, ..., and the permutation puts them back in order. */
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* Rows x[m] in two int8 parts per group of 32 (high, then low, 64 bytes a group), the group's
-   xscale / 256 (xscale, for the high part alone), and the group's sum of x. */
+   xscale / 256 (xscale, for the high part alone), and the group's sum of x. Vectorized: done
+   value by value it took 11 us of a one-block product at K = 576 (SmolLM2's 121 products a token
+   spent ~1.7 ms of a ~12 ms step on it, one thread). */
 static void split_rows(const float *x, int64_t rows, int64_t groups, int two_parts, int lowest, int8_t *parts,
                        float *xscale, float *xsum) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f), times_256 = _mm256_set1_ps(256.0f);
+    const __m256 low_most = _mm256_set1_ps(127.0f), low_least = _mm256_set1_ps((float)lowest);
+    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  /* nearbyintf's rounding */
     for (int64_t g = 0; g < rows * groups; g++) {
         const float *v = x + g * 32;
-        int8_t *high = parts + g * 64, *low = high + 32;
-        float amax = 0.0f, sum = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            amax = fmaxf(amax, fabsf(v[i]));
-            sum += v[i];
+        __m256 values[4], largest = _mm256_setzero_ps(), sums = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            values[j] = _mm256_loadu_ps(v + 8 * j);
+            largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign_bit, values[j]));
+            sums = _mm256_add_ps(sums, values[j]);
         }
-        float scale = amax / 127.0f;
-        float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-        for (int i = 0; i < 32; i++) {
-            float scaled = v[i] * inverse;
-            float h = nearbyintf(scaled);
-            float l = nearbyintf((scaled - h) * 256.0f);
-            high[i] = (int8_t)h;
-            low[i] = (int8_t)fmaxf(fminf(l, 127.0f), (float)lowest);
+        const float scale = max8(largest) / 127.0f;
+        const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+        __m256i high[4], low[4];
+        for (int j = 0; j < 4; j++) {
+            __m256 scaled = _mm256_mul_ps(values[j], inverse);
+            __m256 h = _mm256_round_ps(scaled, nearest);
+            __m256 l = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(scaled, h), times_256), nearest);
+            high[j] = _mm256_cvtps_epi32(h);
+            low[j] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(l, low_most), low_least));
         }
+        _mm256_storeu_si256((__m256i *)(parts + g * 64), pack_bytes(high));
+        _mm256_storeu_si256((__m256i *)(parts + g * 64 + 32), pack_bytes(low));
         xscale[g] = two_parts ? scale / 256.0f : scale;
-        xsum[g] = sum;
+        xsum[g] = sum8(sums);
     }
 }
 
