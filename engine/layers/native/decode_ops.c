@@ -124,38 +124,67 @@ static void softmax(float *scores, int64_t length, float largest) {
         scores[j] *= inverse;
 }
 
-/* One query head over its keys and values (each at cache + slots[j] * stride), head_dim = 8 * chunks
- * with chunks even and at most 16: the query and the output stay in registers across the keys. */
-static inline __attribute__((always_inline)) void attend_in_registers(
-        const float *query, const float *k_cache, const float *v_cache, const int64_t *slots, int64_t length,
-        int64_t stride, float scale, float *scores, float *out, const int chunks) {
+/* Keys a query group takes at a time: a tile's keys and values (8 KiB each at head_dim 64, 16 at
+ * 128) stay in L1 while every query head of the group reads them. */
+enum { KEY_TILE = 32 };
+
+/* The query heads of one KV head (`group` of them, queries [group][head_dim], out likewise) over its
+ * keys and values (each at cache + slots[j] * stride), head_dim = 8 * chunks with chunks even and at
+ * most 16: a head's query, then its output, stays in registers across a tile of keys, and the
+ * group's heads take each tile in turn. Head by head, every head read the whole context's keys and
+ * values from L2 or beyond: SmolLM2's three heads a KV head read them three times. Each head's
+ * arithmetic is the same, in the same order, as it was alone. scores: group * length floats. */
+static inline __attribute__((always_inline)) void attend_group_in_registers(
+        const float *queries, const float *k_cache, const float *v_cache, const int64_t *slots, int64_t length,
+        int64_t stride, int64_t group, float scale, float *scores, float *out, const int chunks) {
+    const int64_t head_dim = 8 * chunks;
     __m256 held[16];
-    for (int c = 0; c < chunks; c++)
-        held[c] = _mm256_loadu_ps(query + 8 * c);
-    float largest = -INFINITY;
-    for (int64_t j = 0; j < length; j++) {
-        const float *key = k_cache + slots[j] * stride;
-        __m256 even = _mm256_mul_ps(held[0], _mm256_loadu_ps(key));
-        __m256 odd = _mm256_mul_ps(held[1], _mm256_loadu_ps(key + 8));
-        for (int c = 2; c < chunks; c += 2) {
-            even = _mm256_fmadd_ps(held[c], _mm256_loadu_ps(key + 8 * c), even);
-            odd = _mm256_fmadd_ps(held[c + 1], _mm256_loadu_ps(key + 8 * c + 8), odd);
+    float largest[64];  /* group <= 64: checked by the caller */
+    for (int64_t g = 0; g < group; g++)
+        largest[g] = -INFINITY;
+    for (int64_t start = 0; start < length; start += KEY_TILE) {
+        const int64_t end = start + KEY_TILE < length ? start + KEY_TILE : length;
+        for (int64_t g = 0; g < group; g++) {
+            for (int c = 0; c < chunks; c++)
+                held[c] = _mm256_loadu_ps(queries + g * head_dim + 8 * c);
+            float *row = scores + g * length, top = largest[g];
+            for (int64_t j = start; j < end; j++) {
+                const float *key = k_cache + slots[j] * stride;
+                __m256 even = _mm256_mul_ps(held[0], _mm256_loadu_ps(key));
+                __m256 odd = _mm256_mul_ps(held[1], _mm256_loadu_ps(key + 8));
+                for (int c = 2; c < chunks; c += 2) {
+                    even = _mm256_fmadd_ps(held[c], _mm256_loadu_ps(key + 8 * c), even);
+                    odd = _mm256_fmadd_ps(held[c + 1], _mm256_loadu_ps(key + 8 * c + 8), odd);
+                }
+                float score = horizontal_sum(_mm256_add_ps(even, odd)) * scale;
+                row[j] = score;
+                top = score > top ? score : top;
+            }
+            largest[g] = top;
         }
-        float score = horizontal_sum(_mm256_add_ps(even, odd)) * scale;
-        scores[j] = score;
-        largest = score > largest ? score : largest;
     }
-    softmax(scores, length, largest);
-    for (int c = 0; c < chunks; c++)
-        held[c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < length; j++) {
-        const float *value = v_cache + slots[j] * stride;
-        __m256 weight = _mm256_set1_ps(scores[j]);
+    for (int64_t g = 0; g < group; g++)
+        softmax(scores + g * length, length, largest[g]);
+    for (int64_t g = 0; g < group; g++)
         for (int c = 0; c < chunks; c++)
-            held[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * c), held[c]);
+            _mm256_storeu_ps(out + g * head_dim + 8 * c, _mm256_setzero_ps());
+    for (int64_t start = 0; start < length; start += KEY_TILE) {
+        const int64_t end = start + KEY_TILE < length ? start + KEY_TILE : length;
+        for (int64_t g = 0; g < group; g++) {
+            float *o = out + g * head_dim;
+            const float *row = scores + g * length;
+            for (int c = 0; c < chunks; c++)
+                held[c] = _mm256_loadu_ps(o + 8 * c);
+            for (int64_t j = start; j < end; j++) {
+                const float *value = v_cache + slots[j] * stride;
+                __m256 weight = _mm256_set1_ps(row[j]);
+                for (int c = 0; c < chunks; c++)
+                    held[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * c), held[c]);
+            }
+            for (int c = 0; c < chunks; c++)
+                _mm256_storeu_ps(o + 8 * c, held[c]);
+        }
     }
-    for (int c = 0; c < chunks; c++)
-        _mm256_storeu_ps(out + 8 * c, held[c]);
 }
 
 /* The same for any head_dim. */
@@ -183,24 +212,30 @@ static void attend(const float *query, const float *k_cache, const float *v_cach
 int nvchat_decode_attention(const float *q, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                             const float *k_cache, const float *v_cache, const int64_t *slot_table,
                             int64_t table_width, const int64_t *lengths, float scale, float *out, int threads) {
-    int64_t group = heads / kv_heads, tasks = rows * heads, stride = kv_heads * head_dim;
+    const int64_t group = heads / kv_heads, stride = kv_heads * head_dim;
+    const int in_registers = (head_dim == 64 || head_dim == 128) && group <= 64;
+    /* One task a KV head's query group where its heads share the tiles, else one a query head. */
+    const int64_t per_row = in_registers ? kv_heads : heads, tasks = rows * per_row;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && tasks > 1)
     for (int64_t task = 0; task < tasks; task++) {
-        int64_t r = task / heads, h = task % heads, length = lengths[r];
+        const int64_t r = task / per_row, length = lengths[r];
         const int64_t *slots = slot_table + r * table_width;
-        float *scores = malloc(sizeof(float) * (length > 0 ? length : 1));
+        const int64_t heads_here = in_registers ? group : 1;
+        float *scores = malloc(sizeof(float) * (size_t)(heads_here * (length > 0 ? length : 1)));
         if (scores == NULL) {
             failed = 1;
             continue;
         }
-        const float *query = q + (r * heads + h) * head_dim;
-        const float *keys = k_cache + (h / group) * head_dim, *values = v_cache + (h / group) * head_dim;
-        float *o = out + (r * heads + h) * head_dim;
-        if (head_dim == 64)
-            attend_in_registers(query, keys, values, slots, length, stride, scale, scores, o, 8);
-        else if (head_dim == 128)
-            attend_in_registers(query, keys, values, slots, length, stride, scale, scores, o, 16);
+        const int64_t first_head = in_registers ? (task % per_row) * group : task % per_row;
+        const int64_t kv_head = first_head / group;
+        const float *query = q + (r * heads + first_head) * head_dim;
+        const float *keys = k_cache + kv_head * head_dim, *values = v_cache + kv_head * head_dim;
+        float *o = out + (r * heads + first_head) * head_dim;
+        if (in_registers && head_dim == 64)
+            attend_group_in_registers(query, keys, values, slots, length, stride, group, scale, scores, o, 8);
+        else if (in_registers)
+            attend_group_in_registers(query, keys, values, slots, length, stride, group, scale, scores, o, 16);
         else
             attend(query, keys, values, slots, length, stride, head_dim, scale, scores, o);
         free(scores);
