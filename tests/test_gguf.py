@@ -99,6 +99,32 @@ def test_the_metadata_is_read_once_then_from_the_cache(tiny_llama_gguf, cache_di
     assert json.loads(entry.read_text())["fields"]["general.architecture"] == "llama"
 
 
+def test_a_first_start_parses_the_file_once_for_its_index_and_tokenizer(tiny_llama_gguf, monkeypatch):
+    """transformers builds the tokenizer through gguf's reader: on a first start it gets the one the
+    engine's index was just read with, and builds what it builds from the file itself."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from engine.checkpoints.gguf import forget_opened, open_gguf
+    from engine.text.tokenizer import load_tokenizer
+    made_by_gguf, parsed = gguf.GGUFReader, []
+
+    def counted(*args, **kwargs):
+        parsed.append(args[0])
+        return made_by_gguf(*args, **kwargs)
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    forget_opened()
+    open_gguf(tiny_llama_gguf)
+    built = load_tokenizer(tiny_llama_gguf)
+    assert len(parsed) == 1
+    assert gguf.GGUFReader is counted  # given back after the tokenizer was built
+    own = AutoTokenizer.from_pretrained(tiny_llama_gguf.parent, gguf_file=tiny_llama_gguf.name)
+    assert len(parsed) == 2
+    text = "<|im_start|>user\nthe in an<|im_end|>\n<|im_start|>assistant\n"
+    assert built.encode(text) == own.encode(text) and built.chat_template == own.chat_template
+    assert (built.bos_token_id, built.eos_token_id) == (own.bos_token_id, own.eos_token_id)
+
+
 # --- bad files ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("damage", ["truncated", "header-only", "garbage", "not-gguf"])

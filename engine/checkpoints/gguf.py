@@ -5,6 +5,7 @@ metadata (engine/text/tokenizer.py builds it). The `gguf` package reads and dequ
 format itself. Its reader turns every string of the vocabulary into numpy views (seconds for a
 real one), so what the engine needs of the metadata (the scalar fields, the arrays' lengths, the
 tensor table) is kept in nvchat's cache, keyed by the file's path, size and time, for later starts."""
+import contextlib
 import functools
 import hashlib
 import json
@@ -85,8 +86,8 @@ def cache_entry(path: Path, cache_dir: Path | None, kind: str, suffix: str = "")
 _INDEX_VERSION = 1
 
 
-def _read_index(path: Path) -> dict:
-    """The file's metadata as the engine uses it, through the gguf package's reader."""
+def _read_index(path: Path) -> tuple[dict, object]:
+    """The file's metadata as the engine uses it, and the gguf package's reader it was read with."""
     import gguf  # start-up: only when the index is not cached yet
     try:
         reader = gguf.GGUFReader(path)
@@ -100,20 +101,21 @@ def _read_index(path: Path) -> dict:
                    for t in reader.tensors]
     except Exception as e:  # gguf raises ValueError, IndexError, struct errors... on bad bytes
         raise ModelError(f"{path} is not a readable GGUF file (corrupt or truncated?): {e}") from None
-    return {"version": _INDEX_VERSION, "fields": fields, "array_lengths": lengths, "tensors": tensors}
+    return {"version": _INDEX_VERSION, "fields": fields, "array_lengths": lengths, "tensors": tensors}, reader
 
 
-def _cached_index(path: Path, cache_dir: Path | None) -> dict:
+def _cached_index(path: Path, cache_dir: Path | None) -> tuple[dict, object | None]:
+    """The file's index, from the cache or read now; and the reader, where it was read now."""
     # The key stays in the name: a stem with dots in it ("SmolLM2-135M-Instruct.Q4_1") is cut at
     # its last dot by with_suffix, which left every such file of one name sharing one entry.
     entry = cache_entry(path, cache_dir, "gguf-index", ".json")
     try:
         index = json.loads(entry.read_text())
         if index.get("version") == _INDEX_VERSION:
-            return index
+            return index, None
     except (OSError, ValueError):  # none yet, or damaged: read the file again
         pass
-    index = _read_index(path)
+    index, reader = _read_index(path)
     try:
         text = json.dumps(index)
         entry.parent.mkdir(parents=True, exist_ok=True)
@@ -123,14 +125,14 @@ def _cached_index(path: Path, cache_dir: Path | None) -> dict:
         os.replace(tmp, entry)
     except (OSError, TypeError, ValueError):  # a read-only cache, or a field JSON can't hold: no harm
         pass
-    return index
+    return index, reader
 
 
 class GGUFCheckpoint:
     def __init__(self, path: Path, cache_dir: Path | None = None):
         self.path = path
         self.cache_dir = cache_dir
-        index = _cached_index(path, cache_dir)
+        index, self._reader = _cached_index(path, cache_dir)
         self.fields, self.array_lengths = index["fields"], index["array_lengths"]
         self.tensor_table = [(name, qtype, tuple(dims), offset) for name, qtype, dims, offset in index["tensors"]]
         self.architecture_name = self._field("general.architecture")
@@ -196,6 +198,31 @@ class GGUFCheckpoint:
         if arch == "llama":
             values["attention_bias"] = any(name.endswith("attn_q.bias") for name in names)
         return ModelConfig(GGUF_MODEL_TYPES[arch], architectures=[self.architecture.__name__], **values)
+
+    @contextlib.contextmanager
+    def metadata_read_once(self):
+        """Within the block, gguf's reader of this file (transformers builds a GGUF tokenizer through
+        it) is the one the index was just read with, where this process read it: parsing a real
+        vocabulary's metadata is most of the reading, 5 s of the 2-core box's first start with
+        SmolLM2, and transformers would parse the file again. The reader is let go after the block;
+        with the index from the cache there is none, and transformers reads the file itself."""
+        reader, self._reader = self._reader, None
+        if reader is None:
+            yield
+            return
+        import gguf  # start-up: only where _read_index imported it already
+        made_by_gguf = gguf.GGUFReader
+        path = self.path.resolve()
+
+        def reader_of(file, *args, **kwargs):
+            if not args and not kwargs and Path(file).resolve() == path:
+                return reader
+            return made_by_gguf(file, *args, **kwargs)
+        gguf.GGUFReader = reader_of
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = made_by_gguf
 
     def tensors(self):
         """(Hugging Face name, float32 tensor) for each tensor of the file, dequantized one at a time;

@@ -39,9 +39,15 @@ def gguf_tokenizer_entry(path: Path, cache_dir: Path | None) -> Path:
 def _gguf_tokenizer(path: Path, cache_dir: Path | None):
     """transformers builds the tokenizer from a GGUF file's metadata (seconds for a real vocabulary);
     the result is kept in nvchat's cache, keyed by the file's path, size and time, and later starts
-    read it back through ChatTokenizer: its tokenizer.json is the pipeline transformers built."""
+    read it back through ChatTokenizer: its tokenizer.json is the pipeline transformers built. The
+    first start builds it from the metadata the engine has just parsed (metadata_read_once)."""
     checkpoint = open_gguf(path)
-    cached = gguf_tokenizer_entry(checkpoint.path, cache_dir or checkpoint.cache_dir)
+    with checkpoint.metadata_read_once():
+        return _built_gguf_tokenizer(path, gguf_tokenizer_entry(checkpoint.path, cache_dir or checkpoint.cache_dir))
+
+
+def _built_gguf_tokenizer(path: Path, cached: Path):
+    """The tokenizer from its cache entry `cached`, or built by transformers and saved there."""
     if (cached / "tokenizer_config.json").exists():
         try:
             if usable(cached, any_class=True):
