@@ -131,9 +131,9 @@ enum { KEY_TILE = 32 };
 /* The query heads of one KV head (`group` of them, queries [group][head_dim], out likewise) over its
  * keys and values (each at cache + slots[j] * stride), head_dim = 8 * chunks with chunks even and at
  * most 16: a head's query, then its output, stays in registers across a tile of keys, and the
- * group's heads take each tile in turn. Head by head, every head read the whole context's keys and
- * values from L2 or beyond: SmolLM2's three heads a KV head read them three times. Each head's
- * arithmetic is the same, in the same order, as it was alone. scores: group * length floats. */
+ * group's heads take each tile in turn, so that the context's keys and values come from L2 or
+ * beyond once a KV head, not once a query head (three times for SmolLM2). Each head's arithmetic is
+ * the same, in the same order, as on its own. scores: group * length floats. */
 static inline __attribute__((always_inline)) void attend_group_in_registers(
         const float *queries, const float *k_cache, const float *v_cache, const int64_t *slots, int64_t length,
         int64_t stride, int64_t group, float scale, float *scores, float *out, const int chunks) {
