@@ -1,12 +1,14 @@
 """The KV cache's lower tiers on CPU: a prefix the device's pool evicted comes back from host memory,
 or after a restart from disk, and gives exactly the tokens a cold run computes (float32, greedy);
 a corrupt or foreign file on disk is skipped and removed; tensor-parallel ranks restore their shards."""
+import threading
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.core.block_manager import BlockManager, chain_hash
-from engine.core.kv_tiers import KVTiers
+from engine.core.kv_tiers import FETCHING, DiskTier, KVTiers
 from engine.core.sequence import Sequence
 from engine.runner.kv_tiers import DiskStore
 from tests.conftest import INJECTED_FAULT, fail_next_launch, random_prompts
@@ -278,3 +280,108 @@ def test_the_host_tier_saves_only_into_slots_whose_memory_the_runner_has_allocat
     tiers.host.grow(100)  # never past the tier's size
     assert tiers.host.usable_slots == 8
     assert cycle(9000) == (list(range(8)), 8)
+
+
+def test_each_block_read_from_disk_is_loaded_to_the_device_while_the_rest_are_still_read():
+    """A block is loaded as soon as its read ends (restored ahead, as a cached block under its hash),
+    not once the prompt's last read has: the copies to the device overlap the reads. The prompt
+    waits until all its blocks are in, then takes them as device hits, counted as disk hits.
+    (The scheduling core alone, no model.)"""
+    size = 4
+    blocks = BlockManager(num_blocks=12, block_size=size)
+    prompt = list(range(1, 18))  # 4 full blocks and one token
+    hashes, previous = [], None
+    for i in range(4):
+        previous = chain_hash(previous, prompt[i * size:(i + 1) * size])
+        hashes.append(previous)
+    tiers = KVTiers(blocks, host_slots=8, disk=DiskTier(1 << 30, 100, [(h, 100, 0.0) for h in hashes]))
+    seq = Sequence(prompt, SamplingParams(), size)
+
+    assert tiers.lookup(seq, 0) is FETCHING
+    fetches = tiers.take_transfers().fetches
+    assert [h for h, _, _ in fetches] == hashes
+    tiers.queued()
+
+    tiers.io_done([("fetched", hashes[0], True), ("fetched", hashes[2], True)])
+    loads = tiers.take_transfers().loads
+    tiers.queued()
+    assert len(loads) == 2
+    restored = [block for _, block in loads]
+    assert blocks.lookup_prefix(seq) == restored[:1]  # block 1 is still being read
+    assert tiers.lookup(seq, 1) is FETCHING
+    assert blocks.num_free_blocks == 12  # restored blocks are cached blocks in the free list
+
+    tiers.io_done([("fetched", hashes[1], True), ("fetched", hashes[3], True)])
+    loads = tiers.take_transfers().loads
+    tiers.queued()
+    restored = [restored[0], loads[0][1], restored[1], loads[1][1]]
+    hits = blocks.lookup_prefix(seq)
+    assert hits == restored
+    assert tiers.lookup(seq, len(hits)) == []
+    assert tiers.restores(hits, [])  # its loads are not waited for yet: its first step waits for them
+    tiers.admit(seq, hits, [], 17, hold=False, count=True)
+    kv = tiers.take_transfers()
+    assert kv.wait_loads > tiers.loads_waited
+    tiers.queued()
+    assert tiers.disk_hit_tokens == 16 and tiers.host_hit_tokens == 0
+    assert list(seq.block_table[:4]) == restored
+
+
+def test_disk_reads_go_ahead_of_the_writes_queued_before_them(tmp_path):
+    """A resumed prompt waits for its reads; nobody waits for a write. The disk thread is held in a
+    write (its `after` gate stands for the device copy that fills the slot) while more writes and
+    then a read are queued: the read ends before any of the queued writes."""
+    shape = (2, 2, BLOCK, 2, 16)
+    store = DiskStore(tmp_path, "f" * 32, 0, shape, torch.float32)
+    try:
+        stored = torch.randn(shape)
+        store.write(1, range(BLOCK), stored, None)
+        store.drain()
+        assert store.poll() == [("written", 1, True, store.path(1).stat().st_size)]
+
+        class Gate:
+            """Stands for a CUDA event: the write waits on it."""
+            def __init__(self):
+                self.reached, self.opened = threading.Event(), threading.Event()
+
+            def synchronize(self):
+                self.reached.set()
+                self.opened.wait()
+        gate = Gate()
+        store.write(2, range(BLOCK), torch.randn(shape), gate)
+        gate.reached.wait()
+        for block_hash in (3, 4, 5):
+            store.write(block_hash, range(BLOCK), torch.randn(shape), None)
+        target = torch.full(shape, float("nan"))
+        store.fetch(1, range(BLOCK), target, (None, None))
+        gate.opened.set()
+        store.drain()
+        order = [(kind, block_hash) for kind, block_hash, *_ in store.poll()]
+        assert order == [("written", 2), ("fetched", 1), ("written", 3), ("written", 4), ("written", 5)]
+        assert torch.equal(target, stored)
+    finally:
+        store.close()
+
+
+def test_a_block_restored_ahead_keeps_its_host_slot_from_the_save_its_device_block_makes():
+    """Restoring a block ahead takes the free list's next device block, whose cached K/V is saved
+    first: that save must not go into the slot the restore's load reads. (The scheduling core alone.)"""
+    size = 4
+    blocks = BlockManager(num_blocks=2, block_size=size)
+    on_disk = list(range(1, 6))  # one full block and one token
+    disk_hash = chain_hash(None, on_disk[:size])
+    tiers = KVTiers(blocks, host_slots=1, disk=DiskTier(1 << 30, 100, [(disk_hash, 100, 0.0)]))
+    cached = Sequence(list(range(50, 58)), SamplingParams(), size)  # the pool: two cached blocks, on no tier
+    blocks.allocate(cached, [], 8)
+    blocks.register_scheduled(cached, 8)
+    blocks.launched()
+    blocks.free_blocks_of(cached)
+
+    assert tiers.lookup(Sequence(on_disk, SamplingParams(), size), 0) is FETCHING
+    tiers.take_transfers()
+    tiers.queued()
+    tiers.io_done([("fetched", disk_hash, True)])
+    kv = tiers.take_transfers()
+    assert len(kv.loads) == 1 and blocks.blocks[kv.loads[0][1]].hash == disk_hash
+    assert not {slot for _, slot in kv.saves} & {slot for slot, _ in kv.loads}
+    tiers.queued()

@@ -224,6 +224,20 @@ class BlockManager:
         """The chained hash of seq's full block i."""
         return self._hashes_up_to(seq, i + 1)[i]
 
+    def restore_cached(self, block_hash: int, token_ids: tuple[int, ...]) -> int:
+        """Takes the next free block for a lower tier to fill with a copy of this block, and puts it
+        back as a cached block under its hash (the most recently freed): a prompt finds it with
+        lookup_prefix. Registered as register_scheduled registers, so a step that fails before it
+        is queued takes it back. Returns its id."""
+        block_id = self._take_free_block()
+        block = self.blocks[block_id]
+        block.hash, block.token_ids, block.ref_count = block_hash, token_ids, 0
+        self.hash_to_block[block_hash] = block_id
+        self._unlaunched.append(block_id)
+        self.free[block_id] = None
+        self._update_state(block)
+        return block_id
+
     def allocate_restored(self, seq: Sequence, hits: list[int | None], num_tokens: int) -> list[int]:
         """allocate(), where a None among hits is a block a lower tier holds: it gets a fresh block,
         registered under seq's hash for it at once (with the step being scheduled, as

@@ -17,7 +17,9 @@ How a block moves:
   so that a restart finds them. A slot stays put until its write has read it.
 - fetch (disk -> host): a prompt whose next full blocks are on disk waits at the head of the queue
   while they are read into host slots (checked there: a corrupt or foreign file is removed, and its
-  block computed instead), then loads them as above.
+  block computed instead). Each block read is loaded at once into a free device block, registered
+  under its hash as a cached block (restored ahead), so that the copies to the device run beside
+  the reads still under way; the prompt then finds its blocks on the device.
 
 Host slots and disk files each go least recently used first. The device-side ordering (a copy
 after the steps that wrote its block, a step after the copies it reads) is the runner's: it is
@@ -173,6 +175,9 @@ class KVTiers:
         self.loads_waited = 0  # every step queued from now on runs after the loads up to this batch
         self.loads_ready = 0  # the loads up to this batch have ended on rank 0 (a hint for scheduling)
         self._fetched_for: set[int] = set()  # sequences whose fetches have been issued: one round each
+        # Device blocks restored ahead from disk that no sequence has taken yet: a prompt that takes
+        # one counts it as a disk hit.
+        self._restored_ahead: set[int] = set()
         self.host_hit_tokens = 0
         self.disk_hit_tokens = 0
 
@@ -192,6 +197,7 @@ class KVTiers:
         step writing it waits for the copies still reading or filling it."""
         if block.hash is not None:
             self._save(block.block_id, block.hash, block.token_ids)
+        self._restored_ahead.discard(block.block_id)
         if block.block_id in self._saved_unwaited:
             self._next.wait_saves = True
         batch = self._loading.pop(block.block_id, 0)
@@ -291,6 +297,11 @@ class KVTiers:
         """Gives seq its device hits, fresh blocks loaded from the host entries found, and fresh blocks
         up to num_tokens. hold: seq runs no token this step, and waits for its loads before it does;
         else this step waits for them. count: add its hits to the per-tier statistics."""
+        if self._restored_ahead:
+            from_disk = self._restored_ahead.intersection(hits)
+            self._restored_ahead -= from_disk
+            if count:
+                self.disk_hit_tokens += len(from_disk) * self.blocks.block_size
         if not found:
             self.blocks.allocate(seq, hits, num_tokens)
             batch = self._loading_batch(hits)
@@ -388,6 +399,29 @@ class KVTiers:
         self._fetched_hashes = []
         self._load_pins = []
 
+    def _restore_ahead(self, block_hash: int, entry: HostEntry) -> None:
+        """Loads a block just read from disk into a free device block, registered under its hash as
+        a cached block: its copy runs while the prompt's other blocks are still being read. Not when
+        the device holds it already, nor when the free list's next block is itself still loading
+        (the pool is smaller than what is being read: the prompt then loads its blocks as it is
+        admitted)."""
+        blocks = self.blocks
+        if blocks.hash_to_block.get(block_hash) is not None or not blocks.free:
+            return
+        if next(iter(blocks.free)) in self._loading:
+            return
+        # Held before the block is taken: the save of the block it evicts must not take this slot.
+        entry.pins += 1
+        self._load_pins.append(entry)
+        block_id = blocks.restore_cached(block_hash, entry.token_ids)
+        if not self._next.batch:
+            self._batches += 1
+            self._next.batch = self._batches
+        self._next.loads.append((entry.slot, block_id))
+        self._loading[block_id] = self._next.batch
+        entry.from_disk = False
+        self._restored_ahead.add(block_id)
+
     def persist(self) -> None:
         """The engine is idle: the cached blocks the disk lacks, most recently used first, go to it
         (through host slots), as far as slots free of disk operations and the disk's cap allow."""
@@ -426,6 +460,7 @@ class KVTiers:
                 self.disk.fetching.discard(block_hash)
                 if ok and entry is not None:
                     entry.ready = entry.from_disk = True
+                    self._restore_ahead(block_hash, entry)
                 else:
                     # Missing, corrupt or foreign (the runner removed it), or its slot dropped:
                     # every rank removes its file, and the block is computed instead.
