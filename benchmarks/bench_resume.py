@@ -118,6 +118,10 @@ def resume_ttft(args) -> dict:
                     if mode != "disk":  # the disk engine's conversations were prefilled before its restart
                         assert llm.generate([history], one)[0]["token_ids"] == replies[trial]
                     evict(llm, history, rng, vocab)
+                    # As while the user types the next message: the engine idles, writing what the other
+                    # work computed (only the disk mode writes). Writes still under way hold host slots
+                    # that the resumed prompt's reads from disk would land in.
+                    llm.flush_disk_cache()
                     before = llm.stats()
                     ttft, tokens, cached = first_token(llm, history + replies[trial] + message, args.new_tokens,
                                                        args.device)

@@ -52,12 +52,15 @@ _FILE_NAME = re.compile(r"([0-9a-f]{16})\.(\d+)\.safetensors")
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _MAX_HEADER_BYTES = 1 << 20  # a block's header holds its token ids: a few KiB
 # Threads reading files side by side: a read and its checksum let go of the GIL, and one thread
-# copies from the page cache at a fraction of the memory's bandwidth. On an H200 machine's 16 cores
-# (.gpu probe, 16 files of 36 MiB read and checked): 2.8 GB/s on one thread, 9.1 on 4, 22.3 on 16.
-_READERS = max(2, min(16, os.cpu_count() or 1))
-# A file's K/V is read and checked this much at a time, so that the checksum reads what the read
-# has just brought into the cache instead of going back to memory.
-_READ_CHUNK = 1 << 20
+# copies from the page cache at a fraction of the memory's bandwidth. A 4,096-token Qwen3-8B
+# conversation (256 files of 2.3 MB, page cache warm) came back in 65-69 ms with 8 threads, 78-98
+# with 16 and 93-125 with 4, on an H200 machine's 16 cores (.g41/disk_variants.py, 2026-11-27).
+_READERS = max(2, min(8, os.cpu_count() or 1))
+# A file's first read: its header's length and the header (a few KiB at most: token ids and hashes).
+_HEAD_READ = 16 << 10
+# Reads that end are reported to the engine this many at a time (and the last ones at once): each
+# report wakes the engine's loop, which takes the GIL from the readers.
+_REPORT_EVERY = 16
 _STOP = ("stop",)
 
 
@@ -262,11 +265,24 @@ class DiskStore:
             self._cv.notify_all()
 
     def _fetch_side_by_side(self, fetches: list[tuple]) -> None:
-        """Runs the reads on the reader threads, each reported as it ends (the engine loads a block
-        to the device while the rest are read); returns once they all have."""
+        """Runs the reads on the reader threads, reported as they end (the engine loads blocks to the
+        device while the rest are read); returns once they all have."""
         if self._readers is None:
             self._readers = ThreadPoolExecutor(_READERS, thread_name_prefix=f"nvchat-kv-read-{self.rank}")
-        wait([self._readers.submit(lambda op: self._done(self._run(op)), op) for op in fetches])
+        # The device copies the reads wait for: once each, not once a file.
+        for event in {id(e): e for op in fetches for e in op[4] if e is not None}.values():
+            event.synchronize()
+
+        def read(op) -> None:
+            result = self._run((*op[:4], ()))
+            with self._cv:
+                self._results.append(result)
+                self._queued -= 1
+                if len(self._results) >= _REPORT_EVERY:
+                    self._cv.notify_all()
+        wait([self._readers.submit(read, op) for op in fetches])
+        with self._cv:
+            self._cv.notify_all()
 
     def _run(self, op) -> tuple | None:
         kind, block_hash = op[0], op[1]
@@ -299,62 +315,63 @@ class DiskStore:
         return ("written", block_hash, True, path.stat().st_size)
 
     def _fetch(self, block_hash: int, token_ids: tuple, target: torch.Tensor, after: tuple) -> tuple:
+        # Few calls that take and drop the GIL: with many reader threads, handing the GIL from one
+        # to the next between calls costs more than the reads (measured on an H200 machine).
         path = self.path(block_hash)
+        for event in after:  # the copies that may still read or fill the slot
+            if event is not None:
+                event.synchronize()
         try:
-            with open(path, "rb", buffering=0) as f:
-                metadata = self._header(f, os.fstat(f.fileno()).st_size, block_hash, token_ids)
-                if metadata is not None:
-                    for event in after:  # the copies that may still read or fill the slot
-                        if event is not None:
-                            event.synchronize()
-                    if self._read_checked(f, target) != metadata.get("xxh3"):
-                        metadata = None
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return ("fetched", block_hash, False)
-        if metadata is None:
+        try:
+            metadata, data_offset = self._header(fd, block_hash, token_ids)
+            ok = metadata is not None and self._read_checked(fd, data_offset, target) == metadata.get("xxh3")
+        except OSError:
+            ok = False
+        finally:
+            os.close(fd)
+        if not ok:
             path.unlink(missing_ok=True)
             return ("fetched", block_hash, False)
         with contextlib.suppress(OSError):
             os.utime(path)  # the next start-up lists files least recently used first
         return ("fetched", block_hash, True)
 
-    def _read_checked(self, f, target: torch.Tensor) -> str | None:
-        """Reads the rest of the file into target; the xxh3 checksum of what it read, or None if
-        the file ended short."""
+    def _read_checked(self, fd: int, offset: int, target: torch.Tensor) -> str | None:
+        """Reads the file from offset into target, in one call; the xxh3 checksum of what it read,
+        or None if the file holds more or fewer bytes than a block."""
         view = memoryview(target.view(torch.uint8).numpy()).cast("B")
-        digest = xxhash.xxh3_64()
-        done = 0
-        while done < self.block_bytes:
-            n = f.readinto(view[done:done + _READ_CHUNK])
-            if not n:
-                return None
-            digest.update(view[done:done + n])
-            done += n
-        return digest.hexdigest()
+        if os.preadv(fd, [view, bytearray(1)], offset) != self.block_bytes:
+            return None
+        return xxhash.xxh3_64_hexdigest(view)
 
-    def _header(self, f, size: int, block_hash: int, token_ids: tuple) -> dict | None:
-        """The file's metadata if its safetensors header describes this engine's block: one tensor
-        "kv" of the block's dtype and shape filling the rest of the file, and the same format,
-        fingerprint, hash and tokens (a file copied in from another model's directory, or a hash
-        collision, differs); else None."""
-        raw = f.read(8)
-        if len(raw) < 8:
-            return None
-        length = int.from_bytes(raw, "little")
-        if length > _MAX_HEADER_BYTES or size != 8 + length + self.block_bytes:
-            return None
+    def _header(self, fd: int, block_hash: int, token_ids: tuple) -> tuple[dict | None, int]:
+        """(metadata, where the K/V start) if the file's safetensors header describes this engine's
+        block: one tensor "kv" of the block's dtype and shape, and the same format, fingerprint,
+        hash and tokens (a file copied in from another model's directory, or a hash collision,
+        differs); else (None, 0)."""
+        head = os.pread(fd, _HEAD_READ, 0)
+        if len(head) < 8:
+            return None, 0
+        length = int.from_bytes(head[:8], "little")
+        if length > _MAX_HEADER_BYTES:
+            return None, 0
+        if 8 + length > len(head):
+            head += os.pread(fd, 8 + length - len(head), len(head))
         try:
-            header = json.loads(f.read(length))
+            header = json.loads(head[8:8 + length])
         except (UnicodeDecodeError, ValueError):
-            return None
+            return None, 0
         if not isinstance(header, dict) or header.get("kv") != self._header_tensor:
-            return None
+            return None, 0
         metadata = header.get("__metadata__")
         if not (isinstance(metadata, dict) and metadata.get("format") == FORMAT
                 and metadata.get("fingerprint") == self.fingerprint and metadata.get("hash") == f"{block_hash:016x}"
                 and metadata.get("token_ids") == " ".join(map(str, token_ids))):
-            return None
-        return metadata
+            return None, 0
+        return metadata, 8 + length
 
 
 class KVTierCopies:
