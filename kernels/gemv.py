@@ -222,6 +222,7 @@ def _gemv_rows_dot_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, 
 MAX_ROWS = 8
 _LAUNCH_KNOBS = ("kernel", "block_n", "block_k", "num_warps", "num_stages")
 _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
+_FLOAT32_DOT_BLOCK_K = 128
 
 
 def _tuned_config(N: int, rows: int, silu: bool) -> tuple[str, int, int, int, int]:
@@ -264,9 +265,13 @@ def launch_config(N: int, K: int, rows: int = 1, silu: bool = False, *, dtype: t
     up, so it gets half as many (the same weight per program); norm: the RMSNorm prologue. The
     tuned configuration, block_k no wider than K's power of two; with `limits`, the first of it
     and its fallbacks (fewer stages, then narrower block_k, then fewer rows) whose shared memory
-    fits them (in float32 on an H100, the 2-8 row launches of a 2049-4096-row weight drop from 4
-    stages to 2)."""
+    fits them (on an RTX 4090, bf16's 2-8 row launches of a 2049-4096-row weight drop from 4
+    stages to 2). The dot kernel takes float32 at most 128 wide."""
     kernel, block_n, block_k, num_warps, num_stages = _tuned_config(N, rows, silu)
+    if kernel == "dot" and dtype.itemsize == 4:
+        # A float32 [block_n, 512] tile against x's 16 rows spills registers (780 spilled values at
+        # block_n 16 on an H100, a 3,120-byte CUDA stack for every thread the card holds).
+        block_k = min(block_k, _FLOAT32_DOT_BLOCK_K)
     block_k = min(block_k, triton.next_power_of_2(K))
     if limits is None:
         return kernel, block_n, block_k, num_warps, num_stages

@@ -2,8 +2,8 @@
 decode and prefill attention choose fits the shared memory of an H100, an H200, an A100 and an
 RTX 4090 (by the estimates of kernels/launch_limits.py, which tests/gpu/test_launch_limits_gpu.py
 holds against Triton's own figures), bf16 and fp16 keep the launches they were tuned with on the
-H100 and H200, and the float32 launch that failed on an H100 is estimated past its limit and
-replaced."""
+H100 and H200, the float32 launch that failed on an H100 is estimated past its limit and no longer
+chosen, and a launch past a card's limit falls back."""
 import itertools
 
 import pytest
@@ -45,16 +45,23 @@ def gemv_cases():
 GEMV_CASES = sorted(set(gemv_cases()))
 
 
-def test_the_float32_gemv_that_failed_on_an_h100_is_estimated_past_its_limit_and_replaced():
+def test_the_float32_gemv_that_failed_on_an_h100_is_estimated_past_its_limit_and_no_longer_chosen():
     """SmolLM2's gate_up (3072 x 576) at 2 rows in float32 asked Triton for 294,912 bytes of the
-    H100's 232,448 (issue 26): the estimate of that launch is at least that, and the launch chosen
-    for the H100 keeps its tiles with fewer stages."""
-    tuned = gemv.launch_config(3072, 576, 2, dtype=torch.float32)
-    assert tuned == ("dot", 32, 512, 4, 4)
-    assert gemv.shared_memory(tuned, 2, False, False, 4) >= 294_912 > H100.max_shared_mem
-    chosen = gemv.launch_config(3072, 576, 2, dtype=torch.float32, limits=H100)
+    H100's 232,448 (issue 26): the estimate of that launch is at least that. The dot kernel now takes
+    float32 at most 128 wide (512 wide it spilled registers), which fits the H100 as tuned."""
+    failed = ("dot", 32, 512, 4, 4)
+    assert gemv.shared_memory(failed, 2, False, False, 4) >= 294_912 > H100.max_shared_mem
+    assert gemv.launch_config(3072, 576, 2, dtype=torch.float32) == ("dot", 32, 128, 4, 4)
+    assert gemv.launch_config(3072, 576, 2, dtype=torch.float32, limits=H100) == ("dot", 32, 128, 4, 4)
+
+
+def test_a_launch_past_a_cards_limit_keeps_its_tiles_with_fewer_stages():
+    """The same shape in bf16 on an RTX 4090 (101,376 bytes): 4 stages of 32 x 512 tiles are 196,608
+    bytes, 2 fit."""
+    assert gemv.launch_config(3072, 576, 2, dtype=torch.bfloat16) == ("dot", 32, 512, 4, 4)
+    chosen = gemv.launch_config(3072, 576, 2, dtype=torch.bfloat16, limits=RTX_4090)
     assert chosen == ("dot", 32, 512, 4, 2)
-    assert gemv.shared_memory(chosen, 2, False, False, 4) <= H100.max_shared_mem
+    assert gemv.shared_memory(chosen, 2, False, False, 2) <= RTX_4090.max_shared_mem
 
 
 @pytest.mark.parametrize("card", CARDS, ids=lambda c: c.name)
@@ -83,10 +90,17 @@ def test_half_precision_decode_steps_keep_their_tuned_gemv_launches_on_hopper(ca
 
 
 def test_a_smaller_card_gets_fewer_stages_or_narrower_tiles():
-    for n, k, rows in [(6144, 1024, 8), (3072, 576, 2), (1024, 2048, 8)]:
-        on_h100 = gemv.launch_config(n, k, rows, dtype=torch.float32, limits=H100)
-        on_4090 = gemv.launch_config(n, k, rows, dtype=torch.float32, limits=RTX_4090)
-        assert gemv.shared_memory(on_4090, rows, False, False, 4) < gemv.shared_memory(on_h100, rows, False, False, 4)
+    for n, k, rows in [(6144, 1024, 8), (3072, 576, 2), (3072, 576, 8)]:
+        on_h100 = gemv.launch_config(n, k, rows, dtype=torch.bfloat16, limits=H100)
+        on_4090 = gemv.launch_config(n, k, rows, dtype=torch.bfloat16, limits=RTX_4090)
+        assert gemv.shared_memory(on_4090, rows, False, False, 2) < gemv.shared_memory(on_h100, rows, False, False, 2)
+
+
+def test_float32_takes_the_dot_kernel_at_most_128_wide():
+    for n, k, silu, norm, rows in GEMV_CASES:
+        for card in (None, *CARDS):
+            kernel, _, block_k, _, _ = gemv.launch_config(n, k, rows, silu, dtype=torch.float32, norm=norm, limits=card)
+            assert kernel != "dot" or block_k <= 128, (n, k, rows, card)
 
 
 ATTENTION_SHAPES = list(itertools.product([64, 128, 256], [1, 2, 3, 4, 5, 7, 8, 16]))  # head_dim, group
