@@ -366,7 +366,7 @@ class LLM:
                     self.grow_host_cache()  # first: the disk writes go through host slots
                     self._persist()
                 elif launched is None and tiers.fetching:
-                    self.runner.wait_tier_io(_IO_WAIT_S)  # nothing to run until a read from disk ends
+                    self.runner.wait_tier_io(_IO_WAIT_S)  # nothing to run until a read ends, or a write frees its slot
             return outputs
         except BaseException:
             self._fail_inflight()

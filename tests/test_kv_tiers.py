@@ -385,3 +385,39 @@ def test_a_block_restored_ahead_keeps_its_host_slot_from_the_save_its_device_blo
     assert len(kv.loads) == 1 and blocks.blocks[kv.loads[0][1]].hash == disk_hash
     assert not {slot for _, slot in kv.saves} & {slot for slot, _ in kv.loads}
     tiers.queued()
+
+
+def test_a_prompt_whose_reads_find_every_slot_held_by_writes_waits_for_them_instead_of_computing():
+    """Writes of other blocks (a turn that just ended, written in the background) hold every host
+    slot: the resumed prompt waits for them to end, then reads its blocks, rather than computing
+    them again. (The scheduling core alone, no model.)"""
+    size = 4
+    blocks = BlockManager(num_blocks=8, block_size=size)
+    prompt = list(range(1, 10))  # 2 full blocks and one token
+    first = chain_hash(None, prompt[:size])
+    hashes = [first, chain_hash(first, prompt[size:2 * size])]
+    tiers = KVTiers(blocks, host_slots=2, disk=DiskTier(1 << 30, 100, [(h, 100, 0.0) for h in hashes]))
+    for other in (1001, 1002):  # two blocks of another conversation, being written
+        tiers._write(other, tiers.host.reserve(other, (other,) * size))
+    assert tiers.take_transfers().writes
+    tiers.queued()
+    seq = Sequence(prompt, SamplingParams(), size)
+
+    assert tiers.lookup(seq, 0) is FETCHING and tiers.fetching  # the engine waits for disk work
+    assert not tiers.take_transfers()
+    tiers.io_done([("written", 1001, True, 100)])
+    assert tiers.lookup(seq, 0) is FETCHING
+    assert [h for h, _, _ in tiers.take_transfers().fetches] == hashes[:1]
+    tiers.queued()
+    tiers.io_done([("fetched", hashes[0], True), ("written", 1002, True, 100)])
+    tiers.take_transfers()
+    tiers.queued()
+    hits = blocks.lookup_prefix(seq)
+    assert len(hits) == 1
+    assert tiers.lookup(seq, 1) is FETCHING
+    assert [h for h, _, _ in tiers.take_transfers().fetches] == hashes[1:]
+    tiers.queued()
+    tiers.io_done([("fetched", hashes[1], True)])
+    tiers.take_transfers()
+    tiers.queued()
+    assert len(blocks.lookup_prefix(seq)) == 2 and not tiers.fetching

@@ -17,9 +17,10 @@ How a block moves:
   so that a restart finds them. A slot stays put until its write has read it.
 - fetch (disk -> host): a prompt whose next full blocks are on disk waits at the head of the queue
   while they are read into host slots (checked there: a corrupt or foreign file is removed, and its
-  block computed instead). Each block read is loaded at once into a free device block, registered
-  under its hash as a cached block (restored ahead), so that the copies to the device run beside
-  the reads still under way; the prompt then finds its blocks on the device.
+  block computed instead), and, when writes hold the slots its reads need, while they end. Each
+  block read is loaded at once into a free device block, registered under its hash as a cached
+  block (restored ahead), so that the copies to the device run beside the reads still under way;
+  the prompt then finds its blocks on the device.
 
 Host slots and disk files each go least recently used first. The device-side ordering (a copy
 after the steps that wrote its block, a step after the copies it reads) is the runner's: it is
@@ -175,6 +176,7 @@ class KVTiers:
         self.loads_waited = 0  # every step queued from now on runs after the loads up to this batch
         self.loads_ready = 0  # the loads up to this batch have ended on rank 0 (a hint for scheduling)
         self._fetched_for: set[int] = set()  # sequences whose fetches have been issued: one round each
+        self._slots_awaited = False  # a prompt waits for writes to free host slots for its reads
         # Device blocks restored ahead from disk that no sequence has taken yet: a prompt that takes
         # one counts it as a disk hit.
         self._restored_ahead: set[int] = set()
@@ -188,7 +190,8 @@ class KVTiers:
 
     @property
     def fetching(self) -> bool:
-        return self.disk is not None and bool(self.disk.fetching)
+        """A prompt waits for reads from disk, or for writes to free host slots for them."""
+        return self.disk is not None and bool(self.disk.fetching or self._slots_awaited)
 
     # --- the device's cache hands a block out ------------------------------------------------
 
@@ -263,8 +266,13 @@ class KVTiers:
                 break
         if not missing:
             return found
-        self._fetched_for.add(seq.seq_id)
         issued = self._fetch(missing)
+        if issued < len(missing) and self.disk.writing:
+            # The slots are held by writes, which end in milliseconds: seq waits for them, and its
+            # other blocks are read then (computing them instead would take far longer).
+            self._slots_awaited = True
+            return FETCHING
+        self._fetched_for.add(seq.seq_id)
         if issued:
             return FETCHING
         return found[:missing[0][0]]  # no slot free of disk operations: what the host holds already
@@ -454,6 +462,7 @@ class KVTiers:
                 entry.pins -= 1
             if kind == "written":
                 self.disk.writing.discard(block_hash)
+                self._slots_awaited = False
                 if ok:
                     self._next.deletes += self.disk.add(block_hash, result[3])
             else:
