@@ -53,8 +53,8 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
 _MAX_HEADER_BYTES = 1 << 20  # a block's header holds its token ids: a few KiB
 # Threads reading files side by side: a read and its checksum let go of the GIL, and one thread
 # copies from the page cache at a fraction of the memory's bandwidth. A 4,096-token Qwen3-8B
-# conversation (256 files of 2.3 MB, page cache warm) came back in 65-69 ms with 8 threads, 78-98
-# with 16 and 93-125 with 4, on an H200 machine's 16 cores (.g41/disk_variants.py, 2026-11-27).
+# conversation (256 files of 2.3 MB, page cache warm) was read in 67-86 ms with 8 threads, 78-98
+# with 16 and 93-125 with 4, on an H200 machine's 16 cores (benchmarks/HISTORY.md, 2026-11-27).
 _READERS = max(2, min(8, os.cpu_count() or 1))
 # A file's first read: its header's length and the header (a few KiB at most: token ids and hashes).
 _HEAD_READ = 16 << 10
@@ -153,10 +153,10 @@ class DiskStore:
 
     Files are written with the safetensors library; they are read by their header's offsets,
     straight into the host slot (the library would make a tensor of its own first: one more copy of
-    every byte, on the path of a prompt's first token). Reads, writes and removals run in order on
-    a thread of their own, except that reads go ahead of the other operations queued and run side by
-    side on a few more threads (a resumed conversation's blocks come in together). poll() returns their ends: ("written", hash, ok,
-    bytes) and ("fetched", hash, ok)."""
+    every byte, on the path of a prompt's first token). Writes and removals run in order on a thread
+    of their own; reads go ahead of those queued, and run side by side on a few more threads (a
+    resumed conversation's blocks come in together). poll() returns their ends: ("written", hash,
+    ok, bytes) and ("fetched", hash, ok)."""
 
     def __init__(self, directory: Path, fingerprint: str, rank: int, block_shape: tuple[int, ...],
                  dtype: torch.dtype):
@@ -317,8 +317,8 @@ class DiskStore:
         return ("written", block_hash, True, path.stat().st_size)
 
     def _fetch(self, block_hash: int, token_ids: tuple, target: torch.Tensor, after: tuple) -> tuple:
-        # Few calls that take and drop the GIL: with many reader threads, handing the GIL from one
-        # to the next between calls costs more than the reads (measured on an H200 machine).
+        # As few calls as a read allows: each hands the GIL to another thread and back, and with
+        # several readers those hand-offs cost more than the copying.
         path = self.path(block_hash)
         for event in after:  # the copies that may still read or fill the slot
             if event is not None:
