@@ -397,19 +397,24 @@ def test_a_prompt_whose_reads_find_every_slot_held_by_writes_waits_for_them_inst
     first = chain_hash(None, prompt[:size])
     hashes = [first, chain_hash(first, prompt[size:2 * size])]
     tiers = KVTiers(blocks, host_slots=2, disk=DiskTier(1 << 30, 100, [(h, 100, 0.0) for h in hashes]))
-    for other in (1001, 1002):  # two blocks of another conversation, being written
-        tiers._write(other, tiers.host.reserve(other, (other,) * size))
-    assert tiers.take_transfers().writes
+    other = Sequence(list(range(100, 109)), SamplingParams(), size)  # another conversation's turn ends
+    blocks.allocate(other, [], 9)
+    blocks.register_scheduled(other, 9)
+    blocks.launched()
+    blocks.free_blocks_of(other)
+    tiers.persist()  # the engine is idle: its two full blocks are written, through both host slots
+    written = [block_hash for _, block_hash, _ in tiers.take_transfers().writes]
+    assert len(written) == 2
     tiers.queued()
     seq = Sequence(prompt, SamplingParams(), size)
 
     assert tiers.lookup(seq, 0) is FETCHING and tiers.fetching  # the engine waits for disk work
     assert not tiers.take_transfers()
-    tiers.io_done([("written", 1001, True, 100)])
+    tiers.io_done([("written", written[0], True, 100)])
     assert tiers.lookup(seq, 0) is FETCHING
     assert [h for h, _, _ in tiers.take_transfers().fetches] == hashes[:1]
     tiers.queued()
-    tiers.io_done([("fetched", hashes[0], True), ("written", 1002, True, 100)])
+    tiers.io_done([("fetched", hashes[0], True), ("written", written[1], True, 100)])
     tiers.take_transfers()
     tiers.queued()
     hits = blocks.lookup_prefix(seq)
