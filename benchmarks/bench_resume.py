@@ -123,8 +123,8 @@ def resume_ttft(args) -> dict:
                         assert llm.generate([history], one)[0]["token_ids"] == replies[trial]
                     evict(llm, history, rng, vocab)
                     # As while the user types the next message: the engine idles, writing what the other
-                    # work computed (only the disk mode writes). Writes still under way hold host slots
-                    # that the resumed prompt's reads from disk would land in.
+                    # work computed (only the disk mode writes). Writes still under way would hold the host
+                    # slots the resumed prompt's reads land in, and its first token would wait for them.
                     llm.flush_disk_cache()
                     before = llm.stats()
                     ttft, tokens, cached = first_token(llm, history + replies[trial] + message, args.new_tokens,
