@@ -1,7 +1,8 @@
 """Resuming a long conversation after other work has evicted its KV blocks from the device: time to
 first token (TTFT) of a short new message when the history is computed again, copied back from the
-host tier, and read from disk after a restart (engine/core/kv_tiers.py); and decode throughput on
-nano-vllm's workload with the host tier on and off.
+host tier, read from disk after a restart (engine/core/kv_tiers.py), and read from disk after a
+restart when the conversation was reopened first (the app's LLM.prefetch while the user types); and
+decode throughput on nano-vllm's workload with the host tier on and off.
 
     python -m benchmarks.bench_resume                                     # CPU: SmolLM2, the default GGUF
     python -m benchmarks.bench_resume --device cuda --model benchmarks/configs/qwen3-8b
@@ -14,7 +15,10 @@ one token), prompts of other work fill the pool until none of its blocks is left
 then the conversation goes on with --message new tokens, and the clock runs from the request to
 its first token. The disk mode's conversations are prefilled by one engine, which is shut down
 (writing its cached blocks); a fresh engine, with empty device and host tiers, resumes them: a
-restart, with the page cache as warm as the first engine left it. Whether the modes' tokens agree
+restart, with the page cache as warm as the first engine left it. The reopened mode's engine (a
+restart too) is asked to prefetch the conversation, as the app does when a chat is reopened, and
+the request comes once that has ended (the user was typing); the prefetch's own time is reported
+beside it. Whether the modes' tokens agree
 is reported. On a GPU the host tier pins its memory a piece at a time while the engine is idle; each
 engine here pins all of it before the trials, as a chat app open a while has. --warmup trials run
 first, untimed.
@@ -34,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.common import environment, nano_vllm_workload, print_table, write_json
 
-MODES = ("recompute", "host", "disk")
+MODES = ("recompute", "host", "disk", "reopened")
 
 
 def engine_options(args) -> dict:
@@ -110,6 +114,7 @@ def resume_ttft(args) -> dict:
             "recompute": LLM(args.model, host_cache_gib=0, **options),
             "host": LLM(args.model, host_cache_gib=args.host_gib, **options),
             "disk": LLM(args.model, host_cache_gib=0, disk_cache_dir=str(disk_dir), **options),
+            "reopened": LLM(args.model, host_cache_gib=0, disk_cache_dir=str(disk_dir), **options),
         }
         results = {mode: [] for mode in MODES}
         try:
@@ -119,13 +124,22 @@ def resume_ttft(args) -> dict:
             for trial, (history, message) in enumerate(zip(histories, messages)):
                 for mode in MODES:  # alternated, trial by trial
                     llm = engines[mode]
-                    if mode != "disk":  # the disk engine's conversations were prefilled before its restart
+                    if mode in ("recompute", "host"):  # the others' were prefilled before their restart
                         assert llm.generate([history], one)[0]["token_ids"] == replies[trial]
                     evict(llm, history, rng, vocab)
                     # As while the user types the next message: the engine idles, writing what the other
                     # work computed (only the disk mode writes). Writes still under way would hold the host
                     # slots the resumed prompt's reads land in, and its first token would wait for them.
                     llm.flush_disk_cache()
+                    prefetch_s = None
+                    if mode == "reopened":  # the chat is reopened; the user types while its blocks come back
+                        sync(args.device)
+                        start = time.perf_counter()
+                        llm.prefetch(history + replies[trial])
+                        while llm.has_unfinished():
+                            llm.step()
+                        sync(args.device)
+                        prefetch_s = time.perf_counter() - start
                     before = llm.stats()
                     ttft, tokens, cached = first_token(llm, history + replies[trial] + message, args.new_tokens,
                                                        args.device)
@@ -133,10 +147,11 @@ def resume_ttft(args) -> dict:
                     if trial < args.warmup:
                         print(f"warm-up {mode:9s} TTFT {ttft * 1e3:8.1f} ms  cached {cached}", flush=True)
                         continue
-                    results[mode].append(dict(ttft_s=ttft, tokens=tokens, cached=cached,
+                    results[mode].append(dict(ttft_s=ttft, tokens=tokens, cached=cached, prefetch_s=prefetch_s,
                                               host_hits=after.host_hit_tokens - before.host_hit_tokens,
                                               disk_hits=after.disk_hit_tokens - before.disk_hit_tokens))
-                    print(f"trial {trial} {mode:9s} TTFT {ttft * 1e3:8.1f} ms  cached {cached}", flush=True)
+                    reopen = f"  (prefetched in {prefetch_s * 1e3:.1f} ms)" if prefetch_s is not None else ""
+                    print(f"trial {trial} {mode:9s} TTFT {ttft * 1e3:8.1f} ms  cached {cached}{reopen}", flush=True)
         finally:
             for llm in engines.values():
                 llm.shutdown()
@@ -149,7 +164,9 @@ def resume_ttft(args) -> dict:
     summary = {mode: statistics.median(r["ttft_s"] for r in runs) for mode, runs in results.items()}
     return {"pool_blocks": blocks, "trials": results, "median_ttft_s": summary, "tokens_agree": agree,
             "host_over_recompute": summary["host"] / summary["recompute"],
-            "disk_over_recompute": summary["disk"] / summary["recompute"]}
+            "disk_over_recompute": summary["disk"] / summary["recompute"],
+            "reopened_over_recompute": summary["reopened"] / summary["recompute"],
+            "median_prefetch_s": statistics.median(r["prefetch_s"] for r in results["reopened"])}
 
 
 def throughput(args) -> dict:
@@ -219,6 +236,7 @@ def main():
         ttft = resume["median_ttft_s"]
         print_table([(mode, f"{ttft[mode] * 1e3:,.1f}", f"{ttft[mode] / ttft['recompute']:.1%}") for mode in MODES],
                     ("history from", "median TTFT ms", "of recompute"))
+        print(f"reopened: the prefetch took {resume['median_prefetch_s'] * 1e3:,.1f} ms (median) before its message")
     if args.throughput:
         result = throughput(args)
         payload["throughput"] = result

@@ -162,6 +162,9 @@ class ReplayEngine:
     def tokenize_chat(self, messages, enable_thinking=None) -> list[int]:
         raise RuntimeError("a replay has no tokenizer")
 
+    def prefetch(self, prompt_token_ids) -> None:
+        pass  # a replay keeps no KV cache
+
     def stats(self) -> EngineSnapshot:
         return self._snapshot
 

@@ -123,6 +123,13 @@ class Backend(Protocol):
         """Token ids as text, special tokens included; RuntimeError where capabilities.tokenizes is false."""
         ...
 
+    def prefetch(self, prompt_token_ids: list[int]) -> None:
+        """Starts bringing back to the device, in the background, the KV cache's blocks of a prompt
+        that a request will soon start with (a chat reopened before its next message) from where the
+        cache keeps them (host memory, disk). A hint: nothing where there are no such tiers or the
+        cache is not visible (a server), and never an error."""
+        ...
+
     def stats(self) -> EngineSnapshot | None:
         """The latest snapshot of the engine's state, without waiting on it; None where
         capabilities.block_stats is false."""

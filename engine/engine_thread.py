@@ -122,6 +122,13 @@ class EngineThread:
 
     # --- caller side ---------------------------------------------------------------------------------
 
+    def prefetch(self, prompt_token_ids: list[int]) -> None:
+        """Queues LLM.prefetch for the engine thread: the blocks come back between its steps."""
+        if self.llm.tiers is not None and not self.fatal_error and not self._stopping:
+            with self._cv:
+                self._inbox.append(("prefetch", list(prompt_token_ids)))
+                self._cv.notify()
+
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, enable_thinking: bool | None = None,
                tools: Tools | None = None, tag=None) -> RequestStream:
         """Queues a request and returns its stream at once. prompt: text, token ids, or chat messages
@@ -246,7 +253,10 @@ class EngineThread:
             self._publish()
 
     def _apply(self, command) -> None:
-        if command[0] == "submit":
+        if command[0] == "prefetch":
+            with contextlib.suppress(ValueError):  # a prompt the engine would refuse: nothing to bring back
+                self.llm.prefetch(command[1])
+        elif command[0] == "submit":
             _, seqs, streams = command
             self.llm.enqueue(seqs[0])  # the others are its forks
             for seq, stream in zip(seqs, streams):

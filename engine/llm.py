@@ -324,7 +324,19 @@ class LLM:
         self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests are under way, or a prefetch's reads and copies (step() carries them on)."""
+        return self.scheduler.has_work() or (self.tiers is not None and self.tiers.prefetching)
+
+    def prefetch(self, prompt) -> int:
+        """Starts bringing the K/V of the prompt's leading blocks back to the device from the host
+        and disk tiers, in the background (step() and generate() carry it on): for a conversation
+        reopened before its next message, whose prompt then finds them cached and prefills only
+        itself. Returns the blocks started: 0 without lower tiers, or when the device holds them
+        all. A prompt add_request would refuse raises the same ValueError."""
+        seq = self.make_sequence(prompt)
+        if self.tiers is None:
+            return 0
+        return self.tiers.prefetch(seq)
 
     # --- stepping --------------------------------------------------------------------------------
 
@@ -365,6 +377,8 @@ class LLM:
                 if not self.scheduler.has_work():
                     self.grow_host_cache()  # first: the disk writes go through host slots
                     self._persist()
+                    if tiers.prefetching:  # its reads are under way (the steps queue its copies)
+                        self.runner.wait_tier_io(_IO_WAIT_S)
                 elif launched is None and tiers.fetching:
                     self.runner.wait_tier_io(_IO_WAIT_S)  # nothing to run until a read ends, or a write frees its slot
             return outputs

@@ -410,12 +410,17 @@ class Conversation:
             tokenized[start] = self._tokenize(messages[start:], tools)
         return start, tokenized[start]
 
-    def context_tokens(self) -> int | None:
+    def context_tokens(self, prefetch: bool = False) -> int | None:
         """The tokens of the conversation so far as the next turn will send them (the latest that
-        fit), or None where the backend cannot count. Tokenizes: off the UI thread."""
+        fit), or None where the backend cannot count. prefetch: the engine also starts bringing
+        their K/V back from its host and disk tiers (a reopened chat: its next turn then prefills
+        only its new message). Tokenizes: off the UI thread."""
         if not self.engine.capabilities.tokenizes or not self.messages:
             return None
-        return len(self._fit(self.messages, self._tools(self.messages))[1])
+        ids = self._fit(self.messages, self._tools(self.messages))[1]
+        if prefetch:
+            self.engine.prefetch(ids)
+        return len(ids)
 
     def _submit(self, messages: list[Message], count: int = 1) -> list[RequestStream]:
         """Starts count replies to `messages` (as many of the latest as fit) without changing the

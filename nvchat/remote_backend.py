@@ -218,6 +218,9 @@ class RemoteBackend:
     def detokenize(self, token_ids: list[int]) -> str:
         raise RuntimeError("a remote server's tokenizer is not reachable through the OpenAI API")
 
+    def prefetch(self, prompt_token_ids: list[int]) -> None:
+        """Nothing: a server keeps its KV cache to itself."""
+
     def stats(self) -> None:
         """None: a remote server's KV-cache blocks are not visible through the OpenAI API."""
         return None

@@ -60,7 +60,7 @@ def test_the_protocol_declares_what_the_app_and_server_use():
     data, methods = protocol_members()
     assert data == {"fatal_error", "capabilities"}
     assert methods == {"start", "shutdown", "__enter__", "__exit__", "submit", "submit_n", "tokenize_chat", "tokenize",
-                       "detokenize", "stats"}
+                       "detokenize", "prefetch", "stats"}
 
 
 @pytest.mark.parametrize("which", ["engine", "remote"])

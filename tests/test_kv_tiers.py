@@ -149,6 +149,49 @@ def test_after_a_restart_a_conversation_prefills_only_its_new_message_from_disk(
     assert outs[0]["token_ids"] == cold(second_turn)
 
 
+def prefetch_and_wait(llm, prompt) -> int:
+    """LLM.prefetch, then the steps that carry it on (an idle engine thread runs them as well)."""
+    started = llm.prefetch(prompt)
+    while llm.has_unfinished():
+        llm.step()
+    return started
+
+
+def test_a_conversation_prefetched_after_a_restart_is_on_the_device_before_its_next_message(
+        tiny_qwen3, cold, tmp_path):
+    new_message = random_prompts([6], seed=36)[0]
+    with LLM(tiny_qwen3, disk_cache_dir=str(tmp_path), **SMALL) as llm:
+        reply = llm.generate([LONG], GREEDY)[0]["token_ids"]
+    history = LONG + reply
+    history_blocks = (len(history) - 1) // BLOCK  # the reply's last token never ran: its block is not full
+    with LLM(tiny_qwen3, disk_cache_dir=str(tmp_path), **SMALL) as llm:
+        assert prefetch_and_wait(llm, history) == history_blocks
+        # On the device as cached blocks, with no request run: nothing computed, nothing counted yet.
+        assert len(llm.blocks.lookup_prefix(llm.make_sequence(history + new_message))) == history_blocks
+        assert llm.stats().prompt_tokens == llm.stats().disk_hit_tokens == 0
+        assert prefetch_and_wait(llm, history) == 0  # all there already
+        outs = llm.generate([history + new_message], GREEDY)
+        stats = llm.stats()
+    assert stats.disk_hit_tokens == stats.prefix_hit_tokens == history_blocks * BLOCK
+    assert outs[0]["token_ids"] == cold(history + new_message)
+
+
+def test_a_prefetch_brings_an_evicted_prefix_back_from_the_host_tier(tiny_qwen3, cold):
+    with LLM(tiny_qwen3, **SMALL) as llm:
+        assert llm.prefetch(LONG) == 0  # no lower tier: nothing to bring back
+    with LLM(tiny_qwen3, host_cache_gib=HOST_64_BLOCKS, **SMALL) as llm:
+        llm.generate([LONG], GREEDY)
+        evict_long_prompt(llm)
+        assert prefetch_and_wait(llm, LONG) == len(LONG) // BLOCK
+        assert len(llm.blocks.lookup_prefix(llm.make_sequence(LONG))) == LONG_HIT_TOKENS // BLOCK
+        before = llm.stats()
+        assert llm.generate([LONG], GREEDY)[0]["token_ids"] == cold(LONG)
+        after = llm.stats()
+    assert after.host_hit_tokens - before.host_hit_tokens == LONG_HIT_TOKENS
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == LONG_HIT_TOKENS
+    assert after.disk_hit_tokens == 0
+
+
 def test_corrupt_and_foreign_files_on_disk_are_skipped_removed_and_computed_instead(tiny_qwen3, cold, tmp_path):
     with LLM(tiny_qwen3, disk_cache_dir=str(tmp_path), **SMALL) as llm:
         llm.generate([LONG], GREEDY)

@@ -21,6 +21,10 @@ How a block moves:
   block read is loaded at once into a free device block, registered under its hash as a cached
   block (restored ahead), so that the copies to the device run beside the reads still under way;
   the prompt then finds its blocks on the device.
+- prefetch: a conversation reopened before its next message asks for its blocks ahead (prefetch()):
+  those on the host are loaded into free device blocks at once, those on disk read and loaded as
+  their reads end, each registered as a cached block, so that the next message's prompt finds them
+  on the device and prefills only itself.
 
 Host slots and disk files each go least recently used first. The device-side ordering (a copy
 after the steps that wrote its block, a step after the copies it reads) is the runner's: it is
@@ -177,9 +181,10 @@ class KVTiers:
         self.loads_ready = 0  # the loads up to this batch have ended on rank 0 (a hint for scheduling)
         self._fetched_for: set[int] = set()  # sequences whose fetches have been issued: one round each
         self._slots_awaited = False  # a prompt waits for writes to free host slots for its reads
-        # Device blocks restored ahead from disk that no sequence has taken yet: a prompt that takes
-        # one counts it as a disk hit.
-        self._restored_ahead: set[int] = set()
+        # Device blocks restored ahead (from disk, or from the host for a prefetch) that no sequence
+        # has taken yet -> whether it came from disk: a prompt that takes one counts it as that tier's hit.
+        self._restored_ahead: dict[int, bool] = {}
+        self._prefetch_reads: set[int] = set()  # hashes read from disk for prefetch(), not ended yet
         self.host_hit_tokens = 0
         self.disk_hit_tokens = 0
 
@@ -187,6 +192,11 @@ class KVTiers:
     def io_pending(self) -> bool:
         """Disk reads or writes are under way, whose ends the runner will report."""
         return self.disk is not None and bool(self.disk.writing or self.disk.fetching)
+
+    @property
+    def prefetching(self) -> bool:
+        """A prefetch's reads are under way, or copies (a prefetch's loads) wait for a step to queue them."""
+        return bool(self._prefetch_reads) or bool(self._next.loads)
 
     @property
     def fetching(self) -> bool:
@@ -200,7 +210,7 @@ class KVTiers:
         step writing it waits for the copies still reading or filling it."""
         if block.hash is not None:
             self._save(block.block_id, block.hash, block.token_ids)
-        self._restored_ahead.discard(block.block_id)
+        self._restored_ahead.pop(block.block_id, None)
         if block.block_id in self._saved_unwaited:
             self._next.wait_saves = True
         batch = self._loading.pop(block.block_id, 0)
@@ -306,10 +316,14 @@ class KVTiers:
         up to num_tokens. hold: seq runs no token this step, and waits for its loads before it does;
         else this step waits for them. count: add its hits to the per-tier statistics."""
         if self._restored_ahead:
-            from_disk = self._restored_ahead.intersection(hits)
-            self._restored_ahead -= from_disk
-            if count:
-                self.disk_hit_tokens += len(from_disk) * self.blocks.block_size
+            size = self.blocks.block_size
+            for block_id in hits:
+                from_disk = self._restored_ahead.pop(block_id, None)
+                if count and from_disk is not None:
+                    if from_disk:
+                        self.disk_hit_tokens += size
+                    else:
+                        self.host_hit_tokens += size
         if not found:
             self.blocks.allocate(seq, hits, num_tokens)
             batch = self._loading_batch(hits)
@@ -388,6 +402,7 @@ class KVTiers:
         """The step failed before the runner queued its copies: what they were to fill is dropped.
         (The device blocks loads were to fill are dropped with the step's other registrations:
         BlockManager.forget_unlaunched.)"""
+        self._prefetch_reads.difference_update(self._fetched_hashes)
         for block_hash in self._saved_hashes + self._fetched_hashes:
             entry = self.host.entries.get(block_hash)
             if entry is not None:
@@ -407,17 +422,18 @@ class KVTiers:
         self._fetched_hashes = []
         self._load_pins = []
 
-    def _restore_ahead(self, block_hash: int, entry: HostEntry) -> None:
-        """Loads a block just read from disk into a free device block, registered under its hash as
-        a cached block: its copy runs while the prompt's other blocks are still being read. Not when
+    def _restore_ahead(self, block_hash: int, entry: HostEntry) -> bool:
+        """Loads a block from its host slot (just read from disk, or asked for by prefetch) into a
+        free device block, registered under its hash as a cached block: a read block's copy runs
+        while the prompt's other blocks are still being read. Not when
         the device holds it already, nor when the free list's next block is itself still loading
         (the pool is smaller than what is being read: the prompt then loads its blocks as it is
-        admitted)."""
+        admitted). Returns whether it did."""
         blocks = self.blocks
         if blocks.hash_to_block.get(block_hash) is not None or not blocks.free:
-            return
+            return False
         if next(iter(blocks.free)) in self._loading:
-            return
+            return False
         # Held before the block is taken: the save of the block it evicts must not take this slot.
         entry.pins += 1
         self._load_pins.append(entry)
@@ -427,8 +443,37 @@ class KVTiers:
             self._next.batch = self._batches
         self._next.loads.append((entry.slot, block_id))
         self._loading[block_id] = self._next.batch
+        self._restored_ahead[block_id] = entry.from_disk
         entry.from_disk = False
-        self._restored_ahead.add(block_id)
+        return True
+
+    def prefetch(self, seq: Sequence) -> int:
+        """Starts bringing seq's full blocks that the device lacks back from the lower tiers, up to
+        the first block no tier holds: host entries are loaded into free device blocks now, files
+        read from disk and loaded as their reads end (_restore_ahead), each a cached block under
+        its hash. Nothing waits for them: a prompt that starts the same way finds them on the
+        device once loaded, as with a read it waited for. Returns the blocks started."""
+        size = self.blocks.block_size
+        hits = self.blocks.lookup_prefix(seq)
+        started, missing = 0, []
+        for i in range(len(hits), seq.num_tokens // size):
+            block_hash = self.blocks.hash_of(seq, i)
+            if block_hash in self.blocks.hash_to_block:
+                continue  # on the device already (lookup_prefix stopped at an earlier block)
+            token_ids = tuple(seq.token_ids[i * size:(i + 1) * size])
+            entry = self.host.get(block_hash, token_ids)
+            if entry is not None:
+                if entry.ready:
+                    started += self._restore_ahead(block_hash, entry)
+                # else: a read under way fills it, and loads it as it ends
+            elif self.disk is not None and block_hash in self.disk.files:
+                if block_hash not in self.disk.fetching:
+                    missing.append((len(missing), block_hash, token_ids))
+            else:
+                break
+        issued = self._fetch(missing) if missing else 0
+        self._prefetch_reads.update(block_hash for _, block_hash, _ in missing[:issued])
+        return started + issued
 
     def persist(self) -> None:
         """The engine is idle: the cached blocks the disk lacks, most recently used first, go to it
@@ -467,6 +512,7 @@ class KVTiers:
                     self._next.deletes += self.disk.add(block_hash, result[3])
             else:
                 self.disk.fetching.discard(block_hash)
+                self._prefetch_reads.discard(block_hash)
                 if ok and entry is not None:
                     entry.ready = entry.from_disk = True
                     self._restore_ahead(block_hash, entry)

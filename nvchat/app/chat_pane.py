@@ -687,9 +687,10 @@ class ChatPane(Vertical):
             self.prompt.border_subtitle = f"context {tokens} / {limit} tokens"
 
     async def _show_stored_context(self) -> None:
-        """A reopened chat's context figure, before its next turn."""
+        """A reopened chat's context figure, before its next turn; meanwhile the engine brings the
+        chat's K/V back from its lower tiers (Conversation.context_tokens)."""
         try:
-            tokens = await self.background(self.conversation.context_tokens)
+            tokens = await self.background(self.conversation.context_tokens, True)
         except Exception:  # only a figure: the next turn shows it anyway
             return
         if tokens is not None and not self.busy and not self.prompt.border_subtitle:

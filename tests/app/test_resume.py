@@ -1,5 +1,6 @@
 """A conversation reopened after a restart: its history's K/V comes back from the disk tier of the
-KV cache instead of being computed again, and its first reply's footer says so."""
+KV cache instead of being computed again, as soon as it is reopened, and its first reply's footer
+says so."""
 import re
 
 from nvchat.app import NvchatApp
@@ -35,6 +36,11 @@ async def test_a_conversation_reopened_after_a_restart_reads_its_history_from_di
     async with again.run_test(size=SIZE) as pilot:
         await started(pilot)
         pane = await reopen_the_only_past_conversation(pilot, again)
+        # Reopened, the chat's history comes back to the device before the next message is typed.
+        history_blocks = (first_prompt - 1) // block_size
+        await wait_for(pilot, lambda: again.engine.stats().num_cached_blocks >= history_blocks,
+                       what="the reopened chat's blocks back on the device")
+        assert again.engine.stats().prompt_tokens == 0  # brought back, not computed
         await send(pilot, "and the mountains")
         await idle(pilot, pane)
         prompt, cached = last_footer(pane)

@@ -133,6 +133,30 @@ def test_blocks_come_back_from_disk_after_a_restart_bit_for_bit(tmp_path):
     assert restored == device_hit
 
 
+def test_a_prefetch_beside_a_decoding_stream_brings_a_conversation_back_from_disk_bit_for_bit(tmp_path):
+    """A chat reopened after a restart while another streams: its blocks are read and loaded between
+    the stream's steps, and its next prompt finds them on the device."""
+    prompt = random_prompts([LONG // 2], vocab=VOCAB, seed=8)[0]
+    stream_prompt = random_prompts([50], vocab=VOCAB, seed=9)[0]
+    with LLM(MODEL, disk_cache_dir=str(tmp_path), **SHAPE) as llm:
+        llm.generate([prompt], ONE)
+        computed = kv_of(llm, prompt)
+        device_hit = llm.generate([prompt], GREEDY)[0]["token_ids"]
+    with LLM(MODEL, disk_cache_dir=str(tmp_path), **SHAPE) as llm:
+        stream = llm.add_request(stream_prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        while stream.num_completion_tokens < 4:
+            llm.step()
+        assert llm.prefetch(prompt) == len(prompt) // llm.block_size
+        while llm.has_unfinished():
+            llm.step()
+        assert stream.num_completion_tokens == 64
+        assert len(llm.blocks.lookup_prefix(llm.make_sequence(prompt))) == len(hashes(prompt, llm.block_size))
+        assert torch.equal(kv_of(llm, prompt), computed)
+        restored = llm.generate([prompt], GREEDY)[0]["token_ids"]
+        assert llm.stats().disk_hit_tokens == len(hashes(prompt, llm.block_size)) * llm.block_size
+    assert restored == device_hit
+
+
 @pytest.mark.whole_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tensor_parallel_ranks_restore_their_shards_from_host_and_disk_over_nccl(tiny_qwen3, tmp_path):
