@@ -85,7 +85,11 @@ def test_logprobs_stream_with_their_tokens(demo):
         whole = client.chat.completions.create(**args)
         chunks = list(client.chat.completions.create(**args, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    whole_entries = whole.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in whole_entries]
+    # The second request finds the prompt's blocks cached and prefills only its tail: a GEMM of
+    # another shape, which rounds otherwise on some CPUs (AVX-512: 2e-7 apart).
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole_entries], abs=1e-5)
 
 
 def test_n_choices_are_distinct_seeded_samples_of_one_prefilled_prompt(demo):
