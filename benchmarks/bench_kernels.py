@@ -409,7 +409,7 @@ def _fp8_gemm_configs(m):
 def sweep_moe_fp8(budget_s):
     """Launch configs, graph-timed, in order of what they decide: the FP8 GEMV (1 and 8 rows) and
     GEMM (256 and 4096 rows) at Qwen3-8B's qkv, gate_up and down projections, then the fused MoE
-    (GEMV path at 1 and 8 tokens, grouped at 64 and 512). Neither's defaults have been swept.
+    (GEMV path at 1 and 8 tokens, grouped at 64 and 512; one config for both of its launches).
     Each case prints its default's time and its best 8 (with the GB/s of the weights a call
     reads); cases, or the rest of one, past budget_s seconds are skipped, and say so."""
     out = []
@@ -458,7 +458,7 @@ def sweep_moe_fp8(budget_s):
     for t in ([1, 12] if SMOKE else [1, 8, 64, 512]):
         s = moe_setup(t)
         if t <= fused_moe.GEMV_MAX_TOKENS:
-            grid = itertools.product((2, 4, 8, 16), (128, 256, 512), (2, 4))
+            grid = itertools.product((2, 4, 8, 16), (128, 256, 512, 1024), (2, 4))
             configs = [dict(block_n=n, block_k=k, num_warps=w, num_stages=3) for n, k, w in grid]
         else:
             grid = itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8))

@@ -330,22 +330,36 @@ def _k_tile(block_k: int, K: int, scale_k: int, fp8: bool) -> int:
 def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, h, out, launch, pdl_on):
     T, H = x.shape
     inter, top_k = h.shape[1], topk_ids.shape[1]
-    # Untuned: tiles of 1-2 KB of weight per row band, as kernels/gemv.py's one-row kernel uses.
-    block_n = launch.get("block_n") or (32 if _interpreted() else 4)
-    num_warps, num_stages = launch.get("num_warps") or 2, launch.get("num_stages") or 3
-    block_k = _k_tile(launch.get("block_k") or 256, H, block13[1], fp8_13)
+    # Swept one kernel at a time on an H200 at one token (benchmarks/HISTORY.md, 2026-11-27), the
+    # experts read as a step's layers read them: Qwen3-30B-A3B's (H 2048, I 768) and their
+    # tensor-parallel halves (I 384), bf16. Long K tiles pay most: gate/up 2 rows x 1,024 on 2 warps
+    # ran 13.8 us against 17.4 with 4 x 256; down 4 x 1,024 on 2 warps 9.9 against 18.6, and with
+    # I 384 (rows of 768 bytes) 2 rows on 4 warps: more programs, as each has less to read. A tile
+    # row is 2 KB in any dtype. FP8 weights keep the tiles they had (a tile stays inside one
+    # 128-wide scale block): not swept.
+    short_rows = inter <= 512
+    if _interpreted():
+        rows13 = rows2 = 32
+    elif fp8_13:
+        rows13 = rows2 = 4
+    else:
+        rows13, rows2 = 2, (2 if short_rows else 4)
+    num_stages = launch.get("num_stages") or 3
+    block_k = _k_tile(launch.get("block_k") or 2048 // w13.element_size(), H, block13[1], fp8_13)
+    block_n = launch.get("block_n") or rows13
     _gate_up_gemv_kernel[(T * top_k, triton.cdiv(inter, block_n))](
         x, w13, s13, topk_ids, h, inter, H, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
         s13.stride(1) if fp8_13 else 0, h.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8_13,
-        SCALE_N=block13[0], SCALE_K=block13[1], PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl_on)
-    block_k = _k_tile(launch.get("block_k") or 256, inter, block2[1], fp8_2)
+        SCALE_N=block13[0], SCALE_K=block13[1], PDL=pdl_on, num_warps=launch.get("num_warps") or 2,
+        num_stages=num_stages, launch_pdl=pdl_on)
+    block_k = _k_tile(launch.get("block_k") or 2048 // w2.element_size(), inter, block2[1], fp8_2)
+    block_n = launch.get("block_n") or rows2
+    down_warps = 4 if short_rows and not fp8_2 else 2
     _down_gemv_kernel[(T, triton.cdiv(H, block_n))](
         h, w2, s2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
         s2.stride(1) if fp8_2 else 0, out.stride(0), TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
-        BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8_2,
-        SCALE_N=block2[0], SCALE_K=block2[1], PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl_on)
+        BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8_2, SCALE_N=block2[0], SCALE_K=block2[1], PDL=pdl_on,
+        num_warps=launch.get("num_warps") or down_warps, num_stages=num_stages, launch_pdl=pdl_on)
 
 
 def _moe_grouped(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, out, launch, pdl_on):
