@@ -232,7 +232,7 @@ def _tuned_config(N: int, rows: int, silu: bool) -> tuple[str, int, int, int, in
         # A weight row per program for the 1024-row projections, so that they too fill the GPU.
         # Taller weights: 4 rows of 2,048 on 4 warps (SiLU's gate and up: 4 rows each of 512 on
         # 2). At one row in a graph, against 2 rows of 512 on 2 warps: 0.6B's qkv 3.9 us against
-        # 4.7, its LM head 70.4 against 94.1, gate_up 5.2 against 6.4; 30B-A3B's qkv 7.8 against 8.4.
+        # 4.8, its LM head 70.6 against 94.3; 30B-A3B's qkv 8.1 against 8.4 (benchmarks/HISTORY.md).
         if N <= 2048:
             config = ("one", 1, 1024, 8, 3)
         else:
