@@ -192,6 +192,18 @@ def test_a_prefetch_brings_an_evicted_prefix_back_from_the_host_tier(tiny_qwen3,
     assert after.disk_hit_tokens == 0
 
 
+def test_tensor_parallel_ranks_prefetch_their_shards_from_disk(tiny_qwen3, cold, tmp_path):
+    with LLM(tiny_qwen3, tensor_parallel_size=2, disk_cache_dir=str(tmp_path), **SMALL) as llm:
+        reply = llm.generate([LONG], GREEDY)[0]["token_ids"]
+    history = LONG + reply
+    with LLM(tiny_qwen3, tensor_parallel_size=2, disk_cache_dir=str(tmp_path), **SMALL) as llm:
+        assert prefetch_and_wait(llm, history) == (len(history) - 1) // BLOCK
+        outs = llm.generate([history], GREEDY)
+        stats = llm.stats()
+    assert stats.disk_hit_tokens == stats.prefix_hit_tokens == (len(history) - 1) // BLOCK * BLOCK
+    assert outs[0]["token_ids"] == cold(history)
+
+
 def test_corrupt_and_foreign_files_on_disk_are_skipped_removed_and_computed_instead(tiny_qwen3, cold, tmp_path):
     with LLM(tiny_qwen3, disk_cache_dir=str(tmp_path), **SMALL) as llm:
         llm.generate([LONG], GREEDY)
