@@ -31,7 +31,11 @@ class PtyApp:
         self.fd, child = pty.openpty()
         columns, rows = size
         fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
-        self.process = subprocess.Popen([sys.executable, "-m", "nvchat.cli", "--device", "cpu", *args],
+        # The KV cache's disk tier in the test's own directory, as the session's shared cache would
+        # hand one test's saved blocks to another as prefix hits (and change the greedy replies
+        # where a CPU rounds a shorter prefill otherwise).
+        self.process = subprocess.Popen([sys.executable, "-m", "nvchat.cli", "--device", "cpu",
+                                         "--disk-cache-dir", str(home / "kv"), *args],
                                         stdin=child, stdout=child, stderr=child, cwd=home, env=env,
                                         start_new_session=True)
         os.close(child)
