@@ -257,10 +257,8 @@ def _decode_from_qkv_kernel(
     seq64 = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PDL:  # everything below reads or writes what earlier kernels write
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
+    # The step's inputs are read before the PDL wait, while the qkv projection still runs: they
+    # were copied in before the step's first kernel (kernels/pdl.py says why that is safe).
     ctx = tl.load(context_lens_ptr + seq64)
     start, end, used = _split_range(ctx, split, num_splits, BLOCK_N)
     row = qkv_ptr + seq64 * stride_t
@@ -271,12 +269,17 @@ def _decode_from_qkv_kernel(
     partner = tl.where(d < half, d + half, d - half)
     cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_mask, other=0.0)
     sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0)
+    if PDL:  # everything below reads or writes what the kernel before writes or reads
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
-    # Every split norms and rotates the group's q heads itself: a few hundred bytes, cheaper than
-    # a launch that would do it once.
+    # Every split with a share of the context norms and rotates the group's q heads itself: a few
+    # hundred bytes, cheaper than a launch that would do it once. The splits past the context's
+    # end (most of them at short contexts) load nothing.
     g = tl.arange(0, GROUP_PAD)[:, None]
-    q = _norm_rope_rows(row + (kv_head * group + g) * head_dim, (g < group) & d_mask[None, :], qw_ptr, d, partner,
-                        d_mask, cos, sin, head_dim, eps, HAS_NORM).to(qkv_ptr.dtype.element_ty)
+    q_heads = tl.where(split < tl.maximum(used, 1), group, 0)
+    q = _norm_rope_rows(row + (kv_head * group + g) * head_dim, (g < q_heads) & d_mask[None, :], qw_ptr, d,
+                        partner, d_mask, cos, sin, head_dim, eps, HAS_NORM).to(qkv_ptr.dtype.element_ty)
 
     table = block_tables_ptr + seq64 * stride_bt
     k_head = k_ptr + kv_head * stride_kh

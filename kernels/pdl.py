@@ -4,9 +4,10 @@ not depend on that kernel, overlap the other's tail. A chat-sized decode step is
 few µs each, so that overlap is a large part of a step.
 
 The contract every kernel launched with `launch_pdl=True` keeps (a kernel that breaks it races):
-- Before `tl.extra.cuda.gdc_wait()` it may only read what no kernel writes: weights. Every other
-  load, and every store, comes after the wait (a store before it could overwrite what the kernel
-  before is still reading).
+- Before `tl.extra.cuda.gdc_wait()` it may only read what no kernel of the step writes: weights,
+  and the step's inputs (context lengths, positions, slots, block tables), copied in before the
+  step's first kernel. Every other load, and every store, comes after the wait (a store before it
+  could overwrite what the kernel before is still reading).
 - Every program calls the wait, even one with nothing to do: the kernel after relies on this one
   having waited, so that waiting on it also means waiting on the ones before it.
 - `tl.extra.cuda.gdc_launch_dependents()` may come right after the wait: the next kernel's
