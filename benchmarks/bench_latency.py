@@ -22,6 +22,7 @@ from benchmarks.common import (
     decode_floor_ms,
     graph_replay_ms,
     model_bytes_and_kv,
+    pin_host_tier,
     print_table,
     step_weight_bytes,
     write_json,
@@ -117,11 +118,7 @@ def main():
               max_num_seqs=64, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               prefill_cuda_graphs=args.prefill_cuda_graphs, host_cache_gib=args.host_cache_gib)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
-    # The host tier pins its memory a piece at a time whenever the engine goes idle (as between a
-    # chat's turns), ~0.1 s a piece: the step that ends each timed run would take one, ~1 ms of
-    # every step's average over 128 steps. An app open a while has pinned all of it.
-    while llm.grow_host_cache():
-        pass
+    pin_host_tier(llm)
     rows, result = [], {"decode": {}, "decode_graph_gpu_ms": {}, "ttft": {},
                         "sampling": {"temperature": args.temperature, "repetition_penalty": args.repetition_penalty}}
     for ctx in args.contexts:

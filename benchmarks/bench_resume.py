@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import environment, nano_vllm_workload, print_table, write_json
+from benchmarks.common import environment, nano_vllm_workload, pin_host_tier, print_table, write_json
 
 MODES = ("recompute", "host", "disk", "reopened")
 
@@ -118,9 +118,8 @@ def resume_ttft(args) -> dict:
         }
         results = {mode: [] for mode in MODES}
         try:
-            for llm in engines.values():  # the host pool whole, as in an app that has been idle a while
-                while llm.grow_host_cache():
-                    pass
+            for llm in engines.values():
+                pin_host_tier(llm)
             for trial, (history, message) in enumerate(zip(histories, messages)):
                 for mode in MODES:  # alternated, trial by trial
                     llm = engines[mode]

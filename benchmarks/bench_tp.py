@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `engine`
 
 import torch
 
-from benchmarks.common import CONFIGS, nano_vllm_workload, print_table, write_json
+from benchmarks.common import CONFIGS, nano_vllm_workload, pin_host_tier, print_table, write_json
 from engine import LLM, SamplingParams
 from engine.distributed.symm_allreduce import DISABLE_ENV
 
@@ -75,11 +75,12 @@ def run_one(args, tp: int, allreduce: str, overlap: str) -> dict:
     start = time.perf_counter()
     llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=tp,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-              async_scheduling=overlap == "on")
+              async_scheduling=overlap == "on", host_cache_gib=args.host_cache_gib)
     result = {"tp": tp, "allreduce": allreduce, "overlap": overlap, "fast_all_reduce": getattr(llm.runner, "fast_all_reduce", False),
               "startup_s": time.perf_counter() - start, "num_blocks": llm.stats().num_blocks}
     try:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+        pin_host_tier(llm)
         random.seed(0)
         ms, runs = decode_ms_per_token(llm, args.context, args.new_tokens, args.repeats)
         result["decode"] = {"context": args.context, "new_tokens": args.new_tokens, "ms_per_token": ms, "runs": runs}
@@ -106,6 +107,8 @@ def main():
     p.add_argument("--num-seqs", type=int, default=256, help="sequences in the throughput workload")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--host-cache-gib", type=float, default=4.0,
+                   help="the KV cache's host tier, pinned whole before the timed runs")
     p.add_argument("--allreduce", nargs="+", default=["auto"], choices=["auto", "unfused", "nccl"],
                    help="auto: symmetric memory for small all-reduces where it sets up, fused with the "
                         "RMSNorm after them; unfused: the same, but the all-reduce and norm apart; nccl: NCCL only")
