@@ -73,3 +73,34 @@ def test_whole_gpu_tests_are_collected_last_in_their_order(tmp_path):
     names = [line.split("::")[1] for line in run.stdout.splitlines() if "::" in line]
     assert names == [f"test_shared[{i}]" for i in range(12)] + [f"test_whole[{i}]" for i in range(3)] + \
         ["test_whole_skipped"], run.stdout[-2000:]
+
+
+TWO_GPU_TESTS = """
+import pytest
+
+@pytest.mark.whole_gpu
+@pytest.mark.two_gpus
+def test_on_two_gpus():
+    pass
+
+def test_on_one_gpu():
+    pass
+"""
+
+
+def test_two_gpu_tests_are_skipped_under_xdist_with_the_command_that_runs_them(tmp_path):
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_two.py").write_text(textwrap.dedent(TWO_GPU_TESTS))
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    whole_gpu: alone\n    two_gpus: two\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def pytest_run(*args):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args,
+                               str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    shared = pytest_run("-n", "2")
+    assert shared.returncode == 0, shared.stdout[-2000:] + shared.stderr[-2000:]
+    assert "1 passed, 1 skipped" in shared.stdout
+    assert "-p no:xdist -m two_gpus tests/gpu" in shared.stdout
+    alone = pytest_run("-p", "no:xdist", "-m", "two_gpus")
+    assert alone.returncode == 0 and "1 passed, 1 deselected" in alone.stdout, alone.stdout[-2000:]

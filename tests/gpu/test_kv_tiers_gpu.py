@@ -159,6 +159,7 @@ def test_a_prefetch_beside_a_decoding_stream_brings_a_conversation_back_from_dis
 
 @pytest.mark.whole_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.two_gpus
 def test_tensor_parallel_ranks_restore_their_shards_from_host_and_disk_over_nccl(tiny_qwen3, tmp_path):
     prompt = random_prompts([300], seed=8)[0]
     others = random_prompts([200] * 6, seed=9)

@@ -363,6 +363,7 @@ def test_quantization_fp8_keeps_the_logits_close(tmp_path, arch):
 
 @pytest.mark.whole_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.two_gpus
 def test_tiny_moe_over_two_gpus_matches_hf(tiny_qwen3_moe):
     """Each GPU holds half of every expert's columns; graphs on, one stream and twelve."""
     prompts = random_prompts([5, 16, 40, 90, 7, 22, 31, 12, 60, 3, 18, 44], seed=28)

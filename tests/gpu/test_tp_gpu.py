@@ -20,7 +20,8 @@ from engine.distributed import collectives, symm_allreduce
 from tests.conftest import random_prompts
 from tests.test_tensor_parallel import _children, kill_worker_mid_decode, step_in_turn
 
-pytestmark = [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"), pytest.mark.whole_gpu]
+pytestmark = [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"), pytest.mark.whole_gpu,
+              pytest.mark.two_gpus]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 ENGINE = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=8, num_kvcache_blocks=256)
