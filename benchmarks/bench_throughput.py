@@ -1,6 +1,7 @@
 """Output tokens/s on nano-vllm's workload (256 sequences, 100..1024 in and out), against the
 memory roofline and, with --compare hf, HF transformers' continuous batching in the same run."""
 import argparse
+import gc
 import time
 from pathlib import Path
 
@@ -42,7 +43,9 @@ def run_hf(args, prompts, max_tokens) -> dict:
     # start-up: transformers' modeling code loads only for the --hf comparison
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     config = AutoConfig.from_pretrained(args.config)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="paged|sdpa").cuda().eval()
+    # Built and initialised on the GPU: a Qwen3-30B-A3B shape initialised on the CPU first takes minutes.
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="paged|sdpa").eval()
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens), eos_token_id=-1, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=gen)
     manager.start()
@@ -83,6 +86,8 @@ def main():
     _, weight_bytes, kv_per_token = model_bytes_and_kv(Path(args.config))
     roofline = throughput_roofline(prompts, max_tokens, weight_bytes, kv_per_token, active_params(Path(args.config)))
     results = [run_nvchat(args, prompts, max_tokens)]
+    gc.collect()  # the engine's weights and KV cache, before HF's model takes the card
+    torch.cuda.empty_cache()
     if args.compare == "hf":
         n = args.hf_num_seqs or len(prompts)
         results.append({**run_hf(args, prompts[:n], max_tokens[:n]), "num_seqs": n})
