@@ -1,6 +1,8 @@
 """All-reduce time per call on decode-sized bf16 tensors: NCCL against the symmetric-memory one-shot
-and two-shot kernels (engine/distributed/symm_allreduce.py), and "auto", the one TPGroup.all_reduce picks. Each
-is timed inside a CUDA graph of back-to-back all-reduces, as the decode graphs run them.
+and two-shot kernels (engine/distributed/symm_allreduce.py), "auto", the one TPGroup.all_reduce picks, and
+"fused", the all-reduce with the residual add and RMSNorm after it in one kernel (kernels/allreduce_rmsnorm.py,
+which the decode step uses where it takes the tensor). Each is timed inside a CUDA graph of back-to-back
+calls, as the decode graphs run them.
 
     python -m benchmarks.bench_allreduce --gpus 2 4 --out benchmarks/out/allreduce.json
 
@@ -25,10 +27,10 @@ from benchmarks.common import graph_replay_ms, print_table, write_json
 from engine.distributed import collectives
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-COLS = (1024, 5120, 8192)
+COLS = (1024, 2048, 5120, 8192)  # 2048: Qwen3-30B-A3B
 _HOST = "127.0.0.1"
 _TIMEOUT = timedelta(minutes=5)
-_KERNELS = ("nccl", "one_shot", "two_shot", "auto")
+_KERNELS = ("nccl", "one_shot", "two_shot", "auto", "fused")
 
 
 def _barrier(group, device) -> None:
@@ -49,6 +51,17 @@ def _time_us(group, reduce, x, calls: int, replays: int) -> float:
     us = torch.tensor([graph_replay_ms(graph, replays) * 1e3 / calls], dtype=torch.float64, device=device)
     del graph
     return group.backend_all_reduce(us, dist.ReduceOp.MAX).item()
+
+
+def _fused(fast, residual, weight):
+    """The fused all-reduce as the decode step calls it: consecutive call sites alternate slots."""
+    calls = 0
+
+    def reduce(x):
+        nonlocal calls
+        calls += 1
+        return fast.all_reduce_rms_norm(x, residual, weight, 1e-6, calls % 2)
+    return reduce
 
 
 def _auto_path(group, x) -> str:
@@ -75,6 +88,9 @@ def _rank_main(rank: int, size: int, port: int, args, results) -> None:
                     kernels["one_shot"] = fast.one_shot
                     if fast.max_bytes > fast.one_shot_max:
                         kernels["two_shot"] = fast.two_shot
+                residual, weight = torch.zeros_like(x), torch.ones(c, dtype=dtype, device=device)
+                if fast is not None and fast.fuses(x, residual):
+                    kernels["fused"] = _fused(fast, residual, weight)
                 row = {"rows": r, "cols": c, "bytes": x.numel() * x.element_size(), "auto_path": _auto_path(group, x)}
                 for name, reduce in kernels.items():
                     row[f"{name}_us"] = _time_us(group, reduce, x, args.calls, args.replays)
@@ -124,7 +140,7 @@ def print_result(size: int, result: dict, dtype: str) -> None:
         speedup = row["nccl_us"] / row["auto_us"] if row["auto_us"] else float("nan")
         table.append((f"{row['rows']}x{row['cols']}", f"{row['bytes'] / 1024:.0f}",
                       *(_cell(row, k) for k in _KERNELS), row["auto_path"], f"{speedup:.2f}x"))
-    print_table(table, ("shape", "KiB", "nccl", "one-shot", "two-shot", "auto", "auto path", "nccl/auto"))
+    print_table(table, ("shape", "KiB", "nccl", "one-shot", "two-shot", "auto", "fused", "auto path", "nccl/auto"))
     decode = next((r for r in result["rows"] if (r["rows"], r["cols"]) == (1, 5120)), None)
     if decode:
         print(f"batch-1 decode of a 64-layer, 5120-wide model (129 all-reduces per token): "
