@@ -19,8 +19,8 @@ and needs the `gguf` package (pure Python; pip install --no-deps gguf).
 Two GPUs: the tests marked `two_gpus` (tensor parallelism, one process per GPU) run in one process of
 their own, and the command above skips them:
     PYTHONPATH=$PWD python -m pytest -q -p no:xdist -m two_gpus tests/gpu
-(151 s on two H200s). Among six xdist processes they hung past every time limit, twice
-(benchmarks/HISTORY.md, 2026-11-27), while in one process they pass.
+(180 s on two H200s). Among six xdist processes they hung past the run's time limit in every run
+since 638c0fb (benchmarks/HISTORY.md, 2026-11-27), while in one process they pass.
 """
 import fcntl
 import gc
