@@ -3,7 +3,9 @@
 --out. The mixture-of-experts kernels run at Qwen3-30B-A3B's experts (128 of hidden 2048 and 768
 columns, 8 chosen a token) against a loop over the chosen experts with cuBLAS (HF transformers'
 way), and the FP8 GEMV and GEMM at Qwen3-8B's projections against cuBLAS in bf16, the bf16
-Triton GEMV and torch._scaled_mm (FP8 with a scale per row of x and of W, not per block).
+Triton GEMV and torch._scaled_mm (FP8 with a scale per row of x and of W, not per block); "fp8
+linear" is the engine's FP8 product (engine/layers/fp8.py: cuBLAS's block-scaled FP8 from 2 rows
+where it runs) against bf16 cuBLAS and kernels/fp8.py's Triton dispatch.
 
 Times are medians from triton.testing.do_bench, per call. 'eager' launches every call from Python,
 as an uncaptured engine step does; 'graph' replays a CUDA graph of the calls, as the engine's
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.layers.activation import SiluAndMul  # noqa: E402
+from engine.layers import fp8 as fp8_layer  # noqa: E402
 from engine.layers.fp8 import quantize_blocks  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # noqa: E402
@@ -377,6 +380,17 @@ def run_fp8():
             for name, base in (("bf16 cuBLAS", lambda x=x, s=s: F.linear(x, s["w"])),
                                ("_scaled_mm rowwise", lambda x=x, s=s: scaled_mm(x, s))):
                 rows.append(row("fp8 gemm", f"{N}x{K} m={m} vs {name}", time_eager(ours), time_eager(base), t_graph,
+                                time_graph(base), note))
+                print_row(rows[-1])
+        for m in ([8] if SMOKE else [2, 4, 8, 16, 64, 256, 512, 4096]):
+            x = torch.randn(m, K, device=DEVICE).to(DTYPE)
+            ours = lambda x=x, s=s: fp8_layer.linear(x, s["q"], s["scales"], FP8_BLOCK)  # noqa: E731
+            path = "cuBLAS" if fp8_layer.cublas_takes(x, s["q"], s["scales"], FP8_BLOCK) else "Triton"
+            t_graph = time_graph(ours)
+            note = f"{path}; max|diff| vs bf16 {max_diff(ours(), x.float() @ s['w'].float().T):.1e}"
+            for name, base in (("bf16 cuBLAS", lambda x=x, s=s: F.linear(x, s["w"])),
+                               ("Triton fp8", lambda x=x, s=s: fp8_kernels.fp8_linear(x, s["q"], s["scales"], FP8_BLOCK))):
+                rows.append(row("fp8 linear", f"{N}x{K} m={m} vs {name}", time_eager(ours), time_eager(base), t_graph,
                                 time_graph(base), note))
                 print_row(rows[-1])
         del s

@@ -123,9 +123,10 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_x, stride_q, stride_s, GROUP: tl.constexpr,
-                          GROUPS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
-    # GROUPS groups of GROUP columns of one row, each scaled by its own largest magnitude.
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, num_groups, stride_x, stride_q, stride_s_row, stride_s_group,
+                          GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+    # GROUPS groups of GROUP columns of one row, each scaled by its own largest magnitude. Rows from
+    # M on are padding: zeros, with the smallest scale.
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -133,11 +134,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_x, stride_q
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = (group < num_groups)[:, None] & (k < K)
-    x = tl.load(x_ptr + row * stride_x + k, mask=ok, other=0.0).to(tl.float32)
+    row_k = tl.where(row < M, K, 0)  # a padding row loads no column
+    x = tl.load(x_ptr + row * stride_x + k, mask=ok & (k < row_k), other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
     q = _round_to_e4m3(tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX))
     tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_s + group, scale, mask=group < num_groups)
+    tl.store(s_ptr + row * stride_s_row + group * stride_s_group, scale, mask=group < num_groups)
 
 
 @triton.jit
@@ -268,23 +270,30 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
     return out
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, cdiv(K, group)]): each row's groups of `group`
-    columns scaled so that their largest magnitude maps to 448; x ~= q * scale."""
-    if x.dim() != 2 or x.stride(1) != 1 or group & (group - 1):
-        raise ValueError(f"quantize_activations takes x [M, K] contiguous along K and a power-of-two group; "
-                         f"got {tuple(x.shape)}, group {group}")
+def quantize_activations(x: torch.Tensor, group: int, *, pad_rows_to: int = 1,
+                         scales_by_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [P, K], float32 scales [P, cdiv(K, group)]), P = M rounded up to a multiple of
+    pad_rows_to: each row's groups of `group` columns scaled so that their largest magnitude maps to
+    448; x ~= q * scale. Rows from M on are zeros. scales_by_column lays the scales out column by
+    column (stride (1, P)), as cuBLAS's block-scaled product reads them."""
+    if x.dim() != 2 or x.stride(1) != 1 or group & (group - 1) or pad_rows_to < 1:
+        raise ValueError(f"quantize_activations takes x [M, K] contiguous along K, a power-of-two group and "
+                         f"pad_rows_to >= 1; got {tuple(x.shape)}, group {group}, pad_rows_to {pad_rows_to}")
     M, K = x.shape
+    rows = triton.cdiv(M, pad_rows_to) * pad_rows_to
     groups = triton.cdiv(K, group)
-    q = torch.empty(M, K, dtype=FP8, device=x.device)
-    scales = torch.empty(M, groups, dtype=torch.float32, device=x.device)
-    if M:
+    q = torch.empty(rows, K, dtype=FP8, device=x.device)
+    if scales_by_column:
+        scales = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows:
         # A program quantizes up to 1024 columns of a row (8 of Qwen's groups of 128).
         per_program = max(1, min(triton.next_power_of_2(groups), 1024 // group))
         pdl_on = pdl.enabled(x.device)
-        _quantize_rows_kernel[(M, triton.cdiv(groups, per_program))](
-            x, q, scales, K, groups, x.stride(0), q.stride(0), scales.stride(0), GROUP=group, GROUPS=per_program,
-            FP8_MAX=FP8_MAX, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
+        _quantize_rows_kernel[(rows, triton.cdiv(groups, per_program))](
+            x, q, scales, M, K, groups, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=group,
+            GROUPS=per_program, FP8_MAX=FP8_MAX, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
     return q, scales
 
 

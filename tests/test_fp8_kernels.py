@@ -93,6 +93,21 @@ def test_quantize_activations_matches_the_reference(poison):
     assert torch.equal(q.float(), want_q.float())
 
 
+@pytest.mark.parametrize("M", [1, 5, 8])
+def test_quantize_activations_pads_rows_and_lays_scales_by_column(M, poison):
+    """The layout of cuBLAS's block-scaled product: rows padded to a multiple of 4 (zeros) and the
+    scales stored column by column."""
+    x = torch.randn(M, 300) * 10
+    with poison():
+        q, scales = fp8.quantize_activations(x, 128, pad_rows_to=4, scales_by_column=True)
+    rows = -(-M // 4) * 4
+    assert q.shape == (rows, 300) and scales.shape == (rows, 3) and scales.stride() == (1, rows)
+    want_q, want_scales = quantized_rows_reference(x, 128)
+    torch.testing.assert_close(scales[:M], want_scales, rtol=1e-6, atol=0)
+    assert torch.equal(q[:M].float(), want_q.float())
+    assert not q[M:].float().any() and scales[M:].isfinite().all() and (scales[M:] > 0).all()
+
+
 @pytest.mark.parametrize("M, block", [(1, (16, 32)), (17, (32, 16)), (40, (16, 32))])
 def test_gemm_in_float32_is_the_exact_dequantized_product(M, block, poison):
     N, K = 70, 100

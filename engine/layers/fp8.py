@@ -1,8 +1,9 @@
 """Block-wise FP8 weights on CUDA (`quantization="fp8"`, and Qwen's FP8 checkpoints): a layer keeps
 its weight in e4m3 (torch.float8_e4m3fn) with a float32 scale per [block_n, block_k] tile,
 weight ~= q * scale[n // block_n, k // block_k] (the checkpoints' `weight_scale_inv`). The
-products run in kernels/fp8.py without dequantizing the weight to memory, so a decode step reads
-half of bf16's bytes. On CPU such a checkpoint is dequantized at load time instead
+products never dequantize the weight to memory, so a decode step reads half of bf16's bytes: one
+row runs kernels/fp8.py's GEMV, more rows cuBLAS's block-scaled FP8 product where it takes the
+shapes (linear()), and kernels/fp8.py's GEMV and GEMM the rest. On CPU such a checkpoint is dequantized at load time instead
 (engine/checkpoints/quantization.py).
 
 A layer learns at construction whether its weights arrive in FP8: the runner builds the model
@@ -73,12 +74,56 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """x @ dequantized(weight).T through kernels/fp8.py: CUDA only (on CPU an FP8 checkpoint
-    loads dequantized, and quantization="fp8" is refused)."""
+    """x @ dequantized(weight).T on CUDA (on CPU an FP8 checkpoint loads dequantized, and
+    quantization="fp8" is refused). One row: kernels/fp8.py's GEMV, which reads the FP8 weight at
+    1.3-1.7x bf16's speed. More rows, where cuBLAS takes the shapes: x quantized per row and 128
+    columns, then cuBLAS's block-scaled FP8 product (bench_kernels: 1.4-1.6x our Triton GEMM and
+    1.5x bf16 at prefill sizes, and it keeps 2-8 rows near bf16's time, where the Triton GEMV took
+    up to 2x). Otherwise kernels/fp8.py's GEMV or GEMM."""
     from kernels.fp8 import (
         fp8_linear,  # start-up: Triton loads only where its kernels run
     )
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > 1 and cublas_takes(rows, weight, scale, block):
+        return block_scaled_mm(rows, weight, scale).view(*x.shape[:-1], weight.shape[0])
     return fp8_linear(x, weight, scale, block)
+
+
+# cuBLAS's block-scaled FP8 product (1x128 blocks of x, 128x128 of W) runs on Hopper from CUDA 12.9.
+_CUBLAS_BLOCK = (128, 128)
+_cublas_devices: dict[int, bool] = {}
+
+
+def cublas_block_scaling(device: torch.device) -> bool:
+    """Whether this CUDA device runs cuBLAS's block-scaled FP8 product."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cublas_devices:
+        cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+        _cublas_devices[index] = (torch.cuda.get_device_capability(index) == (9, 0) and cuda >= (12, 9)
+                                  and hasattr(F, "scaled_mm") and not torch.version.hip)
+    return _cublas_devices[index]
+
+
+def cublas_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether block_scaled_mm runs this product. cuBLAS reads W's scales in runs of 4 K blocks:
+    with K not a multiple of 512 it multiplied wrongly (15-56% off at K = 640-1664, H200, CUDA
+    13.0) rather than refusing, so those shapes stay with the Triton kernels, as do float32 x (the
+    exact path the tests compare to HF), fp16 x and N not a multiple of 16."""
+    N, K = weight.shape
+    return (x.is_cuda and x.dtype == torch.bfloat16 and tuple(block) == _CUBLAS_BLOCK and K % 512 == 0
+            and N % 16 == 0 and weight.is_contiguous() and scale.is_contiguous()
+            and cublas_block_scaling(x.device))
+
+
+def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16) @ dequantized(weight).T through cuBLAS: x is quantized per row and 128 columns
+    (kernels/fp8.py), its rows padded to a multiple of 4 and its scales laid out by column, the
+    layout cuBLAS requires; the padding rows' products are cut off."""
+    from kernels.fp8 import quantize_activations  # start-up: Triton loads only where its kernels run
+    q, x_scale = quantize_activations(x, _CUBLAS_BLOCK[1], pad_rows_to=4, scales_by_column=True)
+    out = F.scaled_mm(q, weight.t(), x_scale, F.ScalingType.BlockWise1x128, scale.t(), F.ScalingType.BlockWise128x128,
+                      output_dtype=x.dtype)
+    return out[:x.shape[0]]
 
 
 def is_fp8(loaded) -> bool:

@@ -22,6 +22,7 @@ triton = pytest.importorskip("triton")
 
 from benchmarks.common import CONFIGS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.layers import fp8 as fp8_layer  # noqa: E402
 from engine.layers.fp8 import dequantize_blocks  # noqa: E402
 from kernels import fp8, fused_moe  # noqa: E402
 from tests.conftest import hf_greedy, random_prompts, save_tiny_hf_model  # noqa: E402
@@ -44,6 +45,8 @@ if type(fused_moe._route_kernel).__name__ == "InterpretedFunction":
 BF16, F32 = torch.bfloat16, torch.float32
 HAS_FP8 = torch.cuda.get_device_capability() >= (8, 9)
 needs_fp8 = pytest.mark.skipif(not HAS_FP8, reason="needs FP8 (compute capability 8.9 or more)")
+needs_cublas_blocks = pytest.mark.skipif(not fp8_layer.cublas_block_scaling(torch.device("cuda")),
+                                         reason="cuBLAS's block-scaled FP8 needs a Hopper GPU and CUDA 12.9")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # A fixed KV cache: engines in other test processes share the GPU (see conftest.py).
 ENGINE = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=16, num_kvcache_blocks=512)
@@ -238,13 +241,47 @@ def test_fp8_gemm_tiles_fit_the_registers(dtype):
 
 @needs_fp8
 def test_fp8_linear_replays_from_a_cuda_graph():
+    """kernels/fp8.py's dispatch, and the layer's (cuBLAS from 2 rows where it runs, rows padded)."""
     q, scales = fp8_blocks(torch.randn(4096, 4096, device="cuda") / 64, (128, 128))
-    for rows in (1, 8, 48):
-        x = torch.randn(rows, 4096, device="cuda").to(BF16)
-        graph, out = capture(lambda x=x: fp8.fp8_linear(x, q, scales, (128, 128)))
-        x.copy_(torch.randn(rows, 4096, device="cuda"))
-        graph.replay()
-        assert torch.equal(out, fp8.fp8_linear(x, q, scales, (128, 128)))
+    for linear in (fp8.fp8_linear, fp8_layer.linear):
+        for rows in (1, 2, 5, 8, 48):
+            x = torch.randn(rows, 4096, device="cuda").to(BF16)
+            graph, out = capture(lambda x=x, linear=linear: linear(x, q, scales, (128, 128)))
+            x.copy_(torch.randn(rows, 4096, device="cuda"))
+            graph.replay()
+            assert torch.equal(out, linear(x, q, scales, (128, 128)))
+
+
+def _w8a8_reference(x, q, scales, block):
+    """x quantized per row and block[1] columns, times the dequantized weight, rounded to x's dtype."""
+    K = x.shape[1]
+    xq, xs = quantized_rows_reference(x, block[1])
+    return ((xq.float() * xs.repeat_interleave(block[1], 1)[:, :K]) @ fp8_dequantized(q, scales, block).T).to(x.dtype)
+
+
+@needs_cublas_blocks
+@pytest.mark.parametrize("M", [2, 5, 8, 13, 100, 1000])
+@pytest.mark.parametrize("N, K", FP8_SHAPES)
+def test_fp8_linear_runs_cublas_beyond_one_row(M, N, K, poison):
+    """Rows not a multiple of 4 too: their padding rows must not reach the output."""
+    q, scales = fp8_blocks(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
+    x = torch.randn(M, K, device="cuda").to(BF16)
+    assert fp8_layer.cublas_takes(x, q, scales, (128, 128))
+    with poison():
+        y = fp8_layer.linear(x, q, scales, (128, 128))
+    assert_close(y, _w8a8_reference(x, q, scales, (128, 128)), BF16)
+
+
+@needs_fp8
+@pytest.mark.parametrize("N, K", [(4096, 768), (1536, 1664), (1000, 4096)])
+def test_fp8_linear_keeps_what_cublas_multiplies_wrongly_on_triton(N, K, poison):
+    """K not a multiple of 512 (cuBLAS answered 15-56% off there) and N not a multiple of 16."""
+    q, scales = fp8_blocks(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
+    x = torch.randn(24, K, device="cuda").to(BF16)
+    assert not fp8_layer.cublas_takes(x, q, scales, (128, 128))
+    with poison():
+        y = fp8_layer.linear(x, q, scales, (128, 128))
+    assert_close(y, _w8a8_reference(x, q, scales, (128, 128)), BF16)
 
 
 # --- the engine on tiny checkpoints, against HF -----------------------------------------------------
