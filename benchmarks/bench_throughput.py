@@ -86,6 +86,7 @@ def main():
     _, weight_bytes, kv_per_token = model_bytes_and_kv(Path(args.config))
     roofline = throughput_roofline(prompts, max_tokens, weight_bytes, kv_per_token, active_params(Path(args.config)))
     results = [run_nvchat(args, prompts, max_tokens)]
+    print(f"nvchat: {results[0]['tok_per_s']:,.0f} tok/s ({results[0]['seconds']:.2f} s)", flush=True)
     gc.collect()  # the engine's weights and KV cache, before HF's model takes the card
     torch.cuda.empty_cache()
     if args.compare == "hf":
