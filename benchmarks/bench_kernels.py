@@ -398,15 +398,16 @@ def run_fp8():
 
 
 def _fp8_gemv_configs(m):
-    """The FP8 GEMV's candidates: at one row the FMA kernel's bands of 1-8 weight rows by 512-2048
-    columns (at most 8192 weights a tile: the fp32 accumulator's registers) and the tensor-core
-    kernel's; at 8 rows the tensor-core kernel's."""
+    """The FP8 GEMV's candidates: at one row the FMA kernel's bands of 1-8 weight rows by 256-2048
+    columns, one or two such tiles a loop step (at most 8192 weights a tile: the fp32
+    accumulator's registers), and the tensor-core kernel's; at 8 rows the tensor-core kernel's."""
     dot = [dict(kernel="dot", block_n=n, block_k=k, num_warps=4, num_stages=st)
            for n, k, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 5)) if n * k <= 16384]
     if m > 1:
         return dot
-    one = [dict(kernel="one", block_n=n, block_k=k, num_warps=w, num_stages=3)
-           for n, k, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4)) if n * k <= 8192]
+    one = [dict(kernel="one", block_n=n, block_k=k, num_warps=w, num_stages=3, unroll=u)
+           for n, k, w, u in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (1, 2, 4), (1, 2))
+           if n * k <= 8192 and n * k * u <= 16384]
     return one + [c for c in dot if c["block_n"] <= 32 and c["block_k"] >= 256 and c["num_stages"] >= 4]
 
 

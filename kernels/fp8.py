@@ -35,40 +35,42 @@ from kernels import pdl
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value; torch turns anything beyond it into NaN
 MAX_GEMV_ROWS = 8
-_GEMV_KNOBS = ("kernel", "block_n", "block_k", "num_warps", "num_stages")
+_GEMV_KNOBS = ("kernel", "block_n", "block_k", "num_warps", "num_stages", "unroll")
 _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 _GEMM_KNOBS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
 
 
 @triton.jit
 def _fp8_gemv_one_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.constexpr,
-                         GROUPS: tl.constexpr, GROUP_K: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-                         PDL: tl.constexpr):
-    # One row of x against BLOCK_N rows of W, a tile of GROUPS runs of GROUP_K columns at a time,
-    # each run inside one scale block. BLOCK_N divides SCALE_N, so the program's rows share a row
-    # of scales: each run's scale multiplies x's run (GROUP_K products shared by the BLOCK_N rows),
-    # not every weight, and is one load per run, not one per weight row.
+                         UNROLL: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
+    # One row of x against BLOCK_N rows of W, UNROLL tiles of GROUPS runs of GROUP_K columns a loop
+    # step, each run inside one scale block. BLOCK_N divides SCALE_N, so the program's rows share a
+    # row of scales: each run's scale multiplies x's run (GROUP_K products shared by the BLOCK_N
+    # rows), not every weight, and is one load per run, not one per weight row. The UNROLL tiles
+    # are summed into one accumulator as they arrive: more of W in flight for the same registers.
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    g = tl.arange(0, GROUPS)
-    kk = g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [GROUPS, GROUP_K] columns of a tile
-    w_at = w_ptr + n[:, None, None].to(tl.int64) * stride_w + kk[None, :, :]
+    run = tl.arange(0, UNROLL)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]  # [UNROLL, GROUPS]
+    kk = run[:, :, None] * GROUP_K + tl.arange(0, GROUP_K)[None, None, :]  # the step's columns
+    w_at = w_ptr + n[:, None, None, None].to(tl.int64) * stride_w + kk[None, :, :, :]
     s_at = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_s
-    # The first tile of W and its scales before the wait: weights, which no kernel writes.
-    w = tl.load(w_at, mask=n_ok[:, None, None] & (kk < K)[None, :, :], other=0.0)
-    scale = tl.load(s_at + g * GROUP_K // SCALE_K, mask=g * GROUP_K < K, other=0.0)
+    STEP: tl.constexpr = UNROLL * GROUPS * GROUP_K
+    # The first step of W and its scales before the wait: weights, which no kernel writes.
+    w = tl.load(w_at, mask=n_ok[:, None, None, None] & (kk < K)[None], other=0.0)
+    scale = tl.load(s_at + run * GROUP_K // SCALE_K, mask=run * GROUP_K < K, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32) * scale[:, None]
-    acc = w.to(tl.float32) * x[None, :, :]
-    for k0 in range(GROUPS * GROUP_K, K, GROUPS * GROUP_K):
+    x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32) * scale[:, :, None]
+    acc = tl.sum(w.to(tl.float32) * x[None], axis=1)
+    for k0 in range(STEP, K, STEP):
         k = k0 + kk
-        w = tl.load(w_at + k0, mask=n_ok[:, None, None] & (k < K)[None, :, :], other=0.0)
-        scale = tl.load(s_at + (k0 + g * GROUP_K) // SCALE_K, mask=k0 + g * GROUP_K < K, other=0.0)
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32) * scale[:, None]
-        acc += w.to(tl.float32) * x[None, :, :]
+        w = tl.load(w_at + k0, mask=n_ok[:, None, None, None] & (k < K)[None], other=0.0)
+        scale = tl.load(s_at + (k0 + run * GROUP_K) // SCALE_K, mask=k0 + run * GROUP_K < K, other=0.0)
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32) * scale[:, :, None]
+        acc += tl.sum(w.to(tl.float32) * x[None], axis=1)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
@@ -208,17 +210,23 @@ def _knobs(launch: dict, names: tuple[str, ...], what: str) -> None:
         raise TypeError(f"{what}'s launch knobs are {names}; got {sorted(launch)}")
 
 
-def gemv_launch_config(N: int, K: int, rows: int) -> tuple[str, int, int, int, int]:
-    """(kernel, block_n, block_k, num_warps, num_stages), from bench_kernels --sweep-moe-fp8 at
-    Qwen3-8B's projections on an H100 (benchmarks/RESULTS.md). One row: "one", the FMA kernel, 4
-    weight rows of 1024 FP8 columns a step (18.7 / 49.5 / 30.3 us at 6144x4096 / 24576x4096 /
-    4096x12288, against 20.3 / 54.4 / 42.7 for 2 rows), or 1 row of 2048 where N <= 2048. 2-8
-    rows: "dot", the tensor cores (the FMA kernel at 8 rows was bound by its multiply-adds), with
-    64 weight rows a program where N makes at least 96 programs of them and 32 otherwise, so that
-    every SM has work (8 rows: 30.3 / 53.8 / 52.6 us, against 42.3 / 131.9 / 75.4 for 16 rows)."""
+def gemv_launch_config(N: int, K: int, rows: int) -> tuple[str, int, int, int, int, int]:
+    """(kernel, block_n, block_k, num_warps, num_stages, unroll), from bench_kernels --sweep-moe-fp8
+    at Qwen3-8B's projections on an H100 (benchmarks/RESULTS.md), and a sweep with unroll on an
+    H200 (benchmarks/HISTORY.md, 2026-11-27). One row: "one", the FMA kernel, 4 weight rows of 1024
+    FP8 columns a step (18.7 / 49.5 / 30.3 us at 6144x4096 / 24576x4096 / 4096x12288 on the H100,
+    against 20.3 / 54.4 / 42.7 for 2 rows), or 1 row of 2048 where N <= 2048; from 16,384 weight
+    rows (gate and up, LM heads) 8 rows of two 256-column tiles a step on one warp (H200: 27.6
+    against 32.4 us at 24576x4096, 154.9 against 183.2 at 151936x4096; no better on the shorter
+    projections). 2-8 rows: "dot", the tensor cores (the FMA kernel at 8 rows was bound by its
+    multiply-adds), with 64 weight rows a program where N makes at least 96 programs of them and
+    32 otherwise, so that every SM has work (8 rows: 30.3 / 53.8 / 52.6 us, against 42.3 / 131.9
+    / 75.4 for 16 rows)."""
     if rows == 1:
-        return ("one", 1, 2048, 4, 3) if N <= 2048 else ("one", 4, 1024, 2, 3)
-    return ("dot", 64, 128, 4, 3) if N >= 96 * 64 else ("dot", 32, 512, 4, 3)
+        if N <= 2048:
+            return "one", 1, 2048, 4, 3, 1
+        return ("one", 8, 256, 1, 3, 2) if N >= 16384 else ("one", 4, 1024, 2, 3, 1)
+    return ("dot", 64, 128, 4, 3, 1) if N >= 96 * 64 else ("dot", 32, 512, 4, 3, 1)
 
 
 def _power_of_two(value: int, what: str) -> int:
@@ -231,8 +239,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
              **launch) -> torch.Tensor:
     """x [M, K] (1 <= M <= 8) @ dequantized(weight).T, as [M, N] in x's dtype. weight: [N, K] e4m3;
     scale: float32 [cdiv(N, scale_n), cdiv(K, scale_k)]. `launch` (kernel "one" or "dot",
-    block_n, block_k, num_warps, num_stages) overrides gemv_launch_config; "one" takes one row,
-    and its block_n is cut to a divisor of scale_n."""
+    block_n, block_k, num_warps, num_stages, unroll) overrides gemv_launch_config; "one" takes one
+    row, its block_n is cut to a divisor of scale_n, and it loads `unroll` tiles of block_k
+    columns a loop step ("dot" takes unroll 1)."""
     _check(x, weight, scale, scale_block, "fp8_gemv")
     _knobs(launch, _GEMV_KNOBS, "fp8_gemv")
     M, K = x.shape
@@ -240,9 +249,10 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
     if not 1 <= M <= MAX_GEMV_ROWS:
         raise ValueError(f"fp8_gemv takes 1 to {MAX_GEMV_ROWS} rows, got {M}")
     scale_n, scale_k = scale_block
-    kernel, block_n, block_k, num_warps, num_stages = (launch.get(name) or c for name, c in
-                                                       zip(_GEMV_KNOBS, gemv_launch_config(N, K, M)))
+    kernel, block_n, block_k, num_warps, num_stages, unroll = (launch.get(name) or c for name, c in
+                                                               zip(_GEMV_KNOBS, gemv_launch_config(N, K, M)))
     block_n, block_k = _power_of_two(block_n, "block_n"), _power_of_two(block_k, "block_k")
+    unroll = _power_of_two(unroll, "unroll")
     block_k = min(block_k, triton.next_power_of_2(K))  # not wider than the row (tiny test models)
     group_k = min(block_k, scale_k)  # a run of columns inside one scale block
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -256,8 +266,10 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
             block_n = max(block_n, 32)  # the interpreter runs programs one by one: fewer, wider ones
         block_n = math.gcd(block_n, scale_n)  # the program's rows share a row of scales
         _fp8_gemv_one_kernel[(triton.cdiv(N, block_n),)](
-            x, weight, scale, out, N, K, weight.stride(0), scale.stride(0), BLOCK_N=block_n, **common)
+            x, weight, scale, out, N, K, weight.stride(0), scale.stride(0), BLOCK_N=block_n, UNROLL=unroll, **common)
     elif kernel == "dot":
+        if unroll != 1:
+            raise ValueError(f"fp8_gemv's dot kernel takes no unroll; got {unroll}")
         if group_k < 16:
             raise ValueError(f"fp8_gemv's dot kernel takes runs of at least 16 columns (an MMA's K); got "
                              f"block_k {block_k} with scale blocks of {tuple(scale_block)}")

@@ -40,9 +40,10 @@ def weights(N, K, block):
     return fp8_blocks(torch.randn(N, K) / K ** 0.5, block)
 
 
-# (block_n, block_k) of the one-row kernel: tiles of one run inside a scale block, and of several
-# runs (GROUPS > 1); block_n at 32 is cut to the scale block's 16 rows.
-ONE_ROW = [(8, 16), (4, 64), (32, 128)]
+# (block_n, block_k, unroll) of the one-row kernel: tiles of one run inside a scale block, and of
+# several runs (GROUPS > 1), one or several tiles a loop step (the last step partly past K);
+# block_n at 32 is cut to the scale block's 16 rows.
+ONE_ROW = [(8, 16, 1), (4, 64, 1), (32, 128, 1), (8, 16, 2), (4, 32, 4)]
 
 
 @pytest.mark.parametrize("block, dtype", [((16, 32), F32), ((64, 16), BF16), ((16, 32), F16)])
@@ -51,9 +52,9 @@ def test_one_row_gemv_matches_the_dequantized_product(block, dtype, poison):
     q, scales = weights(N, K, block)
     x = torch.randn(1, K).to(dtype)
     want = round_toward_zero(x.float() @ fp8_dequantized(q, scales, block).T, dtype)
-    for block_n, block_k in ONE_ROW:
+    for block_n, block_k, unroll in ONE_ROW:
         with poison():
-            y = fp8.fp8_gemv(x, q, scales, block, kernel="one", block_n=block_n, block_k=block_k)
+            y = fp8.fp8_gemv(x, q, scales, block, kernel="one", block_n=block_n, block_k=block_k, unroll=unroll)
         assert_close(y, want, dtype)
 
 
@@ -179,6 +180,10 @@ def test_bad_input_is_named():
         fp8.fp8_gemv(x, q, scales, (16, 32), block_k=48)
     with pytest.raises(ValueError, match="at least 16 columns"):
         fp8.fp8_gemv(x, q, scales, (16, 32), kernel="dot", block_k=8)
+    with pytest.raises(ValueError, match="unroll must be a power of two"):
+        fp8.fp8_gemv(x[:1], q, scales, (16, 32), kernel="one", unroll=3)
+    with pytest.raises(ValueError, match="dot kernel takes no unroll"):
+        fp8.fp8_gemv(x, q, scales, (16, 32), kernel="dot", unroll=2)
     with pytest.raises(ValueError, match="float8_e4m3fn weight"):
         fp8.fp8_gemm(x, q.float(), scales, (16, 32))
     with pytest.raises(TypeError, match="launch knobs"):

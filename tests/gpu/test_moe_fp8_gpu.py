@@ -186,6 +186,7 @@ def test_fp8_gemv_at_8b_shapes(M, N, K, poison):
 FP8_GEMV_LAUNCHES = [dict(kernel="one", block_n=1, block_k=2048, num_warps=4),
                      dict(kernel="one", block_n=8, block_k=512, num_warps=2),
                      dict(kernel="one", block_n=4, block_k=128, num_warps=2),
+                     dict(kernel="one", block_n=8, block_k=256, num_warps=1, unroll=2),
                      dict(kernel="dot", block_n=16, block_k=512, num_stages=5),
                      dict(kernel="dot", block_n=64, block_k=128, num_stages=3)]
 
