@@ -375,7 +375,10 @@ class LLM:
                     outputs.append(StepOutput(seq, [], self.flush_text(seq), True))
             if tiers is not None and self._inflight is None:
                 if not self.scheduler.has_work():
-                    self.grow_host_cache()  # first: the disk writes go through host slots
+                    # More host slots first, for the disk writes that go through them; not during a
+                    # prefetch, whose loads would wait the ~0.1 s that pinning a piece takes.
+                    if not tiers.prefetching:
+                        self.grow_host_cache()
                     self._persist()
                     if tiers.prefetching:  # its reads are under way (the steps queue its copies)
                         self.runner.wait_tier_io(_IO_WAIT_S)

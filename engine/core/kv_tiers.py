@@ -270,7 +270,9 @@ class KVTiers:
                 found.append(entry)
             elif (self.disk is not None and block_hash in self.disk.files and block_hash not in self.disk.fetching
                   and seq.seq_id not in self._fetched_for):
-                missing.append((len(found), block_hash, token_ids))
+                if not missing:
+                    first_missing = len(found)
+                missing.append((block_hash, token_ids))
                 found.append(None)
             else:
                 break
@@ -285,11 +287,13 @@ class KVTiers:
         self._fetched_for.add(seq.seq_id)
         if issued:
             return FETCHING
-        return found[:missing[0][0]]  # no slot free of disk operations: what the host holds already
+        return found[:first_missing]  # no slot free of disk operations: what the host holds already
 
-    def _fetch(self, missing: list[tuple[int, int, tuple[int, ...]]]) -> int:
+    def _fetch(self, missing: list[tuple[int, tuple[int, ...]]]) -> int:
+        """Issues the disk reads of (block hash, token ids) in order, as far as host slots free of
+        disk operations allow; returns how many."""
         issued = 0
-        for _, block_hash, token_ids in missing:
+        for block_hash, token_ids in missing:
             entry = self.host.reserve(block_hash, token_ids)
             if entry is None:
                 break
@@ -468,11 +472,11 @@ class KVTiers:
                 # else: a read under way fills it, and loads it as it ends
             elif self.disk is not None and block_hash in self.disk.files:
                 if block_hash not in self.disk.fetching:
-                    missing.append((len(missing), block_hash, token_ids))
+                    missing.append((block_hash, token_ids))
             else:
                 break
         issued = self._fetch(missing) if missing else 0
-        self._prefetch_reads.update(block_hash for _, block_hash, _ in missing[:issued])
+        self._prefetch_reads.update(block_hash for block_hash, _ in missing[:issued])
         return started + issued
 
     def persist(self) -> None:

@@ -157,6 +157,27 @@ def test_a_prefetch_beside_a_decoding_stream_brings_a_conversation_back_from_dis
     assert restored == device_hit
 
 
+def test_an_idle_engine_pins_no_host_piece_while_a_prefetch_runs(tmp_path):
+    """Pinning a piece of the host pool holds the engine's thread ~0.1 s: a chat reopened right after
+    start-up, while the pool still grows, would get its blocks that much later."""
+    prompt = random_prompts([LONG // 2], vocab=VOCAB, seed=10)[0]
+    with LLM(MODEL, disk_cache_dir=str(tmp_path), **SHAPE) as llm:
+        llm.generate([prompt], ONE)
+    with LLM(MODEL, disk_cache_dir=str(tmp_path), **SHAPE) as llm:
+        host = llm.tiers.host
+        pinned = host.usable_slots
+        assert pinned < host.num_slots  # pieces are left to pin
+        assert llm.prefetch(prompt) == len(prompt) // llm.block_size
+        steps = 0
+        while llm.tiers.prefetching:
+            llm.step()
+            steps += 1
+            assert host.usable_slots == pinned or not llm.tiers.prefetching
+        assert steps and len(llm.blocks.lookup_prefix(llm.make_sequence(prompt))) == len(hashes(prompt, llm.block_size))
+        llm.step()  # idle now: the pool grows again
+        assert host.usable_slots > pinned
+
+
 @pytest.mark.whole_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.two_gpus
