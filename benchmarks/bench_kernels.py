@@ -388,8 +388,8 @@ def run_fp8():
             path = "cuBLAS" if fp8_layer.cublas_takes(x, s["q"], s["scales"], FP8_BLOCK) else "Triton"
             t_graph = time_graph(ours)
             note = f"{path}; max|diff| vs bf16 {max_diff(ours(), x.float() @ s['w'].float().T):.1e}"
-            for name, base in (("bf16 cuBLAS", lambda x=x, s=s: F.linear(x, s["w"])),
-                               ("Triton fp8", lambda x=x, s=s: fp8_kernels.fp8_linear(x, s["q"], s["scales"], FP8_BLOCK))):
+            triton_fp8 = lambda x=x, s=s: fp8_kernels.fp8_linear(x, s["q"], s["scales"], FP8_BLOCK)  # noqa: E731
+            for name, base in (("bf16 cuBLAS", lambda x=x, s=s: F.linear(x, s["w"])), ("Triton fp8", triton_fp8)):
                 rows.append(row("fp8 linear", f"{N}x{K} m={m} vs {name}", time_eager(ours), time_eager(base), t_graph,
                                 time_graph(base), note))
                 print_row(rows[-1])

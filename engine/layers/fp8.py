@@ -3,8 +3,8 @@ its weight in e4m3 (torch.float8_e4m3fn) with a float32 scale per [block_n, bloc
 weight ~= q * scale[n // block_n, k // block_k] (the checkpoints' `weight_scale_inv`). The
 products never dequantize the weight to memory, so a decode step reads half of bf16's bytes: one
 row runs kernels/fp8.py's GEMV, more rows cuBLAS's block-scaled FP8 product where it takes the
-shapes (linear()), and kernels/fp8.py's GEMV and GEMM the rest. On CPU such a checkpoint is dequantized at load time instead
-(engine/checkpoints/quantization.py).
+shapes (linear()), and kernels/fp8.py's GEMV and GEMM the rest. On CPU such a checkpoint is
+dequantized at load time instead (engine/checkpoints/quantization.py).
 
 A layer learns at construction whether its weights arrive in FP8: the runner builds the model
 inside `building(block)` when the checkpoint is FP8 and the weights stay so.
@@ -121,8 +121,8 @@ def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
     layout cuBLAS requires; the padding rows' products are cut off."""
     from kernels.fp8 import quantize_activations  # start-up: Triton loads only where its kernels run
     q, x_scale = quantize_activations(x, _CUBLAS_BLOCK[1], pad_rows_to=4, scales_by_column=True)
-    out = F.scaled_mm(q, weight.t(), x_scale, F.ScalingType.BlockWise1x128, scale.t(), F.ScalingType.BlockWise128x128,
-                      output_dtype=x.dtype)
+    out = F.scaled_mm(q, weight.t(), x_scale, F.ScalingType.BlockWise1x128,
+                      scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
     return out[:x.shape[0]]
 
 
