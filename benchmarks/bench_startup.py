@@ -33,6 +33,7 @@ Every run's wall time, CPU seconds and peak RSS are listed after the medians.
 import argparse
 import compileall
 import fcntl
+import importlib.util
 import os
 import platform
 import pty
@@ -102,6 +103,44 @@ def compile_bytecode(tree: Path) -> None:
     for package in PACKAGES:
         if (tree / package).is_dir() and not compileall.compile_dir(tree / package, quiet=1):
             raise RuntimeError(f"{tree / package} does not compile")
+
+
+# What a pipe start imports, and with it the third-party packages whose bytecode it reads
+# (transformers: a first start on a GGUF file builds its tokenizer).
+_START_IMPORTS = ("nvchat.cli", "nvchat.pipe", "engine", "engine.runner.model_runner", "kernels.rmsnorm",
+                  "engine.text.tokenizer", "gguf", "tokenizers", "jinja2", "transformers")
+_LIST_PACKAGES = f"""
+import importlib, sys, sysconfig
+for name in {_START_IMPORTS!r}:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+stdlib = sysconfig.get_paths()["stdlib"]
+for module in list(sys.modules.values()):
+    path = getattr(module, "__path__", None)
+    if path and "." not in module.__name__ and module.__name__ not in {PACKAGES!r}:
+        for folder in path:
+            if not folder.startswith(stdlib) or "site-packages" in folder:
+                print(folder)
+"""
+
+
+def dependency_folders(tree: Path) -> list[str]:
+    """The folders of the third-party packages a pipe start imports from `tree`."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p))
+    out = subprocess.run([sys.executable, "-c", _LIST_PACKAGES], env=env, capture_output=True, text=True, check=True)
+    return sorted(set(out.stdout.split()))
+
+
+def missing_bytecode(folders: list[str]) -> list[str]:
+    """The folders whose package's own __init__ has no current bytecode beside it."""
+    missing = []
+    for folder in folders:
+        init = Path(folder) / "__init__.py"
+        if init.exists() and not Path(importlib.util.cache_from_source(str(init))).exists():
+            missing.append(folder)
+    return missing
 
 
 def _environment(tree: Path, cold_dir: Path | None, trace: Path) -> dict:
@@ -253,6 +292,9 @@ def main() -> None:
     p.add_argument("--importtime", action="store_true", help="also one pipe start under python -X importtime")
     p.add_argument("--baseline-tree", help="another nvchat checkout to alternate with, for a before/after")
     p.add_argument("--extra", default="", help="more nvchat flags, e.g. \"--quantization none\"")
+    p.add_argument("--compile-dependencies", action="store_true",
+                   help="first write the bytecode that the third-party packages a start imports lack, as pip "
+                        "install does (machines whose Python packages were installed without it)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
 
@@ -269,6 +311,14 @@ def main() -> None:
           f"Triton cache {'(fresh per run)' if args.cold else triton_cache_dir(dict(os.environ))}")
     for tree in trees.values():
         compile_bytecode(tree)
+    folders = dependency_folders(REPO)
+    if args.compile_dependencies:
+        for folder in folders:
+            compileall.compile_dir(folder, quiet=1, workers=0)
+    without = missing_bytecode(folders)
+    if without:
+        print(f"WARNING: no bytecode for {', '.join(Path(f).name for f in without)}: every start compiles them from "
+              "source (seconds for torch), which a pip-installed package does not; --compile-dependencies writes it")
     results: dict[str, list[dict]] = {f"{tree} / {mode}": [] for tree in trees for mode in modes}
     for _ in range(args.runs):  # alternating, so every tree and mode meets the same machine load
         for tree_name, tree in trees.items():
