@@ -188,3 +188,42 @@ def test_quantized_tensors_dequantize_to_the_same_floats_as_the_gguf_package(typ
     ours = _dequantize(raw, qtype)
     assert ours.shape == (rows, 2 * block)
     assert np.array_equal(ours, gguf.quants.dequantize(raw, qtype).reshape(ours.shape), equal_nan=True)
+
+
+def test_tensors_dequantized_on_threads_come_in_the_files_order_with_gguf_readers_values(tiny_llama_gguf, monkeypatch):
+    """tensors() dequantizes on several threads with a bound on the results waiting: with a bound
+    smaller than any tensor (each waits alone) and with room for all, the names come in the file's
+    order and each tensor equals what gguf's own reader dequantizes from the file."""
+    import gguf
+
+    from engine.checkpoints import gguf as engine_gguf
+    from engine.checkpoints.gguf import GGUFCheckpoint, hf_tensor_name
+    reader = gguf.GGUFReader(tiny_llama_gguf)
+    expected = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    checkpoint = GGUFCheckpoint(tiny_llama_gguf)
+    monkeypatch.setattr(engine_gguf, "_dequantize_threads", lambda: 4)
+    for bound in (1, 1 << 30):
+        monkeypatch.setattr(engine_gguf, "_DEQUANTIZE_BYTES", bound)
+        got = list(checkpoint.tensors())
+        assert [name for name, _ in got] == [hf_tensor_name(t.name) for t in reader.tensors]
+        for (name, w), t in zip(got, reader.tensors):
+            want = expected[t.name].reshape(w.shape)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's permuted rows, put back
+                heads = checkpoint.hf_config.num_attention_heads if "q_proj" in name else \
+                    checkpoint.hf_config.num_key_value_heads
+                want = engine_gguf.unpermute_rope_rows(want, heads)
+            assert w.dtype == torch.float32 and np.array_equal(w.numpy(), want), name
+
+
+def test_a_tensor_that_fails_on_a_thread_is_a_clear_error_and_stops_the_rest(tiny_llama_gguf, monkeypatch):
+    from engine.checkpoints import gguf as engine_gguf
+    from engine.checkpoints.gguf import GGUFCheckpoint
+    checkpoint = GGUFCheckpoint(tiny_llama_gguf)
+    name, qtype, dims, _ = checkpoint.tensor_table[3]
+    checkpoint.tensor_table[3] = (name, qtype, dims, 1 << 40)  # its bytes lie past the file's end
+    monkeypatch.setattr(engine_gguf, "_dequantize_threads", lambda: 3)
+    taken = []
+    with pytest.raises(ModelError, match=rf"tiny-llama\.gguf: can't dequantize {name} \({qtype}\)"):
+        for tensor_name, _ in checkpoint.tensors():
+            taken.append(tensor_name)
+    assert len(taken) == 3
