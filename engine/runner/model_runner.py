@@ -137,9 +137,14 @@ class ModelRunner:
         # Rank r runs on the r-th GPU counted from the one asked for (cuda:2 with TP=2 is GPUs 2 and 3).
         base = config.device.index or 0
         self.device = torch.device("cuda", base + rank) if config.device.type == "cuda" else config.device
+        triton_hashing = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             _use_expandable_segments()
+            from kernels.warm_start import (
+                hash_triton_in_background,  # start-up: the hash overlaps loading the model
+            )
+            triton_hashing = hash_triton_in_background()
         elif config.tensor_parallel_size == 1:  # tensor-parallel ranks share the cores out themselves
             _use_cpu_threads()
         self.tp_group = tp_group or collectives.SINGLE_RANK
@@ -202,6 +207,8 @@ class ModelRunner:
         # what was set aside for steps ("activations") and for the graphs ("graph_pool"), and what
         # the graphs took once captured ("graph_pool_captured"). See _blocks_that_fit_on_gpu.
         self.memory_plan: dict[str, int] = {}
+        if triton_hashing is not None:
+            triton_hashing.join()
         if self.device.type == "cuda" and not config.num_kvcache_blocks:
             progress("warming up to size the KV cache")
         # Every rank must hold the same blocks: take the smallest cache any GPU has room for.
