@@ -19,6 +19,7 @@ from engine.layers.attention_backends import make_backend
 from engine.models.cpu_decode import CpuDecode
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.kv_tiers import DiskStore, KVTierCopies, kv_fingerprint
+from engine.runner.memory_plan_cache import MemoryPlanCache, plan_key
 from engine.runner.sampler import Sampler
 from engine.runner.step_graphs import StepGraphs, decode_buckets, prefill_buckets
 
@@ -204,15 +205,15 @@ class ModelRunner:
         self._cpu_decode: CpuDecode | None = None  # made with the KV cache, whose views it holds
         self._logits_ladder = None  # logits for exactly the rows sampled, until _warm_logits
         # On a GPU, how its memory was shared out, in bytes: "total", "used" before the KV cache,
-        # what was set aside for steps ("activations") and for the graphs ("graph_pool"), and what
-        # the graphs took once captured ("graph_pool_captured"). See _blocks_that_fit_on_gpu.
+        # what was set aside for steps ("activations") and for the graphs ("graph_pool"), what the
+        # warmup left loaded outside torch's allocator ("loaded"), whether those three came from an
+        # earlier start ("cached": 1), and what the graphs took once captured ("graph_pool_captured").
+        # See _blocks_that_fit_on_gpu.
         self.memory_plan: dict[str, int] = {}
         if triton_hashing is not None:
             triton_hashing.join()
-        if self.device.type == "cuda" and not config.num_kvcache_blocks:
-            progress("warming up to size the KV cache")
         # Every rank must hold the same blocks: take the smallest cache any GPU has room for.
-        self.num_blocks = config.num_kvcache_blocks or self.tp_group.min(self._blocks_that_fit(), self.device)
+        self.num_blocks = config.num_kvcache_blocks or self.tp_group.min(self._blocks_that_fit(progress), self.device)
         progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
         self.tiers = self._make_tiers()
@@ -256,24 +257,37 @@ class ModelRunner:
     def block_bytes(self) -> int:
         return self.config.kv_bytes_per_token * self.block_size
 
-    def _blocks_that_fit(self) -> int:
+    def _blocks_that_fit(self, progress) -> int:
         c = self.config
         if self.device.type == "cpu":
             budget = min(_CPU_KV_MAX_BYTES, _cpu_ram_bytes() // 4,
                          _CPU_KV_SEQS * c.max_model_len * c.kv_bytes_per_token)
             return max(1, budget // self.block_bytes)
-        return self._blocks_that_fit_on_gpu()
+        return self._blocks_that_fit_on_gpu(progress)
 
-    def _blocks_that_fit_on_gpu(self) -> int:
-        """Runs the biggest steps once to find the memory they need on top of the weights, then
-        gives the KV cache what is left of gpu_memory_utilization."""
+    def _blocks_that_fit_on_gpu(self, progress) -> int:
+        """Finds the memory the biggest steps and the graphs need on top of the weights (by running
+        them once, or from an earlier start's measurement: engine/runner/memory_plan_cache.py),
+        then gives the KV cache what is left of gpu_memory_utilization."""
         c = self.config
-        self.memory_plan = self._warmup()
+        plans = MemoryPlanCache(plan_key(c, self.rank, self.device))
+        needs = plans.read()
+        cached = needs is not None
+        if cached:
+            progress("sizing the KV cache as the last start measured")
+        else:
+            progress("warming up to size the KV cache")
+            before = self._settled_use()
+            needs = self._warmup()
+            # What the warmup left outside torch's allocator (kernels' code, cuBLAS's workspaces),
+            # which a start that skips it loads only later.
+            needs["loaded"] = max(self._settled_use() - before, 0)
+            plans.write(needs)
         torch.cuda.empty_cache()  # what the warmup freed is not in use: not counted as used below
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        self.memory_plan.update(total=total, used=used)
-        set_aside = self.memory_plan["activations"] + self.memory_plan["graph_pool"]
+        self.memory_plan = {**needs, "total": total, "used": used, "cached": int(cached)}
+        set_aside = needs["activations"] + needs["graph_pool"] + (needs["loaded"] if cached else 0)
         num_blocks = int(total * c.gpu_memory_utilization - used - set_aside) // self.block_bytes
         if num_blocks < 1:
             raise RuntimeError(
