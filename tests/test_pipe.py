@@ -182,3 +182,22 @@ def test_the_next_run_finds_the_prompt_on_disk_although_the_process_ends_itself(
         replies.append(json.loads((tmp_path / f"reply-{run}.json").read_text()))
     assert replies[0]["cached_tokens"] == 0
     assert replies[1]["cached_tokens"] >= 16 and replies[1]["text"] == replies[0]["text"]
+
+
+def test_the_engine_is_sized_for_the_one_prompt(demo_model_path, monkeypatch, capsys):
+    """Pipe mode answers one prompt: its engine holds one sequence at most, whatever max_num_seqs
+    the settings give the app, so that a GPU start captures one decode graph."""
+    from nvchat import pipe
+    from nvchat.settings import Settings
+    opened, open_backend = [], pipe.open_backend
+
+    def recording(settings, progress=None):
+        opened.append(open_backend(settings, progress))
+        return opened[-1]
+    monkeypatch.setattr(pipe, "open_backend", recording)
+    settings = Settings(model=str(demo_model_path), device="cpu", max_model_len=256, max_tokens=4, temperature=0)
+    assert settings.max_num_seqs > 1
+    assert pipe.run_pipe("hello", settings) == 0
+    assert capsys.readouterr().out.strip()
+    [engine] = opened
+    assert engine.llm.config.max_num_seqs == 1
