@@ -503,6 +503,16 @@ class DecodeGraphs:
             self.counts.view(-1).index_add_(0, slot * self.vocab_size + tokens, (slot > 0).int())
 
     @torch.inference_mode()
+    def rehearse(self) -> None:
+        """Runs each step capture() would capture once, eagerly (ModelRunner._compile_ahead)."""
+        for bucket in self.buckets:
+            self.stage_padding(bucket)
+            self._forward(bucket)
+            if self._sampling and bucket <= SAMPLE_GRAPH_ROWS:
+                for kind in SAMPLE_KINDS:
+                    self._sample(bucket, kind)
+
+    @torch.inference_mode()
     def capture(self, pool=None, progress=None):
         """Captures every bucket, largest first so the shared memory pool is sized once, then the
         sampling graphs. Returns the pool, which other graphs may share (steps never overlap)."""

@@ -17,6 +17,7 @@ can't be read is measured again and rewritten. Nothing here is needed: an unwrit
 means every start measures.
 """
 import dataclasses
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -49,12 +50,13 @@ def _code_digest() -> str:
 
 def plan_key(config, rank: int, device: torch.device) -> dict:
     """Everything the warm-up's figures depend on."""
-    import triton  # start-up: loaded by the warm-up's kernels anyway; here only on CUDA
+    # Triton's version from its metadata: its import is under way on another thread
+    # (kernels/warm_start.py), which importing it here would wait for.
     props = torch.cuda.get_device_properties(device)
     options = {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in _UNRELATED}
     return {"format": FORMAT, "gpu": props.name, "gpu_memory": props.total_memory,
             "capability": [props.major, props.minor], "torch": torch.__version__, "cuda": torch.version.cuda,
-            "triton": triton.__version__, "hf_config": config.hf_config.to_dict(), "options": options,
+            "triton": importlib.metadata.version("triton"), "hf_config": config.hf_config.to_dict(), "options": options,
             "rank": rank, "code": _code_digest()}
 
 

@@ -41,6 +41,9 @@ _COSTLIEST_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p
                                      frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
 # Its context: the penalties' token counts are [rows, vocab] whatever the history's length.
 _COSTLIEST_CONTEXT = SampleContext(array("q"), 0)
+# The CUDA devices whose first engine in this process has compiled its kernels ahead
+# (ModelRunner._start_compile_workers).
+_DEVICES_REHEARSED: set[int] = set()
 
 
 class SampledTokens:
@@ -148,6 +151,14 @@ class ModelRunner:
             triton_hashing = hash_triton_in_background()
         elif config.tensor_parallel_size == 1:  # tensor-parallel ranks share the cores out themselves
             _use_cpu_threads()
+        # The warm-up's figures from an earlier start of this engine on this GPU, if any
+        # (_blocks_that_fit_on_gpu).
+        self._memory_plans = None
+        if self.device.type == "cuda":
+            self._memory_plans = MemoryPlanCache(plan_key(config, rank, self.device))
+        # Started now, so that their imports overlap the model's loading; None unless this start
+        # will compile its kernels ahead (_compile_ahead).
+        self._compile_workers = self._start_compile_workers()
         self.tp_group = tp_group or collectives.SINGLE_RANK
         if (self.tp_group.rank, self.tp_group.size) != (rank, config.tensor_parallel_size):
             raise ValueError(f"rank {rank} of tensor_parallel_size={config.tensor_parallel_size} was given the "
@@ -210,10 +221,15 @@ class ModelRunner:
         # earlier start ("cached": 1), and what the graphs took once captured ("graph_pool_captured").
         # See _blocks_that_fit_on_gpu.
         self.memory_plan: dict[str, int] = {}
+        # How many Triton kernel specializations the warm-up had compiled in other processes first.
+        self.kernels_compiled_ahead = 0
         if triton_hashing is not None:
             triton_hashing.join()
         # Every rank must hold the same blocks: take the smallest cache any GPU has room for.
         self.num_blocks = config.num_kvcache_blocks or self.tp_group.min(self._blocks_that_fit(progress), self.device)
+        if self._compile_workers is not None:
+            self._compile_workers.close()
+            self._compile_workers = None
         progress(f"allocating the KV cache: {self.num_blocks} blocks of {self.block_size} tokens")
         self._allocate_kv_cache(self.num_blocks)
         self.tiers = self._make_tiers()
@@ -270,7 +286,7 @@ class ModelRunner:
         them once, or from an earlier start's measurement: engine/runner/memory_plan_cache.py),
         then gives the KV cache what is left of gpu_memory_utilization."""
         c = self.config
-        plans = MemoryPlanCache(plan_key(c, self.rank, self.device))
+        plans = self._memory_plans
         needs = plans.read()
         cached = needs is not None
         if cached:
@@ -278,7 +294,7 @@ class ModelRunner:
         else:
             progress("warming up to size the KV cache")
             before = self._settled_use()
-            needs = self._warmup()
+            needs = self._warmup(progress)
             # What the warmup left outside torch's allocator (kernels' code, cuBLAS's workspaces),
             # which a start that skips it loads only later.
             needs["loaded"] = max(self._settled_use() - before, 0)
@@ -297,7 +313,7 @@ class ModelRunner:
                 "gpu_memory_utilization")
         return num_blocks
 
-    def _warmup(self) -> dict[str, int]:
+    def _warmup(self, progress) -> dict[str, int]:
         """Runs the biggest steps the engine can take, eagerly, over a scratch KV cache. Returns the
         bytes the costliest needs beyond what stays allocated ("activations": the full prefill, the
         most rows sampled with top-k/top-p, whose sort over the vocabulary outweighs a small model's
@@ -316,14 +332,65 @@ class ModelRunner:
             context_lens=[seq_len] * num_seqs, block_tables=tables, sample_rows=[], sample_params=[],
             is_decode=False)
         mixed = _sampled_prefill_plan(tokens, min(c.max_num_seqs, tokens), self.block_size, num_seqs * blocks_per_seq)
+        decode = _decode_plan(c.max_num_seqs, sample=True)
+        if self._compile_workers is not None:
+            self._compile_ahead([prefill, decode, mixed], progress)
         # In turn, without emptying the allocator's cache between them: blocks cached for one step's
         # sizes do not always fit the other's, and the cache keeps both.
-        activations = self._memory_for(prefill, _decode_plan(c.max_num_seqs, sample=True), mixed, prefill)
+        activations = self._memory_for(prefill, decode, mixed, prefill)
         graph_pool = 0 if c.enforce_eager else self._graph_pool_bytes()
         self.kv_cache = None
         for attn in self.attention_layers:
             attn.k_cache = attn.v_cache = torch.empty(0)
         return {"activations": activations, "graph_pool": graph_pool}
+
+    def _start_compile_workers(self):
+        """Processes to compile this start's Triton kernels in, where it will warm up and compile
+        them ahead (see _compile_ahead): a start on one GPU whose KV cache is sized by a warm-up
+        (the last start's figures are not cached for this key), with the Triton attention backend,
+        for a dense model, and the first engine on this device in the process. The rehearsal's
+        values are garbage, which nothing may take as an index: a mixture of experts sorts its
+        tokens by the experts the router's kernel picked, with torch's scatter (a device-side
+        assert for the 30B-A3B shape's rehearsal on an H200), and a kernel compiled for an earlier
+        engine of the process would run in the rehearsal on such values. On several GPUs, ranks
+        whose rehearsals skipped different launches would wait on each other's collectives."""
+        c = self.config
+        if self.device.type != "cuda" or c.attention_backend != "triton" or c.tensor_parallel_size > 1:
+            return None
+        if getattr(c.hf_config, "num_experts", 0):
+            return None
+        if c.num_kvcache_blocks or self.device.index in _DEVICES_REHEARSED:
+            return None
+        if self._memory_plans.read() is not None:
+            return None
+        _DEVICES_REHEARSED.add(self.device.index)
+        from kernels.warm_start import (
+            CompileWorkers,
+            compile_worker_count,  # start-up: as the hash above
+        )
+        return CompileWorkers(compile_worker_count())
+
+    def _compile_ahead(self, plans: list[StepPlan], progress) -> None:
+        """Runs the warm-up's steps and the graphs' steps once, eagerly, with every launch that needs
+        a compile skipped (kernels/warm_start.py), then has the compile workers compile what they
+        skipped. The skipped kernels leave their outputs unwritten, so the rehearsal's values are
+        garbage: the sampled tokens it leaves are cleared."""
+        from kernels.warm_start import (
+            uncompiled_launches,  # start-up: Triton loads only where its kernels run
+        )
+        progress("finding the kernels to compile")
+        with uncompiled_launches() as pending:
+            for plan in plans:
+                self.execute(plan)
+            if not self.config.enforce_eager:
+                for graphs in self._uncaptured_graphs(*self._graph_buckets()):
+                    if graphs is not None:
+                        graphs.rehearse()
+        self.sampled.zero_()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        progress(f"compiling the kernels ahead: {len(pending)} specializations")
+        self.kernels_compiled_ahead = self._compile_workers.compile(pending)
 
     def _settled_reserved(self) -> int:
         """torch's reservation on the device once queued work has ended and unused cache went back."""
@@ -428,19 +495,26 @@ class ModelRunner:
         rows = min(c.max_num_seqs, _DECODE_GRAPH_ROWS, self.backend.max_graph_rows or _DECODE_GRAPH_ROWS)
         return decode_buckets(rows), prefill
 
-    def _make_graphs(self, decode: list[int], prefill: list[int], progress=None):
-        """Captures decode graphs for the batch sizes in decode and prefill graphs for the token
-        counts in prefill (none if empty), all in one memory pool."""
+    def _uncaptured_graphs(self, decode: list[int], prefill: list[int]):
+        """Decode graphs for the batch sizes in decode and prefill graphs for the token counts in
+        prefill (None if empty), not captured yet."""
         c = self.config
         shared = dict(model=self.model, max_blocks_per_seq=-(-c.max_model_len // self.block_size),
                       hidden_size=c.hf_config.hidden_size, device=self.device, dtype=c.dtype)
         decode_graphs = DecodeGraphs(buckets=decode, sampled=self.sampled, sample=self.tp_group.size == 1,
                                      vocab_size=c.hf_config.vocab_size, **shared)
-        pool = decode_graphs.capture(progress=progress)
         prefill_graphs = None
         if prefill:
             prefill_graphs = StepGraphs(token_buckets=prefill, max_seqs=min(c.max_num_seqs, _PREFILL_GRAPH_SEQS),
                                         **shared)
+        return decode_graphs, prefill_graphs
+
+    def _make_graphs(self, decode: list[int], prefill: list[int], progress=None):
+        """Captures decode graphs for the batch sizes in decode and prefill graphs for the token
+        counts in prefill (none if empty), all in one memory pool."""
+        decode_graphs, prefill_graphs = self._uncaptured_graphs(decode, prefill)
+        pool = decode_graphs.capture(progress=progress)
+        if prefill_graphs is not None:
             prefill_graphs.capture(pool, progress)
         return decode_graphs, prefill_graphs
 

@@ -79,6 +79,12 @@ class StepGraphs:
         self.hidden[:tokens] = self.model(self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens))
 
     @torch.inference_mode()
+    def rehearse(self) -> None:
+        """Runs each step capture() would capture once, eagerly (ModelRunner._compile_ahead)."""
+        for tokens in self.buckets:
+            self._forward(tokens)
+
+    @torch.inference_mode()
     def capture(self, pool=None, progress=None):
         """Captures every bucket, largest first so the shared memory pool is sized once. Returns
         the pool, which another StepGraphs may share (steps never run at the same time)."""
