@@ -33,6 +33,8 @@ import gc
 import threading
 from dataclasses import dataclass
 
+import torch
+
 from engine.checkpoints.generation_defaults import recommended_sampling
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
@@ -45,7 +47,7 @@ from engine.options import EngineOptions
 from engine.runner.model_runner import ModelRunner, SampledTokens
 from engine.runner.tp_runner import TensorParallelRunner
 from engine.text.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
-from engine.text.tokenizer import eos_token_ids, load_tokenizer
+from engine.text.tokenizer import eos_token_ids, load_tokenizer, start_gguf_tokenizer_build
 from engine.text.tool_calls import ToolCallFormat, Tools, tool_call_format
 
 
@@ -111,6 +113,11 @@ class _Launched:
     constrained: list[tuple[int, Sequence]]  # rows under structured output, with their sequences
 
 
+def _gpu_asked(device: str | None) -> bool:
+    """Whether the engine will run on a GPU: asked for, or the default where one is visible."""
+    return str(device).startswith("cuda") if device else torch.cuda.is_available()
+
+
 class LLM:
     def __init__(self, model, *, progress=None, **options):
         """model: a checkpoint directory, a GGUF file or a Hub repo id. options: EngineOptions'
@@ -120,25 +127,39 @@ class LLM:
         self.options = EngineOptions.from_keywords("LLM", options)  # as given; self.config holds them resolved
         self._progress = progress or (lambda message: None)
         self._progress("reading the model config")
+        # A GGUF file's first start on a GPU builds its tokenizer in another process while the model
+        # loads and warms up; on a CPU the model's loading keeps the cores busy.
+        tokenizer_build = start_gguf_tokenizer_build(model) if _gpu_asked(self.options.device) else None
         self.config = EngineConfig.create(model, self.options, progress=self._progress)
-        self._progress("loading the tokenizer")
         # Caller threads encode prompts and render chat templates while the engine thread decodes
         # replies, on one tokenizer and without a lock: the Rust tokenizer's encode and decode only
         # read it (transformers changes its truncation and padding settings only for a call that
         # asks for others, which none here does; 1.4 million decodes beside long encodes raised
         # nothing). Under a shared lock, tokenizing a 3.2 MB prompt (14 s on a loaded 2-core box)
         # stopped every stream's text for as long.
-        self.tokenizer = load_tokenizer(self.config.model_path)
-        self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
-        self._byte_run_ids = byte_run_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
-        self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
-        self._eos_tuple = tuple(sorted(self.eos_ids))
+        if tokenizer_build is None:
+            self._progress("loading the tokenizer")
+            self.tokenizer = load_tokenizer(self.config.model_path)
         # What the checkpoint recommends for sampling ({SamplingParams field: value}); not applied
         # here: front ends offer it as their defaults.
         self.recommended_sampling = recommended_sampling(self.config.model_path)
         self._grammars = None  # GrammarCompiler, made by the first request with structured output
         self._grammars_lock = threading.Lock()  # caller threads that compile at once make one
         self.runner = self._make_runner()
+        if tokenizer_build is not None:
+            if tokenizer_build.poll() is None:
+                self._progress("waiting for the tokenizer's build")
+                tokenizer_build.wait()
+            self._progress("loading the tokenizer")
+            try:
+                self.tokenizer = load_tokenizer(self.config.model_path)
+            except BaseException:
+                self.runner.shutdown()
+                raise
+        self._decode_text = text_decoder(self.tokenizer) if self.tokenizer is not None else None
+        self._byte_run_ids = byte_run_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
+        self.eos_ids = eos_token_ids(self.config.model_path, self.tokenizer, self.config.hf_config)
+        self._eos_tuple = tuple(sorted(self.eos_ids))
         self.block_size = self.config.kvcache_block_size
         self.blocks = BlockManager(self.runner.num_blocks, self.block_size)
         self.tiers = self._make_tiers()

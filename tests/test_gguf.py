@@ -77,6 +77,30 @@ def test_the_tokenizer_is_cached_for_later_starts(tiny_llama_gguf, cache_dir):
     assert load_tokenizer(tiny_llama_gguf).chat_template == CHAT_TEMPLATE
 
 
+def test_a_tokenizer_built_in_another_process_is_the_one_built_here(tiny_llama_gguf, cache_dir, tmp_path):
+    """A first start on a GPU builds the file's tokenizer in a child process (LLM: meanwhile the
+    model loads); the entry it leaves is what load_tokenizer reads, and encodes as transformers'
+    own build does. A file whose tokenizer is cached starts none; a bad file's child fails, and
+    load_tokenizer raises the error here."""
+    from engine.text.tokenizer import load_tokenizer, start_gguf_tokenizer_build
+    build = start_gguf_tokenizer_build(str(tiny_llama_gguf))
+    assert build is not None and build.wait(timeout=300) == 0
+    [entry] = (cache_dir / "gguf-tokenizers").iterdir()
+    assert (entry / "tokenizer.json").is_file()
+    assert start_gguf_tokenizer_build(str(tiny_llama_gguf)) is None
+    import transformers
+    reference = transformers.AutoTokenizer.from_pretrained(tiny_llama_gguf.parent, gguf_file=tiny_llama_gguf.name)
+    text = "<|im_start|>user\nthe in an<|im_end|>"
+    assert load_tokenizer(tiny_llama_gguf).encode(text) == reference.encode(text)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    build = start_gguf_tokenizer_build(str(bad))
+    assert build is not None and build.wait(timeout=300) != 0
+    with pytest.raises(ModelError, match="bad.gguf"):
+        load_tokenizer(bad)
+    assert start_gguf_tokenizer_build(str(tmp_path / "missing.gguf")) is None
+
+
 def test_the_metadata_is_read_once_then_from_the_cache(tiny_llama_gguf, cache_dir, monkeypatch):
     """gguf's reader takes seconds over a real vocabulary; later starts read nvchat's index of the
     file instead, and get the same config and tensors. A damaged index is read again."""

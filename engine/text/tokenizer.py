@@ -1,11 +1,13 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from engine.checkpoints.errors import ModelError
-from engine.checkpoints.gguf import cache_entry, open_gguf
+from engine.checkpoints.gguf import cache_entry, is_gguf, open_gguf
 from engine.text.chat_tokenizer import ChatTokenizer, usable
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -44,6 +46,26 @@ def _gguf_tokenizer(path: Path, cache_dir: Path | None):
     checkpoint = open_gguf(path)
     with checkpoint.metadata_read_once():
         return _built_gguf_tokenizer(path, gguf_tokenizer_entry(checkpoint.path, cache_dir or checkpoint.cache_dir))
+
+
+def start_gguf_tokenizer_build(model) -> subprocess.Popen | None:
+    """Where `model` is a GGUF file whose tokenizer is not in nvchat's cache yet, starts building it
+    there in another process (this module's main) and returns the process; else None. Building one
+    takes seconds of the GIL (5.7 s of a 19.5 s first start on the H200 machine, and the GGUF's
+    metadata is read again), which on a thread slowed the model's warm-up beside it by as much; in a
+    process it overlaps it. Once the process has ended, load_tokenizer finds the entry, or, where
+    the build failed, builds it itself and raises the error."""
+    path = Path(model).expanduser()
+    if not path.is_file() or not is_gguf(path):
+        return None
+    path = path.resolve()
+    if (gguf_tokenizer_entry(path, None) / "tokenizer_config.json").exists():
+        return None
+    source_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p),
+               CUDA_VISIBLE_DEVICES="")
+    return subprocess.Popen([sys.executable, "-m", "engine.text.tokenizer", str(path)], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _built_gguf_tokenizer(path: Path, cached: Path):
@@ -100,3 +122,7 @@ def eos_token_ids(path: Path, tokenizer, hf_config) -> set[int]:
     if tokenizer is not None:
         add(tokenizer.eos_token_id)
     return ids
+
+
+if __name__ == "__main__":  # start_gguf_tokenizer_build's process: python -m engine.text.tokenizer FILE.gguf
+    _gguf_tokenizer(Path(sys.argv[1]), None)
