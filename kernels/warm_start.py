@@ -59,10 +59,10 @@ class PendingCompile:
         self.jit_function = jit_function
         self.specialization = specialization
 
-    def job(self, target: list) -> str:
+    def job(self) -> str:
         fn = self.jit_function.fn
         function = f"{fn.__module__}:{fn.__qualname__}"
-        return json.dumps({"function": function, "specialization": self.specialization, "target": target}) + "\n"
+        return json.dumps({"function": function, "specialization": self.specialization}) + "\n"
 
 
 @contextlib.contextmanager
@@ -112,14 +112,15 @@ class CompileWorkers:
     Triton (1-2 s), which overlaps the model's loading. close() stops them; so does the object's
     collection, or the interpreter's exit."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, target: tuple[str, int | str, int]):
+        """target: Triton's GPUTarget as (backend, arch, warp_size), ("cuda", 90, 32) for an H100."""
         # The package's parent on the path, so that the workers import these kernels from a source
         # tree too; no GPU visible, so that nothing in them can make a CUDA context.
         source_root = str(Path(__file__).resolve().parents[1])
         path = os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")
         self.processes = [
-            subprocess.Popen([sys.executable, "-m", "kernels.compile_worker"],
+            subprocess.Popen([sys.executable, "-m", "kernels.compile_worker", *map(str, target)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
                              text=True)
             for _ in range(count)]
@@ -130,15 +131,11 @@ class CompileWorkers:
         cache; returns how many compiled. A specialization that fails, or whose worker died, is
         left to the launch that needs it: that launch compiles it again and raises any error where
         it belongs."""
-        from triton.runtime import (
-            driver,  # start-up: as in uncompiled_launches
-        )
-        target = driver.active.get_current_target()
-        target = [target.backend, target.arch, target.warp_size]
         jobs: queue.SimpleQueue = queue.SimpleQueue()
         for item in pending:
-            jobs.put(item.job(target))
+            jobs.put(item.job())
         compiled = [0] * len(self.processes)
+        self.replies: list[tuple[str, dict]] = []  # (function, the worker's reply), in the order they came
 
         def feed(i: int, process: subprocess.Popen) -> None:
             while True:
@@ -154,7 +151,9 @@ class CompileWorkers:
                     return
                 if not reply:
                     return
-                compiled[i] += json.loads(reply).get("compiled", False)
+                answer = json.loads(reply)
+                self.replies.append((json.loads(job)["function"], answer))
+                compiled[i] += answer.get("compiled", False)
 
         feeders = [threading.Thread(target=feed, args=(i, p), name=f"triton-compile-{i}")
                    for i, p in enumerate(self.processes)]

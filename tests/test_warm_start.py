@@ -29,13 +29,11 @@ def test_the_thread_leaves_tritons_cache_key_computed_for_the_first_launch():
 
 def test_a_compile_worker_answers_bad_jobs_with_their_error_and_goes_on():
     pytest.importorskip("triton")
-    target = ["cuda", 90, 32]
-    jobs = [json.dumps({"function": "kernels.rmsnorm:no_such_kernel", "specialization": "{}", "target": target}),
+    jobs = [json.dumps({"function": "kernels.rmsnorm:no_such_kernel", "specialization": "{}"}),
             "not json",
-            json.dumps({"function": "kernels.rmsnorm:_rms_norm_kernel", "specialization": json.dumps({"name": "x"}),
-                        "target": target})]
+            json.dumps({"function": "kernels.rmsnorm:_rms_norm_kernel", "specialization": json.dumps({"name": "x"})})]
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="0")  # the JIT functions a GPU start has
-    out = subprocess.run([sys.executable, "-m", "kernels.compile_worker"], input="\n".join(jobs) + "\n",
+    out = subprocess.run([sys.executable, "-m", "kernels.compile_worker", "cuda", "90", "32"], input="\n".join(jobs) + "\n",
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     replies = [json.loads(line) for line in out.stdout.splitlines()]
@@ -46,12 +44,12 @@ def test_a_compile_worker_answers_bad_jobs_with_their_error_and_goes_on():
 
 
 def test_compile_workers_stop_when_closed_and_when_dropped():
-    workers = CompileWorkers(2)
+    workers = CompileWorkers(2, ("cuda", 90, 32))
     processes = list(workers.processes)
     assert all(p.poll() is None for p in processes)
     workers.close()
     assert all(p.poll() is not None for p in processes)
-    workers = CompileWorkers(1)
+    workers = CompileWorkers(1, ("cuda", 90, 32))
     process = workers.processes[0]
     del workers
     gc.collect()

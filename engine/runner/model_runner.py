@@ -357,7 +357,7 @@ class ModelRunner:
         c = self.config
         if self.device.type != "cuda" or c.attention_backend != "triton" or c.tensor_parallel_size > 1:
             return None
-        if getattr(c.hf_config, "num_experts", 0):
+        if getattr(c.hf_config, "num_experts", 0) or torch.version.hip:  # (the workers build CUDA launchers)
             return None
         if c.num_kvcache_blocks or self.device.index in _DEVICES_REHEARSED:
             return None
@@ -368,7 +368,8 @@ class ModelRunner:
             CompileWorkers,
             compile_worker_count,  # start-up: as the hash above
         )
-        return CompileWorkers(compile_worker_count())
+        major, minor = torch.cuda.get_device_capability(self.device)
+        return CompileWorkers(compile_worker_count(), ("cuda", 10 * major + minor, 32))
 
     def _compile_ahead(self, plans: list[StepPlan], progress) -> None:
         """Runs the warm-up's steps and the graphs' steps once, eagerly, with every launch that needs
