@@ -47,7 +47,8 @@ from engine.options import EngineOptions
 from engine.runner.model_runner import ModelRunner, SampledTokens
 from engine.runner.tp_runner import TensorParallelRunner
 from engine.text.detokenizer import IncrementalDetokenizer, byte_run_ids, text_decoder
-from engine.text.tokenizer import eos_token_ids, load_tokenizer, start_gguf_tokenizer_build
+from engine.text.tokenizer import eos_token_ids, load_tokenizer
+from engine.text.tokenizer_build import start_gguf_tokenizer_build, stop_gguf_tokenizer_build
 from engine.text.tool_calls import ToolCallFormat, Tools, tool_call_format
 
 
@@ -128,8 +129,13 @@ class LLM:
         self._progress = progress or (lambda message: None)
         self._progress("reading the model config")
         # A GGUF file's first start on a GPU builds its tokenizer in another process while the model
-        # loads and warms up; on a CPU the model's loading keeps the cores busy.
-        tokenizer_build = start_gguf_tokenizer_build(model) if _gpu_asked(self.options.device) else None
+        # loads and warms up (the CLI may have started it already); on a CPU the model's loading
+        # keeps the cores busy, and the tokenizer is built here.
+        if _gpu_asked(self.options.device):
+            tokenizer_build = start_gguf_tokenizer_build(model)
+        else:
+            tokenizer_build = None
+            stop_gguf_tokenizer_build(model)
         self.config = EngineConfig.create(model, self.options, progress=self._progress)
         # Caller threads encode prompts and render chat templates while the engine thread decodes
         # replies, on one tokenizer and without a lock: the Rust tokenizer's encode and decode only

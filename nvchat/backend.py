@@ -2,6 +2,7 @@
 server (--backend URL). Either is a Backend (engine/backend.py)."""
 import contextlib
 import gc
+import os
 
 from engine.backend import Backend
 from nvchat import startup_trace
@@ -22,6 +23,14 @@ def open_backend(settings: Settings, progress=None) -> Backend:
             RemoteBackend,  # start-up: httpx only for a remote server
         )
         return RemoteBackend(settings.backend, api_key=settings.api_key, model=settings.model)
+    options = settings.engine_options()
+    if _gpu_likely(options.device) and not settings.uses_demo_model:
+        # A GGUF file's first start builds its tokenizer in a child process: started before the
+        # engine's imports (1.7-4.5 s on the H200 machine), which the engine then finds running.
+        from engine.text.tokenizer_build import (
+            start_gguf_tokenizer_build,  # start-up: torch-free, unlike the engine below
+        )
+        start_gguf_tokenizer_build(settings.engine_model())
     startup_trace.mark("importing the engine")
     with _collector_paused():
         from engine import (
@@ -30,7 +39,16 @@ def open_backend(settings: Settings, progress=None) -> Backend:
         # What the imports made lives as long as the process: out of the collector's reach, the
         # engine's own full collection once it is built (LLM.__init__) walks only what came after.
         gc.freeze()
-        return EngineThread(settings.engine_model(), progress=report, **settings.engine_options().keywords())
+        return EngineThread(settings.engine_model(), progress=report, **options.keywords())
+
+
+def _gpu_likely(device: str | None) -> bool:
+    """Whether the engine will run on a GPU, guessed without importing torch: asked for, or left to
+    the engine on a machine with NVIDIA's driver loaded and its GPUs not hidden. Where the guess is
+    wrong the engine stops what was started for it (LLM)."""
+    if device:
+        return device.startswith("cuda")
+    return os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() not in ("", "-1")
 
 
 @contextlib.contextmanager

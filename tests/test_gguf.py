@@ -84,7 +84,8 @@ def test_a_tokenizer_built_in_another_process_is_the_one_built_here(tiny_llama_g
     model loads); the entry it leaves is what load_tokenizer reads, and encodes as transformers'
     own build does. A file whose tokenizer is cached starts none; a bad file's child fails, and
     load_tokenizer raises the error here."""
-    from engine.text.tokenizer import load_tokenizer, start_gguf_tokenizer_build
+    from engine.text.tokenizer import load_tokenizer
+    from engine.text.tokenizer_build import start_gguf_tokenizer_build
     build = start_gguf_tokenizer_build(str(tiny_llama_gguf))
     assert build is not None and build.wait(timeout=300) == 0
     [entry] = (cache_dir / "gguf-tokenizers").iterdir()
@@ -101,6 +102,30 @@ def test_a_tokenizer_built_in_another_process_is_the_one_built_here(tiny_llama_g
     with pytest.raises(ModelError, match="bad.gguf"):
         load_tokenizer(bad)
     assert start_gguf_tokenizer_build(str(tmp_path / "missing.gguf")) is None
+
+
+def test_the_tokenizer_build_started_before_the_engine_is_the_one_it_takes_over(tiny_llama_gguf, cache_dir):
+    """The CLI starts a GGUF file's tokenizer build before it imports the engine (torch-free, in a
+    fresh interpreter here); asked again while it runs, the same child comes back. An engine that
+    runs on the CPU builds the tokenizer itself and stops the child, which would only take cores
+    from the model's loading."""
+    import subprocess
+    import sys
+    code = ("import sys; from engine.text.tokenizer_build import start_gguf_tokenizer_build as start; "
+            f"first = start({str(tiny_llama_gguf)!r}); assert start({str(tiny_llama_gguf)!r}) is first; "
+            "first.kill(); first.wait(); print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == "[]"
+    from engine.text.tokenizer_build import start_gguf_tokenizer_build
+    early = start_gguf_tokenizer_build(str(tiny_llama_gguf))
+    assert early is not None and early.poll() is None
+    with LLM(str(tiny_llama_gguf), device="cpu", kvcache_block_size=8) as llm:
+        assert early.returncode is not None and early.returncode < 0  # killed, not ended by itself
+        assert llm.tokenizer is not None
+    [entry] = (cache_dir / "gguf-tokenizers").iterdir()
+    assert (entry / "tokenizer.json").is_file()
+    assert start_gguf_tokenizer_build(str(tiny_llama_gguf)) is None
 
 
 def test_the_metadata_is_read_once_then_from_the_cache(tiny_llama_gguf, cache_dir, monkeypatch):

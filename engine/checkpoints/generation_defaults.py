@@ -6,7 +6,8 @@ defaults (nvchat's settings)."""
 import json
 from pathlib import Path
 
-from engine.checkpoints.gguf import is_gguf, open_gguf
+from engine.checkpoints.gguf import open_gguf
+from engine.checkpoints.gguf_paths import is_gguf
 from engine.core.sampling_params import SamplingParams
 
 _GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

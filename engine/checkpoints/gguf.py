@@ -8,7 +8,6 @@ tensor table) is kept in nvchat's cache, keyed by the file's path, size and time
 import collections
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import re
@@ -19,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.options import default_cache_dir
 from engine.checkpoints.errors import ModelError
+from engine.checkpoints.gguf_paths import cache_entry
 from engine.checkpoints.model_config import GGUF_MODEL_TYPES, ModelConfig
 from engine.models.registry import ARCHITECTURES as MODELS
 
@@ -46,16 +45,6 @@ _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_do
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def is_gguf(path: Path) -> bool:
-    if path.suffix.lower() == ".gguf":
-        return True
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
 def hf_tensor_name(name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor, or None for one the engine has no place for. A
     stacked experts tensor's name has "{expert}" where each expert's number goes."""
@@ -76,13 +65,6 @@ def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
     j*half+i of the head."""
     half = w.shape[0] // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def cache_entry(path: Path, cache_dir: Path | None, kind: str, suffix: str = "") -> Path:
-    """Where something built from the file is kept: changes with the file's path, size and time."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return (cache_dir or default_cache_dir()) / kind / f"{path.stem}-{key}{suffix}"
 
 
 _INDEX_VERSION = 1

@@ -14,7 +14,8 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.checkpoints.errors import ModelError
-from engine.checkpoints.gguf import forget_opened, is_gguf, open_gguf
+from engine.checkpoints.gguf import forget_opened, open_gguf
+from engine.checkpoints.gguf_paths import is_gguf
 from engine.checkpoints.quantization import dequantized
 from engine.checkpoints.resolve import weight_files
 from engine.layers import fp8

@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 from engine.checkpoints.errors import ModelError
-from engine.checkpoints.gguf import is_gguf
+from engine.checkpoints.gguf_paths import is_gguf
 from engine.checkpoints.hub import fetch_repo, looks_like_repo_id
 from engine.models.registry import ARCHITECTURES
 

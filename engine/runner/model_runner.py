@@ -5,7 +5,7 @@ from array import array
 
 import torch
 
-from engine.checkpoints.gguf import is_gguf
+from engine.checkpoints.gguf_paths import is_gguf
 from engine.checkpoints.loader import init_random_weights, load_weights
 from engine.checkpoints.quantization import fp8_block
 from engine.checkpoints.weight_cache import CacheMismatch, WeightCache

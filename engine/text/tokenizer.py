@@ -1,14 +1,14 @@
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from engine.checkpoints.errors import ModelError
-from engine.checkpoints.gguf import cache_entry, is_gguf, open_gguf
+from engine.checkpoints.gguf import open_gguf
 from engine.text.chat_tokenizer import ChatTokenizer, usable
+from engine.text.tokenizer_build import gguf_tokenizer_entry
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -28,16 +28,6 @@ def load_tokenizer(path: Path, cache_dir: Path | None = None):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
-# Part of the cache entry's name: raised when what is saved changes, so older entries are built again
-# (2: clean-up switched off, see _gguf_tokenizer).
-_GGUF_TOKENIZER_VERSION = 2
-
-
-def gguf_tokenizer_entry(path: Path, cache_dir: Path | None) -> Path:
-    """Where the tokenizer built from a GGUF file is kept (cache_dir: None for nvchat's cache)."""
-    return cache_entry(path, cache_dir, "gguf-tokenizers", f"-v{_GGUF_TOKENIZER_VERSION}")
-
-
 def _gguf_tokenizer(path: Path, cache_dir: Path | None):
     """transformers builds the tokenizer from a GGUF file's metadata (seconds for a real vocabulary);
     the result is kept in nvchat's cache, keyed by the file's path, size and time, and later starts
@@ -46,26 +36,6 @@ def _gguf_tokenizer(path: Path, cache_dir: Path | None):
     checkpoint = open_gguf(path)
     with checkpoint.metadata_read_once():
         return _built_gguf_tokenizer(path, gguf_tokenizer_entry(checkpoint.path, cache_dir or checkpoint.cache_dir))
-
-
-def start_gguf_tokenizer_build(model) -> subprocess.Popen | None:
-    """Where `model` is a GGUF file whose tokenizer is not in nvchat's cache yet, starts building it
-    there in another process (this module's main) and returns the process; else None. Building one
-    takes seconds of the GIL (5.7 s of a 19.5 s first start on the H200 machine, and the GGUF's
-    metadata is read again), which on a thread slowed the model's warm-up beside it by as much; in a
-    process it overlaps it. Once the process has ended, load_tokenizer finds the entry, or, where
-    the build failed, builds it itself and raises the error."""
-    path = Path(model).expanduser()
-    if not path.is_file() or not is_gguf(path):
-        return None
-    path = path.resolve()
-    if (gguf_tokenizer_entry(path, None) / "tokenizer_config.json").exists():
-        return None
-    source_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p),
-               CUDA_VISIBLE_DEVICES="")
-    return subprocess.Popen([sys.executable, "-m", "engine.text.tokenizer", str(path)], env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _built_gguf_tokenizer(path: Path, cached: Path):
@@ -124,5 +94,5 @@ def eos_token_ids(path: Path, tokenizer, hf_config) -> set[int]:
     return ids
 
 
-if __name__ == "__main__":  # start_gguf_tokenizer_build's process: python -m engine.text.tokenizer FILE.gguf
+if __name__ == "__main__":  # engine/text/tokenizer_build.py's child process: python -m engine.text.tokenizer FILE.gguf
     _gguf_tokenizer(Path(sys.argv[1]), None)
