@@ -334,7 +334,12 @@ class ModelRunner:
         mixed = _sampled_prefill_plan(tokens, min(c.max_num_seqs, tokens), self.block_size, num_seqs * blocks_per_seq)
         decode = _decode_plan(c.max_num_seqs, sample=True)
         if self._compile_workers is not None:
-            self._compile_ahead([prefill, decode, mixed], progress)
+            # Triton compiles a kernel once for each way its integer arguments specialize (1, a
+            # multiple of 16, any other): the steps above have round sizes, like the graphs'
+            # padded ones, while a prompt prefilled eagerly (no graph holds it) has any length.
+            odd_prompt = _sampled_prefill_plan(min(_ODD_PROMPT_TOKENS, seq_len), 1, self.block_size,
+                                               num_seqs * blocks_per_seq)
+            self._compile_ahead([prefill, decode, mixed, odd_prompt], progress)
         # In turn, without emptying the allocator's cache between them: blocks cached for one step's
         # sizes do not always fit the other's, and the cache keeps both.
         activations = self._memory_for(prefill, decode, mixed, prefill)
@@ -753,6 +758,9 @@ class ModelRunner:
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+_ODD_PROMPT_TOKENS = 17  # neither 1 nor a multiple of 16
 
 
 def _sampled_prefill_plan(tokens: int, rows: int, block_size: int, num_blocks: int) -> StepPlan:
