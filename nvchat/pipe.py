@@ -76,7 +76,12 @@ def _answer(prompt: str, settings: Settings, json_output: bool) -> int:
         # each batch size up to max_num_seqs, and sets sampling memory aside for one row. On an H100
         # (bench_startup) the decode graphs' capture fell from 0.89 to 0.40 s of the start, though
         # the prefill graphs', which now load the kernels first, rose from 0.31 to 0.60 s.
-        with open_backend(settings.updated(max_num_seqs=1)) as engine:
+        # Its prompt is prefilled once, so graphs of prefill steps only cost their capture (unless
+        # the settings ask for them).
+        engine_settings = settings.updated(max_num_seqs=1)
+        if settings.prefill_cuda_graphs is None:
+            engine_settings = engine_settings.updated(prefill_cuda_graphs=False)
+        with open_backend(engine_settings) as engine:
             startup_trace.mark("ready")
             model_name = backend_model_name(settings, engine)
             conversation = Conversation(engine, None, system_prompt=settings.system_prompt, model_name=model_name,

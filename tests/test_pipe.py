@@ -186,7 +186,7 @@ def test_the_next_run_finds_the_prompt_on_disk_although_the_process_ends_itself(
 
 def test_the_engine_is_sized_for_the_one_prompt(demo_model_path, monkeypatch, capsys):
     """Pipe mode answers one prompt: its engine holds one sequence at most, whatever max_num_seqs
-    the settings give the app, so that a GPU start captures one decode graph."""
+    the settings give the app, so that a GPU start captures one decode graph, and no prefill graphs."""
     from nvchat import pipe
     from nvchat.settings import Settings
     opened, open_backend = [], pipe.open_backend
@@ -200,4 +200,4 @@ def test_the_engine_is_sized_for_the_one_prompt(demo_model_path, monkeypatch, ca
     assert pipe.run_pipe("hello", settings) == 0
     assert capsys.readouterr().out.strip()
     [engine] = opened
-    assert engine.llm.config.max_num_seqs == 1
+    assert engine.llm.config.max_num_seqs == 1 and not engine.llm.config.prefill_cuda_graphs
