@@ -21,7 +21,11 @@ are rebuilt) and an empty Triton cache (TRITON_CACHE_DIR), as on a fresh machine
 caches are the user's, as on a second start. Triton's cache is TRITON_CACHE_DIR, else
 ~/.triton/cache; the runs report how many kernels they added to it (each a compile).
 --baseline-tree runs the same starts from another checkout of nvchat, alternating with this one,
-so both meet the same machine load.
+so both meet the same machine load. Without --cold each tree then gets an nvchat cache of its own,
+filled by one start of each mode that is not recorded: some entries are keyed by the engine's code
+and replace the entry of an older key (the CPU's quantized weights, engine/checkpoints/weight_cache.py),
+so two trees on one cache undid each other's, and every start of either was a first one (2-core box:
+2.9-3.2 s and 1 GB at its peak, against 1.3 s and 390 MB for one tree alone).
 
 Before the runs each tree's packages are compiled to bytecode (their __pycache__, which git
 ignores), as `pip install` does and as any start does where bytecode may be written: a second start
@@ -39,6 +43,7 @@ import platform
 import pty
 import re
 import select
+import shutil
 import signal
 import statistics
 import struct
@@ -143,7 +148,7 @@ def missing_bytecode(folders: list[str]) -> list[str]:
     return missing
 
 
-def _environment(tree: Path, cold_dir: Path | None, trace: Path) -> dict:
+def _environment(tree: Path, cold_dir: Path | None, trace: Path, cache_home: Path | None = None) -> dict:
     # The tree first; the rest of the path stays (packages installed beside the interpreter's own).
     path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, **{TRACE_ENV: str(trace)})
@@ -151,6 +156,8 @@ def _environment(tree: Path, cold_dir: Path | None, trace: Path) -> dict:
     if cold_dir is not None:
         env["XDG_CACHE_HOME"] = str(cold_dir / "cache")
         env["TRITON_CACHE_DIR"] = str(cold_dir / "triton")
+    elif cache_home is not None:
+        env["XDG_CACHE_HOME"] = str(cache_home)
     return env
 
 
@@ -160,12 +167,14 @@ def _settings_dirs(env: dict, home: Path) -> None:
     env["XDG_DATA_HOME"] = str(home / "data")
 
 
-def run_once(mode: str, tree: Path, nvchat_args: list[str], cold: bool, python_flags=()) -> dict:
-    """One start in a fresh process; returns its marks, phases, peak RSS, CPU time and stderr."""
+def run_once(mode: str, tree: Path, nvchat_args: list[str], cold: bool, python_flags=(),
+             cache_home: Path | None = None) -> dict:
+    """One start in a fresh process; returns its marks, phases, peak RSS, CPU time and stderr.
+    cache_home: the nvchat cache's XDG_CACHE_HOME for a warm start (default the user's)."""
     with tempfile.TemporaryDirectory(prefix="nvchat-startup-") as scratch:
         scratch = Path(scratch)
         trace = scratch / "trace.tsv"
-        env = _environment(tree, scratch if cold else None, trace)
+        env = _environment(tree, scratch if cold else None, trace, cache_home)
         _settings_dirs(env, scratch)
         triton_dir = triton_cache_dir(env)
         kernels_before = _count_entries(triton_dir)
@@ -319,11 +328,24 @@ def main() -> None:
     if without:
         print(f"WARNING: no bytecode for {', '.join(Path(f).name for f in without)}: every start compiles them from "
               "source (seconds for torch), which a pip-installed package does not; --compile-dependencies writes it")
+    cache_homes = {tree_name: None for tree_name in trees}  # None: the user's cache
+    caches_root = Path(tempfile.mkdtemp(prefix="nvchat-startup-caches-")) if len(trees) > 1 and not args.cold else None
     results: dict[str, list[dict]] = {f"{tree} / {mode}": [] for tree in trees for mode in modes}
-    for _ in range(args.runs):  # alternating, so every tree and mode meets the same machine load
-        for tree_name, tree in trees.items():
-            for mode in modes:
-                results[f"{tree_name} / {mode}"].append(run_once(mode, tree, nvchat_args, args.cold))
+    try:
+        if caches_root is not None:
+            for tree_name, tree in trees.items():
+                cache_homes[tree_name] = caches_root / tree_name.replace(" ", "-")
+                for mode in modes:  # not recorded: it fills the tree's own cache
+                    run_once(mode, tree, nvchat_args, False, cache_home=cache_homes[tree_name])
+            print("each tree started once per mode first, unrecorded, with an nvchat cache of its own")
+        for _ in range(args.runs):  # alternating, so every tree and mode meets the same machine load
+            for tree_name, tree in trees.items():
+                for mode in modes:
+                    results[f"{tree_name} / {mode}"].append(
+                        run_once(mode, tree, nvchat_args, args.cold, cache_home=cache_homes[tree_name]))
+    finally:
+        if caches_root is not None:
+            shutil.rmtree(caches_root, ignore_errors=True)
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     payload = {"nvchat_args": nvchat_args, "cold": args.cold, "cpu": cpu, "cores": os.cpu_count()}
     for name, runs in results.items():
