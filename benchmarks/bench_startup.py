@@ -133,7 +133,7 @@ for module in list(sys.modules.values()):
 
 def dependency_folders(tree: Path) -> list[str]:
     """The folders of the third-party packages a pipe start imports from `tree`."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p))
+    env = dict(os.environ, PYTHONPATH=_python_path(tree))
     out = subprocess.run([sys.executable, "-c", _LIST_PACKAGES], env=env, capture_output=True, text=True, check=True)
     return sorted(set(out.stdout.split()))
 
@@ -148,10 +148,13 @@ def missing_bytecode(folders: list[str]) -> list[str]:
     return missing
 
 
-def _environment(tree: Path, cold_dir: Path | None, trace: Path, cache_home: Path | None = None) -> dict:
+def _python_path(tree: Path) -> str:
     # The tree first; the rest of the path stays (packages installed beside the interpreter's own).
-    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, PYTHONPATH=path, **{TRACE_ENV: str(trace)})
+    return os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def _environment(tree: Path, cold_dir: Path | None, trace: Path, cache_home: Path | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=_python_path(tree), **{TRACE_ENV: str(trace)})
     env.pop("TEXTUAL", None)
     if cold_dir is not None:
         env["XDG_CACHE_HOME"] = str(cold_dir / "cache")
