@@ -70,9 +70,9 @@ def run(llm, constrained: int, streams: int, steps: int) -> dict:
     masks_s = [0.0]
     compute_masks = grammars.masks
 
-    def timed_masks(matchers):
+    def timed_masks(matchers, out=None):
         start = time.perf_counter()
-        out = compute_masks(matchers)
+        out = compute_masks(matchers, out)
         masks_s[0] += time.perf_counter() - start
         return out
     grammars.masks = timed_masks

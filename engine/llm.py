@@ -111,7 +111,9 @@ class _Launched:
     entries: list[tuple[Sequence, int, int, list[Sequence]]]
     rows: dict[Sequence, int]  # sampled sequences -> their row in tokens
     tokens: SampledTokens | None  # None until a deferred step is sampled (LLM._sample_deferred)
-    constrained: list[tuple[int, Sequence]]  # rows under structured output, with their sequences
+    # Rows under structured output: (row, the sequence sampled there, the sequence run: itself,
+    # or a prompt's first sample when the row's sequence is one of its forks).
+    constrained: list[tuple[int, Sequence, Sequence]]
 
 
 def _gpu_asked(device: str | None) -> bool:
@@ -494,7 +496,7 @@ class LLM:
             if sampled:
                 rows[seq] = num_rows
                 if plan.defer_sampling:
-                    constrained += [(num_rows + i, s) for i, s in enumerate(sampled) if s.matcher is not None]
+                    constrained += [(num_rows + i, s, seq) for i, s in enumerate(sampled) if s.matcher is not None]
                 num_rows += len(sampled)
                 seq.token_ids.append(PENDING_TOKEN)
             entries.append((seq, count, seq.num_preemptions, sampled))
@@ -508,9 +510,11 @@ class LLM:
         sequence that has ended, or whose grammar the step before ended, gets an open mask: its
         token is dropped."""
         matchers = [None if seq.is_finished or seq in grammars_ended else seq.matcher
-                    for _, seq in launched.constrained]
-        masks = self.grammars().masks(matchers)
-        launched.tokens = self.runner.sample_deferred(([row for row, _ in launched.constrained], masks))
+                    for _, seq, _ in launched.constrained]
+        grammars = self.grammars()
+        # Written where the runner copies them to the device from, when it has such a place.
+        masks = grammars.masks(matchers, self.runner.mask_rows(len(matchers), grammars.words))
+        launched.tokens = self.runner.sample_deferred(([row for row, _, _ in launched.constrained], masks))
 
     @staticmethod
     def _consume_grammar_tokens(launched: _Launched, tokens: list[int]) -> dict[Sequence, bool]:
@@ -519,14 +523,10 @@ class LLM:
         ended its grammar: one outside the mask (only ever the end of the reply, let through by
         min_tokens' fallback) or one that completes it."""
         ended = {}
-        row = 0
-        for seq, _, _, sampled in launched.entries:
-            if not seq.is_finished:
-                for i, sample in enumerate(sampled, row):
-                    if sample.matcher is not None and not sample.is_finished:
-                        matcher = sample.matcher
-                        ended[sample] = not matcher.consume_token(tokens[i]) or matcher.is_stopped()
-            row += len(sampled)
+        for row, sample, run in launched.constrained:
+            matcher = sample.matcher
+            if matcher is not None and not run.is_finished and not sample.is_finished:
+                ended[sample] = not matcher.consume_token(tokens[row]) or matcher.is_stopped()
         return ended
 
     def _settle(self, launched: _Launched, deferred: _Launched | None = None) -> list[StepOutput]:

@@ -40,13 +40,16 @@ def count_decode_feed_steps(graphs: DecodeGraphs) -> dict:
     return counts
 
 
-def record_masked_kinds(graphs: DecodeGraphs) -> list[str]:
-    """The kinds of sampling graphs.sample_masked samples with, one per call, from now on."""
+def record_masked_kinds(graphs: DecodeGraphs, in_place: list[bool] | None = None) -> list[str]:
+    """The kinds of sampling graphs.sample_masked samples with, one per call, from now on; and in
+    in_place, whether each call's masks were written in the rows mask_rows() gave."""
     kinds = []
     sample_masked = graphs.sample_masked
 
     def recorded(bucket, kind, rows, masks):
         kinds.append(kind)
+        if in_place is not None:
+            in_place.append(masks.data_ptr() == graphs._mask_staging[graphs._next_mask][1].data_ptr())
         sample_masked(bucket, kind, rows, masks)
     graphs.sample_masked = recorded
     return kinds

@@ -7,6 +7,7 @@ import re
 import jsonschema
 import llguidance
 import pytest
+import torch
 from tokenizers import decoders, pre_tokenizers
 
 from engine import LLM, EngineThread, SamplingParams, StructuredOutput
@@ -175,6 +176,22 @@ def test_grammars_see_a_byte_level_vocabulary_as_its_bytes_whatever_steps_its_de
     assert [ll.decode_bytes([t]) for t in range(len(tokenizer))] == [ll_plain.decode_bytes([t]) for t in range(len(plain))]
 
 
+def test_masks_written_into_a_given_buffer_are_the_masks(demo_model_path):
+    """Every word of a live row is written (the buffer is reused from step to step, and nothing
+    clears it); a row without a matcher allows every token; a buffer of another shape is refused."""
+    tokenizer = byte_level_tokenizer(demo_model_path)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    matchers = compiler.matchers(StructuredOutput(json_schema=SCHEMA), 2) + compiler.matchers(StructuredOutput(regex=REGEX))
+    assert matchers[1].consume_token(tokenizer.token_to_id("{"))
+    fresh = compiler.masks([matchers[0], None, matchers[1], matchers[2]])
+    out = torch.full((4, compiler.words), 0x5A5A5A5A, dtype=torch.int32)
+    assert compiler.masks([matchers[0], None, matchers[1], matchers[2]], out) is out
+    assert torch.equal(out, fresh)
+    assert (out[1] == -1).all() and not torch.equal(out[0], out[2])
+    with pytest.raises(ValueError, match="mask buffer of shape"):
+        compiler.masks(matchers, torch.empty(3, compiler.words + 1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("decoder, pre_tokenizer", [
     # A step that does change tokens: Strip takes a character off the text's start.
     (decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)]), None),
@@ -189,11 +206,13 @@ def test_other_decoders_reach_llguidance_as_they_are(demo_model_path, decoder, p
     assert grammar_tokenizer_json(backend) == backend.to_str()
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_the_decode_graphs_sample_constrained_rows_once_their_masks_are_in(demo_model_path, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, masks_in_place", [(True, True), (False, True), (True, False)])
+def test_the_decode_graphs_sample_constrained_rows_once_their_masks_are_in(demo_model_path, async_scheduling,
+                                                                          masks_in_place):
     """The decode feed (a GPU's CUDA graphs, run eagerly on CPU) keeps a batch with rows under
     structured output: the forward pass runs at once, the sampling graph after the masks, and every
-    row's tokens are the eager engine's."""
+    row's tokens are the eager engine's, whether the grammars write the masks into the feed's
+    pinned rows or into a tensor of their own (as where the runner offers no rows)."""
     from tests.test_decode_graphs import (
         attach_decode_feed,
         count_decode_feed_steps,
@@ -214,7 +233,10 @@ def test_the_decode_graphs_sample_constrained_rows_once_their_masks_are_in(demo_
     with LLM(demo_model_path, **kw) as llm:
         graphs = attach_decode_feed(llm)
         counts = count_decode_feed_steps(graphs)
-        masked = record_masked_kinds(graphs)
+        in_place = []
+        masked = record_masked_kinds(graphs, in_place)
+        if not masks_in_place:
+            graphs.mask_rows = lambda count, words: None
         got = llm.generate(prompts, params)
     assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
     for out in (got[1], got[4]):
@@ -223,3 +245,4 @@ def test_the_decode_graphs_sample_constrained_rows_once_their_masks_are_in(demo_
     assert re.fullmatch(REGEX, got[2]["text"]) and got[2]["finish_reason"] == "stop"
     assert None not in counts["kinds"] and len(masked) > 20
     assert {"adjusted_greedy", "adjusted_sample"} <= set(masked)
+    assert set(in_place) == {masks_in_place}

@@ -554,25 +554,34 @@ class DecodeGraphs:
         masks (sample_masked)."""
         return self._masked_rows if self._kind is not None and self._adjusted else 0
 
+    def mask_rows(self, count: int, words: int) -> torch.Tensor | None:
+        """The pinned rows that the next sample_masked copies to the device, for the grammars to
+        write the staged step's masks into (`count` rows of `words` words, every constrained row in
+        row order), so that they are not copied on the host first; None for any other shape."""
+        if count != self.masked_rows or not self._mask_staging or words != self.masks.shape[1]:
+            return None
+        return self._mask_staging[self._next_mask][1:count + 1]
+
     def sample_masked(self, bucket: int, kind: str, rows: list[int], masks: torch.Tensor) -> None:
         """Samples the replayed step (stage() gave `kind`) once the token masks of its constrained
-        rows are known: masks[i] is row rows[i]'s (Grammars.masks' packed words). A row under
-        structured output that `rows` leaves out (its sequence has ended: nothing reads its token)
-        allows every token."""
+        rows are known: masks[i] is row rows[i]'s (Grammars.masks' packed words), written in place
+        when mask_rows() gave them. A row under structured output that `rows` leaves out (its
+        sequence has ended: nothing reads its token) allows every token."""
         staging = self._mask_staging[self._next_mask]
         self._next_mask = (self._next_mask + 1) % _RING
         count = self._masked_rows
-        width = min(masks.shape[1], staging.shape[1])
-        if len(rows) == count:  # every row under structured output, in row order: rows 1, 2, ...
-            staging[1:count + 1, :width] = masks[:, :width]
-            at = slice(1, count + 1)
-        else:
-            staging[1:count + 1].fill_(-1)
-            mask_rows = self._params_bytes["mask_row"]  # stage() numbered the rows 1, 2, ... in row order
-            at = torch.tensor([mask_rows[row] for row in rows], dtype=torch.int64)
-            staging[:, :width].index_copy_(0, at, masks[:, :width])
-        if width < staging.shape[1]:
-            staging[at, width:] = 0  # tokens past the grammar's vocabulary (the logits' padding): never
+        if masks.data_ptr() != staging[1].data_ptr():  # not mask_rows()'s rows, written in place
+            width = min(masks.shape[1], staging.shape[1])
+            if len(rows) == count:  # every row under structured output, in row order: rows 1, 2, ...
+                staging[1:count + 1, :width] = masks[:, :width]
+                at = slice(1, count + 1)
+            else:
+                staging[1:count + 1].fill_(-1)
+                mask_rows = self._params_bytes["mask_row"]  # stage() numbered the rows 1, 2, ... in row order
+                at = torch.tensor([mask_rows[row] for row in rows], dtype=torch.int64)
+                staging[:, :width].index_copy_(0, at, masks[:, :width])
+            if width < staging.shape[1]:
+                staging[at, width:] = 0  # tokens past the grammar's vocabulary (the logits' padding): never
         self.masks[1:count + 1].copy_(staging[1:count + 1], non_blocking=True)
         self.sample(bucket, kind)
 

@@ -704,6 +704,15 @@ class ModelRunner:
             return None
         return self._sample(plan, logits, last_tokens)
 
+    def mask_rows(self, count: int, words: int) -> torch.Tensor | None:
+        """Host rows, [count, words] int32, for the deferred step's token masks, which
+        sample_deferred then copies to the device as they are (a decode graph's pinned staging);
+        None where masks may come in any tensor."""
+        deferred = self._deferred
+        if deferred is None or not isinstance(deferred[1], int):
+            return None
+        return self.decode_graphs.mask_rows(count, words)
+
     @torch.inference_mode()
     def sample_deferred(self, masks: tuple[list[int], torch.Tensor] | None) -> SampledTokens | None:
         """Samples the step execute() left unsampled (plan.defer_sampling), with structured

@@ -321,6 +321,10 @@ class TensorParallelRunner:
                            worker_args=(dataclasses.replace(plan, sample_params=[], sample_contexts=[]),))
         return None if plan.defer_sampling else _GroupTokens(tokens, self)
 
+    def mask_rows(self, count: int, words: int) -> None:
+        """Rank 0 samples with the eager Sampler: its masks may come in any tensor."""
+        return None
+
     def sample_deferred(self, masks) -> "_GroupTokens":
         """ModelRunner.sample_deferred on every rank: workers join the tokens' broadcast."""
         return _GroupTokens(self._run("sample_deferred", (masks,), wants_reply=False, worker_args=(None,)), self)

@@ -129,13 +129,27 @@ class GrammarCompiler:
             raise ValueError(f"structured output does not compile: {matcher.get_error()}")
         return [matcher] + [matcher.deep_copy() for _ in range(count - 1)]
 
-    def masks(self, matchers: list) -> torch.Tensor:
+    @property
+    def words(self) -> int:
+        """int32 words in a row of masks."""
+        return (self.vocab_size + 31) // 32
+
+    def masks(self, matchers: list, out: torch.Tensor | None = None) -> torch.Tensor:
         """[len(matchers), ceil(vocab / 32)] int32 bitmasks of the tokens each matcher allows next,
-        computed on llguidance's threads without the GIL. A matcher that is None (its sequence has
-        ended; nothing reads its row) allows everything."""
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        live = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        computed on llguidance's threads without the GIL, in `out` when given (a contiguous CPU
+        tensor of that shape, such as the runner's pinned staging rows). A matcher that is None
+        (its sequence has ended; nothing reads its row) allows everything."""
+        words = self.words
+        if out is None:
+            out = torch.empty((len(matchers), words), dtype=torch.int32)
+        elif out.shape != (len(matchers), words):
+            raise ValueError(f"mask buffer of shape {tuple(out.shape)}, not {(len(matchers), words)}")
+        live = []
+        for i, m in enumerate(matchers):
+            if m is not None:
+                live.append((m, i))  # llguidance writes every word of the row
+            else:
+                out[i] = -1
         if live:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, live, bitmask)
-        return bitmask
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, live, out)
+        return out
