@@ -17,7 +17,9 @@ writes JSON objects one per line without end (a Lark grammar repeating a JSON sc
 end-of-sequence tokens biased away), so it never finishes and its masks cost what JSON's do.
 Runs alternate (none, the fraction, none, ...) --repeats times, each in a fresh batch on the same
 engine, and each report gives the median; "masks" is the host time spent computing masks per step
-(on llguidance's threads, while the GPU runs the forward pass).
+(on llguidance's threads, while the GPU runs the forward pass). With --gpu-times, CUDA events time
+the decode graphs: "GPU forward" is a replay of the forward graph (with the sampling graph when no
+row waits for masks), "GPU sampling" a constrained step's deferred sampling.
 """
 import argparse
 import json
@@ -57,7 +59,46 @@ def model_path(args) -> tuple[str, dict]:
     return str(gguf), {}
 
 
-def run(llm, constrained: int, streams: int, steps: int) -> dict:
+class GraphTimer:
+    """The GPU's time in a decode step's graphs, from CUDA events around the runner's calls: the
+    forward graph's replay (with the sampling graph too when the step is not waiting for masks)
+    and, for a step with constrained rows, its deferred sampling. Events only while `on`."""
+
+    def __init__(self, runner):
+        import torch  # start-up: as in run()
+        self._torch = torch
+        self.runner, self.graphs = runner, runner.decode_graphs
+        self.replay, self.sample_deferred = self.graphs.replay, runner.sample_deferred
+        self.marks = {"forward": [], "sampling": []}
+        self.on = False
+        self.graphs.replay = self._timed("forward", self.replay)
+        runner.sample_deferred = self._timed("sampling", self.sample_deferred)
+
+    def _timed(self, name, call):
+        def timed(*args):
+            if not self.on:
+                return call(*args)
+            start, end = self._torch.cuda.Event(enable_timing=True), self._torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = call(*args)
+            end.record()
+            self.marks[name].append((start, end))
+            return out
+        return timed
+
+    def take(self) -> dict:
+        """Mean ms a call of each, since the last take (after a synchronize)."""
+        out = {name: statistics.mean(s.elapsed_time(e) for s, e in marks) if marks else 0.0
+               for name, marks in self.marks.items()}
+        for marks in self.marks.values():
+            marks.clear()
+        return out
+
+    def close(self) -> None:
+        self.graphs.replay, self.runner.sample_deferred = self.replay, self.sample_deferred
+
+
+def run(llm, constrained: int, streams: int, steps: int, timer: GraphTimer | None = None) -> dict:
     from engine import SamplingParams, StructuredOutput  # start-up: the engine (and torch) after argument parsing
 
     eos_away = {t: -100.0 for t in llm.eos_ids}
@@ -82,11 +123,15 @@ def run(llm, constrained: int, streams: int, steps: int) -> dict:
         before = sum(s.num_completion_tokens for s in seqs)
         masks_s[0] = 0.0
         sync(llm)
+        if timer is not None:
+            timer.on = True
         start = time.perf_counter()
         for _ in range(steps):
             llm.step()
         sync(llm)
         elapsed = time.perf_counter() - start
+        if timer is not None:
+            timer.on = False
         tokens = sum(s.num_completion_tokens for s in seqs) - before
     finally:
         grammars.masks = compute_masks
@@ -95,7 +140,9 @@ def run(llm, constrained: int, streams: int, steps: int) -> dict:
         while llm.has_unfinished():
             llm.step()
     assert not any(s.finish_reason not in (None, "abort") for s in seqs), [s.finish_reason for s in seqs]
-    return {"tok_per_s": tokens / elapsed, "mask_ms_per_step": masks_s[0] / steps * 1e3}
+    gpu = timer.take() if timer is not None else {"forward": 0.0, "sampling": 0.0}
+    return {"tok_per_s": tokens / elapsed, "mask_ms_per_step": masks_s[0] / steps * 1e3, "ms_per_step": elapsed / steps * 1e3,
+            "gpu_forward_ms": gpu["forward"], "gpu_sampling_ms": gpu["sampling"]}
 
 
 def sync(llm) -> None:
@@ -115,6 +162,8 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.25, help="share of the streams constrained")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gpu-times", action="store_true",
+                    help="also time the decode graphs on the GPU with CUDA events (a little host time a step)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     from engine import LLM  # start-up: as in run()
@@ -123,20 +172,30 @@ def main() -> None:
     llm = LLM(path, device=args.device, max_model_len=4096 + 256, max_num_seqs=max(args.streams, 8),
               quantization=args.quantization, **kwargs)
     llm.grammars().prepare()
+    timer = None
+    if args.gpu_times:
+        if llm.runner.decode_graphs is None or llm.config.device.type != "cuda":
+            raise SystemExit("--gpu-times needs a GPU engine with decode CUDA graphs")
+        timer = GraphTimer(llm.runner)
     constrained = round(args.streams * args.fraction)
     rows = {0: [], constrained: []}
     for _ in range(args.repeats):
         for k in rows:
-            rows[k].append(run(llm, k, args.streams, args.steps))
+            rows[k].append(run(llm, k, args.streams, args.steps, timer))
+    if timer is not None:
+        timer.close()
     llm.shutdown()
     base = statistics.median(r["tok_per_s"] for r in rows[0])
     table = []
     for k, runs in rows.items():
         rate = statistics.median(r["tok_per_s"] for r in runs)
-        table.append((f"{k}/{args.streams}", f"{rate:.1f}", f"{rate / base:.3f}",
-                      f"{statistics.median(r['mask_ms_per_step'] for r in runs):.3f}",
+        def median(key: str) -> str:
+            return f"{statistics.median(r[key] for r in runs):.3f}"
+        table.append((f"{k}/{args.streams}", f"{rate:.1f}", f"{rate / base:.3f}", median("ms_per_step"),
+                      median("mask_ms_per_step"), *((median("gpu_forward_ms"), median("gpu_sampling_ms")) if timer else ()),
                       ", ".join(f"{r['tok_per_s']:.0f}" for r in runs)))
-    header = ("constrained", "tok/s (median)", "vs none", "masks ms/step", "runs")
+    header = ("constrained", "tok/s (median)", "vs none", "ms/step", "masks ms/step",
+              *(("GPU forward ms", "GPU sampling ms") if timer else ()), "runs")
     print_table(table, header)
     write_json(args.json, {"args": vars(args), "results": [dict(zip(header, row)) for row in table]})
 
