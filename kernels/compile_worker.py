@@ -3,8 +3,7 @@ without a GPU: kernels/warm_start.py's CompileWorkers start it as
     python -m kernels.compile_worker BACKEND ARCH WARP_SIZE      (cuda 90 32 for an H100 or H200)
 and write it one job per line,
     {"function": "module:qualname", "specialization": <JITFunction specialization JSON>}
-which it answers with {"compiled": true, "launcher": true, "seconds": ...}, or "compiled": false
-and the error. The JSON is the one Triton's jit_cache_hook hands over; it is read back as
+which it answers with {"compiled": true}, or {"compiled": false, "error": ...}. The JSON is the one Triton's jit_cache_hook hands over; it is read back as
 JITFunction.preload reads it, and the kernel compiled as JITFunction._do_compile compiles it, so
 that the key it is cached under is the one the launch that needs it looks for. On CUDA it also
 builds the kernel's launcher (a C extension per argument signature, compiled with the system's C
@@ -13,7 +12,6 @@ compiler into the same cache), which the launch would otherwise build on its fir
 import importlib
 import json
 import sys
-import time
 
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -45,8 +43,8 @@ def prepare(target: GPUTarget) -> None:
         nvidia_driver.library_dirs()
 
 
-def compile_job(job: dict, target: GPUTarget) -> bool:
-    """Compiles the job's kernel; returns whether its launcher was built too."""
+def compile_job(job: dict, target: GPUTarget) -> None:
+    """Compiles the job's kernel, and on CUDA builds its launcher."""
     module, qualname = job["function"].split(":")
     fn = importlib.import_module(module)
     for part in qualname.split("."):
@@ -60,10 +58,8 @@ def compile_job(job: dict, target: GPUTarget) -> bool:
     options = make_backend(target).parse_options(
         {name: tuple(v) if isinstance(v, list) else v for name, v in spec["options"].items()})
     kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-    if target.backend != "cuda":
-        return False
-    nvidia_driver.CudaLauncher(kernel.src, kernel.metadata)
-    return True
+    if target.backend == "cuda":
+        nvidia_driver.CudaLauncher(kernel.src, kernel.metadata)
 
 
 def main() -> None:
@@ -74,13 +70,11 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - the first job does this work again, and reports what fails
         pass
     for line in sys.stdin:
-        started = time.perf_counter()
         try:
-            launcher = compile_job(json.loads(line), target)
-            reply = {"compiled": True, "launcher": launcher}
+            compile_job(json.loads(line), target)
+            reply = {"compiled": True}
         except Exception as e:  # noqa: BLE001 - reported; the launch that needs the kernel compiles it
             reply = {"compiled": False, "error": f"{type(e).__name__}: {e}"}
-        reply["seconds"] = round(time.perf_counter() - started, 3)
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 

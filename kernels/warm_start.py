@@ -135,7 +135,6 @@ class CompileWorkers:
         for item in pending:
             jobs.put(item.job())
         compiled = [0] * len(self.processes)
-        self.replies: list[tuple[str, dict]] = []  # (function, the worker's reply), in the order they came
 
         def feed(i: int, process: subprocess.Popen) -> None:
             while True:
@@ -151,9 +150,7 @@ class CompileWorkers:
                     return
                 if not reply:
                     return
-                answer = json.loads(reply)
-                self.replies.append((json.loads(job)["function"], answer))
-                compiled[i] += answer.get("compiled", False)
+                compiled[i] += json.loads(reply).get("compiled", False)
 
         feeders = [threading.Thread(target=feed, args=(i, p), name=f"triton-compile-{i}")
                    for i, p in enumerate(self.processes)]
