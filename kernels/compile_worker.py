@@ -3,11 +3,12 @@ without a GPU: kernels/warm_start.py's CompileWorkers start it as
     python -m kernels.compile_worker BACKEND ARCH WARP_SIZE      (cuda 90 32 for an H100 or H200)
 and write it one job per line,
     {"function": "module:qualname", "specialization": <JITFunction specialization JSON>}
-which it answers with {"compiled": true}, or {"compiled": false, "error": ...}. The JSON is the one Triton's jit_cache_hook hands over; it is read back as
-JITFunction.preload reads it, and the kernel compiled as JITFunction._do_compile compiles it, so
-that the key it is cached under is the one the launch that needs it looks for. On CUDA it also
-builds the kernel's launcher (a C extension per argument signature, compiled with the system's C
-compiler into the same cache), which the launch would otherwise build on its first run.
+which it answers with {"compiled": true}, or {"compiled": false, "error": ...}. The JSON is the
+one Triton's jit_cache_hook hands over; it is read back as JITFunction.preload reads it, and the
+kernel compiled as JITFunction._do_compile compiles it, so that the key it is cached under is the
+one the launch that needs it looks for. On CUDA it also builds the kernel's launcher (a C extension
+per argument signature, compiled with the system's C compiler into the same cache), which the
+launch would otherwise build on its first run.
 """
 import importlib
 import json
