@@ -4,12 +4,13 @@
     NVCHAT_PDL=0 python -m benchmarks.bench_graph_states     # the same with programmatic dependent launch off
 
 Each round decodes a batch for --steps steps, then replays the decode step's forward graph alone,
-back to back, on the inputs the last step staged, and times the replays with CUDA events. Rounds
-alternate a plain batch (greedy, nothing else) with the same batch but one row under logit_bias,
-which makes the engine sample the step with its adjusted sampling graph (as penalties, min_tokens
-and structured output do). The forward graph is the same captured graph in both, on inputs of the
-same shapes and sizes; only what ran before the replays differs. Every round's prompts are its
-own, so that no round reads another's cached blocks, which the replays rewrite.
+back to back, on the inputs the last step staged, and times the replays with CUDA events. A round's
+batch is one of (--batches): "plain" (greedy, nothing else), "sampled" (temperature 0.7, top_p 0.9),
+"penalty" (greedy, one row with a repetition penalty) and "logit_bias" (greedy, one row with a
+logit_bias). The last two make the engine sample with its adjusted sampling graph, as min_tokens
+and structured output do. The forward graph is the same captured graph in every round, on inputs
+of the same shapes and sizes; only what ran before the replays differs. Every round's prompts are
+its own, so that no round reads another's cached blocks, which the replays rewrite.
 
 The step's own time is printed beside it ("ms/step": wall time over the decode steps).
 """
@@ -21,17 +22,25 @@ from pathlib import Path
 from benchmarks.common import CONFIGS, graph_replay_ms, print_table, write_json
 
 
-def run_round(llm, biased_rows: int, streams: int, steps: int, replays: int, seed: int) -> dict:
-    import torch  # start-up: the engine (and torch) after argument parsing
+def batch_params(batch: str, streams: int) -> list:
+    from engine import SamplingParams  # start-up: the engine (and torch) after argument parsing
 
-    from engine import SamplingParams
+    greedy = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    first = {"plain": greedy,
+             "sampled": SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4096, ignore_eos=True),
+             "penalty": SamplingParams(temperature=0, repetition_penalty=1.1, max_tokens=4096, ignore_eos=True),
+             "logit_bias": SamplingParams(temperature=0, logit_bias={0: -1.0}, max_tokens=4096, ignore_eos=True)}[batch]
+    rest = first if batch in ("plain", "sampled") else greedy
+    return [first] + [rest] * (streams - 1)
+
+
+def run_round(llm, batch: str, streams: int, steps: int, replays: int, seed: int) -> dict:
+    import torch  # start-up: as in batch_params()
 
     rng = random.Random(seed)
     vocab = llm.config.hf_config.vocab_size
-    plain = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
-    biased = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True, logit_bias={0: -1.0})
-    seqs = [llm.add_request([rng.randrange(100, vocab) for _ in range(32)], biased if i < biased_rows else plain)
-            for i in range(streams)]
+    seqs = [llm.add_request([rng.randrange(100, vocab) for _ in range(32)], params)
+            for params in batch_params(batch, streams)]
     try:
         while any(s.num_completion_tokens < 2 for s in seqs):  # every prompt prefilled and decoding
             llm.step()
@@ -57,10 +66,16 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--replays", type=int, default=300)
-    ap.add_argument("--rounds", type=int, default=3, help="pairs of rounds: plain, then one biased row")
+    ap.add_argument("--rounds", type=int, default=3, help="how many times to run the batches, in turn")
+    ap.add_argument("--batches", default="plain,logit_bias,sampled,penalty",
+                    help="the batches run before the replays, in this order each round (plain, sampled, penalty, logit_bias)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    import torch  # start-up: as in run_round()
+    batches = args.batches.split(",")
+    unknown = sorted(set(batches) - {"plain", "sampled", "penalty", "logit_bias"})
+    if unknown:
+        raise SystemExit(f"unknown --batches {', '.join(unknown)}: choose from plain, sampled, penalty, logit_bias")
+    import torch  # start-up: as in batch_params()
 
     from engine import LLM
     from kernels import pdl
@@ -72,10 +87,12 @@ def main() -> None:
     if llm.runner.decode_graphs is None or llm.runner.decode_graphs.bucket_for(args.streams) is None:
         raise SystemExit(f"no decode CUDA graph holds {args.streams} rows")
     table = []
+    labels = {"plain": "plain", "sampled": "temperature 0.7, top_p 0.9", "penalty": "1 row with repetition_penalty",
+              "logit_bias": "1 row with logit_bias"}
     for r in range(args.rounds):
-        for biased_rows, label in ((0, "plain"), (1, "1 row with logit_bias")):
-            out = run_round(llm, biased_rows, args.streams, args.steps, args.replays, seed=2 * r + biased_rows)
-            table.append((str(r), label, f"{out['ms_per_step']:.3f}", f"{out['forward_alone_ms']:.3f}"))
+        for i, batch in enumerate(batches):
+            out = run_round(llm, batch, args.streams, args.steps, args.replays, seed=r * len(batches) + i)
+            table.append((str(r), labels[batch], f"{out['ms_per_step']:.3f}", f"{out['forward_alone_ms']:.3f}"))
     llm.shutdown()
     print(f"{Path(args.config).name}, {args.streams} streams; PDL {'on' if pdl.enabled(torch.device('cuda', 0)) else 'off'}")
     header = ("round", "batch before", "ms/step", "forward graph alone, ms")
