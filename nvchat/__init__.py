@@ -15,6 +15,8 @@ The package is layered: a module imports only from its own layer and the layers 
         mode, `nvchat serve`
     cli
         the `nvchat` command, which picks a front-end
+    __main__
+        `python -m nvchat`
 
 The engine (engine/) sits below all of it and never imports nvchat.
 """

@@ -67,7 +67,7 @@ def main(argv=None, *, exit_after_pipe: bool = False) -> int:
 
 
 def command() -> int:
-    """The `nvchat` executable and `python -m nvchat.cli`."""
+    """The `nvchat` executable, `python -m nvchat` and `python -m nvchat.cli`."""
     return main(exit_after_pipe=True)
 
 

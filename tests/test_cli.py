@@ -1,5 +1,7 @@
 """The command line's own errors: a bad flag is one line naming it, and a non-zero exit."""
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -64,3 +66,10 @@ def test_the_app_is_told_which_settings_came_from_flags(monkeypatch, tmp_path):
     assert main(["--theme", "nosuch"]) == 0
     assert seen["flags"] == {"theme"}
     assert (seen["settings"].theme, seen["settings"].max_tokens) == ("nosuch", 99)
+
+
+def test_python_dash_m_nvchat_is_the_command():
+    done = subprocess.run([sys.executable, "-m", "nvchat", "--no-such-flag"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("nvchat: unrecognized arguments: --no-such-flag"), done.stderr
