@@ -21,6 +21,10 @@ from pathlib import Path
 
 from benchmarks.common import CONFIGS, graph_replay_ms, print_table, write_json
 
+# The batches a round can decode before the replays, with how the table names them.
+BATCHES = {"plain": "plain", "logit_bias": "1 row with logit_bias", "sampled": "temperature 0.7, top_p 0.9",
+           "penalty": "1 row with repetition_penalty"}
+
 
 def batch_params(batch: str, streams: int) -> list:
     from engine import SamplingParams  # start-up: the engine (and torch) after argument parsing
@@ -67,14 +71,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--replays", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3, help="how many times to run the batches, in turn")
-    ap.add_argument("--batches", default="plain,logit_bias,sampled,penalty",
-                    help="the batches run before the replays, in this order each round (plain, sampled, penalty, logit_bias)")
+    ap.add_argument("--batches", default=",".join(BATCHES),
+                    help=f"the batches run before the replays, in this order each round ({', '.join(BATCHES)})")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     batches = args.batches.split(",")
-    unknown = sorted(set(batches) - {"plain", "sampled", "penalty", "logit_bias"})
+    unknown = sorted(set(batches) - BATCHES.keys())
     if unknown:
-        raise SystemExit(f"unknown --batches {', '.join(unknown)}: choose from plain, sampled, penalty, logit_bias")
+        raise SystemExit(f"unknown --batches {', '.join(unknown)}: choose from {', '.join(BATCHES)}")
     import torch  # start-up: as in batch_params()
 
     from engine import LLM
@@ -87,17 +91,16 @@ def main() -> None:
     if llm.runner.decode_graphs is None or llm.runner.decode_graphs.bucket_for(args.streams) is None:
         raise SystemExit(f"no decode CUDA graph holds {args.streams} rows")
     table = []
-    labels = {"plain": "plain", "sampled": "temperature 0.7, top_p 0.9", "penalty": "1 row with repetition_penalty",
-              "logit_bias": "1 row with logit_bias"}
     for r in range(args.rounds):
         for i, batch in enumerate(batches):
             out = run_round(llm, batch, args.streams, args.steps, args.replays, seed=r * len(batches) + i)
-            table.append((str(r), labels[batch], f"{out['ms_per_step']:.3f}", f"{out['forward_alone_ms']:.3f}"))
+            table.append((str(r), BATCHES[batch], f"{out['ms_per_step']:.3f}", f"{out['forward_alone_ms']:.3f}"))
     llm.shutdown()
-    print(f"{Path(args.config).name}, {args.streams} streams; PDL {'on' if pdl.enabled(torch.device('cuda', 0)) else 'off'}")
+    pdl_on = pdl.enabled(torch.device("cuda", 0))
+    print(f"{Path(args.config).name}, {args.streams} streams; PDL {'on' if pdl_on else 'off'}")
     header = ("round", "batch before", "ms/step", "forward graph alone, ms")
     print_table(table, header)
-    write_json(args.json, {"args": vars(args), "pdl": pdl.enabled(torch.device("cuda", 0)),
+    write_json(args.json, {"args": vars(args), "pdl": pdl_on,
                            "results": [dict(zip(header, row)) for row in table]})
 
 
