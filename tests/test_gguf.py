@@ -264,7 +264,7 @@ def test_quantized_tensors_dequantize_to_the_same_floats_as_the_gguf_package(typ
 
 def test_tensors_dequantized_on_threads_come_in_the_files_order_with_gguf_readers_values(tiny_llama_gguf, monkeypatch):
     """tensors() dequantizes on several threads with a bound on the results waiting: with a bound
-    smaller than any tensor (each waits alone) and with room for all, the names come in the file's
+    smaller than any tensor (two in hand at a time) and with room for all, the names come in the file's
     order and each tensor equals what gguf's own reader dequantizes from the file."""
     import gguf
 
@@ -275,8 +275,7 @@ def test_tensors_dequantized_on_threads_come_in_the_files_order_with_gguf_reader
     checkpoint = GGUFCheckpoint(tiny_llama_gguf)
     monkeypatch.setattr(engine_gguf, "_dequantize_threads", lambda: 4)
     for bound in (1, 1 << 30):
-        monkeypatch.setattr(engine_gguf, "_DEQUANTIZE_BYTES", bound)
-        got = list(checkpoint.tensors())
+        got = list(checkpoint.tensors(waiting_bytes_bound=bound))
         assert [name for name, _ in got] == [hf_tensor_name(t.name) for t in reader.tensors]
         for (name, w), t in zip(got, reader.tensors):
             want = expected[t.name].reshape(w.shape)

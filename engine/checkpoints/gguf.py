@@ -229,12 +229,13 @@ class GGUFCheckpoint:
         finally:
             gguf.GGUFReader = made_by_gguf
 
-    def tensors(self):
+    def tensors(self, waiting_bytes_bound: int = 1 << 30):
         """(Hugging Face name, float32 tensor) for each tensor of the file, in the file's order; a
         stacked experts tensor as one tensor per expert. The tensors are dequantized on a few threads
         (numpy releases the GIL in gguf's array arithmetic) while the caller places the ones before:
-        SmolLM2's Q4_1 file took 1.0-1.2 s of a GPU start one tensor at a time. At most
-        _DEQUANTIZE_BYTES of float32 results wait at once, beyond the one being taken."""
+        SmolLM2's Q4_1 file took 1.0-1.2 s of a GPU start one tensor at a time. Two tensors are in
+        hand at any time, and more while the float32 results not yet taken stay within
+        waiting_bytes_bound."""
         import gguf  # start-up: as in _read_index, only once the weights are read
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
         table = list(self.tensor_table)
@@ -244,7 +245,7 @@ class GGUFCheckpoint:
             try:
                 for entry in table:
                     size = 4 * int(np.prod(entry[2]))
-                    while pending and waiting_bytes + size > _DEQUANTIZE_BYTES:
+                    while len(pending) >= 2 and waiting_bytes + size > waiting_bytes_bound:
                         future, done_size = pending.popleft()
                         waiting_bytes -= done_size
                         yield from future.result()
@@ -289,10 +290,6 @@ class GGUFCheckpoint:
         if "{expert}" in name:
             return [(name.format(expert=expert), part) for expert, part in enumerate(w)]
         return [(name, w)]
-
-
-# float32 results that may wait for the caller at once: a bound on the memory the threads add.
-_DEQUANTIZE_BYTES = 1 << 30
 
 
 def _dequantize_threads() -> int:

@@ -30,7 +30,12 @@ def load_weights(model: nn.Module, path: Path, fp8_block: tuple[int, int] | None
     FP8 block shape, if it is block-FP8 (engine/checkpoints/quantization.py): its weights go into
     the model's FP8 parameters as they are, or are dequantized if the model was built without any."""
     if path.is_file() and is_gguf(path):
-        place_weights(model, ((path.name, name, w) for name, w in open_gguf(path).tensors()), path)
+        # On a GPU each tensor is placed as soon as it is ready. On CPU each is quantized as it
+        # comes, more slowly than the threads dequantize: with 1 GiB waiting, SmolLM2's first start
+        # peaked at 1,207 MB against 1,039 one tensor at a time, with 64 MiB at 1,066 (2-core box).
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        tensors = open_gguf(path).tensors(waiting_bytes_bound=(1 << 30) if on_gpu else (64 << 20))
+        place_weights(model, ((path.name, name, w) for name, w in tensors), path)
         forget_opened()  # the parsed metadata is not needed again
         return
     weights = _safetensors_weights(path)
