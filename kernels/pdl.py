@@ -19,6 +19,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 @functools.cache
@@ -33,3 +35,30 @@ def enabled(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NVCHAT_PDL") == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def _wait_kernel(scratch):
+    tl.extra.cuda.gdc_wait()
+    tl.store(scratch, 1)
+
+
+@functools.cache
+def _scratch(device_index: int) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=f"cuda:{device_index}")
+
+
+def restore_graph_overlap(device: torch.device) -> None:
+    """Launches one kernel with PDL, outside any graph, that waits and writes a word nothing reads.
+
+    Measured (benchmarks/HISTORY.md, session of 02:16): once three kernels without PDL have been
+    launched outside a graph, a captured graph's PDL launches gain less than nothing. SmolLM2's
+    64-row decode forward graph then takes 0.977 ms per replay instead of 0.862 (H100; 0.925 with
+    PDL off), and stays so for any number of replays. One kernel launched with PDL outside a graph,
+    this one included, brings back the fast replays. Graph launches change the state neither way.
+    Launched before every replay, this kernel leaves the replays slow, and so do torch's replays of
+    a sampling graph that draws random numbers, with it or without (H200; why is not known): hence
+    DecodeGraphs launches it once after eager kernels, not every step."""
+    if enabled(device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        _wait_kernel[(1,)](_scratch(index), num_warps=1, launch_pdl=True)

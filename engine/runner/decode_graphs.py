@@ -246,6 +246,10 @@ class DecodeGraphs:
                               for _ in range(_RING if slots else 0)]
         self._next_mask = 0
         self._masked_rows = 0  # the constrained rows of the step staged last
+        # Kernels were launched outside the graphs since the last forward replay (by the runner's
+        # eager steps, or _build_counts): the next forward replay restores the graphs' PDL overlap
+        # first (kernels.pdl.restore_graph_overlap).
+        self.eager_kernels_since_replay = True
 
     def bucket_for(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
@@ -427,6 +431,7 @@ class DecodeGraphs:
         step before may have sampled) from the forward pass's input ids. Runs between the forward
         and the sampling graph, eagerly: once per sequence taking a slot, not per step."""
         builds, self._builds = self._builds, []
+        self.eager_kernels_since_replay = True
         vocab, device = self.vocab_size, self.device
         slots, rows, after_prompt = array("q"), array("q"), array("B")
         prompt, completion, prompt_counts, completion_counts = array("q"), array("q"), array("q"), array("q")
@@ -542,6 +547,10 @@ class DecodeGraphs:
         CPU, in tests) it runs the same code eagerly."""
         graph = self.graphs.get(bucket)
         if graph is not None:
+            if self.eager_kernels_since_replay:
+                from kernels.pdl import restore_graph_overlap  # start-up: Triton loads only where graphs run
+                restore_graph_overlap(self.device)
+                self.eager_kernels_since_replay = False
             graph.replay()
         else:
             self._forward(bucket)

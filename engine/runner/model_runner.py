@@ -653,6 +653,8 @@ class ModelRunner:
             bucket = self.decode_graphs.bucket_for(rows)
             if bucket is not None:
                 return self._execute_decode_graph(plan, bucket)
+        if self.decode_graphs is not None:
+            self.decode_graphs.eager_kernels_since_replay = True
         graphs = None if plan.is_decode else self.prefill_graphs
         bucket = graphs.bucket_for(len(plan.input_ids), plan.num_seqs) if graphs is not None else None
         work = None
@@ -694,6 +696,7 @@ class ModelRunner:
             # Sampled eagerly (a seeded row, logprobs): the forward pass stayed
             # in the graph. The bucket is a size from the logits ladder: no gather, no new
             # cuBLAS shape.
+            graphs.eager_kernels_since_replay = True
             last_tokens = graphs.input_ids[:len(plan.input_ids)] if plan.sample_contexts else None
             return self._sample_or_defer(plan, self.model.compute_logits(graphs.hidden[:bucket]), last_tokens)
         return self._read_back(self.sampled[:len(plan.input_ids)])
