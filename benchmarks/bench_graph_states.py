@@ -6,9 +6,10 @@
 Each round decodes a batch for --steps steps, then replays the decode step's forward graph alone,
 back to back, on the inputs the last step staged, and times the replays with CUDA events. A round's
 batch is one of (--batches): "plain" (greedy, nothing else), "sampled" (temperature 0.7, top_p 0.9),
-"penalty" (greedy, one row with a repetition penalty) and "logit_bias" (greedy, one row with a
-logit_bias). The last two make the engine sample with its adjusted sampling graph, as min_tokens
-and structured output do. The forward graph is the same captured graph in every round, on inputs
+"penalty" (greedy, one row with a repetition penalty), "logit_bias" (greedy, one row with a
+logit_bias) and "chat" (every row at the app's default sampling, nvchat.settings.FALLBACK_SAMPLING:
+temperature, top-k, top-p and a repetition penalty). The last three make the engine sample with its
+adjusted sampling graph, as min_tokens and structured output do. The forward graph is the same captured graph in every round, on inputs
 of the same shapes and sizes; only what ran before the replays differs. Every round's prompts are
 its own, so that no round reads another's cached blocks, which the replays rewrite.
 
@@ -23,13 +24,17 @@ from benchmarks.common import CONFIGS, graph_replay_ms, print_table, write_json
 
 # The batches a round can decode before the replays, with how the table names them.
 BATCHES = {"plain": "plain", "logit_bias": "1 row with logit_bias", "sampled": "temperature 0.7, top_p 0.9",
-           "penalty": "1 row with repetition_penalty"}
+           "penalty": "1 row with repetition_penalty", "chat": "the app's default sampling"}
 
 
 def batch_params(batch: str, streams: int) -> list:
     from engine import SamplingParams  # start-up: the engine (and torch) after argument parsing
 
+    from nvchat.settings import FALLBACK_SAMPLING
+
     greedy = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    if batch == "chat":
+        return [SamplingParams(**FALLBACK_SAMPLING, max_tokens=4096, ignore_eos=True)] * streams
     first = {"plain": greedy,
              "sampled": SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4096, ignore_eos=True),
              "penalty": SamplingParams(temperature=0, repetition_penalty=1.1, max_tokens=4096, ignore_eos=True),
