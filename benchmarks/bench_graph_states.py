@@ -9,9 +9,10 @@ batch is one of (--batches): "plain" (greedy, nothing else), "sampled" (temperat
 "penalty" (greedy, one row with a repetition penalty), "logit_bias" (greedy, one row with a
 logit_bias) and "chat" (every row at the app's default sampling, nvchat.settings.FALLBACK_SAMPLING:
 temperature, top-k, top-p and a repetition penalty). The last three make the engine sample with its
-adjusted sampling graph, as min_tokens and structured output do. The forward graph is the same captured graph in every round, on inputs
-of the same shapes and sizes; only what ran before the replays differs. Every round's prompts are
-its own, so that no round reads another's cached blocks, which the replays rewrite.
+adjusted sampling graph, as min_tokens and structured output do. The forward graph is the same
+captured graph in every round, on inputs of the same shapes and sizes; only what ran before the
+replays differs. Every round's prompts are its own, so that no round reads another's cached blocks,
+which the replays rewrite.
 
 The step's own time is printed beside it ("ms/step": wall time over the decode steps).
 """
