@@ -246,6 +246,10 @@ class DecodeGraphs:
                               for _ in range(_RING if slots else 0)]
         self._next_mask = 0
         self._masked_rows = 0  # the constrained rows of the step staged last
+        # The sampling graphs' Exp(1) noise on a GPU comes from this seed, which each draw advances
+        # on the device (kernels.exponential_noise says why); its start comes from torch's RNG, so
+        # that torch.manual_seed repeats a run.
+        self.noise_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
         # Kernels were launched outside the graphs since the last forward replay (by the runner's
         # eager steps, or _build_counts): the next forward replay restores the graphs' PDL overlap
         # first (kernels.pdl.restore_graph_overlap).
@@ -496,16 +500,30 @@ class DecodeGraphs:
                 scaled = logits / v["temperatures"][:, None]
                 scaled = scaled.masked_fill(scaled < scaled.max(-1, keepdim=True).values + v["log_min_p"][:, None],
                                             float("-inf"))
-                tokens = _draw_from(scaled, logits.argmax(-1), v["greedy"], filters, (), None)
+                tokens = _draw_from(scaled, logits.argmax(-1), v["greedy"], filters, (), None, self._noise(logits))
         elif kind == "greedy":
             tokens = logits.argmax(-1)
         else:
-            tokens = draw(logits, v["temperatures"][:, None], v["greedy"], filters)
+            tokens = draw(logits, v["temperatures"][:, None], v["greedy"], filters, noise=self._noise(logits))
         self.sampled[:bucket].copy_(tokens)
         if adjusted:
             # Each real slot is one row's: one more of its sampled token (slot 0 gets nothing).
             slot = v["slot"]
             self.counts.view(-1).index_add_(0, slot * self.vocab_size + tokens, (slot > 0).int())
+
+    def _noise(self, logits: torch.Tensor):
+        """draw()'s noise for this step's rows: on a GPU from kernels.exponential_noise and
+        noise_seed, which it then advances; None elsewhere (torch's exponential_, as the eager
+        Sampler draws)."""
+        if not logits.is_cuda:
+            return None
+
+        def noise(shape):
+            from kernels.exponential_noise import exponential_noise  # start-up: Triton loads only where it runs
+            out = exponential_noise(shape, self.noise_seed)
+            self.noise_seed.add_(1)
+            return out
+        return noise
 
     @torch.inference_mode()
     def rehearse(self) -> None:

@@ -278,25 +278,26 @@ def _unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def draw(logits: torch.Tensor, temps: torch.Tensor, greedy_rows: torch.Tensor | None, filters, seeded=(),
-         generator: torch.Generator | None = None) -> torch.Tensor:
+         generator: torch.Generator | None = None, noise=None) -> torch.Tensor:
     """One token per row: argmax(p / E), E ~ Exp(1), over the row's softmax at its temperature
     (temps: a [rows, 1] column), within its top-k and top-p when filters (_beyond_top_k's mask, a
     top_p column) are given; greedy_rows (bool [rows], or None for none) take the argmax. No host
     sync, so a CUDA graph can capture it as it is. seeded: (row, seed) pairs whose E comes from
-    generator seeded so, which a graph cannot replay."""
+    generator seeded so, which a graph cannot replay. noise: a function of a shape that returns E
+    (float32) in place of torch's exponential_ (the decode graphs' kernels.exponential_noise)."""
     greedy_tokens = logits.argmax(-1) if greedy_rows is not None else None
     # Dividing by float32 temperatures promotes to float32: the values .float() would give,
     # in one pass over the logits instead of two.
-    return _draw_from(logits / temps, greedy_tokens, greedy_rows, filters, seeded, generator)
+    return _draw_from(logits / temps, greedy_tokens, greedy_rows, filters, seeded, generator, noise)
 
 
 def _draw_from(scaled: torch.Tensor, greedy_tokens: torch.Tensor | None, greedy_rows: torch.Tensor | None, filters,
-               seeded, generator) -> torch.Tensor:
+               seeded, generator, noise=None) -> torch.Tensor:
     """draw() from logits already divided by their temperatures, with the greedy rows' tokens."""
     if filters is not None:
         scaled = _filter_sorted(scaled, *filters)
     probs = scaled.softmax(-1)
-    noise = torch.empty_like(probs).exponential_()
+    noise = torch.empty_like(probs).exponential_() if noise is None else noise(probs.shape)
     for row, seed in seeded:
         generator.manual_seed(seed)
         noise[row].exponential_(generator=generator)

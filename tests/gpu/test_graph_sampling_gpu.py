@@ -127,6 +127,31 @@ def test_captured_adjusted_sampling_draws_from_the_eager_samplers_distribution()
 
 
 @torch.inference_mode()
+def test_sampling_graphs_draw_without_torchs_rng_and_from_the_softmax():
+    """The sampling graphs that draw (kernels.exponential_noise) leave torch's CUDA RNG as it was,
+    so that a replay launches nothing outside the graph, and their tokens follow the softmax at
+    the row's temperature: the frequencies of 20,000 draws, bound as in the test above."""
+    vocab, rows, draws = 40, 4, 20_000
+    torch.manual_seed(1)
+    graphs = _captured_graphs(vocab, [rows])
+    params = [SamplingParams(temperature=t) for t in (0.5, 0.9, 1.0, 1.6)]
+    plan = _step_plan([_Stream(i, [1, 2, 3], p, EOS) for i, p in enumerate(params)])
+    kind = graphs.stage(plan, rows)
+    assert kind == "sample"
+    logits = torch.randn(rows, vocab, device="cuda") * 2
+    graphs.hidden.copy_(logits)
+    rng_state = torch.cuda.get_rng_state()
+    seen = torch.zeros(rows, vocab, device="cuda")
+    for _ in range(draws):
+        graphs.sample(rows, kind)
+        seen[torch.arange(rows), graphs.sampled[:rows]] += 1
+    assert torch.equal(torch.cuda.get_rng_state(), rng_state)
+    temps = torch.tensor([p.temperature for p in params], device="cuda")[:, None]
+    distance = 0.5 * (seen / draws - (logits / temps).softmax(-1)).abs().sum(-1)
+    assert distance.max().item() < 0.05, distance.tolist()
+
+
+@torch.inference_mode()
 def test_captured_adjusted_kinds_apply_structured_outputs_masks_as_the_eager_sampler():
     """Rows under structured output among rows with penalties and bans, in captured graphs: the
     masks copied in after the forward pass (sample_masked) give the eager Sampler's greedy tokens."""
