@@ -21,10 +21,12 @@ def _exponential_kernel(out_ptr, seed_ptr, n, SMALLEST: tl.constexpr, BLOCK: tl.
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     seed = tl.load(seed_ptr)
     bits = tl.randint(seed, offsets).to(tl.uint32, bitcast=True)
-    # The top 24 bits as an integer, exact in float32: u in (0, 1] on a grid of 2^-24.
-    u = ((bits >> 8).to(tl.float32) + 1.0) * (1.0 / 16777216.0)
-    e = tl.maximum(-tl.log(u), SMALLEST)
-    tl.store(out_ptr + offsets, e, mask=offsets < n)
+    # The top 24 bits as an integer, exact in float32: v in [0, 1) on a grid of 2^-24, and 1 - v
+    # exact too. E = -log(1 - v); near 0, where a fast log of 1 - v (close to 1) loses its digits,
+    # the series v + v^2/2 + v^3/3 (the terms left out under 2^-26 of E, below float32 rounding).
+    v = (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    e = tl.where(v < 1.0 / 256.0, v * (1.0 + v * (0.5 + v * (1.0 / 3.0))), -tl.log(1.0 - v))
+    tl.store(out_ptr + offsets, tl.maximum(e, SMALLEST), mask=offsets < n)
 
 
 def exponential_noise(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:

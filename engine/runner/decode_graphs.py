@@ -247,9 +247,11 @@ class DecodeGraphs:
         self._next_mask = 0
         self._masked_rows = 0  # the constrained rows of the step staged last
         # The sampling graphs' Exp(1) noise on a GPU comes from this seed, which each draw advances
-        # on the device (kernels.exponential_noise says why); its start comes from torch's RNG, so
-        # that torch.manual_seed repeats a run.
-        self.noise_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
+        # on the device (kernels.exponential_noise says why). Its start comes from torch's CPU RNG:
+        # torch.manual_seed before the engine is built repeats its draws, one called later does not
+        # reach them (a request's own seed does: those rows sample on the runner).
+        self.noise_seed = (torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
+                           if device.type == "cuda" else None)
         # Kernels were launched outside the graphs since the last forward replay (by the runner's
         # eager steps, or _build_counts): the next forward replay restores the graphs' PDL overlap
         # first (kernels.pdl.restore_graph_overlap).

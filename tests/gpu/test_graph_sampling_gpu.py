@@ -130,7 +130,8 @@ def test_captured_adjusted_sampling_draws_from_the_eager_samplers_distribution()
 def test_sampling_graphs_draw_without_torchs_rng_and_from_the_softmax():
     """The sampling graphs that draw (kernels.exponential_noise) leave torch's CUDA RNG as it was,
     so that a replay launches nothing outside the graph, and their tokens follow the softmax at
-    the row's temperature: the frequencies of 20,000 draws, bound as in the test above."""
+    the row's temperature: the frequencies of 20,000 draws, bound as in the test above, and one
+    draw's token independent of the draw's before (each row's likeliest token twice running)."""
     vocab, rows, draws = 40, 4, 20_000
     torch.manual_seed(1)
     graphs = _captured_graphs(vocab, [rows])
@@ -141,14 +142,21 @@ def test_sampling_graphs_draw_without_torchs_rng_and_from_the_softmax():
     logits = torch.randn(rows, vocab, device="cuda") * 2
     graphs.hidden.copy_(logits)
     rng_state = torch.cuda.get_rng_state()
-    seen = torch.zeros(rows, vocab, device="cuda")
-    for _ in range(draws):
+    tokens = torch.zeros(draws, rows, dtype=torch.int64, device="cuda")
+    for i in range(draws):
         graphs.sample(rows, kind)
-        seen[torch.arange(rows), graphs.sampled[:rows]] += 1
+        tokens[i] = graphs.sampled[:rows]
     assert torch.equal(torch.cuda.get_rng_state(), rng_state)
+    seen = torch.zeros(rows, vocab, device="cuda").scatter_add_(1, tokens.T, torch.ones(rows, draws, device="cuda"))
     temps = torch.tensor([p.temperature for p in params], device="cuda")[:, None]
     distance = 0.5 * (seen / draws - (logits / temps).softmax(-1)).abs().sum(-1)
     assert distance.max().item() < 0.05, distance.tolist()
+    likeliest = (tokens == seen.argmax(-1)).double()
+    p = likeliest.mean(0)
+    twice = (likeliest[1:] * likeliest[:-1]).mean(0)
+    # Overlapping pairs: the variance of their mean is (p^2 (1 - p^2) + 2 p^3 (1 - p)) / draws.
+    bound = 6 * ((p**2 * (1 - p**2) + 2 * p**3 * (1 - p)) / draws).sqrt()
+    assert ((twice - p**2).abs() < bound).all(), (twice.tolist(), (p**2).tolist())
 
 
 @torch.inference_mode()
