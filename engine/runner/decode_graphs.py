@@ -527,9 +527,16 @@ class DecodeGraphs:
             return out
         return noise
 
+    def _restore_overlap(self) -> None:
+        if self.device.type == "cuda":
+            from kernels.pdl import restore_graph_overlap  # start-up: Triton loads only where graphs run
+            restore_graph_overlap(self.device)
+
     @torch.inference_mode()
     def rehearse(self) -> None:
-        """Runs each step capture() would capture once, eagerly (ModelRunner._compile_ahead)."""
+        """Runs each step capture() would capture once, eagerly (ModelRunner._compile_ahead), and
+        the launch that replay() makes after eager kernels, so that its kernel is compiled ahead too."""
+        self._restore_overlap()
         for bucket in self.buckets:
             self.stage_padding(bucket)
             self._forward(bucket)
@@ -559,6 +566,8 @@ class DecodeGraphs:
             for kind in SAMPLE_KINDS:
                 if (bucket, kind) in self.sample_graphs:
                     self.sample_graphs[(bucket, kind)].replay()
+        # And the kernel replay() launches after eager kernels: loaded now, not in the first reply.
+        self._restore_overlap()
         torch.cuda.synchronize(self.device)
         return pool
 
@@ -568,8 +577,7 @@ class DecodeGraphs:
         graph = self.graphs.get(bucket)
         if graph is not None:
             if self.eager_kernels_since_replay:
-                from kernels.pdl import restore_graph_overlap  # start-up: Triton loads only where graphs run
-                restore_graph_overlap(self.device)
+                self._restore_overlap()
                 self.eager_kernels_since_replay = False
             graph.replay()
         else:

@@ -17,7 +17,8 @@ from tests.conftest import hf_greedy, random_prompts
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.whole_gpu]
 
 # In a fresh process with empty caches: the kernels in Triton's cache once the engine is built (a
-# compiled kernel is a folder holding a .cubin), the children left, then greedy answers.
+# compiled kernel is a folder holding a .cubin), the children left, greedy answers, and the kernels
+# in the cache after them.
 _START_COLD = """
 import json, os, sys
 from pathlib import Path
@@ -28,7 +29,9 @@ with LLM(sys.argv[1], device="cuda", dtype="float32", max_model_len=512, max_num
     children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
     ahead = llm.runner.kernels_compiled_ahead
     outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-print(json.dumps({"cubins": cubins, "children": children, "ahead": ahead, "tokens": [o["token_ids"] for o in outs]}))
+    served = len({p.parent for p in Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin")})
+print(json.dumps({"cubins": cubins, "served": served, "children": children, "ahead": ahead,
+                  "tokens": [o["token_ids"] for o in outs]}))
 """
 
 
@@ -43,5 +46,6 @@ def test_a_cold_start_compiles_its_kernels_ahead_in_workers_and_answers_exactly(
     print(f"compiled ahead: {run['ahead']}; kernels in Triton's cache once built: {run['cubins']}")
     # Every kernel the start compiled, the workers compiled: the warm-up's own launches found them.
     assert run["ahead"] >= 10 and run["cubins"] == run["ahead"]
+    assert run["served"] == run["cubins"], "the answers compiled kernels the start had not"
     assert run["children"] == [], "the compile workers outlived the start"
     assert run["tokens"] == hf_greedy(tiny_qwen3, prompts, 24)
