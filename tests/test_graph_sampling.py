@@ -224,8 +224,8 @@ def test_the_adjusted_kinds_give_the_eager_samplers_tokens_as_rows_come_and_go(s
         for s, token in zip(streams, got.tolist()):
             s.tokens.append(token)
     adjusted = {k for k in kinds if k.startswith(ADJUSTED)}
-    assert adjusted == ({ADJUSTED + "filter", ADJUSTED + "sample", ADJUSTED + "greedy"} if sampled
-                        else {ADJUSTED + "greedy"})
+    assert adjusted == ({ADJUSTED + "filter", ADJUSTED + "narrow_filter", ADJUSTED + "sample", ADJUSTED + "greedy"}
+                        if sampled else {ADJUSTED + "greedy"})
     assert next_id > bucket + 10 and len(built) < 2 * next_id  # slots were reused, not rebuilt each step
 
 
@@ -288,7 +288,8 @@ def test_rows_under_structured_output_sample_in_the_graph_with_their_masks(sampl
             s.tokens.append(token)
     assert masked_steps > 40
     assert {k for k in kinds if k.startswith(ADJUSTED)} == (
-        {ADJUSTED + "filter", ADJUSTED + "sample", ADJUSTED + "greedy"} if sampled else {ADJUSTED + "greedy"})
+        {ADJUSTED + "filter", ADJUSTED + "narrow_filter", ADJUSTED + "sample", ADJUSTED + "greedy"} if sampled
+        else {ADJUSTED + "greedy"})
 
 
 def test_rows_with_neutral_settings_come_out_of_the_adjustment_bit_for_bit():

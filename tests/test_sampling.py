@@ -1,7 +1,15 @@
 import torch
 
 from engine import LLM, SamplingParams
-from engine.runner.sampler import SAMPLE_CHUNK_ROWS, Sampler, filter_top_k_top_p
+from engine.runner.sampler import (
+    SAMPLE_CHUNK_ROWS,
+    TOP_K_WIDTH,
+    Sampler,
+    _beyond_top_k,
+    _filter_sorted,
+    filter_top_k_top_p,
+    filter_width,
+)
 
 
 def test_top_k_keeps_exactly_k_most_likely():
@@ -38,6 +46,58 @@ def test_top_p_of_one_keeps_even_tokens_whose_mass_rounds_away():
     out = filter_top_k_top_p(logits, torch.tensor([0, 3]), torch.tensor([1.0, 0.5]))
     assert torch.isfinite(out[0]).all()
     assert torch.isfinite(out[1]).sum() == 1
+
+
+def test_the_narrow_filter_keeps_what_the_sort_of_the_whole_vocabulary_keeps():
+    """Rows that keep at most TOP_K_WIDTH tokens by top_k are filtered over their largest logits
+    only (a top-k instead of a sort): the same logits kept, the same -inf elsewhere, with top_p
+    cutting inside the top-k, at the width's edge, and structured output's -inf in the row."""
+    vocab = 3000
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(11)) * 3
+    logits[5, 40:] = float("-inf")  # fewer allowed tokens than the width
+    top_k = torch.tensor([1, 20, 64, 64, 7, 64])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.3, 0.5, 0.99])
+    params = [SamplingParams(temperature=0.7, top_k=int(k)) for k in top_k]
+    assert filter_width(params, vocab) == TOP_K_WIDTH
+    narrow = _filter_sorted(logits, _beyond_top_k(top_k, TOP_K_WIDTH), top_p[:, None])
+    assert torch.equal(narrow, filter_top_k_top_p(logits, top_k, top_p))
+    kept = torch.isfinite(narrow).sum(-1).tolist()
+    assert kept[0] == 1 and kept[2] == 64 and 1 <= kept[1] < 20 and kept[5] <= 40
+
+
+def test_the_filter_ranks_the_whole_vocabulary_unless_every_sampling_row_keeps_few():
+    few = SamplingParams(temperature=0.7, top_k=TOP_K_WIDTH)
+    greedy = SamplingParams(temperature=0)  # its top_k is 0 (off), and the argmax needs no filter
+    assert filter_width([few, greedy], 1000) == TOP_K_WIDTH
+    assert filter_width([few, SamplingParams(temperature=0.7, top_p=0.9)], 1000) == 1000
+    assert filter_width([few, SamplingParams(temperature=0.7, top_k=TOP_K_WIDTH + 1)], 1000) == 1000
+    assert filter_width([few], TOP_K_WIDTH) == TOP_K_WIDTH  # a vocabulary no wider: the sort as it was
+    # A seeded row's draw must not depend on its batch, and with tied logits the two widths may keep
+    # different tokens: a batch with one takes the sort.
+    assert filter_width([few, SamplingParams(temperature=0.7, top_k=20, seed=1)], 1000) == 1000
+
+
+def test_a_seeded_row_with_tied_logits_draws_the_same_alone_and_beside_a_row_without_top_k():
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.randint(0, 4, (2, 500)).float()  # hundreds of ties at every top-k cut
+    seeded = SamplingParams(temperature=1.0, top_k=20, seed=5)
+    unfiltered = SamplingParams(temperature=1.0)  # alone, the seeded row could take the narrow filter
+    for position in range(50):
+        alone = sampler(logits[:1], [seeded], [position]).item()
+        beside = sampler(logits, [seeded, unfiltered], [position, position]).tolist()[0]
+        assert alone == beside, position
+
+
+def test_batches_of_narrow_rows_sampled_in_chunks_keep_each_rows_settings():
+    sampler = Sampler(torch.device("cpu"))
+    rows = 2 * SAMPLE_CHUNK_ROWS + 3
+    logits = torch.randn(rows, 200)
+    params = [SamplingParams(temperature=1.0, top_k=1 + row % TOP_K_WIDTH) for row in range(rows)]
+    assert filter_width(params, 200) == TOP_K_WIDTH
+    tokens = sampler(logits, params, list(range(rows)))
+    ranks = (logits > logits.gather(1, tokens[:, None])).sum(-1)  # how many logits beat the drawn one
+    assert all(rank < p.top_k for rank, p in zip(ranks.tolist(), params))
+    assert (tokens[::TOP_K_WIDTH] == logits[::TOP_K_WIDTH].argmax(-1)).all()  # the rows at top_k=1
 
 
 def test_sampler_draws_from_the_distribution():

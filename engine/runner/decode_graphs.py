@@ -33,7 +33,7 @@ import torch
 
 from engine.core.step_plan import StepPlan
 from engine.layers.attention import AttentionMetadata
-from engine.runner.sampler import _beyond_top_k, _draw_from, draw
+from engine.runner.sampler import TOP_K_WIDTH, _beyond_top_k, _draw_from, draw, filter_width
 from engine.runner.step_graphs import capture_graph
 
 # Tokens a row may have banned at once (min_tokens' end-of-sequence ids) in the adjusted kinds, and
@@ -58,7 +58,10 @@ _FIELDS = (("input_ids", torch.int64, "q", 0, 1), ("positions", torch.int64, "q"
 # What the forward pass and the plain kinds read: a step of those leaves the rest as it was.
 _PLAIN_FIELDS = _FIELDS[:[name for name, *_ in _FIELDS].index("repetition")]
 ADJUSTED = "adjusted_"
-SAMPLE_KINDS = ("greedy", "sample", "filter", ADJUSTED + "greedy", ADJUSTED + "sample", ADJUSTED + "filter")
+# "filter" ranks the whole vocabulary for top-k/top-p, "narrow_filter" a row's TOP_K_WIDTH largest logits
+# (sampler.filter_width).
+SAMPLE_KINDS = ("greedy", "sample", "filter", "narrow_filter",
+                ADJUSTED + "greedy", ADJUSTED + "sample", ADJUSTED + "filter", ADJUSTED + "narrow_filter")
 _BLOCK_ZERO = bytes(4)
 # Sampling graphs hold their logits and the sort of top-k/top-p in the graph pool for good; past
 # this many rows a step's GPU time dwarfs the host time they save.
@@ -329,7 +332,7 @@ class DecodeGraphs:
             elif all(greedy):
                 self._kind = "greedy"
             elif any(p.top_k > 0 or p.top_p < 1 for p in params):
-                self._kind = "filter"
+                self._kind = "narrow_filter" if filter_width(params, self.vocab_size) < self.vocab_size else "filter"
             else:
                 self._kind = "sample"
             if self._adjusted and self._kind is not None:
@@ -492,7 +495,10 @@ class DecodeGraphs:
         logits = self.model.compute_logits(self.hidden[:bucket])
         adjusted = kind.startswith(ADJUSTED)
         kind = kind.removeprefix(ADJUSTED)
-        filters = (_beyond_top_k(v["top_k"], logits.shape[-1]), v["top_p"][:, None]) if kind == "filter" else None
+        filters = None
+        if kind in ("filter", "narrow_filter"):
+            width = min(TOP_K_WIDTH, logits.shape[-1]) if kind == "narrow_filter" else logits.shape[-1]
+            filters = (_beyond_top_k(v["top_k"], width), v["top_p"][:, None])
         if adjusted:
             # Sampler.sample's order for rows that are not plain: adjust, scale, cut by min_p, draw.
             logits = self._adjust(logits, v)

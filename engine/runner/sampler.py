@@ -20,16 +20,41 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return _filter_sorted(logits, _beyond_top_k(top_k, logits.shape[-1]), top_p[:, None])
 
 
-def _beyond_top_k(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, vocab] bool: True at the sorted ranks past each row's top_k."""
-    rank = torch.arange(vocab, device=top_k.device)
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+def _beyond_top_k(top_k: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, width] bool: True at the sorted ranks past each row's top_k, over the first `width`
+    ranks (the vocabulary, or filter_width's narrower one)."""
+    rank = torch.arange(width, device=top_k.device)
+    k = torch.where(top_k > 0, top_k, width).clamp(max=width)
     return rank[None, :] >= k[:, None]
 
 
+# Every row that samples keeps at most this many tokens (0 < top_k <= TOP_K_WIDTH): the filter
+# looks only at each row's TOP_K_WIDTH largest logits, a top-k instead of a sort of the whole
+# vocabulary. The app's default top_k is 20 (nvchat.settings), as Qwen3 recommends; llama.cpp's 40.
+TOP_K_WIDTH = 64
+
+
+def filter_width(params, vocab: int) -> int:
+    """The columns of _beyond_top_k's mask for these rows' filter: TOP_K_WIDTH when every row with
+    a temperature keeps at most that many tokens by its top_k (greedy rows take the argmax, which
+    every filter keeps), else the whole vocabulary. Both keep the same logit values, but where
+    tied logits straddle the cut, topk and sort may keep different ones of them; so a batch with
+    a seeded row, whose draw must not depend on what shares its batch, always takes the sort."""
+    if vocab > TOP_K_WIDTH and all(p.temperature == 0 or (0 < p.top_k <= TOP_K_WIDTH and p.seed is None)
+                                   for p in params):
+        return TOP_K_WIDTH
+    return vocab
+
+
 def _filter_sorted(logits: torch.Tensor, beyond_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """filter_top_k_top_p given _beyond_top_k's mask and top_p as a [rows, 1] column."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    """filter_top_k_top_p given _beyond_top_k's mask and top_p as a [rows, 1] column. A mask
+    narrower than the logits (filter_width) ranks only that many of each row's largest logits;
+    every token past them is dropped."""
+    width = beyond_k.shape[-1]
+    if width < logits.shape[-1]:
+        sorted_logits, order = logits.topk(width, dim=-1)
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.masked_fill(beyond_k, float("-inf")).softmax(-1)
     # Keep a token when the mass before it is still under top_p; the most likely token always stays.
     # top_p=1 must keep everything, but a float32 cumsum can round up to 1.0 before the tail's
@@ -38,7 +63,8 @@ def _filter_sorted(logits: torch.Tensor, beyond_k: torch.Tensor, top_p: torch.Te
     drop = beyond_k | ((mass_before >= top_p) & (top_p < 1))
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    out = torch.empty_like(logits) if width == logits.shape[-1] else torch.full_like(logits, float("-inf"))
+    return out.scatter_(-1, order, sorted_logits)
 
 
 class Sampler:
@@ -75,7 +101,7 @@ class Sampler:
 
     def _row_settings(self, params: list[SamplingParams], vocab: int):
         """(temperatures as a column, greedy rows or None, (top-k mask, top-p column) or None)."""
-        key = (vocab, [(p.temperature, p.top_k, p.top_p) for p in params])
+        key = (vocab, [(p.temperature, p.top_k, p.top_p, p.seed is None) for p in params])
         if key == self._rows_key:
             return self._rows
         is_greedy = [p.temperature == 0 for p in params]
@@ -87,7 +113,8 @@ class Sampler:
             # Any top_k from the vocabulary's size up keeps every token; capped so that one request's
             # huge value (2**64 is a valid int) can't overflow the tensor and fail the whole batch.
             top_k = self._to_device([min(p.top_k, vocab) for p in params], torch.int64)
-            filters = (_beyond_top_k(top_k, vocab), self._to_device([p.top_p for p in params], torch.float32)[:, None])
+            filters = (_beyond_top_k(top_k, filter_width(params, vocab)),
+                       self._to_device([p.top_p for p in params], torch.float32)[:, None])
         self._rows, self._rows_key = (temps, greedy_rows, filters), key
         return self._rows
 

@@ -137,7 +137,7 @@ def agreement(tokens: list[list[int]], greedy: list[list[int]]) -> str:
 
 
 def check_sampling_graphs(llm: LLM, ref: Reference, greedy: list[list[int]], dtype: str, case: str) -> None:
-    """The captured sampling in this dtype, "filter" (top-k) and "sample" graphs: a top-k of 1 and
+    """The captured sampling in this dtype, "narrow_filter" (a top-k of 1) and "sample" graphs: a top-k of 1 and
     a near-zero temperature pick the greedy tokens (at 1e-6 a logit 1e-4 below the best keeps
     e^-100 of its probability). Exactly so in float32; in half precision two logits can round to
     the same value, and then a draw may take either, so there the tokens are only checked to be

@@ -85,11 +85,13 @@ def test_sampling_graphs_draw_within_the_settings_and_afresh_each_replay(engines
              SamplingParams(temperature=1e-4, max_tokens=24, ignore_eos=True), GREEDY]
     llm = engines[False]
     graphs = llm.runner.decode_graphs
-    assert {kind for _, kind in graphs.sample_graphs} == {"greedy", "sample", "filter", "adjusted_greedy",
-                                                          "adjusted_sample", "adjusted_filter"}
+    assert {kind for _, kind in graphs.sample_graphs} == {"greedy", "sample", "filter", "narrow_filter", "adjusted_greedy",
+                                                          "adjusted_sample", "adjusted_filter", "adjusted_narrow_filter"}
     greedy = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
     forced = [o["token_ids"] for o in llm.generate(prompts, [force[i % 3] for i in range(len(prompts))])]
     assert forced == greedy
+    # Every row at top_k=1: the "narrow_filter" graph, which ranks each row's 64 largest logits only.
+    assert [o["token_ids"] for o in llm.generate(prompts, force[0])] == greedy
     free = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True)
     draws = [o["token_ids"] for o in llm.generate([prompts[0]] * 4, free)]
     assert len({tuple(d) for d in draws}) > 1
