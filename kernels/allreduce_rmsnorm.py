@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.rmsnorm import add_rms_norm_row
 
 MAX_PROGRAMS = 32  # each owns one row of flags; rows are shared out among them
@@ -45,8 +46,11 @@ def _barrier(flag_ptrs, rank, program, WORLD: tl.constexpr):
 def _all_reduce_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buffer_ptrs, flag_ptrs,
                                 rank, rows, n_cols, slot_offset, eps,
                                 stride_x, stride_r, stride_o, stride_ro,
-                                WORLD: tl.constexpr, BLOCK: tl.constexpr):
+                                WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     program = tl.program_id(0)
+    if PDL:  # x comes from the kernel before; the next one may launch and load its weights meanwhile
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -82,8 +86,10 @@ def all_reduce_rms_norm(x, residual, weight, eps, *, buffer_ptrs, flag_ptrs, ran
     res_out = torch.empty_like(x)
     if rows:
         block = triton.next_power_of_2(hidden)
+        use_pdl = pdl.enabled(x.device)
         _all_reduce_rms_norm_kernel[(min(rows, MAX_PROGRAMS),)](
             x, residual, weight, out, res_out, buffer_ptrs, flag_ptrs, rank, rows, hidden, slot_offset, eps,
             x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
-            WORLD=buffer_ptrs.shape[0], BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+            WORLD=buffer_ptrs.shape[0], BLOCK=block, PDL=use_pdl, num_warps=min(max(block // 256, 1), 8),
+            launch_pdl=use_pdl)
     return out, res_out
