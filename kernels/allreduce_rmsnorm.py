@@ -48,9 +48,8 @@ def _all_reduce_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf
                                 stride_x, stride_r, stride_o, stride_ro,
                                 WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     program = tl.program_id(0)
-    if PDL:  # x comes from the kernel before; the next one may launch and load its weights meanwhile
+    if PDL:  # x comes from the kernel before
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -60,6 +59,12 @@ def _all_reduce_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask)
         tl.store(mine + row * n_cols + cols, x, mask=mask)
     _barrier(flag_ptrs, rank, program, WORLD)
+    if PDL:
+        # The next kernel may launch and load its weights while the slots are summed, but not
+        # while this one waits at the barrier: its programs would wait on this one and could fill
+        # every SM, leaving none for the kernels that open the barrier when a peer has died
+        # (symm_allreduce.SymmAllReduce.abort).
+        tl.extra.cuda.gdc_launch_dependents()
     for row in range(program, rows, programs):
         total = tl.zeros([BLOCK], tl.float32)
         # Every rank adds the slots in rank order, so every rank gets the same bits.
