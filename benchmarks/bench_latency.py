@@ -96,6 +96,7 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="run prefill and mixed steps eagerly (decode steps still use graphs)")
@@ -116,7 +117,8 @@ def main():
     _, _, kv_per_token = model_bytes_and_kv(Path(args.config))
     llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=args.tp, max_model_len=8192,
               max_num_seqs=64, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-              prefill_cuda_graphs=args.prefill_cuda_graphs, host_cache_gib=args.host_cache_gib)
+              prefill_cuda_graphs=args.prefill_cuda_graphs, host_cache_gib=args.host_cache_gib,
+              kv_cache_dtype=args.kv_cache_dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     pin_host_tier(llm)
     rows, result = [], {"decode": {}, "decode_graph_gpu_ms": {}, "ttft": {},

@@ -23,7 +23,7 @@ def run_nvchat(args, prompts, max_tokens) -> dict:
     llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=args.tp,
               max_model_len=2048, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-              async_scheduling=args.overlap == "on")
+              async_scheduling=args.overlap == "on", kv_cache_dtype=args.kv_cache_dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in max_tokens]
     torch.cuda.synchronize()
@@ -74,6 +74,8 @@ def main():
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: the KV cache in e4m3 (the roofline counts its bytes as such)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--overlap", choices=["on", "off"], default="on",
                    help="async_scheduling: the host's step work overlapped with the GPU")
@@ -84,6 +86,8 @@ def main():
 
     prompts, max_tokens = nano_vllm_workload(args.num_seqs)
     _, weight_bytes, kv_per_token = model_bytes_and_kv(Path(args.config))
+    if args.kv_cache_dtype == "fp8":
+        kv_per_token //= 2  # one byte an element against bf16's two
     roofline = throughput_roofline(prompts, max_tokens, weight_bytes, kv_per_token, active_params(Path(args.config)))
     results = [run_nvchat(args, prompts, max_tokens)]
     print(f"nvchat: {results[0]['tok_per_s']:,.0f} tok/s ({results[0]['seconds']:.2f} s)", flush=True)
@@ -97,7 +101,8 @@ def main():
     print(f"workload: {len(prompts)} seqs, {sum(len(x) for x in prompts):,} prompt tokens, "
           f"{sum(max_tokens):,} output tokens; roofline {roofline:,.0f} tok/s")
     print_table(rows, ("engine", "seqs", "out tokens", "s", "tok/s", "of roofline"))
-    write_json(args.out, {"roofline_tok_per_s": roofline, "results": results, "tp": args.tp, "config": args.config})
+    write_json(args.out, {"roofline_tok_per_s": roofline, "results": results, "tp": args.tp, "config": args.config,
+                          "kv_cache_dtype": args.kv_cache_dtype})
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ class EngineConfig(EngineOptions):
     # Resolved from the options of the same name: parsed, and never None.
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # from kv_cache_dtype: dtype, or torch.float8_e4m3fn
     kvcache_block_size: int
     attention_backend: str
     prefill_cuda_graphs: bool
@@ -162,6 +163,12 @@ class EngineConfig(EngineOptions):
             ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
             dtype = parse_dtype(ckpt_dtype) if device.type == "cuda" else torch.float32
         dtype = parse_dtype(dtype)
+        kv_dtype = dtype
+        if options.kv_cache_dtype == "fp8":
+            if device.type == "cuda" and not _has_fp8(device):
+                raise ValueError("kv_cache_dtype='fp8' needs a CUDA GPU with FP8 (compute capability 8.9 or more: "
+                                 "Ada, Hopper, Blackwell)")
+            kv_dtype = torch.float8_e4m3fn
 
         if hf_config.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
@@ -178,7 +185,7 @@ class EngineConfig(EngineOptions):
                         attention_backend=backend, prefill_cuda_graphs=bool(prefill_cuda_graphs),
                         quantization=quantization, host_cache_gib=host_cache_gib, disk_cache_dir=disk_cache_dir)
         return cls(**{**options.keywords(), **resolved}, model_path=path, hf_config=hf_config,
-                   architecture=architecture)
+                   architecture=architecture, kv_dtype=kv_dtype)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -186,7 +193,7 @@ class EngineConfig(EngineOptions):
         c = self.hf_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         kv_heads = max(1, c.num_key_value_heads // self.tensor_parallel_size)
-        return 2 * c.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+        return 2 * c.num_hidden_layers * kv_heads * head_dim * self.kv_dtype.itemsize
 
 
 def _model_config(path: Path, raw: dict):

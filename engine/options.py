@@ -25,6 +25,7 @@ def default_cache_dir() -> Path:
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 QUANTIZATIONS = ("int8", "int4", "fp8")  # int8/int4: weight-only on CPU (engine/layers/quantized.py); fp8: CUDA
 LOAD_FORMATS = ("safetensors", "random")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 # A chat engine serves streams that someone is reading, so an EngineThread that builds its own
 # engine prefills a long prompt in chunks of this many tokens (decode tokens included) between their
@@ -77,6 +78,10 @@ class EngineOptions:
                                             "dequantized)",
                                       unset="none, but a block-FP8 checkpoint stays FP8 on a GPU with FP8",
                                       choices=("auto", *QUANTIZATIONS, "none"))
+    kv_cache_dtype: str = option("auto", "the KV cache's element type: auto, the model's dtype; fp8, e4m3 without "
+                                         "scales: twice the tokens in the same memory and half the bytes a step "
+                                         "reads, not bit-exact (a GPU with FP8, or CPU through the torch or "
+                                         "Triton attention)", choices=KV_CACHE_DTYPES)
     # engine/llm.py's docstring says how.
     async_scheduling: bool = option(True, "the GPU runs each step while the host settles the one before")
     # The KV cache's lower tiers (engine/core/kv_tiers.py): blocks the device's cache evicts, kept so
@@ -121,6 +126,11 @@ class EngineOptions:
         if self.quantization not in (None, "auto", "none", *QUANTIZATIONS):
             raise ValueError(f"unsupported quantization {self.quantization!r}; use {', '.join(QUANTIZATIONS)}, "
                              "auto or none")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.attention_backend == "flash_attn":
+            raise ValueError("kv_cache_dtype='fp8' needs attention_backend 'triton' or 'torch': the flash_attn "
+                             "backend reads a cache in the model's dtype only")
         if self.prefill_cuda_graphs and self.attention_backend == "flash_attn":
             raise ValueError("prefill_cuda_graphs needs attention_backend='triton': flash-attn's varlen call "
                              "reads the longest context on the host, which a CUDA graph can't capture")

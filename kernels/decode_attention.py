@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import launch_limits, pdl
+from kernels.fp8 import as_cached
 from kernels.norm_rope_store import check_norm_rope_inputs
 
 LOG2E = 1.4426950408889634
@@ -79,7 +80,8 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
         valid = pos < end
         kv_mask = valid[:, None] & d_mask[None, :]
         k_rows = _kv_offsets(table, pos, valid, stride_kb, stride_kt, BLOCK_SIZE)
-        k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # An FP8 cache's tiles widen to q's dtype for the dot (exact: every e4m3 value is a bf16 one).
+        k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -87,7 +89,7 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = _kv_offsets(table, pos, valid, stride_vb, stride_vt, BLOCK_SIZE)
-        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
@@ -298,10 +300,10 @@ def _decode_from_qkv_kernel(
             k_new = _norm_rope_rows(k_row, d_mask[None, :], kw_ptr, d, partner, d_mask, cos, sin, head_dim, eps,
                                     HAS_NORM)
             # Via qkv's dtype first, so a cache of another dtype sees what the unfused path stored.
-            k_new = k_new.to(qkv_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
+            k_new = as_cached(k_new.to(qkv_ptr.dtype.element_ty), k_ptr)
             tl.store(k_head + block * stride_kb + offset * stride_kt + d[None, :], k_new, mask=d_mask[None, :])
             v_new = tl.load(row + (num_heads + num_kv_heads + kv_head) * head_dim + d, mask=d_mask)
-            tl.store(v_head + block * stride_vb + offset * stride_vt + d, v_new.to(v_ptr.dtype.element_ty),
+            tl.store(v_head + block * stride_vb + offset * stride_vt + d, as_cached(v_new, v_ptr),
                      mask=d_mask)
         tl.debug_barrier()
 

@@ -125,6 +125,16 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def as_cached(x, cache_ptr):
+    """x as a KV cache of cache_ptr's element type keeps it: an e4m3 cache (no scale) saturates at
+    +-448 and rounds half to even through _round_to_e4m3, so the interpreter stores what the GPU does."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        return _round_to_e4m3(tl.clamp(x.to(tl.float32), -448.0, 448.0)).to(tl.float8e4nv)  # FP8_MAX
+    else:
+        return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, num_groups, stride_x, stride_q, stride_s_row, stride_s_group,
                           GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
     # GROUPS groups of GROUP columns of one row, each scaled by its own largest magnitude. Rows from

@@ -3,6 +3,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.fp8 import as_cached
 
 
 @triton.jit
@@ -27,9 +28,9 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+             as_cached(k, k_cache_ptr), mask=mask)
     tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+             as_cached(v, v_cache_ptr), mask=mask)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.fp8 import as_cached
 
 
 @triton.jit
@@ -79,13 +80,13 @@ def _norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
         k1, k2 = _norm_rope(k_ptrs, jm, kw_ptr, j, jm, cos1, sin1, cos2, sin2, half, eps, HAS_NORM)
         kc = k_cache_ptr + block * stride_kcb + offset * stride_kct + kvh * stride_kch + j
         # Via qkv's dtype first, so a cache of another dtype sees what the unfused path stored.
-        tl.store(kc, k1.to(qkv_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=jm)
-        tl.store(kc + half, k2.to(qkv_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=jm)
+        tl.store(kc, as_cached(k1.to(qkv_ptr.dtype.element_ty), k_cache_ptr), mask=jm)
+        tl.store(kc + half, as_cached(k2.to(qkv_ptr.dtype.element_ty), k_cache_ptr), mask=jm)
 
         v_ptrs = row + (num_heads + num_kv_heads + kvh) * head_dim + j
         vc = v_cache_ptr + block * stride_vcb + offset * stride_vct + kvh * stride_vch + j
-        tl.store(vc, tl.load(v_ptrs, mask=jm).to(v_cache_ptr.dtype.element_ty), mask=jm)
-        tl.store(vc + half, tl.load(v_ptrs + half, mask=jm).to(v_cache_ptr.dtype.element_ty), mask=jm)
+        tl.store(vc, as_cached(tl.load(v_ptrs, mask=jm), v_cache_ptr), mask=jm)
+        tl.store(vc + half, as_cached(tl.load(v_ptrs + half, mask=jm), v_cache_ptr), mask=jm)
 
 
 def check_norm_rope_inputs(qkv, cos, sin, k_cache, v_cache, q_norm_weight, k_norm_weight, head_dim) -> bool:

@@ -207,7 +207,8 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, hi, qk_sca
         valid = pos < hi
         kv_mask = valid[:, None] & d_mask[None, :]
         k_rows = _kv_offsets(table, pos, valid, stride_kb, stride_kt, BLOCK_SIZE)
-        k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # An FP8 cache's tiles widen to q's dtype for the dot (exact: every e4m3 value is a bf16 one).
+        k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         if CAUSAL:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -218,7 +219,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, hi, qk_sca
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = _kv_offsets(table, pos, valid, stride_vb, stride_vt, BLOCK_SIZE)
-        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     return acc, l_i, m_i

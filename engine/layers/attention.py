@@ -36,6 +36,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = None  # set by the runner
         self.k_cache = self.v_cache = torch.empty(0)
+        # The model's dtype (the runner builds the model under it as torch's default): what q and k
+        # are computed in, whichever dtype the cache keeps them in.
+        self.dtype = torch.get_default_dtype()
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         k = k.view(-1, self.num_kv_heads, self.head_dim)

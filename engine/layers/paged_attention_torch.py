@@ -9,12 +9,38 @@ import torch
 import torch.nn.functional as F
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+def _writable(cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache as [slots, kv_heads, head_dim] to index_copy_ into: an FP8 cache's bytes,
+    since torch has no FP8 index_copy_ on CPU."""
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat.view(torch.uint8) if cache.dtype == FP8 else flat
+
+
+def _as_stored(new: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """new as `cache` keeps it, in _writable's dtype. FP8 saturates at +-448, as the kernels' store
+    does."""
+    if cache.dtype == FP8:
+        return new.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    return new.to(cache.dtype)
+
+
+def _select(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """flat.index_select(0, index), an FP8 cache's through its bytes: torch's FP8 kernels are few."""
+    if flat.dtype == FP8:
+        return flat.view(torch.uint8).index_select(0, index).view(FP8)
+    return flat.index_select(0, index)
+
+
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Scatters key/value [tokens, kv_heads, head_dim] to their slots; slot -1 means skip."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep])
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep])
+    _writable(k_cache).index_copy_(0, slots, _as_stored(key[keep], k_cache))
+    _writable(v_cache).index_copy_(0, slots, _as_stored(value[keep], v_cache))
 
 
 class StepContext:
@@ -64,17 +90,17 @@ def _consecutive(table, blocks: int) -> bool:
 def store_step_kv(key, value, k_cache, v_cache, meta) -> None:
     """store_kv with the step's context: no mask to compute where every token has a slot."""
     if not meta.context.all_slots_valid:
-        store_kv(key, value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
+        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         return
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+    _writable(k_cache).index_copy_(0, meta.slot_mapping, _as_stored(key, k_cache))
+    _writable(v_cache).index_copy_(0, meta.slot_mapping, _as_stored(value, v_cache))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
     # index_select, not cache[blocks]: a third of the time for a decode step's few blocks on CPU.
-    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]
+    return _select(cache, block_table[:num_blocks]).flatten(0, 1)[:length]
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
@@ -118,10 +144,10 @@ def sdpa_decode_attention(q, k_cache, v_cache, context: StepContext, scale):
         k = k_cache.view(-1, kv_heads, head_dim)[start:start + longest]
         v = v_cache.view(-1, kv_heads, head_dim)[start:start + longest]
     else:
-        k = k_cache.view(-1, kv_heads, head_dim).index_select(0, context.slots)
-        v = v_cache.view(-1, kv_heads, head_dim).index_select(0, context.slots)
-    k = k.view(batch, longest, kv_heads, head_dim).transpose(1, 2)
-    v = v.view(batch, longest, kv_heads, head_dim).transpose(1, 2)
+        k = _select(k_cache.view(-1, kv_heads, head_dim), context.slots)
+        v = _select(v_cache.view(-1, kv_heads, head_dim), context.slots)
+    k = k.to(q.dtype).view(batch, longest, kv_heads, head_dim).transpose(1, 2)
+    v = v.to(q.dtype).view(batch, longest, kv_heads, head_dim).transpose(1, 2)
     grouped = q.view(batch, kv_heads, -1, head_dim)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=context.mask, scale=scale)
     return out.reshape(batch, -1, head_dim)  # the kernel's output is a transposed view
@@ -138,8 +164,8 @@ def sdpa_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, bloc
         qs, qe = cu[i], cu[i + 1]
         if qe == qs:
             continue
-        k = gather_context(k_cache, block_tables[i], length).transpose(0, 1)[None]
-        v = gather_context(v_cache, block_tables[i], length).transpose(0, 1)[None]
+        k = gather_context(k_cache, block_tables[i], length).to(q.dtype).transpose(0, 1)[None]
+        v = gather_context(v_cache, block_tables[i], length).to(q.dtype).transpose(0, 1)[None]
         queries = q[qs:qe].transpose(0, 1)[None]
         if qe - qs == length:  # no cached prefix: plain causal
             mask = None
@@ -169,8 +195,8 @@ def store_kv_in_graph(key, value, k_cache, v_cache, slot_mapping) -> None:
     slots = slot_mapping.index_select(0, source).clamp(min=0)
     any_kept = keep.any()
     for new, cache in ((key, k_cache), (value, v_cache)):
-        flat = cache.view(-1, *cache.shape[2:])
-        kept = torch.where(any_kept, new.index_select(0, source), flat.index_select(0, slots))
+        flat = _writable(cache)
+        kept = torch.where(any_kept, _as_stored(new, cache).index_select(0, source), flat.index_select(0, slots))
         flat.index_copy_(0, slots, kept)
 
 
@@ -189,10 +215,10 @@ def sdpa_decode_attention_in_graph(q, k_cache, v_cache, block_tables, context_le
     slots = (blocks[:, :, None] * block_size + positions[:block_size]).view(batch, -1)
     visible = positions[None, :] < context_lens[:, None]
     slots = torch.where(visible, slots, slots[:, :1]).flatten()
-    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
-    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
-    k = k.view(batch, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    v = v.view(batch, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    k = _select(k_cache.view(-1, num_kv_heads, head_dim), slots)
+    v = _select(v_cache.view(-1, num_kv_heads, head_dim), slots)
+    k = k.to(q.dtype).view(batch, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.to(q.dtype).view(batch, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
     grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=visible[:, None, None, :], scale=scale)
     return out.reshape(batch, num_heads, head_dim)

@@ -56,8 +56,8 @@ class DecoderAttention(nn.Module):
             o = self.attn.forward_qkv(qkv, positions, self.rotary, self.q_norm, self.k_norm, meta)
             return self.o_proj(o), residual
         # qkv may be in a quantized product's bf16 (engine/layers/quantized.py): RoPE's float32 rows
-        # promote q and k back to the cache's dtype, and the store converts v.
-        dtype = self.attn.k_cache.dtype
+        # promote q and k back to the model's dtype, and the store converts v.
+        dtype = self.attn.dtype
         rows = self.rotary.rows_for_step(positions, meta.rope_rows, dtype)
         heads = self.num_heads
         # q and k side by side in qkv: one RoPE over both where no norm comes between.

@@ -49,7 +49,7 @@ _STAGE_BYTES = 32 << 20
 # Load batches' events kept for steps to wait on: a batch no step asks for is covered by any later one.
 _MAX_LOAD_EVENTS = 256
 _FILE_NAME = re.compile(r"([0-9a-f]{16})\.(\d+)\.safetensors")
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8"}
 _MAX_HEADER_BYTES = 1 << 20  # a block's header holds its token ids: a few KiB
 # Threads reading files side by side: a read and its checksum let go of the GIL, and one thread
 # copies from the page cache at a fraction of the memory's bandwidth. A 4,096-token Qwen3-8B

@@ -234,7 +234,9 @@ class ModelRunner:
         self._allocate_kv_cache(self.num_blocks)
         self.tiers = self._make_tiers()
         # Decode steps on CPU run as one loop over the layers where the model allows it.
-        if self.device.type == "cpu" and self.backend.name == "torch" and CpuDecode.supports(self.model):
+        # Its kernels read a cache in the model's dtype only.
+        if (self.device.type == "cpu" and self.backend.name == "torch" and config.kv_dtype == config.dtype
+                and CpuDecode.supports(self.model)):
             self._cpu_decode = CpuDecode(self.model)
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(progress)
@@ -440,7 +442,7 @@ class ModelRunner:
         # committed when a token's K/V first lands on it; the CPU attention reads only the slots
         # below a sequence's length, which are always written.
         allocate = torch.zeros if self.device.type == "cuda" else torch.empty
-        self.kv_cache = allocate(shape, dtype=self.config.dtype, device=self.device)
+        self.kv_cache = allocate(shape, dtype=self.config.kv_dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -461,11 +463,14 @@ class ModelRunner:
         if not slots:
             return None
         block_shape = tuple(self.kv_cache.permute(2, 0, 1, 3, 4, 5).shape[1:])
+        # The tiers copy blocks as they are; an FP8 cache as its bytes, since torch's index_copy_
+        # has no FP8 kernel on CPU.
+        cache = self.kv_cache.view(torch.uint8) if self.kv_cache.dtype.itemsize == 1 else self.kv_cache
         disk = None
         if self.config.disk_cache_dir is not None:
-            disk = DiskStore(self.config.disk_cache_dir, kv_fingerprint(self.config, block_shape, self.config.dtype),
-                             self.rank, block_shape, self.config.dtype)
-        return KVTierCopies(self.kv_cache, slots, disk)
+            disk = DiskStore(self.config.disk_cache_dir, kv_fingerprint(self.config, block_shape, self.config.kv_dtype),
+                             self.rank, block_shape, cache.dtype)
+        return KVTierCopies(cache, slots, disk)
 
     def host_slots_allocated(self) -> int:
         return self.tiers.host.allocated_slots
