@@ -96,7 +96,8 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default=None)
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: the KV cache in e4m3 (the floors count its bytes as such)")
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="run prefill and mixed steps eagerly (decode steps still use graphs)")
@@ -115,6 +116,8 @@ def main():
     random.seed(0)
 
     _, _, kv_per_token = model_bytes_and_kv(Path(args.config))
+    if args.kv_cache_dtype == "fp8":
+        kv_per_token //= 2  # one byte an element against bf16's two
     llm = LLM(args.config, load_format="random", dtype="bfloat16", tensor_parallel_size=args.tp, max_model_len=8192,
               max_num_seqs=64, enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               prefill_cuda_graphs=args.prefill_cuda_graphs, host_cache_gib=args.host_cache_gib,
@@ -170,7 +173,7 @@ def main():
         rows.append(("TTFT 2048 sys + 50, cached", f"{result['ttft']['cached_ms']:.2f} ms", "", ""))
     llm.shutdown()
     print_table(rows, ("measure", "median", "roofline", "fraction"))
-    write_json(args.out, {**result, "tp": args.tp, "config": args.config})
+    write_json(args.out, {**result, "tp": args.tp, "config": args.config, "kv_cache_dtype": args.kv_cache_dtype})
 
 
 if __name__ == "__main__":

@@ -86,9 +86,12 @@ def main():
 
     prompts, max_tokens = nano_vllm_workload(args.num_seqs)
     _, weight_bytes, kv_per_token = model_bytes_and_kv(Path(args.config))
-    if args.kv_cache_dtype == "fp8":
-        kv_per_token //= 2  # one byte an element against bf16's two
-    roofline = throughput_roofline(prompts, max_tokens, weight_bytes, kv_per_token, active_params(Path(args.config)))
+
+    def roofline_with(kv_bytes_per_token):
+        return throughput_roofline(prompts, max_tokens, weight_bytes, kv_bytes_per_token, active_params(Path(args.config)))
+    # nvchat's roofline counts its cache's bytes; HF's cache is bf16 either way.
+    roofline = roofline_with(kv_per_token // 2 if args.kv_cache_dtype == "fp8" else kv_per_token)
+    hf_roofline = roofline_with(kv_per_token)
     results = [run_nvchat(args, prompts, max_tokens)]
     print(f"nvchat: {results[0]['tok_per_s']:,.0f} tok/s ({results[0]['seconds']:.2f} s)", flush=True)
     gc.collect()  # the engine's weights and KV cache, before HF's model takes the card
@@ -97,7 +100,8 @@ def main():
         n = args.hf_num_seqs or len(prompts)
         results.append({**run_hf(args, prompts[:n], max_tokens[:n]), "num_seqs": n})
     rows = [(r["engine"], r.get("num_seqs", len(prompts)), r["output_tokens"], f"{r['seconds']:.2f}",
-             f"{r['tok_per_s']:,.0f}", f"{r['tok_per_s'] / roofline:.1%}") for r in results]
+             f"{r['tok_per_s']:,.0f}", f"{r['tok_per_s'] / (hf_roofline if r['engine'].startswith('hf') else roofline):.1%}")
+            for r in results]
     print(f"workload: {len(prompts)} seqs, {sum(len(x) for x in prompts):,} prompt tokens, "
           f"{sum(max_tokens):,} output tokens; roofline {roofline:,.0f} tok/s")
     print_table(rows, ("engine", "seqs", "out tokens", "s", "tok/s", "of roofline"))

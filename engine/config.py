@@ -117,6 +117,9 @@ class EngineConfig(EngineOptions):
             raise ValueError("device='cuda' asked for, but no CUDA device is available")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        if options.kv_cache_dtype == "fp8" and device.type == "cuda" and not _has_fp8(device):
+            raise ValueError("kv_cache_dtype='fp8' needs a CUDA GPU with FP8 (compute capability 8.9 or more: Ada, "
+                             "Hopper, Blackwell); on this GPU leave it at auto")
         disk_cache_dir = None
         if options.disk_cache_dir is not None and options.disk_cache_gib > 0:
             disk_cache_dir = Path(options.disk_cache_dir).expanduser().resolve()
@@ -163,12 +166,7 @@ class EngineConfig(EngineOptions):
             ckpt_dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
             dtype = parse_dtype(ckpt_dtype) if device.type == "cuda" else torch.float32
         dtype = parse_dtype(dtype)
-        kv_dtype = dtype
-        if options.kv_cache_dtype == "fp8":
-            if device.type == "cuda" and not _has_fp8(device):
-                raise ValueError("kv_cache_dtype='fp8' needs a CUDA GPU with FP8 (compute capability 8.9 or more: "
-                                 "Ada, Hopper, Blackwell)")
-            kv_dtype = torch.float8_e4m3fn
+        kv_dtype = torch.float8_e4m3fn if options.kv_cache_dtype == "fp8" else dtype
 
         if hf_config.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "

@@ -117,19 +117,35 @@ def _round_to_e4m3(v):
     2**(exponent - 3) (three mantissa bits; subnormals below 2**-6 share its step), rounded by
     the add-and-subtract of 1.5 * 2**23. The hardware conversion rounds the same way; Triton
     3.9's interpreter does not (127.2 became 64, not 128: it drops a carry into the exponent),
-    and the tests run this kernel there. Converting an on-grid value is exact everywhere."""
+    and the tests run this kernel there. Converting an on-grid value is exact everywhere. A
+    negative value that rounds to zero keeps its sign, as in the hardware's conversion."""
     bits = v.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    return ((v / step + 12582912.0) - 12582912.0) * step
+    rounded = ((v / step + 12582912.0) - 12582912.0) * step
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_code(r):
+    """The e4m3 bits of r, a value on e4m3's grid within +-448 or NaN, assembled from r's own bits:
+    the interpreter's conversion turns NaN into a number, and this is the same code everywhere."""
+    bits = r.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    exponent = ((bits >> 23) & 0xFF) - 127
+    normal = ((exponent + 7) << 3) | ((bits >> 20) & 0x7)  # e4m3's exponent bias is 7
+    subnormal = (tl.abs(tl.where(r != r, 0.0, r)) * 512.0).to(tl.int32)  # multiples of 2**-9 below 2**-6
+    code = tl.where(exponent >= -6, normal, subnormal) | sign
+    return tl.where(r != r, 0x7F, code).to(tl.uint8)
 
 
 @triton.jit
 def as_cached(x, cache_ptr):
     """x as a KV cache of cache_ptr's element type keeps it: an e4m3 cache (no scale) saturates at
-    +-448 and rounds half to even through _round_to_e4m3, so the interpreter stores what the GPU does."""
+    +-448 (FP8_MAX), keeps NaN, and rounds half to even, as torch's conversion does."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        return _round_to_e4m3(tl.clamp(x.to(tl.float32), -448.0, 448.0)).to(tl.float8e4nv)  # FP8_MAX
+        bounded = tl.clamp(x.to(tl.float32), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        return _e4m3_code(_round_to_e4m3(bounded)).to(tl.float8e4nv, bitcast=True)
     else:
         return x.to(cache_ptr.dtype.element_ty)
 

@@ -1,8 +1,9 @@
 """kv_cache_dtype="fp8": the KV cache kept in e4m3 (no scales). The kernels store what torch's
-conversion gives (saturated at +-448, rounded half to even) and attend over the cache as the torch
-reference does; the engine gives the same greedy tokens through the Triton kernels (on CPU, the
-interpreter) as through the torch backend, keeps twice a bf16 cache's tokens in the same bytes, and
-brings an evicted prefix back from the host tier unchanged."""
+conversion gives (saturated at +-448, rounded half to even, NaN kept) and attend over the cache as
+the torch reference does; the engine gives the same greedy tokens through the Triton kernels (on
+CPU, the interpreter) as through the torch backend and over two tensor-parallel ranks, keeps a
+quarter of a float32 cache's bytes a token, brings an evicted prefix back from the host tier
+unchanged, and keeps the disk blocks of models of other dtypes apart."""
 import os
 import random
 
@@ -31,7 +32,9 @@ def as_torch_stores(x: torch.Tensor) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    """Bit for bit, -0 apart from 0; a NaN's sign is not compared (torch's conversions differ there)."""
+    nan_a, nan_b = a.float().isnan(), b.float().isnan()
+    return torch.equal(nan_a, nan_b) and torch.equal(a.view(torch.uint8)[~nan_a], b.view(torch.uint8)[~nan_b])
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -39,7 +42,9 @@ def test_store_kv_rounds_and_saturates_as_torch_converts(dtype):
     kv_heads, tokens, block_size, num_blocks = 2, 24, 16, 4
     key = (torch.randn(tokens, kv_heads, HEAD_DIM) * 100).to(dtype)
     value = (torch.randn(tokens, kv_heads, HEAD_DIM) * 100).to(dtype)
-    key[0, 0, :4] = torch.tensor([500.0, -1000.0, 447.0, 2.0 ** -12])  # past the range, near it, subnormal
+    # Past the range, near it, e4m3 subnormals (one on the grid, one between), a negative that rounds
+    # to -0, and NaN.
+    key[0, 0, :7] = torch.tensor([500.0, -1000.0, 447.0, 3 * 2.0 ** -9, 5.4 * 2.0 ** -9, -2.0 ** -12, float("nan")])
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     slots[1:][torch.rand(tokens - 1) < 0.25] = -1
     shape = (num_blocks, block_size, kv_heads, HEAD_DIM)
@@ -55,7 +60,9 @@ def test_store_kv_rounds_and_saturates_as_torch_converts(dtype):
         cache.view(-1, kv_heads, HEAD_DIM).view(torch.uint8)[slots[kept]] = as_torch_stores(new[kept]).view(torch.uint8)
     for caches in (kernel, torch_backend):
         assert same_bits(caches[0].cpu(), expected[0]) and same_bits(caches[1].cpu(), expected[1])
-    assert kernel[0].view(-1, kv_heads, HEAD_DIM)[slots[0], 0, :2].float().tolist() == [448.0, -448.0]
+    stored = kernel[0].view(-1, kv_heads, HEAD_DIM)[slots[0], 0, :7].cpu()
+    assert stored[:5].float().tolist() == [448.0, -448.0, 448.0, 3 * 2.0 ** -9, 5 * 2.0 ** -9]
+    assert stored[5].view(torch.uint8).item() == 0x80 and stored[6].float().isnan()  # -0, NaN
 
 
 def test_the_in_graph_store_writes_what_the_plain_store_writes():
@@ -144,6 +151,25 @@ def test_the_engine_gives_the_same_tokens_through_triton_and_torch(tiny_qwen3):
     with LLM(tiny_qwen3, device="cpu", max_model_len=256, num_kvcache_blocks=8) as llm:
         assert llm.config.kv_dtype == F32
         assert bytes_per_token["torch"] * 4 == llm.config.kv_bytes_per_token
+    with LLM(tiny_qwen3, device="cpu", kvcache_block_size=16, kv_cache_dtype="fp8", tensor_parallel_size=2,
+             max_model_len=256, num_kvcache_blocks=64) as llm:
+        assert llm.generate(prompts, GREEDY)[0]["token_ids"] == runs["torch"][1]
+
+
+def test_disk_blocks_of_an_fp8_cache_stay_apart_from_another_model_dtypes(tiny_qwen3, tmp_path):
+    """An FP8 cache's blocks depend on the model's dtype too: a bfloat16 engine finds none of a
+    float32 engine's on disk, and a second float32 engine finds them all."""
+    options = dict(device="cpu", kvcache_block_size=8, max_model_len=256, num_kvcache_blocks=32,
+                   kv_cache_dtype="fp8", disk_cache_dir=str(tmp_path))
+    prompt = random_prompts([70], seed=46)[0]
+    with LLM(tiny_qwen3, dtype="float32", **options) as llm:
+        first = llm.generate([prompt], GREEDY)[0]["token_ids"]
+    with LLM(tiny_qwen3, dtype="bfloat16", **options) as llm:
+        llm.generate([prompt], GREEDY)
+        assert llm.stats().disk_hit_tokens == 0
+    with LLM(tiny_qwen3, dtype="float32", **options) as llm:
+        assert llm.generate([prompt], GREEDY)[0]["token_ids"] == first
+        assert llm.stats().disk_hit_tokens == (len(prompt) - 1) // 8 * 8
 
 
 def test_an_evicted_prefix_comes_back_from_the_host_tier_unchanged(tiny_qwen3):

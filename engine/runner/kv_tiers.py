@@ -67,8 +67,9 @@ _STOP = ("stop",)
 def kv_fingerprint(config: EngineConfig, block_shape: tuple[int, ...], dtype: torch.dtype) -> str:
     """What a block's K/V depends on beyond its tokens: the model's files (name, size and
     modification time: their identity, without reading gigabytes), its config, the dtype, the
-    quantization, the block's shape on one rank, the tensor-parallel layout, the device type and the
-    attention kernels (which round differently). A disk directory keeps each fingerprint apart."""
+    quantization, the block's shape on one rank, the tensor-parallel layout, the device type, the
+    attention kernels (which round differently) and a cache dtype other than the model's. A disk
+    directory keeps each fingerprint apart."""
     path = config.model_path
     files = [path] if path.is_file() else sorted(p for p in path.iterdir()
                                                  if p.suffix in (".safetensors", ".json", ".gguf"))
@@ -85,6 +86,9 @@ def kv_fingerprint(config: EngineConfig, block_shape: tuple[int, ...], dtype: to
         "device": config.device.type,
         "attention_backend": config.attention_backend,
     }
+    kv_dtype = getattr(config, "kv_dtype", dtype)
+    if kv_dtype != dtype:  # absent otherwise, so that the directories of earlier versions still match
+        identity["kv_dtype"] = str(kv_dtype)
     return xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True, default=str).encode())
 
 
