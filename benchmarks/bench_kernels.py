@@ -132,11 +132,12 @@ def torch_prefill_one(q, k_cache, v_cache, block_table, context_len, scale):
 
 # -- setups -------------------------------------------------------------------------------------
 
-def paged_cache(lens, block_size, layers):
-    """[2, layers, blocks, block_size, kv_heads, dim] with each sequence on shuffled blocks."""
+def paged_cache(lens, block_size, layers, dtype=None):
+    """[2, layers, blocks, block_size, kv_heads, dim] in dtype (DTYPE by default) with each sequence
+    on shuffled blocks."""
     need = [(n + block_size - 1) // block_size for n in lens]
     total = sum(need)
-    cache = torch.randn(2, layers, total, block_size, KV_HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
+    cache = torch.randn(2, layers, total, block_size, KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype or DTYPE)
     physical = torch.randperm(total)
     tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
     at = 0
@@ -653,12 +654,13 @@ def sweep_prefill_occupancy(block_size):
     return out
 
 
-def run_decode_launches(block_sizes):
+def run_decode_launches(block_sizes, kv_dtype=None):
     """A decode step's attention part at batch 1..8 and contexts 512 and 4096, in a CUDA graph of 28
     layers rotating over 4 layer caches, three ways: 'split+merge' (norm_rope_store, the split
     kernel, a merge kernel: three launches a layer, as before), 'one-launch' (norm_rope_store, then
     the split kernel whose last split merges: two) and 'from-qkv' (one kernel does it all: one);
-    'attn' rows time the attention kernel(s) alone. Each with PDL on and off (NVCHAT_PDL)."""
+    'attn' rows time the attention kernel(s) alone. Each with PDL on and off (NVCHAT_PDL). kv_dtype:
+    the caches' dtype (DTYPE by default; torch.float8_e4m3fn for an FP8 cache)."""
     layers, rotate = 28, 4
     rope = RotaryEmbedding(HEAD_DIM, 8192, 1e6).to(DEVICE)
     q_norm, k_norm = RMSNorm(HEAD_DIM).to(DEVICE).to(DTYPE), RMSNorm(HEAD_DIM).to(DEVICE).to(DTYPE)
@@ -669,7 +671,7 @@ def run_decode_launches(block_sizes):
     for bs, ctx, batch in itertools.product(block_sizes, [64, 128] if SMOKE else [512, 4096],
                                             [1, 2] if SMOKE else [1, 2, 4, 8]):
         lens = [ctx] * batch
-        cache, tables = paged_cache(lens, bs, rotate)
+        cache, tables = paged_cache(lens, bs, rotate, kv_dtype)
         context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
         positions = (context_lens - 1).long()
         slots = tables.long().gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
@@ -697,7 +699,7 @@ def run_decode_launches(block_sizes):
         for name, fn in variants.items():
             qkv.copy_(qkv_in)  # norm_rope_store rotates q in place
             outs[name] = fn(0).float()
-        case = f"b{batch}_ctx{ctx} bs={bs}"
+        case = f"b{batch}_ctx{ctx} bs={bs}" + (" kv=fp8" if kv_dtype == torch.float8_e4m3fn else "")
         for pdl_on in ("1", "0"):
             os.environ["NVCHAT_PDL"] = pdl_on
             for name, fn in variants.items():
@@ -749,6 +751,8 @@ def main():
     parser.add_argument("--decode-launches", action="store_true",
                         help="only the decode launch comparison (split+merge, one-launch, from-qkv; PDL on/off), then exit")
     parser.add_argument("--block-sizes", default="16,256", help="KV cache block sizes for the attention cases")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="with --decode-launches: the caches in the model's dtype or in e4m3")
     parser.add_argument("--moe-fp8", action="store_true", help="only the mixture-of-experts and FP8 rows, then exit")
     parser.add_argument("--sweep-moe-fp8", action="store_true",
                         help="only the mixture-of-experts and FP8 launch-config sweeps, then exit")
@@ -787,7 +791,7 @@ def main():
         return
     if args.decode_launches:
         print_header()
-        result["rows"] = run_decode_launches(block_sizes)
+        result["rows"] = run_decode_launches(block_sizes, torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None)
         save()
         return
     if args.sweep_occupancy_only:
