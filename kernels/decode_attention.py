@@ -75,12 +75,20 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    if k_head.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
+        # Over an e4m3 cache the products run in fp16: Hopper widens e4m3 to fp16 in one
+        # instruction and to bf16 in several, which left this loop bound by the conversions.
+        # Every e4m3 value is an fp16 one. q is scaled first, in fp32, then rounded once to fp16
+        # (finer than bf16) and clamped into its range.
+        q = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0).to(tl.float16)
+        qk_scale = 1.0
     for tile in range(start, end, BLOCK_N):
         pos = tile + n
         valid = pos < end
         kv_mask = valid[:, None] & d_mask[None, :]
         k_rows = _kv_offsets(table, pos, valid, stride_kb, stride_kt, BLOCK_SIZE)
-        # An FP8 cache's tiles widen to q's dtype for the dot (exact: every e4m3 value is a bf16 one).
+        # An FP8 cache's tiles widen to q's dtype for the dot (exact: every e4m3 value is a bf16
+        # and an fp16 one).
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -389,32 +397,39 @@ def shared_memory(config: tuple[int, int, int, int], group: int, head_dim: int, 
 
 
 @functools.cache  # every launch asks: the search stays off the decode step's host path
-def launch_config(dtype: torch.dtype, head_dim: int, group: int, limits: launch_limits.DeviceLimits | None
-                  ) -> tuple[int, int, int, int]:
+def launch_config(dtype: torch.dtype, head_dim: int, group: int, limits: launch_limits.DeviceLimits | None,
+                  kv_dtype: torch.dtype | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_N, num_warps, num_stages, merge tile). The tuned configuration from
     `benchmarks/bench_kernels.py --sweep` on an H200 (bf16, head_dim 128): within 10% of the best
     of 27 configs at batch 1 (ctx 512, 4096) and batch 256 (ctx ~600), where the split count
-    mattered far more. With `limits` (a GPU's), the first of it and its fallbacks (a narrower
+    mattered far more. Over a cache of one-byte elements (kv_dtype FP8) the K/V tiles are twice as
+    long, so each carries as many bytes as bf16's (on an H200, with the fp16 products in `_attend`:
+    faster from ctx 512 at batch 8 and at ctx 4096, about 1 us a layer slower at batch 1-4, ctx 512;
+    benchmarks/RESULTS.md). With `limits` (a GPU's), the first of it and its fallbacks (a narrower
     merge tile, fewer stages, then narrower K/V tiles) whose shared memory fits them; None (Triton's
     CPU interpreter) gives small tiles, which it runs faster."""
     if limits is None:
         return 32, 1, 1, MERGE_TILE
     block_n, num_warps, num_stages = (32, 4, 2) if dtype == torch.float32 else (64, 4, 2)
+    if kv_dtype is not None and kv_dtype.itemsize == 1:
+        block_n *= 2
     candidates = ((n, num_warps, stages, tile) for n in launch_limits.halvings(block_n, 16)
                   for stages in launch_limits.stages_down(num_stages)
                   for tile in launch_limits.halvings(MERGE_TILE, 2))
-    return launch_limits.first_fit(f"decode attention (head_dim {head_dim}, group {group}, {dtype})", candidates,
+    kv = "" if kv_dtype in (None, dtype) else f", {kv_dtype} cache"
+    return launch_limits.first_fit(f"decode attention (head_dim {head_dim}, group {group}, {dtype}{kv})", candidates,
                                    lambda c: shared_memory(c, group, head_dim, dtype.itemsize), lambda c: c[1],
                                    limits)
 
 
-def _launch_args(batch, num_heads, kv_heads, head_dim, block_size, block_tables, dtype, device, num_splits,
-                 counters, block_n, num_warps, num_stages, merge_kernel=False):
+def _launch_args(batch, num_heads, kv_heads, head_dim, block_size, block_tables, dtype, kv_dtype, device,
+                 num_splits, counters, block_n, num_warps, num_stages, merge_kernel=False):
     """(num_splits, partial buffers, counters, constexprs and launch options) shared by both entry points."""
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, device)
     group = num_heads // kv_heads
-    cfg_n, cfg_warps, cfg_stages, merge_tile = launch_config(dtype, head_dim, group, launch_limits.device_limits(device))
+    cfg_n, cfg_warps, cfg_stages, merge_tile = launch_config(dtype, head_dim, group,
+                                                             launch_limits.device_limits(device), kv_dtype)
     if num_splits > 1:
         part_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
@@ -453,8 +468,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if batch == 0:
         return out
     num_splits, part_o, part_lse, counters, meta = _launch_args(
-        batch, num_heads, kv_heads, head_dim, block_size, block_tables, q.dtype, q.device, num_splits, counters,
-        block_n, num_warps, num_stages, merge_kernel)
+        batch, num_heads, kv_heads, head_dim, block_size, block_tables, q.dtype, k_cache.dtype, q.device, num_splits,
+        counters, block_n, num_warps, num_stages, merge_kernel)
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, counters,
         scale * LOG2E,
@@ -492,8 +507,8 @@ def paged_decode_attention_from_qkv(qkv, positions, cos, sin, q_norm_weight, k_n
     if batch == 0:
         return out
     num_splits, part_o, part_lse, counters, meta = _launch_args(
-        batch, num_heads, kv_heads, head_dim, block_size, block_tables, qkv.dtype, qkv.device, num_splits,
-        counters, block_n, num_warps, num_stages)
+        batch, num_heads, kv_heads, head_dim, block_size, block_tables, qkv.dtype, k_cache.dtype, qkv.device,
+        num_splits, counters, block_n, num_warps, num_stages)
     qw, kw = (q_norm_weight, k_norm_weight) if has_norm else (cos, cos)  # placeholders, never read
     _decode_from_qkv_kernel[(batch, kv_heads, num_splits)](
         qkv, positions, cos, sin, qw, kw, slot_mapping,

@@ -125,6 +125,16 @@ def test_decode_attention_keeps_its_tuned_launch_on_hopper(card):
 
 
 @pytest.mark.parametrize("card", CARDS, ids=lambda c: c.name)
+def test_decode_attention_over_an_fp8_cache_takes_tiles_twice_as_long_where_they_fit(card):
+    for dtype, (head_dim, group) in itertools.product(DTYPES, ATTENTION_SHAPES):
+        config = decode_attention.launch_config(dtype, head_dim, group, card, torch.float8_e4m3fn)
+        assert decode_attention.shared_memory(config, group, head_dim, dtype.itemsize) <= card.max_shared_mem
+        if card in (H100, H200) and head_dim <= 128:
+            block_n = decode_attention.launch_config(dtype, head_dim, group, card)[0]
+            assert config[0] == 2 * block_n, (card.name, dtype, head_dim, group)
+
+
+@pytest.mark.parametrize("card", CARDS, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_prefill_attention_launch_fits_the_card(card, dtype):
     for (head_dim, group), tokens in itertools.product(ATTENTION_SHAPES, [1, 128, 129, 4096]):
