@@ -296,3 +296,40 @@ def adjust_logits_inputs(dtype, device, rows=9, vocab=None, slots=5, mask_rows=4
     args = (logits, slot, mask_row, masks, counts, prompt_seen, repetition, frequency, presence, bias_ids,
             bias_values, banned, ban)
     return tuple(a.to(device) for a in args)
+
+
+# Float32 sums differ from float64's by far less than this share of a row's mass.
+MASS_SLACK = 1e-4
+
+
+def top_p_reference(scaled: torch.Tensor, noise: torch.Tensor, top_p: torch.Tensor):
+    """(tokens, mass of the tokens strictly more likely than each token) in float64: the token is
+    argmax(p / noise) over the tokens whose mass above is under top_p (all of them at top_p 1)."""
+    p = scaled.double().softmax(-1)
+    order = p.sort(-1, descending=True)
+    ranked = order.values
+    # The mass strictly above each rank: the cumsum before the first rank of its value.
+    before = ranked.cumsum(-1) - ranked
+    first_of_value = torch.searchsorted(-ranked, -ranked, side="left")
+    above_ranked = before.gather(-1, first_of_value)
+    above = torch.empty_like(p).scatter_(-1, order.indices, above_ranked)
+    kept = (above < top_p.double()[:, None]) | (top_p[:, None] >= 1)
+    keys = torch.where(kept, p / noise.double(), -1.0)
+    return keys.argmax(-1), above, keys
+
+
+def check_top_p_draw(top_p_draw, scaled, noise, top_p, device):
+    """top_p_draw's tokens for these CPU tensors (run on device) against top_p_reference's; returns them."""
+    got = top_p_draw(scaled.to(device), noise.to(device), top_p.to(device)).cpu()
+    want, above, keys = top_p_reference(scaled, noise, top_p)
+    assert got.dtype == torch.int64 and got.shape == want.shape
+    for row in range(scaled.shape[0]):
+        g, w = got[row].item(), want[row].item()
+        if g == w:
+            continue
+        # Only where float32 could see it otherwise: the two tokens' keys all but tied, or either
+        # one's mass above within rounding of top_p.
+        tied = abs(keys[row, g] - keys[row, w]) <= 1e-5 * keys[row, w]
+        on_edge = any(abs(above[row, t] - top_p[row]) < MASS_SLACK for t in (g, w))
+        assert tied or on_edge, f"row {row}: drew {g}, the nucleus draw is {w} (top_p {top_p[row].item()})"
+    return got

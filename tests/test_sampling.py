@@ -9,6 +9,7 @@ from engine.runner.sampler import (
     _filter_sorted,
     filter_top_k_top_p,
     filter_width,
+    top_p_alone,
 )
 
 
@@ -75,6 +76,21 @@ def test_the_filter_ranks_the_whole_vocabulary_unless_every_sampling_row_keeps_f
     # A seeded row's draw must not depend on its batch, and with tied logits the two widths may keep
     # different tokens: a batch with one takes the sort.
     assert filter_width([few, SamplingParams(temperature=0.7, top_k=20, seed=1)], 1000) == 1000
+
+
+def test_top_p_without_top_k_is_drawn_without_the_sort_only_where_no_row_needs_it():
+    nucleus = SamplingParams(temperature=0.7, top_p=0.9)
+    plain = SamplingParams(temperature=1.0)
+    greedy = SamplingParams(temperature=0, top_k=5)  # the argmax: its top_k cuts nothing
+    assert top_p_alone([nucleus, plain, greedy], 1000)
+    assert top_p_alone([SamplingParams(temperature=0.7, top_p=0.9, top_k=1000)], 1000)  # keeps every token
+    assert not top_p_alone([plain, greedy], 1000)  # nothing to cut: the plain draw
+    assert not top_p_alone([nucleus, SamplingParams(temperature=0.7, top_k=40)], 1000)
+    assert not top_p_alone([nucleus, SamplingParams(temperature=0.7, top_p=0.9, top_k=999)], 1000)
+    assert not top_p_alone([nucleus, SamplingParams(temperature=0.7, top_p=0.9, seed=3)], 1000)
+    # The eager sampler on a CPU sorts (the kernel runs on GPUs; the CPU interpreter would be slow).
+    sampler = Sampler(torch.device("cpu"))
+    assert sampler._row_settings([nucleus, plain], 1000)[2][0] is not None
 
 
 def test_a_seeded_row_with_tied_logits_draws_the_same_alone_and_beside_a_row_without_top_k():

@@ -33,7 +33,7 @@ import torch
 
 from engine.core.step_plan import StepPlan
 from engine.layers.attention import AttentionMetadata
-from engine.runner.sampler import TOP_K_WIDTH, _beyond_top_k, _draw_from, draw, filter_width
+from engine.runner.sampler import TOP_K_WIDTH, _beyond_top_k, _draw_from, draw, filter_width, top_p_alone
 from engine.runner.step_graphs import capture_graph
 
 # Tokens a row may have banned at once (min_tokens' end-of-sequence ids) in the adjusted kinds, and
@@ -59,9 +59,11 @@ _FIELDS = (("input_ids", torch.int64, "q", 0, 1), ("positions", torch.int64, "q"
 _PLAIN_FIELDS = _FIELDS[:[name for name, *_ in _FIELDS].index("repetition")]
 ADJUSTED = "adjusted_"
 # "filter" ranks the whole vocabulary for top-k/top-p, "narrow_filter" a row's TOP_K_WIDTH largest logits
-# (sampler.filter_width).
-SAMPLE_KINDS = ("greedy", "sample", "filter", "narrow_filter",
-                ADJUSTED + "greedy", ADJUSTED + "sample", ADJUSTED + "filter", ADJUSTED + "narrow_filter")
+# (sampler.filter_width), "top_p" draws top-p without top-k with kernels.top_p_sampling, on a GPU
+# (sampler.top_p_alone).
+SAMPLE_KINDS = ("greedy", "sample", "filter", "narrow_filter", "top_p",
+                ADJUSTED + "greedy", ADJUSTED + "sample", ADJUSTED + "filter", ADJUSTED + "narrow_filter",
+                ADJUSTED + "top_p")
 _BLOCK_ZERO = bytes(4)
 # Sampling graphs hold their logits and the sort of top-k/top-p in the graph pool for good; past
 # this many rows a step's GPU time dwarfs the host time they save.
@@ -332,7 +334,12 @@ class DecodeGraphs:
             elif all(greedy):
                 self._kind = "greedy"
             elif any(p.top_k > 0 or p.top_p < 1 for p in params):
-                self._kind = "narrow_filter" if filter_width(params, self.vocab_size) < self.vocab_size else "filter"
+                if self.device.type == "cuda" and top_p_alone(params, self.vocab_size):
+                    self._kind = "top_p"
+                elif filter_width(params, self.vocab_size) < self.vocab_size:
+                    self._kind = "narrow_filter"
+                else:
+                    self._kind = "filter"
             else:
                 self._kind = "sample"
             if self._adjusted and self._kind is not None:
@@ -499,6 +506,10 @@ class DecodeGraphs:
         if kind in ("filter", "narrow_filter"):
             width = min(TOP_K_WIDTH, logits.shape[-1]) if kind == "narrow_filter" else logits.shape[-1]
             filters = (_beyond_top_k(v["top_k"], width), v["top_p"][:, None])
+        elif kind == "top_p":
+            # The kernel runs where graphs do; elsewhere (rehearsals on CPU) the sort keeps the same.
+            mask = None if logits.is_cuda else _beyond_top_k(torch.zeros_like(v["top_k"]), logits.shape[-1])
+            filters = (mask, v["top_p"][:, None])
         if adjusted:
             # Sampler.sample's order for rows that are not plain: adjust, scale, cut by min_p, draw.
             logits = self._adjust(logits, v)

@@ -46,6 +46,17 @@ def filter_width(params, vocab: int) -> int:
     return vocab
 
 
+def top_p_alone(params, vocab: int) -> bool:
+    """Whether these rows' filter is top-p with no top-k, so that kernels.top_p_sampling can draw
+    them without sorting the vocabulary: some row samples with top_p under 1, none samples with
+    a top_k under the vocabulary's size, and none is seeded (as for filter_width, a seeded row's
+    draw must not depend on what shares its batch, and float32 sums may see a token on the
+    nucleus' edge otherwise than the sort's cumsum)."""
+    sampling = [p for p in params if p.temperature > 0]
+    return (any(p.top_p < 1 for p in sampling)
+            and all((p.top_k == 0 or p.top_k >= vocab) and p.seed is None for p in sampling))
+
+
 def _filter_sorted(logits: torch.Tensor, beyond_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """filter_top_k_top_p given _beyond_top_k's mask and top_p as a [rows, 1] column. A mask
     narrower than the logits (filter_width) ranks only that many of each row's largest logits;
@@ -112,9 +123,12 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             # Any top_k from the vocabulary's size up keeps every token; capped so that one request's
             # huge value (2**64 is a valid int) can't overflow the tensor and fail the whole batch.
-            top_k = self._to_device([min(p.top_k, vocab) for p in params], torch.int64)
-            filters = (_beyond_top_k(top_k, filter_width(params, vocab)),
-                       self._to_device([p.top_p for p in params], torch.float32)[:, None])
+            top_p = self._to_device([p.top_p for p in params], torch.float32)[:, None]
+            if self.device.type == "cuda" and top_p_alone(params, vocab):
+                filters = (None, top_p)
+            else:
+                top_k = self._to_device([min(p.top_k, vocab) for p in params], torch.int64)
+                filters = (_beyond_top_k(top_k, filter_width(params, vocab)), top_p)
         self._rows, self._rows_key = (temps, greedy_rows, filters), key
         return self._rows
 
@@ -149,7 +163,8 @@ class Sampler:
             whole = rows <= SAMPLE_CHUNK_ROWS
             c_temps = temps if whole else temps[chunk]
             c_greedy = None if greedy_rows is None else greedy_rows if whole else greedy_rows[chunk]
-            c_filters = None if filters is None else filters if whole else (filters[0][chunk], filters[1][chunk])
+            c_filters = None if filters is None else filters if whole else (
+                None if filters[0] is None else filters[0][chunk], filters[1][chunk])
             c_seeded = [(row - start, seed) for row, seed in seeded if chunk.start <= row < chunk.stop]
             c_logits = logits if whole else logits[chunk]
             if plain:
@@ -308,7 +323,8 @@ def draw(logits: torch.Tensor, temps: torch.Tensor, greedy_rows: torch.Tensor | 
          generator: torch.Generator | None = None, noise=None) -> torch.Tensor:
     """One token per row: argmax(p / E), E ~ Exp(1), over the row's softmax at its temperature
     (temps: a [rows, 1] column), within its top-k and top-p when filters (_beyond_top_k's mask, a
-    top_p column) are given; greedy_rows (bool [rows], or None for none) take the argmax. No host
+    top_p column) are given, within its top-p by kernels.top_p_sampling when filters' mask is None
+    (top_p_alone's rows); greedy_rows (bool [rows], or None for none) take the argmax. No host
     sync, so a CUDA graph can capture it as it is. seeded: (row, seed) pairs whose E comes from
     generator seeded so, which a graph cannot replay. noise: a function of a shape that returns E
     (float32) in place of torch's exponential_ (the decode graphs' kernels.exponential_noise)."""
@@ -321,6 +337,21 @@ def draw(logits: torch.Tensor, temps: torch.Tensor, greedy_rows: torch.Tensor | 
 def _draw_from(scaled: torch.Tensor, greedy_tokens: torch.Tensor | None, greedy_rows: torch.Tensor | None, filters,
                seeded, generator, noise=None) -> torch.Tensor:
     """draw() from logits already divided by their temperatures, with the greedy rows' tokens."""
+    if filters is not None and filters[0] is None:
+        assert not seeded, "top_p_alone's rows are never seeded"
+        from kernels.top_p_sampling import top_p_draw  # start-up: Triton loads only where it runs
+        noise = torch.empty_like(scaled).exponential_() if noise is None else noise(scaled.shape)
+        sampled = top_p_draw(scaled, noise, filters[1][:, 0])
+    else:
+        sampled = _draw_filtered(scaled, filters, seeded, generator, noise)
+    if greedy_tokens is None:
+        return sampled
+    return torch.where(greedy_rows, greedy_tokens, sampled)
+
+
+def _draw_filtered(scaled: torch.Tensor, filters, seeded, generator, noise) -> torch.Tensor:
+    """argmax(p / E) within _filter_sorted's cut (filters None: every token), E from torch's
+    exponential_, the seeded rows' generator or noise."""
     if filters is not None:
         scaled = _filter_sorted(scaled, *filters)
     probs = scaled.softmax(-1)
@@ -328,7 +359,4 @@ def _draw_from(scaled: torch.Tensor, greedy_tokens: torch.Tensor | None, greedy_
     for row, seed in seeded:
         generator.manual_seed(seed)
         noise[row].exponential_(generator=generator)
-    sampled = probs.div_(noise).argmax(-1)
-    if greedy_tokens is None:
-        return sampled
-    return torch.where(greedy_rows, greedy_tokens, sampled)
+    return probs.div_(noise).argmax(-1)

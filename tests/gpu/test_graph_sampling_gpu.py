@@ -90,6 +90,18 @@ def test_captured_adjusted_kinds_give_the_eager_samplers_greedy_tokens_as_rows_c
     assert ADJUSTED + "greedy" in kinds
 
 
+def _replayed_frequencies(graphs: DecodeGraphs, plan, kind: str, logits: torch.Tensor, draws: int) -> torch.Tensor:
+    """[rows, vocab] counts of each token over `draws` replays of the staged step's sampling graph."""
+    rows, vocab = logits.shape
+    graphs.hidden.copy_(logits)
+    graphs.input_ids[:rows] = torch.tensor(plan.input_ids, device="cuda")
+    seen = torch.zeros(rows, vocab, device="cuda")
+    for _ in range(draws):
+        graphs.sample(rows, kind)
+        seen[torch.arange(rows), graphs.sampled[:rows]] += 1
+    return seen
+
+
 @torch.inference_mode()
 def test_captured_adjusted_sampling_draws_from_the_eager_samplers_distribution():
     """Rows whose distribution stays put from draw to draw (bias, min_p, top-k, top-p; no
@@ -109,12 +121,7 @@ def test_captured_adjusted_sampling_draws_from_the_eager_samplers_distribution()
     plan = _step_plan(streams)
     kind = graphs.stage(plan, rows)
     assert kind == ADJUSTED + "filter"
-    graphs.hidden.copy_(logits)
-    graphs.input_ids[:rows] = torch.tensor(plan.input_ids, device="cuda")
-    seen = torch.zeros(rows, vocab, device="cuda")
-    for _ in range(draws):
-        graphs.sample(rows, kind)
-        seen[torch.arange(rows), graphs.sampled[:rows]] += 1
+    seen = _replayed_frequencies(graphs, plan, kind, logits, draws)
     eager = Sampler(torch.device("cuda"))
     adjusted = eager.adjust_logits(logits, params, plan.sample_contexts, None, None)
     temps = torch.tensor([p.temperature for p in params], device="cuda")[:, None]
@@ -217,3 +224,53 @@ def test_constrained_rows_keep_the_graphs_and_the_eager_engines_tokens(demo_mode
     jsonschema.validate(json.loads(outs[0]["text"]), SCHEMA)
     assert outs[1]["finish_reason"] == "stop"
     assert len(masked) > 20 and set(masked) <= {ADJUSTED + "greedy", ADJUSTED + "sample"}
+
+
+def _nucleus_probs(logits, params, adjusted_by: Sampler | None = None, contexts=None):
+    """What the sort keeps and how likely each kept token is, for rows with top_p and no top_k."""
+    if adjusted_by is not None:
+        logits = adjusted_by.adjust_logits(logits, params, contexts, None, None)
+    temps = torch.tensor([p.temperature for p in params], device="cuda")[:, None]
+    scaled = Sampler(torch.device("cuda"))._min_p(logits / temps, params)
+    return filter_top_k_top_p(scaled, torch.zeros(len(params), dtype=torch.int64, device="cuda"),
+                              torch.tensor([p.top_p for p in params], device="cuda")).softmax(-1)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("adjusted", [False, True])
+def test_captured_top_p_kind_draws_from_the_sorts_nucleus(adjusted):
+    """Rows with top_p and no top_k take the "top_p" kind (kernels.top_p_sampling, no sort): the
+    frequencies of 20,000 graph draws against the sort's nucleus, bound as in the tests above."""
+    vocab, rows, draws = 40, 4, 20_000
+    torch.manual_seed(2)
+    graphs = _captured_graphs(vocab, [rows])
+    extra = dict(min_p=0.05) if adjusted else {}
+    params = [SamplingParams(temperature=0.8, top_p=0.5, **extra), SamplingParams(temperature=1.0, top_p=0.9, **extra),
+              SamplingParams(temperature=1.3, **extra), SamplingParams(temperature=0.6, top_p=0.75, **extra)]
+    plan = _step_plan([_Stream(i, [1, 2, 3], p, EOS) for i, p in enumerate(params)])
+    kind = graphs.stage(plan, rows)
+    assert kind == (ADJUSTED if adjusted else "") + "top_p"
+    logits = torch.randn(rows, vocab, device="cuda") * 2
+    seen = _replayed_frequencies(graphs, plan, kind, logits, draws)
+    probs = _nucleus_probs(logits, params, Sampler(torch.device("cuda")) if adjusted else None, plan.sample_contexts)
+    distance = 0.5 * (seen / draws - probs).abs().sum(-1)
+    assert distance.max().item() < 0.05, distance.tolist()
+    assert (seen[probs == 0] == 0).all()
+
+
+@torch.inference_mode()
+def test_the_eager_sampler_draws_top_p_rows_without_the_sort_from_its_nucleus():
+    """Big batches sample eagerly: rows with top_p and no top_k there take the kernel too. 20,000
+    copies of two rows in one call, against the sort's nucleus."""
+    vocab, draws = 40, 20_000
+    torch.manual_seed(3)
+    params = [SamplingParams(temperature=0.8, top_p=0.6), SamplingParams(temperature=1.1, top_p=0.9)]
+    sampler = Sampler(torch.device("cuda"))
+    assert sampler._row_settings(params * draws, vocab)[2][0] is None
+    base = torch.randn(2, vocab, device="cuda") * 2
+    tokens = sampler(base.repeat(draws, 1), params * draws, list(range(2 * draws))).view(draws, 2)
+    seen = torch.zeros(2, vocab, device="cuda").scatter_add_(1, tokens.T, torch.ones(2, draws, device="cuda"))
+    probs = _nucleus_probs(base, params)
+    distance = 0.5 * (seen / draws - probs).abs().sum(-1)
+    assert distance.max().item() < 0.05, distance.tolist()
+    assert (seen[probs == 0] == 0).all()
