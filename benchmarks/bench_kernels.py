@@ -19,7 +19,7 @@ bytes of K/V read / graph time, against the H200's 4.25 TB/s.
 split count), which is how their defaults were chosen. --decode-launches only compares the ways a
 decode step's attention can launch (see run_decode_launches), with PDL on and off. --moe-fp8 runs
 only the mixture-of-experts and FP8 rows, --adjust-logits only the adjusted sampling's logits
-adjustments; --sweep-moe-fp8 times those kernels over launch configs
+adjustments, --top-p only the top-p draw without a sort against the sort; --sweep-moe-fp8 times those kernels over launch configs
 (their defaults are untuned). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
 smoke test of this script, and times nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot
 wrong, so the grouped MoE path's smoke diffs are garbage there).
@@ -48,6 +48,7 @@ from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # no
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from engine.runner.decode_graphs import adjust_logits_torch  # noqa: E402
 from kernels import fp8 as fp8_kernels  # noqa: E402
+from engine.runner.sampler import _beyond_top_k, _draw_from  # noqa: E402
 from kernels.adjust_logits import adjust_logits  # noqa: E402
 from kernels import fused_moe  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
@@ -60,6 +61,7 @@ from kernels.norm_rope_store import norm_rope_store  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention, plan_on_device  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
 from kernels.silu_mul import silu_and_mul  # noqa: E402
+from kernels.top_p_sampling import top_p_draw  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 16, 8, 128, 1024, 3072
 DTYPE = torch.bfloat16
@@ -249,6 +251,21 @@ def fused_cases():
         args = adjust_logits_args(64, vocab)
         yield ("adjust logits", f"rows=64 vocab={vocab}", lambda a=args: adjust_logits(*a),
                lambda a=args: adjust_logits_torch(*a))
+
+
+def top_p_cases():
+    """The top-p draw (kernels/top_p_sampling.py) against the sort that the sampler's filter ran
+    before it (sampler._filter_sorted, the softmax, the noise's division and the argmax): top_p
+    0.9 over logits ~ N(0, 2^2), the noise drawn beforehand for both."""
+    for vocab, rows in [(2048, 4)] if SMOKE else itertools.product([49152, 151936], [1, 8, 64]):
+        scaled = torch.randn(rows, vocab, device=DEVICE) * 2
+        noise = torch.empty_like(scaled).exponential_()
+        top_p = torch.full((rows, 1), 0.9, device=DEVICE)
+        every_rank = _beyond_top_k(torch.zeros(rows, dtype=torch.int64, device=DEVICE), vocab)
+        yield ("top-p draw", f"rows={rows} vocab={vocab}",
+               lambda s=scaled, n=noise, p=top_p: top_p_draw(s, n, p[:, 0]),
+               lambda s=scaled, n=noise, p=top_p, r=every_rank: _draw_from(s, None, None, (r, p), (), None,
+                                                                            lambda shape, n=n: n))
 
 
 def adjust_logits_args(rows, vocab):
@@ -536,7 +553,7 @@ def run_prefill(block_size):
 
 def run_fused(only=None):
     rows = []
-    for kernel, case, tri, ref in fused_cases():
+    for kernel, case, tri, ref in itertools.chain(fused_cases(), top_p_cases()):
         if only is not None and kernel != only:
             continue
         rows.append(row(kernel, case, time_eager(tri), time_eager(ref), time_graph(tri), time_graph(ref)))
@@ -758,6 +775,8 @@ def main():
                         help="only the mixture-of-experts and FP8 launch-config sweeps, then exit")
     parser.add_argument("--adjust-logits", action="store_true",
                         help="only the adjusted sampling's logits adjustments (kernels/adjust_logits.py), then exit")
+    parser.add_argument("--top-p", action="store_true",
+                        help="only the top-p draw without a sort (kernels/top_p_sampling.py) against the sort, then exit")
     args = parser.parse_args()
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
     torch.manual_seed(0)
@@ -778,6 +797,11 @@ def main():
     if args.adjust_logits:
         print_header()
         result["rows"] = run_fused(only="adjust logits")
+        save()
+        return
+    if args.top_p:
+        print_header()
+        result["rows"] = run_fused(only="top-p draw")
         save()
         return
     if args.moe_fp8:
