@@ -78,15 +78,16 @@ def test_cuda_graphs_match_eager(engines):
 def test_sampling_graphs_draw_within_the_settings_and_afresh_each_replay(engines):
     """The captured sampling: top_k=1 and a tiny temperature must give the greedy tokens, through
     the filtering and plain sampling graphs, beside greedy rows; identical unseeded requests must
-    differ (the graph's noise is new every replay); seeded ones (sampled outside the graphs) must
-    repeat."""
+    differ (the graph's noise is new every replay; top_p alone takes the "top_p" graph); seeded ones
+    (sampled outside the graphs) must repeat."""
     prompts = random_prompts([7, 20, 33, 12, 5, 40], seed=8)
     force = [SamplingParams(temperature=0.8, top_k=1, max_tokens=24, ignore_eos=True),
              SamplingParams(temperature=1e-4, max_tokens=24, ignore_eos=True), GREEDY]
     llm = engines[False]
     graphs = llm.runner.decode_graphs
-    assert {kind for _, kind in graphs.sample_graphs} == {"greedy", "sample", "filter", "narrow_filter", "adjusted_greedy",
-                                                          "adjusted_sample", "adjusted_filter", "adjusted_narrow_filter"}
+    assert {kind for _, kind in graphs.sample_graphs} == {
+        "greedy", "sample", "filter", "narrow_filter", "top_p",
+        "adjusted_greedy", "adjusted_sample", "adjusted_filter", "adjusted_narrow_filter", "adjusted_top_p"}
     greedy = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
     forced = [o["token_ids"] for o in llm.generate(prompts, [force[i % 3] for i in range(len(prompts))])]
     assert forced == greedy
