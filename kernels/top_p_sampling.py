@@ -70,8 +70,9 @@ def _top_p_draw_kernel(logits_ptr, noise_ptr, top_p_ptr, out_ptr, vocab, stride_
             take = tile_best > best_key
             best = tl.where(take, tile_at, best)
             best_key = tl.where(take, tile_best, best_key)
-        # The most likely token has nothing above it, so the loop ends by the time it gets there.
-        searching = above_mass >= top_p * z
+        # Each round moves to a more likely token, and the most likely has none above it: the loop
+        # ends there even where top_p * z is 0 (a top_p under float32's range, a row of -inf).
+        searching = (above_mass >= top_p * z) & (best != chosen)
         chosen = tl.where(searching, best, chosen)
     tl.store(out_ptr + row, chosen.to(tl.int64))
 

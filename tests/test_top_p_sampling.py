@@ -57,6 +57,20 @@ def test_a_token_holding_more_than_top_p_is_drawn_whatever_the_noise():
     assert torch.equal(got, favourite)
 
 
+def test_a_top_p_that_float32_rounds_to_zero_keeps_the_most_likely_token():
+    """SamplingParams takes any top_p above 0; 1e-50 is 0 in float32, where the sort still keeps
+    the first token. So must the kernel (and end), as for a row with no token it may draw."""
+    rows, vocab = 3, 500
+    scaled = torch.randn(rows, vocab) * 2
+    scaled[2] = float("-inf")
+    noise = torch.empty(rows, vocab).exponential_()
+    top_p = torch.tensor([1e-50, 1e-50, 0.5], dtype=torch.float64).float()
+    assert top_p[0].item() == 0.0
+    got = module.top_p_draw(scaled.to(DEVICE), noise.to(DEVICE), top_p.to(DEVICE)).cpu()
+    assert got[:2].tolist() == scaled[:2].argmax(-1).tolist()
+    assert 0 <= got[2].item() < vocab
+
+
 def test_the_samplers_top_p_filter_is_the_kernel_with_greedy_rows_beside_it():
     """_draw_from with filters (None, top_p) draws each sampled row with the kernel and the same
     noise, and gives greedy rows their argmax."""
