@@ -256,13 +256,16 @@ def fused_cases():
 def top_p_cases():
     """The top-p draw (kernels/top_p_sampling.py) against the sort that the sampler's filter ran
     before it (sampler._filter_sorted, the softmax, the noise's division and the argmax): top_p
-    0.9 over logits ~ N(0, 2^2), the noise drawn beforehand for both."""
-    for vocab, rows in [(2048, 4)] if SMOKE else itertools.product([49152, 151936], [1, 8, 64]):
+    0.9 (and 0.5, which more rows reject their first candidates at) over logits ~ N(0, 2^2), the
+    noise drawn beforehand for both, so that a case replays the same candidates every call."""
+    cases = [(2048, 4, 0.9)] if SMOKE else [(v, r, 0.9) for v in (49152, 151936) for r in (1, 8, 64)] + [
+        (151936, 1, 0.5), (151936, 64, 0.5)]
+    for vocab, rows, p in cases:
         scaled = torch.randn(rows, vocab, device=DEVICE) * 2
         noise = torch.empty_like(scaled).exponential_()
-        top_p = torch.full((rows, 1), 0.9, device=DEVICE)
+        top_p = torch.full((rows, 1), p, device=DEVICE)
         every_rank = _beyond_top_k(torch.zeros(rows, dtype=torch.int64, device=DEVICE), vocab)
-        yield ("top-p draw", f"rows={rows} vocab={vocab}",
+        yield ("top-p draw", f"rows={rows} vocab={vocab} top_p={p}",
                lambda s=scaled, n=noise, p=top_p: top_p_draw(s, n, p[:, 0]),
                lambda s=scaled, n=noise, p=top_p, r=every_rank: _draw_from(s, None, None, (r, p), (), None,
                                                                             lambda shape, n=n: n))

@@ -14,22 +14,36 @@ pytest.importorskip("triton")
 
 from engine.runner.sampler import _draw_from  # noqa: E402
 from kernels import top_p_sampling as module  # noqa: E402
-from tests.kernel_checks import check_top_p_draw, seed  # noqa: E402,F401 (fixture)
+from tests.kernel_checks import check_top_p_draw, poison, seed  # noqa: E402,F401 (fixtures)
 
-if type(module._top_p_draw_kernel).__name__ != "InterpretedFunction" and not torch.cuda.is_available():
+if type(module._finish_kernel).__name__ != "InterpretedFunction" and not torch.cuda.is_available():
     module = importlib.reload(module)  # imported before TRITON_INTERPRET was set: decorate it again
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("vocab", [7, 1000, 9000])
-def test_the_draw_is_the_sorts_nucleus_draw_for_the_same_noise(vocab):
+@pytest.mark.parametrize("rounds", [0, 1, 2, module.ROUNDS])
+def test_the_draw_is_the_sorts_nucleus_draw_for_the_same_noise(vocab, rounds, poison):
+    """With any number of parallel rounds: rows that none decides continue in one program. The
+    workspaces start as NaN, so a figure read from a slot no round wrote shows."""
     rows = 12
     # From near-uniform rows (a nucleus of most of the vocabulary) to peaked ones (a few tokens).
     spread = torch.tensor([0.1, 0.5, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20])[:, None]
     scaled = torch.randn(rows, vocab) * spread
     noise = torch.empty(rows, vocab).exponential_()
     top_p = torch.rand(rows) * 0.98 + 0.01
-    check_top_p_draw(module.top_p_draw, scaled, noise, top_p, DEVICE)
+    with poison():
+        check_top_p_draw(lambda *a: module.top_p_draw(*a, rounds=rounds), scaled, noise, top_p, DEVICE)
+
+
+def test_chunks_of_tokens_that_may_not_be_drawn_are_passed_over():
+    rows, vocab = 4, 3 * module.CHUNK + 5
+    scaled = torch.randn(rows, vocab) * 3
+    scaled[:, : 2 * module.CHUNK] = float("-inf")  # whole chunks ruled out, as a grammar's mask can
+    scaled[1, 2 * module.CHUNK + 7:] = float("-inf")  # one row left with seven tokens
+    noise = torch.empty(rows, vocab).exponential_()
+    got = check_top_p_draw(module.top_p_draw, scaled, noise, torch.tensor([0.9, 0.5, 1.0, 0.3]), DEVICE)
+    assert torch.isfinite(scaled.gather(1, got[:, None])).all()
 
 
 def test_tokens_that_may_not_be_drawn_never_are_and_top_p_one_keeps_every_other():
