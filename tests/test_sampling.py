@@ -116,6 +116,23 @@ def test_batches_of_narrow_rows_sampled_in_chunks_keep_each_rows_settings():
     assert (tokens[::TOP_K_WIDTH] == logits[::TOP_K_WIDTH].argmax(-1)).all()  # the rows at top_k=1
 
 
+def test_narrow_rows_draw_from_their_top_k_top_p_distribution():
+    """The narrow filter's draw looks at each row's TOP_K_WIDTH largest logits only: 8,000 draws of
+    two rows against filter_top_k_top_p's distribution (the bound is about 3x the total variation
+    distance expected of 8,000 exact draws over 30 tokens), and never a token it drops."""
+    sampler = Sampler(torch.device("cpu"))
+    vocab, draws = 300, 8000
+    base = torch.randn(2, vocab) * 2
+    params = [SamplingParams(temperature=0.9, top_k=8), SamplingParams(temperature=1.2, top_k=30, top_p=0.7)]
+    assert filter_width(params, vocab) == TOP_K_WIDTH
+    tokens = sampler(base.repeat(draws, 1), params * draws, list(range(2 * draws))).view(draws, 2)
+    seen = torch.zeros(2, vocab).scatter_add_(1, tokens.T, torch.ones(2, draws)) / draws
+    temps = torch.tensor([[0.9], [1.2]])
+    probs = filter_top_k_top_p(base / temps, torch.tensor([8, 30]), torch.tensor([1.0, 0.7])).softmax(-1)
+    assert (0.5 * (seen - probs).abs().sum(-1) < 0.07).all()
+    assert (seen[probs == 0] == 0).all()
+
+
 def test_sampler_draws_from_the_distribution():
     sampler = Sampler(torch.device("cpu"))
     probs = torch.tensor([0.6, 0.3, 0.1, 0.0])

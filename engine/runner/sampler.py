@@ -61,21 +61,30 @@ def _filter_sorted(logits: torch.Tensor, beyond_k: torch.Tensor, top_p: torch.Te
     """filter_top_k_top_p given _beyond_top_k's mask and top_p as a [rows, 1] column. A mask
     narrower than the logits (filter_width) ranks only that many of each row's largest logits;
     every token past them is dropped."""
-    width = beyond_k.shape[-1]
+    ranked, order = _ranked(logits, beyond_k.shape[-1])
+    ranked = _cut_ranked(ranked, beyond_k, top_p)
+    out = torch.empty_like(logits) if ranked.shape[-1] == logits.shape[-1] else torch.full_like(logits, float("-inf"))
+    return out.scatter_(-1, order, ranked)
+
+
+def _ranked(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `width` largest logits, largest first, and their tokens: a top-k below the
+    vocabulary's size, a sort at it."""
     if width < logits.shape[-1]:
-        sorted_logits, order = logits.topk(width, dim=-1)
-    else:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.masked_fill(beyond_k, float("-inf")).softmax(-1)
+        return logits.topk(width, dim=-1)
+    return logits.sort(dim=-1, descending=True)
+
+
+def _cut_ranked(ranked: torch.Tensor, beyond_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Ranked logits (largest first) with -inf at the ranks past top-k and outside the nucleus."""
+    probs = ranked.masked_fill(beyond_k, float("-inf")).softmax(-1)
     # Keep a token when the mass before it is still under top_p; the most likely token always stays.
     # top_p=1 must keep everything, but a float32 cumsum can round up to 1.0 before the tail's
     # tiny probabilities are added, so that row would lose them without the top_p < 1 guard.
     mass_before = probs.cumsum(-1) - probs
     drop = beyond_k | ((mass_before >= top_p) & (top_p < 1))
     drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    out = torch.empty_like(logits) if width == logits.shape[-1] else torch.full_like(logits, float("-inf"))
-    return out.scatter_(-1, order, sorted_logits)
+    return ranked.masked_fill(drop, float("-inf"))
 
 
 class Sampler:
@@ -352,6 +361,14 @@ def _draw_from(scaled: torch.Tensor, greedy_tokens: torch.Tensor | None, greedy_
 def _draw_filtered(scaled: torch.Tensor, filters, seeded, generator, noise) -> torch.Tensor:
     """argmax(p / E) within _filter_sorted's cut (filters None: every token), E from torch's
     exponential_, the seeded rows' generator or noise."""
+    if filters is not None and filters[0].shape[-1] < scaled.shape[-1]:
+        # filter_width's narrow filter: every kept token is among the row's TOP_K_WIDTH largest, so
+        # the draw looks at those only (its noise and softmax too), not at the whole vocabulary.
+        assert not seeded, "filter_width gives seeded rows the whole vocabulary"
+        ranked, order = _ranked(scaled, filters[0].shape[-1])
+        probs = _cut_ranked(ranked, *filters).softmax(-1)
+        noise = torch.empty_like(probs).exponential_() if noise is None else noise(probs.shape)
+        return order.gather(-1, probs.div_(noise).argmax(-1, keepdim=True))[:, 0]
     if filters is not None:
         scaled = _filter_sorted(scaled, *filters)
     probs = scaled.softmax(-1)
