@@ -79,8 +79,9 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
         # Over an e4m3 cache the products run in fp16: Hopper widens e4m3 to fp16 in one
         # instruction and to bf16 in several, which left this loop bound by the conversions.
         # Every e4m3 value is an fp16 one. q is scaled first, in fp32, then rounded once to fp16
-        # (finer than bf16) and clamped into its range.
-        q = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0).to(tl.float16)
+        # (finer than bf16) and clamped into its range; a NaN stays NaN, as over a bf16 cache.
+        q = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL)
+        q = q.to(tl.float16)
         qk_scale = 1.0
     for tile in range(start, end, BLOCK_N):
         pos = tile + n

@@ -113,6 +113,20 @@ def test_decode_attention_over_an_fp8_cache(block_size, group, dtype, num_splits
     assert_close(out, ref.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale), dtype)
 
 
+def test_decode_attention_over_an_fp8_cache_keeps_a_nan_query_nan():
+    """The fp16 products clamp q into fp16's range: a NaN (a model gone wrong upstream) must come
+    out NaN for its head, as over a bf16 cache, not as a finite answer; the other heads are kept."""
+    k_cache, v_cache, tables = make_paged_kv([40, 7], 16, 2, FP8)
+    q = torch.randn(2, 4, HEAD_DIM, device=DEVICE).to(BF16)
+    q[0, 1, 5] = float("nan")
+    context_lens = torch.tensor([40, 7], dtype=torch.int32, device=DEVICE)
+    out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, HEAD_DIM ** -0.5)
+    assert out[0, 1].isnan().all()
+    nan = torch.zeros(2, 4, dtype=torch.bool, device=DEVICE)
+    nan[0, 1] = True
+    assert not out[~nan].isnan().any()
+
+
 @pytest.mark.parametrize("block_size, group, dtype", [(16, 2, BF16), (32, 1, F32)])
 def test_prefill_attention_over_an_fp8_cache(block_size, group, dtype, poison):
     kv_heads, b = 2, block_size
