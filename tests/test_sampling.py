@@ -189,3 +189,15 @@ def test_a_top_k_past_int64_keeps_every_token_and_fails_no_batch():
     tokens = sampler(logits, [SamplingParams(temperature=0), huge, SamplingParams(temperature=0)], [0, 1, 2]).tolist()
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
     assert tokens[1] == sampler(logits[1:2], [off], [1]).tolist()[0]
+
+
+def test_a_temperature_too_small_for_float32_is_greedy():
+    """1e-50 is a valid temperature, 0 in float32: the logits divided by it would be inf and NaN
+    and draw noise. Such a temperature takes the argmax, which it would draw anyway."""
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.randn(4, 300) * 5
+    tiny = [SamplingParams(temperature=t, top_p=p) for t, p in ((1e-50, 1.0), (1e-30, 0.9), (1e-21, 0.5))]
+    assert all(p.temperature == 0 for p in tiny)
+    assert SamplingParams(temperature=1e-6).temperature == 1e-6  # small but usable: still sampled
+    tokens = sampler(logits, tiny + [SamplingParams(temperature=1.0, top_p=0.9)], [0, 1, 2, 3])
+    assert tokens[:3].tolist() == logits[:3].argmax(-1).tolist()

@@ -56,12 +56,18 @@ def _finite(name: str, value, low: float | None = None, high: float | None = Non
     return value
 
 
+# Temperatures under this are greedy: dividing logits by one overflows float32, or it is 0 there.
+GREEDY_BELOW = 1e-20
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request. Mirrors nano-vllm / vLLM so callers can switch.
 
-    temperature=0 is greedy; top_k=0, top_p=1 and min_p=0 switch those filters off. A seed makes
-    the request's draws reproducible whatever else is in the batch.
+    temperature=0 is greedy, and so is any temperature under GREEDY_BELOW (1e-20), which would take
+    the argmax anyway but which float32 holds as 0, or by which dividing the logits overflows.
+    top_k=0, top_p=1 and min_p=0 switch those filters off. A seed makes the request's draws
+    reproducible whatever else is in the batch.
 
     Each step turns the model's logits into the distribution drawn from in this order (vLLM's):
     logit_bias is added; tokens that may not come now are removed (the end-of-sequence tokens
@@ -101,6 +107,8 @@ class SamplingParams:
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
