@@ -404,9 +404,9 @@ def launch_config(dtype: torch.dtype, head_dim: int, group: int, limits: launch_
     `benchmarks/bench_kernels.py --sweep` on an H200 (bf16, head_dim 128): within 10% of the best
     of 27 configs at batch 1 (ctx 512, 4096) and batch 256 (ctx ~600), where the split count
     mattered far more. Over a cache of one-byte elements (kv_dtype FP8) the K/V tiles are twice as
-    long, so each carries as many bytes as bf16's (on an H200, with the fp16 products in `_attend`:
-    faster from ctx 512 at batch 8 and at ctx 4096, about 1 us a layer slower at batch 1-4, ctx 512;
-    benchmarks/RESULTS.md). With `limits` (a GPU's), the first of it and its fallbacks (a narrower
+    long, so each carries as many bytes as bf16's (on an H200, with the fp16 products in `_attend`,
+    against 64-token tiles: faster at batch 8 with ctx 512 and at every batch with ctx 4096, about
+    1 us a layer slower at batch 1-4 with ctx 512; benchmarks/HISTORY.md, 2026-11-28). With `limits` (a GPU's), the first of it and its fallbacks (a narrower
     merge tile, fewer stages, then narrower K/V tiles) whose shared memory fits them; None (Triton's
     CPU interpreter) gives small tiles, which it runs faster."""
     if limits is None:
