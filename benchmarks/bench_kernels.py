@@ -19,7 +19,7 @@ bytes of K/V read / graph time, against the H200's 4.25 TB/s.
 split count), which is how their defaults were chosen. --decode-launches only compares the ways a
 decode step's attention can launch (see run_decode_launches), with PDL on and off. --moe-fp8 runs
 only the mixture-of-experts and FP8 rows, --adjust-logits only the adjusted sampling's logits
-adjustments, --top-p only the top-p draw without a sort against the sort; --sweep-moe-fp8 times those kernels over launch configs
+adjustments, --draws only the sampling draws' kernels; --sweep-moe-fp8 times those kernels over launch configs
 (their defaults are untuned). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
 smoke test of this script, and times nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot
 wrong, so the grouped MoE path's smoke diffs are garbage there).
@@ -48,7 +48,7 @@ from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # no
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from engine.runner.decode_graphs import adjust_logits_torch  # noqa: E402
 from kernels import fp8 as fp8_kernels  # noqa: E402
-from engine.runner.sampler import _beyond_top_k, _draw_from  # noqa: E402
+from engine.runner.sampler import _beyond_top_k, _draw_from, draw  # noqa: E402
 from kernels.adjust_logits import adjust_logits  # noqa: E402
 from kernels import fused_moe  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
@@ -56,11 +56,13 @@ from kernels.decode_attention import (  # noqa: E402
     paged_decode_attention_from_qkv,
     split_counters,
 )
+from kernels.exponential_noise import exponential_noise  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 from kernels.norm_rope_store import norm_rope_store  # noqa: E402
 from kernels.prefill_attention import paged_prefill_attention, plan_on_device  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
 from kernels.silu_mul import silu_and_mul  # noqa: E402
+from kernels.temperature_draw import temperature_draw  # noqa: E402
 from kernels.top_p_sampling import top_p_draw  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 16, 8, 128, 1024, 3072
@@ -251,6 +253,20 @@ def fused_cases():
         args = adjust_logits_args(64, vocab)
         yield ("adjust logits", f"rows=64 vocab={vocab}", lambda a=args: adjust_logits(*a),
                lambda a=args: adjust_logits_torch(*a))
+
+
+def temperature_draw_cases():
+    """The plain draw at a temperature (kernels/temperature_draw.py) against the torch operations
+    the "sample" graphs ran before it (sampler.draw: the float32 copy, the softmax, exponential_noise's
+    tensor, the division and the argmax), over bf16 logits ~ N(0, 2^2)."""
+    for vocab, rows in [(2048, 4)] if SMOKE else itertools.product([49152, 151936], [1, 8, 64]):
+        logits = (torch.randn(rows, vocab, device=DEVICE) * 2).to(DTYPE)
+        temps = torch.full((rows,), 0.7, device=DEVICE)
+        seed = torch.tensor([1], dtype=torch.int64, device=DEVICE)
+        yield ("temperature draw", f"rows={rows} vocab={vocab}",
+               lambda x=logits, t=temps, s=seed: temperature_draw(x, t, s),
+               lambda x=logits, t=temps, s=seed: draw(x, t[:, None], None, None,
+                                                      noise=lambda shape, s=s: exponential_noise(shape, s)))
 
 
 def top_p_cases():
@@ -556,8 +572,8 @@ def run_prefill(block_size):
 
 def run_fused(only=None):
     rows = []
-    for kernel, case, tri, ref in itertools.chain(fused_cases(), top_p_cases()):
-        if only is not None and kernel != only:
+    for kernel, case, tri, ref in itertools.chain(fused_cases(), top_p_cases(), temperature_draw_cases()):
+        if only is not None and kernel not in ((only,) if isinstance(only, str) else only):
             continue
         rows.append(row(kernel, case, time_eager(tri), time_eager(ref), time_graph(tri), time_graph(ref)))
         print_row(rows[-1])
@@ -778,8 +794,9 @@ def main():
                         help="only the mixture-of-experts and FP8 launch-config sweeps, then exit")
     parser.add_argument("--adjust-logits", action="store_true",
                         help="only the adjusted sampling's logits adjustments (kernels/adjust_logits.py), then exit")
-    parser.add_argument("--top-p", action="store_true",
-                        help="only the top-p draw without a sort (kernels/top_p_sampling.py) against the sort, then exit")
+    parser.add_argument("--draws", action="store_true",
+                        help="only the sampling draws' kernels (top-p without a sort, the temperature draw) against "
+                             "the torch operations they replace, then exit")
     args = parser.parse_args()
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
     torch.manual_seed(0)
@@ -802,9 +819,9 @@ def main():
         result["rows"] = run_fused(only="adjust logits")
         save()
         return
-    if args.top_p:
+    if args.draws:
         print_header()
-        result["rows"] = run_fused(only="top-p draw")
+        result["rows"] = run_fused(only=("top-p draw", "temperature draw"))
         save()
         return
     if args.moe_fp8:

@@ -12,21 +12,28 @@ import torch
 import triton
 import triton.language as tl
 
-# The smallest E: as torch's exponential_, never 0 (p / 0 would outrank every other token).
-_SMALLEST = 2.0**-25
+# The smallest E: exp1's floor.
+SMALLEST = 2.0**-25
 
 
 @triton.jit
-def _exponential_kernel(out_ptr, seed_ptr, n, SMALLEST: tl.constexpr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    seed = tl.load(seed_ptr)
+def exp1(seed, offsets):
+    """Exp(1) samples, one per offset, a function of (seed, offset) only: what exponential_noise
+    stores at those element indices, for kernels that draw without storing the noise."""
     bits = tl.randint(seed, offsets).to(tl.uint32, bitcast=True)
     # The top 24 bits as an integer, exact in float32: v in [0, 1) on a grid of 2^-24, and 1 - v
     # exact too. E = -log(1 - v); near 0, where a fast log of 1 - v (close to 1) loses its digits,
     # the series v + v^2/2 + v^3/3 (the terms left out under 2^-26 of E, below float32 rounding).
     v = (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
     e = tl.where(v < 1.0 / 256.0, v * (1.0 + v * (0.5 + v * (1.0 / 3.0))), -tl.log(1.0 - v))
-    tl.store(out_ptr + offsets, tl.maximum(e, SMALLEST), mask=offsets < n)
+    # 2^-25, the floor: as torch's exponential_, never 0 (p / 0 would outrank every other token).
+    return tl.maximum(e, 2.9802322387695312e-08)
+
+
+@triton.jit
+def _exponential_kernel(out_ptr, seed_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, exp1(tl.load(seed_ptr), offsets), mask=offsets < n)
 
 
 def exponential_noise(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tensor:
@@ -39,5 +46,5 @@ def exponential_noise(shape: tuple[int, ...], seed: torch.Tensor) -> torch.Tenso
         raise ValueError(f"exponential_noise draws at most 2^31 - 1 elements, not {n}")
     if n:
         block = 1024
-        _exponential_kernel[(triton.cdiv(n, block),)](out, seed, n, SMALLEST=_SMALLEST, BLOCK=block, num_warps=4)
+        _exponential_kernel[(triton.cdiv(n, block),)](out, seed, n, BLOCK=block, num_warps=4)
     return out

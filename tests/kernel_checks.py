@@ -333,3 +333,20 @@ def check_top_p_draw(top_p_draw, scaled, noise, top_p, device):
         on_edge = any(abs(above[row, t] - top_p[row]) < MASS_SLACK for t in (g, w))
         assert tied or on_edge, f"row {row}: drew {g}, the nucleus draw is {w} (top_p {top_p[row].item()})"
     return got
+
+
+def check_temperature_draw(temperature_draw, exponential_noise, logits, temps, device):
+    """temperature_draw's tokens for these CPU tensors (run on device) against the torch draw over
+    exponential_noise's tensor from the same seed: argmax(softmax(logits / temps) / E). A token may
+    differ only where float32 could order the two tokens' keys either way."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
+    got = temperature_draw(logits.to(device), temps.to(device), seed).cpu()
+    noise = exponential_noise(tuple(logits.shape), seed).cpu().double()
+    keys = (logits.double() / temps.double()[:, None]).log_softmax(-1).exp() / noise
+    want = keys.argmax(-1)
+    assert got.dtype == torch.int64 and got.shape == want.shape
+    for row in range(logits.shape[0]):
+        g, w = got[row].item(), want[row].item()
+        if g != w:
+            assert abs(keys[row, g] - keys[row, w]) <= 1e-5 * keys[row, w], f"row {row}: drew {g}, the draw is {w}"
+    return got

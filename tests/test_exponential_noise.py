@@ -35,7 +35,7 @@ def test_noise_follows_the_law_of_torchs_exponential():
     distance = steps.cumsum(-1).abs().max().item()
     assert distance < 0.0076, distance
     assert abs(ours.mean().item() - 1) < 0.01 and abs(ours.var().item() - 1) < 0.03
-    assert ours.min().item() >= module._SMALLEST and torch.isfinite(ours).all()
+    assert ours.min().item() >= module.SMALLEST and torch.isfinite(ours).all()
     # Neighbours (the next token of a row, the next row) uncorrelated.
     grid = ours.view(64, -1)
     for a, b in ((grid[:, :-1], grid[:, 1:]), (grid[:-1], grid[1:])):

@@ -522,6 +522,8 @@ class DecodeGraphs:
                 tokens = _draw_from(scaled, logits.argmax(-1), v["greedy"], filters, (), None, self._noise(logits))
         elif kind == "greedy":
             tokens = logits.argmax(-1)
+        elif kind == "sample" and logits.is_cuda:
+            tokens = self._temperature_draw(logits, v)
         else:
             tokens = draw(logits, v["temperatures"][:, None], v["greedy"], filters, noise=self._noise(logits))
         self.sampled[:bucket].copy_(tokens)
@@ -529,6 +531,14 @@ class DecodeGraphs:
             # Each real slot is one row's: one more of its sampled token (slot 0 gets nothing).
             slot = v["slot"]
             self.counts.view(-1).index_add_(0, slot * self.vocab_size + tokens, (slot > 0).int())
+
+    def _temperature_draw(self, logits: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
+        """draw() for the plain "sample" kind on a GPU, by kernels.temperature_draw: the tokens
+        draw() takes from _noise's tensor, without that tensor or the logits' float32 copies."""
+        from kernels.temperature_draw import temperature_draw  # start-up: Triton loads only where it runs
+        sampled = temperature_draw(logits, v["temperatures"], self.noise_seed)
+        self.noise_seed.add_(1)
+        return torch.where(v["greedy"], logits.argmax(-1), sampled)
 
     def _noise(self, logits: torch.Tensor):
         """draw()'s noise for this step's rows: on a GPU from kernels.exponential_noise and
