@@ -64,7 +64,7 @@ _REPORT_EVERY = 16
 _STOP = ("stop",)
 
 
-def kv_fingerprint(config: EngineConfig, block_shape: tuple[int, ...], dtype: torch.dtype) -> str:
+def kv_fingerprint(config: EngineConfig, block_shape: tuple[int, ...]) -> str:
     """What a block's K/V depends on beyond its tokens: the model's files (name, size and
     modification time: their identity, without reading gigabytes), its config, the dtype, the
     quantization, the block's shape on one rank, the tensor-parallel layout, the device type, the
@@ -80,15 +80,14 @@ def kv_fingerprint(config: EngineConfig, block_shape: tuple[int, ...], dtype: to
         "architecture": config.architecture.__name__,
         "load_format": config.load_format,
         "quantization": config.quantization,
-        "dtype": str(dtype),
+        "dtype": str(config.dtype),
         "block_shape": list(block_shape),
         "tensor_parallel_size": config.tensor_parallel_size,
         "device": config.device.type,
         "attention_backend": config.attention_backend,
     }
-    kv_dtype = getattr(config, "kv_dtype", dtype)
-    if kv_dtype != dtype:  # absent otherwise, so that the directories of earlier versions still match
-        identity["kv_dtype"] = str(kv_dtype)
+    if config.kv_dtype != config.dtype:  # absent otherwise, so that earlier versions' directories still match
+        identity["kv_dtype"] = str(config.kv_dtype)
     return xxhash.xxh3_128_hexdigest(json.dumps(identity, sort_keys=True, default=str).encode())
 
 

@@ -468,7 +468,7 @@ class ModelRunner:
         cache = self.kv_cache.view(torch.uint8) if self.kv_cache.dtype.itemsize == 1 else self.kv_cache
         disk = None
         if self.config.disk_cache_dir is not None:
-            disk = DiskStore(self.config.disk_cache_dir, kv_fingerprint(self.config, block_shape, self.config.dtype),
+            disk = DiskStore(self.config.disk_cache_dir, kv_fingerprint(self.config, block_shape),
                              self.rank, block_shape, cache.dtype)
         return KVTierCopies(cache, slots, disk)
 
