@@ -99,6 +99,15 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = _kv_offsets(table, pos, valid, stride_vb, stride_vt, BLOCK_SIZE)
         v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if v_head.dtype.element_ty.is_fp8():
+            # Triton would move the widening after the tile's trip through shared memory (one
+            # byte a value), and V's dot operand, which runs along the tokens, would then come
+            # back one byte at a time: there is no transposing ldmatrix for 8 bits. This where(),
+            # which changes no value (the masked lanes hold 0), keeps the widening here, so the
+            # tile goes through shared memory as fp16 and comes back by ldmatrix.trans
+            # (benchmarks/HISTORY.md, 2026-11-28, 07:05: batch 8 at 4096 context 33.7 against
+            # 41.0 us a layer on an H200).
+            v = tl.where(kv_mask, v, 0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
@@ -388,7 +397,9 @@ def split_counters(device: torch.device) -> torch.Tensor:
 def shared_memory(config: tuple[int, int, int, int], group: int, head_dim: int, itemsize: int) -> int:
     """An upper estimate of a launch's shared memory in bytes (kernels/launch_limits.py says how it
     counts): per stage of the attention loop a K and a V tile, q and the probabilities on their
-    way into the dots, and per stage of the last split's merge a tile of fp32 partial outputs."""
+    way into the dots, and per stage of the last split's merge a tile of fp32 partial outputs.
+    Over an FP8 cache the staged tiles take one byte an element, which leaves room for the V tile
+    widened on its way into the second dot."""
     block_n, _, num_stages, split_tile = config
     block_d = triton.next_power_of_2(head_dim)
     group_pad = max(16, triton.next_power_of_2(group))
@@ -403,17 +414,15 @@ def launch_config(dtype: torch.dtype, head_dim: int, group: int, limits: launch_
     """(BLOCK_N, num_warps, num_stages, merge tile). The tuned configuration from
     `benchmarks/bench_kernels.py --sweep` on an H200 (bf16, head_dim 128): within 10% of the best
     of 27 configs at batch 1 (ctx 512, 4096) and batch 256 (ctx ~600), where the split count
-    mattered far more. Over a cache of one-byte elements (kv_dtype FP8) the K/V tiles are twice as
-    long, so each carries as many bytes as bf16's (on an H200, with the fp16 products in `_attend`,
-    against 64-token tiles: faster at batch 8 with ctx 512 and at every batch with ctx 4096, about
-    1 us a layer slower at batch 1-4 with ctx 512; benchmarks/HISTORY.md, 2026-11-28). With `limits` (a GPU's), the first of it and its fallbacks (a narrower
-    merge tile, fewer stages, then narrower K/V tiles) whose shared memory fits them; None (Triton's
-    CPU interpreter) gives small tiles, which it runs faster."""
+    mattered far more. A cache of one-byte elements (kv_dtype FP8) takes the same tiles: with V
+    widened before shared memory (`_attend`), 128-token tiles were slower than 64-token ones
+    everywhere but batch 1 at ctx 4096 (H200, benchmarks/HISTORY.md, 2026-11-28, 07:05); kv_dtype
+    only names the cache in the error when nothing fits. With `limits` (a GPU's), the first of it
+    and its fallbacks (a narrower merge tile, fewer stages, then narrower K/V tiles) whose shared
+    memory fits them; None (Triton's CPU interpreter) gives small tiles, which it runs faster."""
     if limits is None:
         return 32, 1, 1, MERGE_TILE
     block_n, num_warps, num_stages = (32, 4, 2) if dtype == torch.float32 else (64, 4, 2)
-    if kv_dtype is not None and kv_dtype.itemsize == 1:
-        block_n *= 2
     candidates = ((n, num_warps, stages, tile) for n in launch_limits.halvings(block_n, 16)
                   for stages in launch_limits.stages_down(num_stages)
                   for tile in launch_limits.halvings(MERGE_TILE, 2))
