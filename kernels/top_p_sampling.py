@@ -98,6 +98,23 @@ def _step(mass_ptr, key_ptr, idx_ptr, chunks, candidate, undecided, limit, C_PAD
 
 
 @triton.jit
+def _state_after(m_row_ptr, mass_ptr, key_ptr, idx_ptr, state_f_row, state_i_row, top_p, chunks, stride_r,
+                 DONE: tl.constexpr, C_PAD: tl.constexpr):
+    """The row's state (m, z, candidate, undecided) once the chunks' figures of rounds 0..DONE are
+    stored: from round 0's alone, or the state round DONE - 1 stored taken one step on by round
+    DONE's. mass_ptr, key_ptr, idx_ptr: the row's figures, slot 0."""
+    if DONE == 0:
+        m, z, candidate, undecided = _first_state(m_row_ptr, mass_ptr, key_ptr, idx_ptr, top_p, chunks, C_PAD)
+    else:
+        before = (DONE - 1) * 2
+        m, z, candidate, undecided = _stored_state(state_f_row + before, state_i_row + before)
+        slot = DONE * stride_r
+        candidate, undecided = _step(mass_ptr + slot, key_ptr + slot, idx_ptr + slot, chunks, candidate,
+                                     undecided, top_p * z, C_PAD)
+    return m, z, candidate, undecided
+
+
+@triton.jit
 def _chunk_stats_kernel(logits_ptr, noise_ptr, m_ptr, z_ptr, key_ptr, idx_ptr, vocab,
                         stride_l, stride_n, stride_m, stride_s, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -125,15 +142,10 @@ def _round_kernel(logits_ptr, noise_ptr, top_p_ptr, m_ptr, mass_ptr, key_ptr, id
     chunk = tl.program_id(1)
     stats = row * stride_s
     top_p = tl.load(top_p_ptr + row)
-    if ROUND == 1:
-        m, z, candidate, undecided = _first_state(m_ptr + row * stride_m, mass_ptr + stats, key_ptr + stats,
-                                                  idx_ptr + stats, top_p, chunks, C_PAD)
-    else:
-        before = row * stride_st + (ROUND - 2) * 2
-        m, z, candidate, undecided = _stored_state(state_f_ptr + before, state_i_ptr + before)
-        slot = stats + (ROUND - 1) * stride_r
-        candidate, undecided = _step(mass_ptr + slot, key_ptr + slot, idx_ptr + slot, chunks, candidate,
-                                     undecided, top_p * z, C_PAD)
+    m, z, candidate, undecided = _state_after(m_ptr + row * stride_m, mass_ptr + stats, key_ptr + stats,
+                                              idx_ptr + stats, state_f_ptr + row * stride_st,
+                                              state_i_ptr + row * stride_st, top_p, chunks, stride_r,
+                                              ROUND - 1, C_PAD)
     if chunk == 0:
         here = row * stride_st + (ROUND - 1) * 2
         tl.store(state_f_ptr + here, m)
@@ -162,15 +174,10 @@ def _finish_kernel(logits_ptr, noise_ptr, top_p_ptr, out_ptr, m_ptr, mass_ptr, k
     row = tl.program_id(0).to(tl.int64)
     stats = row * stride_s
     top_p = tl.load(top_p_ptr + row)
-    if ROUNDS == 0:
-        m, z, candidate, searching = _first_state(m_ptr + row * stride_m, mass_ptr + stats, key_ptr + stats,
-                                                  idx_ptr + stats, top_p, chunks, C_PAD)
-    else:
-        before = row * stride_st + (ROUNDS - 1) * 2
-        m, z, candidate, searching = _stored_state(state_f_ptr + before, state_i_ptr + before)
-        slot = stats + ROUNDS * stride_r
-        candidate, searching = _step(mass_ptr + slot, key_ptr + slot, idx_ptr + slot, chunks, candidate,
-                                     searching, top_p * z, C_PAD)
+    m, z, candidate, searching = _state_after(m_ptr + row * stride_m, mass_ptr + stats, key_ptr + stats,
+                                              idx_ptr + stats, state_f_ptr + row * stride_st,
+                                              state_i_ptr + row * stride_st, top_p, chunks, stride_r,
+                                              ROUNDS, C_PAD)
     limit = top_p * z
     # Undecided after the rounds: one pass over the row per candidate, in this program.
     logits_row = logits_ptr + row * stride_l
