@@ -56,7 +56,8 @@ def _finite(name: str, value, low: float | None = None, high: float | None = Non
     return value
 
 
-# Temperatures under this are greedy: dividing logits by one overflows float32, or it is 0 there.
+# Temperatures under this are greedy: the draw at one is the argmax anyway (logits a float32 step
+# apart end up e^(1e13) apart), and under ~1e-38 dividing the logits by it overflows float32.
 GREEDY_BELOW = 1e-20
 
 
@@ -65,7 +66,7 @@ class SamplingParams:
     """How to pick tokens for one request. Mirrors nano-vllm / vLLM so callers can switch.
 
     temperature=0 is greedy, and so is any temperature under GREEDY_BELOW (1e-20), which would take
-    the argmax anyway but which float32 holds as 0, or by which dividing the logits overflows.
+    the argmax anyway, and by the smallest of which dividing the logits overflows float32.
     top_k=0, top_p=1 and min_p=0 switch those filters off. A seed makes the request's draws
     reproducible whatever else is in the batch.
 
