@@ -151,10 +151,15 @@ def paged_cache(lens, block_size, layers, dtype=None):
     return cache, tables.to(DEVICE)
 
 
-def decode_setup(lens, block_size):
-    kv_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+def kv_label(kv_dtype) -> str:
+    """" kv=fp8" in a case's name for an e4m3 cache; nothing for the model's dtype."""
+    return " kv=fp8" if kv_dtype == torch.float8_e4m3fn else ""
+
+
+def decode_setup(lens, block_size, kv_dtype=None):
+    kv_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * (kv_dtype or DTYPE).itemsize
     layers = 1 if SMOKE else max(2, min(28, math.ceil(256e6 / kv_bytes)))
-    cache, tables = paged_cache(lens, block_size, layers)
+    cache, tables = paged_cache(lens, block_size, layers, kv_dtype)
     q = torch.randn(len(lens), HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     return dict(q=q, cache=cache, tables=tables, context_lens=context_lens, layers=layers, kv_bytes=kv_bytes)
@@ -580,13 +585,15 @@ def run_fused(only=None):
     return rows
 
 
-def sweep_decode(block_size, budget_s):
+def sweep_decode(block_size, budget_s, kv_dtype=None):
+    """Launch configs, then split counts, of the decode attention over a cache of kv_dtype (DTYPE
+    by default), each case within its share of budget_s."""
     out = []
     cases = decode_cases()
     for name, lens in cases:
         start = time.monotonic()
         deadline = start + 0.6 * budget_s / len(cases)  # the rest is for the split counts
-        s = decode_setup(lens, block_size)
+        s = decode_setup(lens, block_size, kv_dtype)
         results = []
         for block_n, warps, stages in itertools.product((64, 32, 128), (4, 2, 8), (2, 1, 3)):
             if time.monotonic() > deadline:
@@ -600,13 +607,14 @@ def sweep_decode(block_size, budget_s):
                 full = dict(cfg, num_splits=splits)
                 results.append((full, timed_graph(decode_fns(s, **full)[0], s["layers"])))
         results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
-        print(f"\nsweep decode {name} bs={block_size} (graph us/call), best 12 of {len(results)}:")
+        print(f"\nsweep decode {name} bs={block_size}{kv_label(kv_dtype)} (graph us/call), best 12 of {len(results)}:")
         for cfg, ms in results[:12]:
             print(f"  {us(ms)!s:>9}  {cfg}")
         by_split = {(c["num_splits"], len(c) > 1): us(ms) for c, ms in results if "num_splits" in c}
         print("  by num_splits (default cfg / best cfg):",
               {n: (by_split.get((n, False)), by_split.get((n, True))) for n in sorted({k[0] for k in by_split})})
-        out.append(dict(case=name, block_size=block_size, results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
+        out.append(dict(case=name, block_size=block_size, kv_cache_dtype=str(kv_dtype or DTYPE),
+                        results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
         del s
     return out
 
@@ -620,9 +628,10 @@ def chunk_cases():
             ("chunk_q120_ctx2048", 2048, 120), ("q50_after_2048_cached", 2098, 50)]
 
 
-def sweep_prefill(block_size):
-    """Launch configs x key splits for few queries over many keys. Each call reads its own layer's
-    cache (4 of them, past the L2), as an engine step does."""
+def sweep_prefill(block_size, kv_dtype=None):
+    """Launch configs x key splits for few queries over many keys, over a cache of kv_dtype (DTYPE
+    by default). Each call reads its own layer's cache (4 of them, past the L2), as an engine step
+    does."""
     out = []
     tiles = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3),
              (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 32, 4, 3), (32, 64, 4, 3)]
@@ -633,7 +642,7 @@ def sweep_prefill(block_size):
     layers = 1 if SMOKE else 4
     scale = HEAD_DIM ** -0.5
     for name, context, queries in chunk_cases():
-        cache, tables = paged_cache([context], block_size, layers)
+        cache, tables = paged_cache([context], block_size, layers, kv_dtype)
         q = torch.randn(queries, HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
         cu = torch.tensor([0, queries], dtype=torch.int32, device=DEVICE)
         lens = torch.tensor([context], dtype=torch.int32, device=DEVICE)
@@ -649,13 +658,13 @@ def sweep_prefill(block_size):
         results = [(cfg, timed_graph(call(cfg), layers)) for cfg in configs]
         default_ms = timed_graph(call({}), layers)
         results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
-        print(f"\nsweep prefill {name} bs={block_size} (graph us/call, {layers} layers rotated; "
+        print(f"\nsweep prefill {name} bs={block_size}{kv_label(kv_dtype)} (graph us/call, {layers} layers rotated; "
               f"default config {us(default_ms)} us):")
         for cfg, ms in results[:12]:
             rate = f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s" if ms else ""
             print(f"  {us(ms)!s:>9}  {rate:>12}  {cfg}")
-        out.append(dict(case=name, block_size=block_size, default_us=us(default_ms),
-                        results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
+        out.append(dict(case=name, block_size=block_size, kv_cache_dtype=str(kv_dtype or DTYPE),
+                        default_us=us(default_ms), results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
     return out
 
 
@@ -735,7 +744,7 @@ def run_decode_launches(block_sizes, kv_dtype=None):
         for name, fn in variants.items():
             qkv.copy_(qkv_in)  # norm_rope_store rotates q in place
             outs[name] = fn(0).float()
-        case = f"b{batch}_ctx{ctx} bs={bs}" + (" kv=fp8" if kv_dtype == torch.float8_e4m3fn else "")
+        case = f"b{batch}_ctx{ctx} bs={bs}" + kv_label(kv_dtype)
         for pdl_on in ("1", "0"):
             os.environ["NVCHAT_PDL"] = pdl_on
             for name, fn in variants.items():
@@ -788,7 +797,8 @@ def main():
                         help="only the decode launch comparison (split+merge, one-launch, from-qkv; PDL on/off), then exit")
     parser.add_argument("--block-sizes", default="16,256", help="KV cache block sizes for the attention cases")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                        help="with --decode-launches: the caches in the model's dtype or in e4m3")
+                        help="with --decode-launches, --sweep and --sweep-prefill-only: the caches in the "
+                             "model's dtype or in e4m3")
     parser.add_argument("--moe-fp8", action="store_true", help="only the mixture-of-experts and FP8 rows, then exit")
     parser.add_argument("--sweep-moe-fp8", action="store_true",
                         help="only the mixture-of-experts and FP8 launch-config sweeps, then exit")
@@ -799,6 +809,7 @@ def main():
                              "the torch operations they replace, then exit")
     args = parser.parse_args()
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None
     torch.manual_seed(0)
     random.seed(0)
     device = torch.cuda.get_device_name() if CUDA else "cpu (TRITON_INTERPRET smoke run)"
@@ -835,7 +846,7 @@ def main():
         return
     if args.decode_launches:
         print_header()
-        result["rows"] = run_decode_launches(block_sizes, torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else None)
+        result["rows"] = run_decode_launches(block_sizes, kv_dtype)
         save()
         return
     if args.sweep_occupancy_only:
@@ -843,13 +854,13 @@ def main():
         save()
         return
     if args.sweep_prefill_only:
-        result["sweep_prefill"] = sweep_prefill(block_sizes[0])
+        result["sweep_prefill"] = sweep_prefill(block_sizes[0], kv_dtype)
         save()
         return
     if args.sweep:
-        result["sweep_decode"] = sweep_decode(block_sizes[0], args.sweep_budget)
+        result["sweep_decode"] = sweep_decode(block_sizes[0], args.sweep_budget, kv_dtype)
         save()
-        result["sweep_prefill"] = sweep_prefill(block_sizes[0])
+        result["sweep_prefill"] = sweep_prefill(block_sizes[0], kv_dtype)
         save()
         print()
     print_header()
