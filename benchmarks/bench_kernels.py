@@ -16,13 +16,15 @@ bytes of K/V read / graph time, against the H200's 4.25 TB/s.
     python benchmarks/bench_kernels.py [--out benchmarks/out/kernels.json] [--sweep]
 
 --sweep also times the decode and prefill kernels over launch configs (tile size, warps, stages,
-split count), which is how their defaults were chosen. --decode-launches only compares the ways a
+split count), which is how their defaults were chosen; --sweep-decode-only and --sweep-prefill-only
+time one of them, over an e4m3 cache with --kv-cache-dtype fp8. --decode-launches only compares the ways a
 decode step's attention can launch (see run_decode_launches), with PDL on and off. --moe-fp8 runs
 only the mixture-of-experts and FP8 rows, --adjust-logits only the adjusted sampling's logits
 adjustments, --draws only the sampling draws' kernels; --sweep-moe-fp8 times those kernels over launch configs
 (their defaults are untuned). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
 smoke test of this script, and times nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot
-wrong, so the grouped MoE path's smoke diffs are garbage there).
+wrong, so the grouped MoE path's and the FP8 GEMV's and GEMM's smoke diffs at several rows are
+garbage there).
 """
 import argparse
 import datetime
@@ -791,13 +793,15 @@ def main():
                         help="seconds the decode sweep (split evenly over its cases) or --sweep-moe-fp8 may take")
     parser.add_argument("--sweep-occupancy-only", action="store_true",
                         help="only the prefill occupancy sweep (programs per SM x split cap), then exit")
+    parser.add_argument("--sweep-decode-only", action="store_true",
+                        help="only the decode sweep (launch configs, then split counts), then exit")
     parser.add_argument("--sweep-prefill-only", action="store_true",
                         help="only the prefill sweep (few queries over many keys), then exit")
     parser.add_argument("--decode-launches", action="store_true",
                         help="only the decode launch comparison (split+merge, one-launch, from-qkv; PDL on/off), then exit")
     parser.add_argument("--block-sizes", default="16,256", help="KV cache block sizes for the attention cases")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                        help="with --decode-launches, --sweep and --sweep-prefill-only: the caches in the "
+                        help="with --decode-launches and the attention sweeps: the caches in the "
                              "model's dtype or in e4m3")
     parser.add_argument("--moe-fp8", action="store_true", help="only the mixture-of-experts and FP8 rows, then exit")
     parser.add_argument("--sweep-moe-fp8", action="store_true",
@@ -851,6 +855,10 @@ def main():
         return
     if args.sweep_occupancy_only:
         result["sweep_occupancy"] = sweep_prefill_occupancy(block_sizes[0])
+        save()
+        return
+    if args.sweep_decode_only:
+        result["sweep_decode"] = sweep_decode(block_sizes[0], args.sweep_budget, kv_dtype)
         save()
         return
     if args.sweep_prefill_only:
