@@ -32,7 +32,6 @@ def _decode_kernel_ptx(cache_type: str) -> str:
     block_n, num_warps, num_stages, merge_tile = decode_attention.launch_config(torch.bfloat16, 128, 2, H200, kv_dtype)
     constants = dict(BLOCK_SIZE=16, GROUP_PAD=16, GROUP_M=2, BLOCK_D=128, BLOCK_N=block_n, SPLIT_TILE=merge_tile,
                      SPLIT=True, MERGE_HERE=True, PDL=True, **decode_attention.dot_flags(torch.bfloat16))
-    constants["UPCAST"] = False  # the compiled kernel's value, whatever TRITON_INTERPRET says here
     pointers = dict(q_ptr="*bf16", k_ptr=f"*{cache_type}", v_ptr=f"*{cache_type}", block_tables_ptr="*i32",
                     context_lens_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32",
                     counters_ptr="*i32", qk_scale="fp32")
