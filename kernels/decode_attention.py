@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import launch_limits, pdl
-from kernels.fp8 import as_cached
+from kernels.fp8 import as_cached, fp16_scaled_query
 from kernels.norm_rope_store import check_norm_rope_inputs
 
 LOG2E = 1.4426950408889634
@@ -76,12 +76,9 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     if k_head.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
-        # Over an e4m3 cache the products run in fp16: Hopper widens e4m3 to fp16 in one
-        # instruction and to bf16 in several, which left this loop bound by the conversions.
-        # Every e4m3 value is an fp16 one. q is scaled first, in fp32, then rounded once to fp16
-        # (finer than bf16) and clamped into its range; a NaN stays NaN, as over a bf16 cache.
-        q = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL)
-        q = q.to(tl.float16)
+        # Over an e4m3 cache the products run in fp16: widening to bf16 left this loop bound by
+        # the conversions.
+        q = fp16_scaled_query(q, qk_scale)
         qk_scale = 1.0
     for tile in range(start, end, BLOCK_N):
         pos = tile + n

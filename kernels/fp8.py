@@ -140,6 +140,15 @@ def _e4m3_code(r):
 
 
 @triton.jit
+def fp16_scaled_query(q, qk_scale):
+    """q * qk_scale in fp16, for products against an e4m3 cache: Hopper widens e4m3 to fp16 in one
+    instruction and to bf16 in several (every e4m3 value is an fp16 one). The product is formed in
+    fp32, clamped into fp16's range (a NaN stays NaN) and rounded once: fp16 is finer than bf16
+    wherever the scaled query fits it."""
+    return tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
+
+
+@triton.jit
 def as_cached(x, cache_ptr):
     """x as a KV cache of cache_ptr's element type keeps it: an e4m3 cache (no scale) saturates at
     +-448 (FP8_MAX), keeps NaN, and rounds half to even, as torch's conversion does."""

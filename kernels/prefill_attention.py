@@ -29,6 +29,7 @@ from kernels.decode_attention import (
     _sm_count,
     dot_flags,
 )
+from kernels.fp8 import fp16_scaled_query
 
 MAX_SPLITS = 16
 # A split shorter than this costs more in its fixed work (load Q, write a partial) than it saves.
@@ -207,7 +208,8 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, hi, qk_sca
         valid = pos < hi
         kv_mask = valid[:, None] & d_mask[None, :]
         k_rows = _kv_offsets(table, pos, valid, stride_kb, stride_kt, BLOCK_SIZE)
-        # An FP8 cache's tiles widen to q's dtype for the dot (exact: every e4m3 value is a bf16 one).
+        # An FP8 cache's tiles widen to q's dtype for the dot (exact: every e4m3 value is an fp16
+        # and a bf16 one).
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         if CAUSAL:
@@ -246,6 +248,12 @@ def _prefill_kernel(
     d_mask = d < HEAD_DIM
     g = r % GROUP_PAD
     units = tl.load(count_ptr) * kv_heads
+    # Over an e4m3 cache bf16 queries go into the products as fp16, already scaled (decode
+    # attention's reason: the tiles widen to fp16 in one instruction, to bf16 in several).
+    FP16_PRODUCTS: tl.constexpr = k_ptr.dtype.element_ty.is_fp8() and q_ptr.dtype.element_ty == tl.bfloat16
+    score_scale = qk_scale
+    if FP16_PRODUCTS:
+        score_scale = 1.0
     # Units are (item, KV head) pairs, item-major: every head of the heaviest items goes first.
     for unit in range(tl.program_id(0), units, tl.num_programs(0)):
         item = items_ptr + (unit // kv_heads) * 4
@@ -265,6 +273,8 @@ def _prefill_kernel(
         head = kv_head * GROUP + g
         q = tl.load(q_ptr + (token * stride_qt + head * stride_qh)[:, None] + d[None, :],
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        if FP16_PRODUCTS:
+            q = fp16_scaled_query(q, qk_scale)
 
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         k_head = k_ptr + kv_head * stride_kh
@@ -281,10 +291,10 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, tl.minimum(hi, full),
-                                      qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
+                                      score_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
                                       BLOCK_D, HEAD_DIM, False, PRECISION, UPCAST)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, tl.maximum(lo, full), hi,
-                                      qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
+                                      score_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
                                       BLOCK_D, HEAD_DIM, True, PRECISION, UPCAST)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
