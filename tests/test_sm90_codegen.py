@@ -47,16 +47,57 @@ def _decode_kernel_ptx(cache_type: str) -> str:
     return compiled.asm["ptx"]
 
 
-@pytest.mark.parametrize("cache_type", ["fp8e4nv", "bf16"])
-def test_v_reaches_the_second_dot_by_ldmatrix_trans_not_byte_loads(cache_type):
-    # In a process of its own: this one runs the kernels under Triton's interpreter.
+def _prefill_kernel_ptx(cache_type: str) -> str:
+    """The PTX of _prefill_kernel for an H200 at Qwen3-0.6B's attention shape, bf16 queries, with
+    the launch the engine picks for a big prefill step."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import prefill_attention
+    from kernels.launch_limits import H200
+
+    config = prefill_attention.launch_config(torch.bfloat16, 128, 2, 4096, H200)
+    constants = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, GROUP_PAD=2, BLOCK_Q=config.block_q,
+                     BLOCK_M=config.block_m, BLOCK_D=128, BLOCK_N=config.block_n, PDL=True,
+                     **prefill_attention.dot_flags(torch.bfloat16))
+    pointers = dict(q_ptr="*bf16", k_ptr=f"*{cache_type}", v_ptr=f"*{cache_type}", out_ptr="*bf16",
+                    part_o_ptr="*fp32", part_lse_ptr="*fp32", cu_seqlens_ptr="*i32", context_lens_ptr="*i32",
+                    block_tables_ptr="*i32", items_ptr="*i32", count_ptr="*i32", qk_scale="fp32")
+    names = list(inspect.signature(prefill_attention._prefill_kernel.fn).parameters)
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    aligned = [n for n in names if n not in constants and (n.endswith("_ptr") or n.startswith("stride"))]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    source = ASTSource(prefill_attention._prefill_kernel, signature,
+                       {(names.index(n),): v for n, v in constants.items()}, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    return compiled.asm["ptx"]
+
+
+def _compiled_ptx(helper: str, cache_type: str) -> str:
+    """helper(cache_type) run in a process of its own: this one runs the kernels under Triton's
+    interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"from tests.test_sm90_codegen import _decode_kernel_ptx; print(_decode_kernel_ptx({cache_type!r}))"
+    code = f"from tests.test_sm90_codegen import {helper}; print({helper}({cache_type!r}))"
     child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert child.returncode == 0, child.stderr[-2000:]
-    ptx = child.stdout
+    return child.stdout
+
+
+@pytest.mark.parametrize("cache_type", ["fp8e4nv", "bf16"])
+def test_v_reaches_the_second_dot_by_ldmatrix_trans_not_byte_loads(cache_type):
+    ptx = _compiled_ptx("_decode_kernel_ptx", cache_type)
     assert "ld.shared.b8" not in ptx
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
     if cache_type == "fp8e4nv":
         assert "cvt.rn.f16x2.e4m3x2" in ptx  # the widening to fp16 in one instruction
+
+
+def test_prefill_over_an_fp8_cache_widens_e4m3_once_to_fp16():
+    """With bf16 queries over an e4m3 cache the products run in fp16: each cached value is widened
+    by one instruction, never on to bf16 (`cvt.bf16.f16`, a second conversion per value)."""
+    ptx = _compiled_ptx("_prefill_kernel_ptx", "fp8e4nv")
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
+    assert "cvt.bf16.f16" not in ptx
