@@ -6,7 +6,7 @@ Triton moves their widening behind the trip through shared memory, and then load
 operand one byte at a time (`ld.shared.b8`: there is no transposing ldmatrix for 8 bits), which
 made the attention 18% slower at batch 8 with 4096 tokens of context on an H200
 (benchmarks/HISTORY.md, 2026-11-28, 07:05). kernels/decode_attention.py's `_attend` keeps the
-widening in front with a where() that changes no value; a Triton release that sees through it
+widening in front with a product by 1 that changes no value; a Triton release that sees through it
 fails this test."""
 import inspect
 import os
