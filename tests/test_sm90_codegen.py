@@ -17,14 +17,28 @@ import pytest
 import torch
 
 
-def _decode_kernel_ptx(cache_type: str) -> str:
-    """The PTX of _decode_kernel for an H200 at Qwen3-0.6B's attention shape (head_dim 128, two
-    query heads a KV head), bf16 queries, with the launch the engine picks there. Needs the
-    kernels imported without TRITON_INTERPRET (compiled, not interpreted functions)."""
+def _h200_ptx(kernel, constants: dict, pointers: dict, num_warps: int, num_stages: int) -> str:
+    """kernel's PTX for an H200: every parameter not in constants is a pointer of the type pointers
+    names, else an i32, and pointers and strides are divisible by 16, as a launch over the cache
+    specializes them. Needs the kernels imported without TRITON_INTERPRET (compiled, not
+    interpreted functions)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    aligned = [n for n in names if n not in constants and (n.endswith("_ptr") or n.startswith("stride"))]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    source = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    return compiled.asm["ptx"]
+
+
+def _decode_kernel_ptx(cache_type: str) -> str:
+    """The decode attention at Qwen3-0.6B's attention shape (head_dim 128, two query heads a KV
+    head), bf16 queries, with the launch the engine picks there."""
     from kernels import decode_attention
     from kernels.launch_limits import H200
 
@@ -35,25 +49,12 @@ def _decode_kernel_ptx(cache_type: str) -> str:
     pointers = dict(q_ptr="*bf16", k_ptr=f"*{cache_type}", v_ptr=f"*{cache_type}", block_tables_ptr="*i32",
                     context_lens_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32",
                     counters_ptr="*i32", qk_scale="fp32")
-    names = list(inspect.signature(decode_attention._decode_kernel.fn).parameters)
-    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
-    # As a launch specializes them: pointers and strides divisible by 16, as the cache's are.
-    aligned = [n for n in names if n not in constants and (n.endswith("_ptr") or n.startswith("stride"))]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    source = ASTSource(decode_attention._decode_kernel, signature,
-                       {(names.index(n),): v for n, v in constants.items()}, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
-    return compiled.asm["ptx"]
+    return _h200_ptx(decode_attention._decode_kernel, constants, pointers, num_warps, num_stages)
 
 
 def _prefill_kernel_ptx(cache_type: str) -> str:
-    """The PTX of _prefill_kernel for an H200 at Qwen3-0.6B's attention shape, bf16 queries, with
-    the launch the engine picks for a big prefill step."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """The prefill attention at Qwen3-0.6B's attention shape, bf16 queries, with the launch the
+    engine picks for a big prefill step."""
     from kernels import prefill_attention
     from kernels.launch_limits import H200
 
@@ -64,15 +65,7 @@ def _prefill_kernel_ptx(cache_type: str) -> str:
     pointers = dict(q_ptr="*bf16", k_ptr=f"*{cache_type}", v_ptr=f"*{cache_type}", out_ptr="*bf16",
                     part_o_ptr="*fp32", part_lse_ptr="*fp32", cu_seqlens_ptr="*i32", context_lens_ptr="*i32",
                     block_tables_ptr="*i32", items_ptr="*i32", count_ptr="*i32", qk_scale="fp32")
-    names = list(inspect.signature(prefill_attention._prefill_kernel.fn).parameters)
-    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
-    aligned = [n for n in names if n not in constants and (n.endswith("_ptr") or n.startswith("stride"))]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    source = ASTSource(prefill_attention._prefill_kernel, signature,
-                       {(names.index(n),): v for n, v in constants.items()}, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
-    return compiled.asm["ptx"]
+    return _h200_ptx(prefill_attention._prefill_kernel, constants, pointers, config.num_warps, config.num_stages)
 
 
 def _compiled_ptx(helper: str, cache_type: str) -> str:
