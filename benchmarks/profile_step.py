@@ -73,12 +73,15 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rank 0's kernels are profiled)")
     p.add_argument("--only", nargs="+", choices=SCENARIOS, default=SCENARIOS, help="scenarios to run")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="the KV cache's dtype (fp8: e4m3, half the bytes a token)")
     p.add_argument("--out", default="benchmarks/out/profile.json")
     args = p.parse_args()
     rng = random.Random(0)
     llm = LLM(args.config, load_format="random", dtype="bfloat16", max_model_len=9216, max_num_seqs=256,
               max_num_batched_tokens=16384, max_prefill_chunk=128, enforce_eager=args.enforce_eager,
-              prefill_cuda_graphs=args.prefill_cuda_graphs, tensor_parallel_size=args.tp)
+              prefill_cuda_graphs=args.prefill_cuda_graphs, tensor_parallel_size=args.tp,
+              kv_cache_dtype=args.kv_cache_dtype)
     vocab = llm.config.hf_config.vocab_size
 
     def prompt(n):
@@ -148,7 +151,8 @@ def main():
     llm.shutdown()
     for title, r in results.items():
         report(title, r)
-    write_json(args.out, {"config": args.config, "prefill_cuda_graphs": args.prefill_cuda_graphs, **results})
+    write_json(args.out, {"config": args.config, "prefill_cuda_graphs": args.prefill_cuda_graphs,
+                          "kv_cache_dtype": args.kv_cache_dtype, **results})
 
 
 if __name__ == "__main__":
