@@ -145,6 +145,22 @@ def test_prefill_attention_over_an_fp8_cache(block_size, group, dtype, poison):
     assert_close(out, ref.paged_prefill_attention(q, k_cache, v_cache, cu, context_lens, tables, scale), dtype)
 
 
+def test_prefill_attention_over_an_fp8_cache_keeps_a_nan_query_nan():
+    """As the decode attention's: a NaN in one query token's head comes out NaN for that token and
+    head alone, though the fp16 products clamp q into fp16's range."""
+    shapes = [(40, 40), (23, 7)]  # a whole prompt, then 7 tokens after a cached prefix
+    k_cache, v_cache, tables = make_paged_kv([c for c, _ in shapes], 16, 2, FP8)
+    cu = torch.tensor([0, 40, 47], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(47, 4, HEAD_DIM, device=DEVICE).to(BF16)
+    q[43, 2, 9] = float("nan")  # the second sequence's fourth token, query head 2
+    context_lens = torch.tensor([40, 23], dtype=torch.int32, device=DEVICE)
+    out = prefill_attention.paged_prefill_attention(q, k_cache, v_cache, cu, context_lens, tables, HEAD_DIM ** -0.5)
+    assert out[43, 2].isnan().all()
+    nan = torch.zeros(47, 4, dtype=torch.bool, device=DEVICE)
+    nan[43, 2] = True
+    assert not out[~nan].isnan().any()
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="a CPU engine's Triton backend runs under the interpreter; "
                                            "tests/gpu/test_fp8_kv_cache_gpu.py is the CUDA engine's")
 def test_the_engine_gives_the_same_tokens_through_triton_and_torch(tiny_qwen3):
