@@ -48,6 +48,7 @@ from engine.layers.fp8 import quantize_blocks  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.paged_attention_torch import store_kv as torch_store_kv  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
+from engine.options import KV_CACHE_DTYPES  # noqa: E402
 from engine.runner.decode_graphs import adjust_logits_torch  # noqa: E402
 from kernels import fp8 as fp8_kernels  # noqa: E402
 from engine.runner.sampler import _beyond_top_k, _draw_from, draw  # noqa: E402
@@ -800,7 +801,7 @@ def main():
     parser.add_argument("--decode-launches", action="store_true",
                         help="only the decode launch comparison (split+merge, one-launch, from-qkv; PDL on/off), then exit")
     parser.add_argument("--block-sizes", default="16,256", help="KV cache block sizes for the attention cases")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="with --decode-launches and the attention sweeps: the caches in the "
                              "model's dtype or in e4m3")
     parser.add_argument("--moe-fp8", action="store_true", help="only the mixture-of-experts and FP8 rows, then exit")

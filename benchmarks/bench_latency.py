@@ -28,6 +28,7 @@ from benchmarks.common import (
     write_json,
 )
 from engine import LLM, SamplingParams
+from engine.options import KV_CACHE_DTYPES
 
 
 def sync():
@@ -96,7 +97,7 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default=None)
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="fp8: the KV cache in e4m3 (the floors count its bytes as such)")
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",

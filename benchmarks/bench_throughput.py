@@ -17,6 +17,7 @@ from benchmarks.common import (
     write_json,
 )
 from engine import LLM, SamplingParams
+from engine.options import KV_CACHE_DTYPES
 
 
 def run_nvchat(args, prompts, max_tokens) -> dict:
@@ -74,7 +75,7 @@ def main():
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--attention-backend", default=None)
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="fp8: the KV cache in e4m3 (the roofline counts its bytes as such)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--overlap", choices=["on", "off"], default="on",

@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import CONFIGS, write_json
 from engine import LLM, SamplingParams
+from engine.options import KV_CACHE_DTYPES
 
 
 def _busy_us(intervals) -> float:
@@ -73,7 +74,7 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rank 0's kernels are profiled)")
     p.add_argument("--only", nargs="+", choices=SCENARIOS, default=SCENARIOS, help="scenarios to run")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the KV cache's dtype (fp8: e4m3, half the bytes a token)")
     p.add_argument("--out", default="benchmarks/out/profile.json")
     args = p.parse_args()
