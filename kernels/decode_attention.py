@@ -76,8 +76,7 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     if k_head.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
-        # Over an e4m3 cache the products run in fp16: widening to bf16 left this loop bound by
-        # the conversions.
+        # Over an e4m3 cache the products run in fp16 (fp16_scaled_query's docstring says why).
         q = fp16_scaled_query(q, qk_scale)
         qk_scale = 1.0
     for tile in range(start, end, BLOCK_N):
@@ -85,8 +84,8 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
         valid = pos < end
         kv_mask = valid[:, None] & d_mask[None, :]
         k_rows = _kv_offsets(table, pos, valid, stride_kb, stride_kt, BLOCK_SIZE)
-        # An FP8 cache's tiles widen to q's dtype for the dot (exact: every e4m3 value is a bf16
-        # and an fp16 one).
+        # An FP8 cache's tiles widen to q's dtype for the dot, fp16 or float32 (exact: every e4m3
+        # value is an fp16 one).
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -100,12 +99,12 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
             # Triton would move the widening after the tile's trip through shared memory (one
             # byte a value), and V's dot operand, which runs along the tokens, would then come
             # back one byte at a time: there is no transposing ldmatrix for 8 bits. A product
-            # with a 1 that Triton cannot see is 1 (the loop runs only while end > start) changes
+            # with a 1 that Triton cannot see is 1 (the body runs only when start < end) changes
             # no value and keeps the widening here, so the tile goes through shared memory as
             # fp16 and comes back by ldmatrix.trans (benchmarks/HISTORY.md, 2026-11-28, 07:05:
             # batch 8 at 4096 context 33.7 against 41.0 us a layer on an H200). It costs one
-            # packed multiply per two values, where a where() cost the halves' unpacking,
-            # selects and repacking (2026-11-28, 08:18: 4.8% of the attention at batch 256).
+            # packed multiply per two values; a where() would unpack each pair, select each half
+            # and pack them again (HISTORY, 08:18: 5% slower at batch 256).
             v = v * (end > start).to(v.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new

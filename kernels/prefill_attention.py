@@ -208,8 +208,8 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, hi, qk_sca
         valid = pos < hi
         kv_mask = valid[:, None] & d_mask[None, :]
         k_rows = _kv_offsets(table, pos, valid, stride_kb, stride_kt, BLOCK_SIZE)
-        # An FP8 cache's tiles widen to q's dtype for the dot (exact: every e4m3 value is an fp16
-        # and a bf16 one).
+        # An FP8 cache's tiles widen to q's dtype for the dot, fp16 or float32 (exact: every e4m3
+        # value is an fp16 one).
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         if CAUSAL:

@@ -349,7 +349,7 @@ def _draw_from(scaled: torch.Tensor, greedy_tokens: torch.Tensor | None, greedy_
     if filters is not None and filters[0] is None:
         assert not seeded, "top_p_alone's rows are never seeded"
         from kernels.top_p_sampling import top_p_draw  # start-up: Triton loads only where it runs
-        sampled = top_p_draw(scaled, _exp1_like(scaled, noise), filters[1][:, 0])
+        sampled = top_p_draw(scaled, _exponential_like(scaled, noise), filters[1][:, 0])
     else:
         sampled = _draw_filtered(scaled, filters, seeded, generator, noise)
     if greedy_tokens is None:
@@ -357,8 +357,9 @@ def _draw_from(scaled: torch.Tensor, greedy_tokens: torch.Tensor | None, greedy_
     return torch.where(greedy_rows, greedy_tokens, sampled)
 
 
-def _exp1_like(x: torch.Tensor, noise) -> torch.Tensor:
-    """Exp(1) samples (float32) shaped as x: from noise, a function of a shape, or torch's exponential_."""
+def _exponential_like(x: torch.Tensor, noise) -> torch.Tensor:
+    """Exp(1) samples shaped as x: noise(x.shape) where noise (a function of a shape) is given, else
+    torch's exponential_ in x's dtype."""
     return torch.empty_like(x).exponential_() if noise is None else noise(x.shape)
 
 
@@ -371,11 +372,11 @@ def _draw_filtered(scaled: torch.Tensor, filters, seeded, generator, noise) -> t
         assert not seeded, "filter_width gives seeded rows the whole vocabulary"
         ranked, order = _ranked(scaled, filters[0].shape[-1])
         probs = _cut_ranked(ranked, *filters).softmax(-1)
-        return order.gather(-1, probs.div_(_exp1_like(probs, noise)).argmax(-1, keepdim=True))[:, 0]
+        return order.gather(-1, probs.div_(_exponential_like(probs, noise)).argmax(-1, keepdim=True))[:, 0]
     if filters is not None:
         scaled = _filter_sorted(scaled, *filters)
     probs = scaled.softmax(-1)
-    noise = _exp1_like(probs, noise)
+    noise = _exponential_like(probs, noise)
     for row, seed in seeded:
         generator.manual_seed(seed)
         noise[row].exponential_(generator=generator)
