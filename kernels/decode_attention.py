@@ -65,7 +65,7 @@ def _split_range(ctx, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend(q, table, k_head, v_head, start, end, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, head_dim,
+            stride_cb, stride_ct, head_dim,
             BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """The group's queries against positions [start, end): (normalized output, max, sum), base 2."""
@@ -83,18 +83,18 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
         pos = tile + n
         valid = pos < end
         kv_mask = valid[:, None] & d_mask[None, :]
-        k_rows = _kv_offsets(table, pos, valid, stride_kb, stride_kt, BLOCK_SIZE)
+        # K and V lie at the same offsets of their caches (one layout): the rows are found once.
+        rows = _kv_offsets(table, pos, valid, stride_cb, stride_ct, BLOCK_SIZE)
         # An FP8 cache's tiles widen to q's dtype for the dot, fp16 or float32 (exact: every e4m3
         # value is an fp16 one).
-        k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_head + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = _kv_offsets(table, pos, valid, stride_vb, stride_vt, BLOCK_SIZE)
-        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_head + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if v_head.dtype.element_ty.is_fp8():
             # Triton would move the widening after the tile's trip through shared memory (one
             # byte a value), and V's dot operand, which runs along the tokens, would then come
@@ -213,7 +213,7 @@ def _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
     qk_scale,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch,
     stride_bt, stride_ob, stride_oh,
     num_heads, group, head_dim, num_splits,
     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -233,9 +233,8 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + seq64 * stride_qb + (kv_head * group + g)[:, None] * stride_qh + d[None, :],
                 mask=(g < group)[:, None] & (d < head_dim)[None, :], other=0.0)
-    o, m_i, l_i = _attend(q, block_tables_ptr + seq64 * stride_bt, k_ptr + kv_head * stride_kh,
-                          v_ptr + kv_head * stride_vh, start, end, qk_scale,
-                          stride_kb, stride_kt, stride_vb, stride_vt, head_dim,
+    o, m_i, l_i = _attend(q, block_tables_ptr + seq64 * stride_bt, k_ptr + kv_head * stride_ch,
+                          v_ptr + kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_ct, head_dim,
                           BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST)
     _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
             stride_ob, stride_oh, num_heads, group, head_dim, num_splits,
@@ -265,7 +264,7 @@ def _decode_from_qkv_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr,
     k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
     qk_scale, eps,
-    stride_t, stride_cos, stride_sin, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_t, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch,
     stride_bt, stride_ob, stride_oh,
     num_heads, num_kv_heads, group, head_dim, num_splits,
     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -300,8 +299,8 @@ def _decode_from_qkv_kernel(
                         partner, d_mask, cos, sin, head_dim, eps, HAS_NORM).to(qkv_ptr.dtype.element_ty)
 
     table = block_tables_ptr + seq64 * stride_bt
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
+    k_head = k_ptr + kv_head * stride_ch
+    v_head = v_ptr + kv_head * stride_ch
     # The new token is the context's last position: only the split whose range holds it reads it,
     # so that split alone stores its K/V (a padding row has slot -1 and stores nothing, reading
     # whatever its table points at, as with the separate store), and the barrier makes the stores
@@ -317,14 +316,15 @@ def _decode_from_qkv_kernel(
                                     HAS_NORM)
             # Via qkv's dtype first, so a cache of another dtype sees what the unfused path stored.
             k_new = as_cached(k_new.to(qkv_ptr.dtype.element_ty), k_ptr)
-            tl.store(k_head + block * stride_kb + offset * stride_kt + d[None, :], k_new, mask=d_mask[None, :])
+            slot_row = block * stride_cb + offset * stride_ct
+            tl.store(k_head + slot_row + d[None, :], k_new, mask=d_mask[None, :])
             v_new = tl.load(row + (num_heads + num_kv_heads + kv_head) * head_dim + d, mask=d_mask)
-            tl.store(v_head + block * stride_vb + offset * stride_vt + d, as_cached(v_new, v_ptr),
+            tl.store(v_head + slot_row + d, as_cached(v_new, v_ptr),
                      mask=d_mask)
         tl.debug_barrier()
 
     o, m_i, l_i = _attend(q, table, k_head, v_head, start, end, qk_scale,
-                          stride_kb, stride_kt, stride_vb, stride_vt, head_dim,
+                          stride_cb, stride_ct, head_dim,
                           BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST)
     _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
             stride_ob, stride_oh, num_heads, group, head_dim, num_splits,
@@ -363,6 +363,12 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, row_splits_ptr, stri
         merged = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty),
                  mask=d_mask)
+
+
+def same_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether one offset finds a token's K in k_cache and its V in v_cache, as the attention
+    kernels assume (the engine's caches are the two halves of one tensor)."""
+    return k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
 
 
 @functools.lru_cache(maxsize=None)
@@ -471,7 +477,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     _, block_size, kv_heads, _ = k_cache.shape
     assert num_heads % kv_heads == 0, "query heads must be a multiple of KV heads"
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size: power of two >= 16"
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert same_layout(k_cache, v_cache), "k_cache and v_cache: one shape and one layout"
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
@@ -482,7 +489,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, counters,
         scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, num_heads // kv_heads, head_dim, num_splits,
         MERGE_HERE=not merge_kernel, launch_pdl=meta["PDL"], **meta)
@@ -511,6 +517,7 @@ def paged_decode_attention_from_qkv(qkv, positions, cos, sin, q_norm_weight, k_n
     assert num_heads > 0 and width == (num_heads + 2 * kv_heads) * head_dim and num_heads % kv_heads == 0
     assert head_dim % 2 == 0 and block_size >= 16 and block_size & (block_size - 1) == 0
     has_norm = check_norm_rope_inputs(qkv, cos, sin, k_cache, v_cache, q_norm_weight, k_norm_weight, head_dim)
+    assert same_layout(k_cache, v_cache), "k_cache and v_cache: one shape and one layout"
     out = torch.empty((batch, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if batch == 0:
         return out
@@ -524,7 +531,6 @@ def paged_decode_attention_from_qkv(qkv, positions, cos, sin, q_norm_weight, k_n
         scale * LOG2E, eps,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, kv_heads, num_heads // kv_heads, head_dim, num_splits,
         HAS_NORM=has_norm, launch_pdl=meta["PDL"], **meta)

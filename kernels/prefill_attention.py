@@ -28,6 +28,7 @@ from kernels.decode_attention import (
     _merge_splits_kernel,
     _sm_count,
     dot_flags,
+    same_layout,
 )
 from kernels.fp8 import fp16_scaled_query
 
@@ -194,7 +195,7 @@ def _programs(config: LaunchConfig, device: torch.device) -> int:
 
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, hi, qk_scale,
-                  stride_kb, stride_kt, stride_vb, stride_vt,
+                  stride_cb, stride_ct,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr):
@@ -207,10 +208,11 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, hi, qk_sca
         pos = start + n
         valid = pos < hi
         kv_mask = valid[:, None] & d_mask[None, :]
-        k_rows = _kv_offsets(table, pos, valid, stride_kb, stride_kt, BLOCK_SIZE)
+        # K and V lie at the same offsets of their caches (one layout): the rows are found once.
+        rows = _kv_offsets(table, pos, valid, stride_cb, stride_ct, BLOCK_SIZE)
         # An FP8 cache's tiles widen to q's dtype for the dot, fp16 or float32 (exact: every e4m3
         # value is an fp16 one).
-        k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_head + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
         if CAUSAL:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -220,8 +222,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, hi, qk_sca
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = _kv_offsets(table, pos, valid, stride_vb, stride_vt, BLOCK_SIZE)
-        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_head + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
@@ -233,7 +234,7 @@ def _prefill_kernel(
     cu_seqlens_ptr, context_lens_ptr, block_tables_ptr, items_ptr, count_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    stride_cb, stride_ct, stride_ch, stride_bt,
     num_heads, kv_heads, max_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -277,8 +278,8 @@ def _prefill_kernel(
             q = fp16_scaled_query(q, qk_scale)
 
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        k_head = k_ptr + kv_head * stride_kh
-        v_head = v_ptr + kv_head * stride_vh
+        k_head = k_ptr + kv_head * stride_ch
+        v_head = v_ptr + kv_head * stride_ch
         # Keys past the tile's last query are masked for every row: stop there. Keys up to its
         # first query are visible to every row: whole tiles of those skip the causal mask.
         hi = ctx - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
@@ -291,10 +292,10 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, lo, tl.minimum(hi, full),
-                                      score_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
+                                      score_scale, stride_cb, stride_ct, BLOCK_SIZE, BLOCK_N,
                                       BLOCK_D, HEAD_DIM, False, PRECISION, UPCAST)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, table, k_head, v_head, tl.maximum(lo, full), hi,
-                                      score_scale, stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
+                                      score_scale, stride_cb, stride_ct, BLOCK_SIZE, BLOCK_N,
                                       BLOCK_D, HEAD_DIM, True, PRECISION, UPCAST)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -344,7 +345,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     _, block_size, kv_heads, _ = k_cache.shape
     assert num_heads % kv_heads == 0, "query heads must be a multiple of KV heads"
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size: power of two >= 16"
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert same_layout(k_cache, v_cache), "k_cache and v_cache: one shape and one layout"
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if tokens == 0 or cu_seqlens_q.shape[0] < 2:
         return out
@@ -368,8 +370,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, context_lens, block_tables,
         work.items, work.count, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads, kv_heads, work.max_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         BLOCK_M=block_q * group_pad, BLOCK_D=block_d, BLOCK_N=block_n or config.block_n,

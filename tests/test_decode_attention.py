@@ -100,3 +100,20 @@ def test_decode_from_qkv(heads, kv_heads, head_dim, block_size, dtype, with_norm
     step.check(out, want)
     assert torch.equal(step.qkv, qkv_before), "qkv is only read"
     assert (counters == 0).all()
+
+
+def test_caches_of_two_layouts_are_refused():
+    """The kernels find a token's K and V at one offset; a V cache laid out otherwise (here each
+    block head-major) would be read at the wrong rows, so it is refused, by the prefill attention
+    too."""
+    from kernels import prefill_attention
+
+    k_cache, v_cache, tables = make_paged_kv([20, 5], 16, 2, F32)
+    other = v_cache.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, other strides
+    q = torch.randn(2, 4, k_cache.shape[-1], device=DEVICE)
+    lens = torch.tensor([20, 5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(AssertionError, match="one layout"):
+        decode_attention.paged_decode_attention(q, k_cache, other, tables, lens, 0.1)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(AssertionError, match="one layout"):
+        prefill_attention.paged_prefill_attention(q, k_cache, other, cu, lens, tables, 0.1)
