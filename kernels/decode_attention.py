@@ -64,32 +64,31 @@ def _split_range(ctx, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, table, k_head, v_head, start, end, qk_scale,
-            stride_cb, stride_ct, head_dim,
-            BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """The group's queries against positions [start, end): (normalized output, max, sum), base 2."""
+def _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, lo, hi, qk_scale, stride_cb, stride_ct, head_dim,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, WHOLE: tl.constexpr):
+    """The online softmax's state after the tiles of positions [lo, hi). WHOLE: hi - lo is a
+    multiple of BLOCK_N, so no tile needs a mask over its positions (a fifth of the loop's
+    instructions over a bf16 cache, compiled for sm90)."""
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     d_mask = d < head_dim
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    if k_head.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
-        # Over an e4m3 cache the products run in fp16 (fp16_scaled_query's docstring says why).
-        q = fp16_scaled_query(q, qk_scale)
-        qk_scale = 1.0
-    for tile in range(start, end, BLOCK_N):
+    for tile in range(lo, hi, BLOCK_N):
         pos = tile + n
-        valid = pos < end
-        kv_mask = valid[:, None] & d_mask[None, :]
-        # K and V lie at the same offsets of their caches (one layout): the rows are found once.
-        rows = _kv_offsets(table, pos, valid, stride_cb, stride_ct, BLOCK_SIZE)
+        if WHOLE:
+            kv_mask = d_mask[None, :]
+            # K and V lie at the same offsets of their caches (one layout): the rows are found once.
+            rows = _kv_offsets(table, pos, True, stride_cb, stride_ct, BLOCK_SIZE)
+        else:
+            valid = pos < hi
+            kv_mask = valid[:, None] & d_mask[None, :]
+            rows = _kv_offsets(table, pos, valid, stride_cb, stride_ct, BLOCK_SIZE)
         # An FP8 cache's tiles widen to q's dtype for the dot, fp16 or float32 (exact: every e4m3
         # value is an fp16 one).
         k = tl.load(k_head + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
+        if not WHOLE:
+            s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -99,15 +98,38 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
             # Triton would move the widening after the tile's trip through shared memory (one
             # byte a value), and V's dot operand, which runs along the tokens, would then come
             # back one byte at a time: there is no transposing ldmatrix for 8 bits. A product
-            # with a 1 that Triton cannot see is 1 (the body runs only when start < end) changes
-            # no value and keeps the widening here, so the tile goes through shared memory as
-            # fp16 and comes back by ldmatrix.trans (benchmarks/HISTORY.md, 2026-11-28, 07:05:
-            # batch 8 at 4096 context 33.7 against 41.0 us a layer on an H200). It costs one
-            # packed multiply per two values; a where() would unpack each pair, select each half
-            # and pack them again (HISTORY, 08:18: 5% slower at batch 256).
-            v = v * (end > start).to(v.dtype)
+            # with a 1 that Triton cannot see is 1 (the body runs only when lo < hi) changes no
+            # value and keeps the widening here, so the tile goes through shared memory as fp16
+            # and comes back by ldmatrix.trans (benchmarks/HISTORY.md, 2026-11-28, 07:05: batch
+            # 8 at 4096 context 33.7 against 41.0 us a layer on an H200). It costs one packed
+            # multiply per two values; a where() would unpack each pair, select each half and
+            # pack them again (HISTORY, 08:18: 5% slower at batch 256).
+            v = v * (hi > lo).to(v.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend(q, table, k_head, v_head, start, end, qk_scale,
+            stride_cb, stride_ct, head_dim,
+            BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The group's queries against positions [start, end): (normalized output, max, sum), base 2.
+    The whole tiles run without position masks; the last, partial one (if any) with them."""
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    if k_head.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
+        # Over an e4m3 cache the products run in fp16 (fp16_scaled_query's docstring says why).
+        q = fp16_scaled_query(q, qk_scale)
+        qk_scale = 1.0
+    # A split past the context's end has end < start: no tiles at all.
+    whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, start, whole_end, qk_scale, stride_cb,
+                                  stride_ct, head_dim, BLOCK_SIZE, BLOCK_D, BLOCK_N, PRECISION, UPCAST, True)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, whole_end, end, qk_scale, stride_cb,
+                                  stride_ct, head_dim, BLOCK_SIZE, BLOCK_D, BLOCK_N, PRECISION, UPCAST, False)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
 
 
