@@ -114,9 +114,12 @@ def _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, lo, hi, qk_scale, str
 def _attend(q, table, k_head, v_head, start, end, qk_scale,
             stride_cb, stride_ct, head_dim,
             BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, UNMASKED_WHOLE: tl.constexpr):
     """The group's queries against positions [start, end): (normalized output, max, sum), base 2.
-    The whole tiles run without position masks; the last, partial one (if any) with them."""
+    UNMASKED_WHOLE: the whole tiles run without position masks, the last, partial one (if any)
+    with them. That pays in one-warp programs (H200: batch 32 at ~2000 context over an e4m3 cache
+    58.6 against 64.8 us); in four-warp ones the second loop cost more than the masks (batch 1 at
+    512 over bf16 8.4 against 7.8), so they run one masked loop."""
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -124,10 +127,13 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
         # Over an e4m3 cache the products run in fp16 (fp16_scaled_query's docstring says why).
         q = fp16_scaled_query(q, qk_scale)
         qk_scale = 1.0
-    # A split past the context's end has end < start: no tiles at all.
-    whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, start, whole_end, qk_scale, stride_cb,
-                                  stride_ct, head_dim, BLOCK_SIZE, BLOCK_D, BLOCK_N, PRECISION, UPCAST, True)
+    whole_end = start
+    if UNMASKED_WHOLE:
+        # A split past the context's end has end < start: no tiles at all.
+        whole_end += tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, start, whole_end, qk_scale,
+                                      stride_cb, stride_ct, head_dim, BLOCK_SIZE, BLOCK_D, BLOCK_N, PRECISION, UPCAST,
+                                      True)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, whole_end, end, qk_scale, stride_cb,
                                   stride_ct, head_dim, BLOCK_SIZE, BLOCK_D, BLOCK_N, PRECISION, UPCAST, False)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
@@ -240,7 +246,7 @@ def _decode_kernel(
     num_heads, group, head_dim, num_splits,
     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_TILE: tl.constexpr, SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, UNMASKED_WHOLE: tl.constexpr, PDL: tl.constexpr,
 ):
     seq64 = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -257,7 +263,7 @@ def _decode_kernel(
                 mask=(g < group)[:, None] & (d < head_dim)[None, :], other=0.0)
     o, m_i, l_i = _attend(q, block_tables_ptr + seq64 * stride_bt, k_ptr + kv_head * stride_ch,
                           v_ptr + kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_ct, head_dim,
-                          BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST)
+                          BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST, UNMASKED_WHOLE)
     _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
             stride_ob, stride_oh, num_heads, group, head_dim, num_splits,
             GROUP_PAD, GROUP_M, BLOCK_D, SPLIT_TILE, SPLIT, MERGE_HERE)
@@ -291,7 +297,7 @@ def _decode_from_qkv_kernel(
     num_heads, num_kv_heads, group, head_dim, num_splits,
     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_TILE: tl.constexpr, SPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, UNMASKED_WHOLE: tl.constexpr, PDL: tl.constexpr,
 ):
     seq64 = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -347,7 +353,7 @@ def _decode_from_qkv_kernel(
 
     o, m_i, l_i = _attend(q, table, k_head, v_head, start, end, qk_scale,
                           stride_cb, stride_ct, head_dim,
-                          BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST)
+                          BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST, UNMASKED_WHOLE)
     _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
             stride_ob, stride_oh, num_heads, group, head_dim, num_splits,
             GROUP_PAD, GROUP_M, BLOCK_D, SPLIT_TILE, SPLIT, True)
@@ -398,26 +404,47 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough splits to give every SM about four programs, but none shorter than MIN_SPLIT_TOKENS
-    of the table's capacity. Static in shapes, so a captured graph keeps its grid. Four, not two:
-    in bench_latency (H200) batches 2, 4 and 8 at 4096 context took
-    1.22, 1.45 and 2.00 ms per step against 1.27, 1.60 and 2.12 with two, and batch 8 at 512 took
-    1.235 against 1.19: the grid is fixed by the table's capacity, not the context, so one count
-    serves both, and the long contexts a conversation grows into gain more."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+def _sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 16
-    want = triton.cdiv(4 * sms, batch * kv_heads)
-    return max(1, min(want, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def one_warp_programs(batch: int, kv_heads: int, device: torch.device) -> bool:
+    """Whether a launch runs one-warp programs over 32-token tiles: when the batch holds a
+    (sequence, KV head) pair for every SM. One warp reduces the softmax without crossing warps and
+    holds a tile's products in its own registers; over an e4m3 cache, bound by instructions per
+    token, that took batch 256 at ~600 context from 131 to 111 us and batch 32 at ~2000 from 81
+    to 59 (H200, benchmarks/HISTORY.md, 2026-11-28, 09:56). Smaller batches keep four warps, which
+    were faster there whatever the split count: batch 2 at 4096 context 15.6 against 18.6 us,
+    batch 8 at 512 11.1 against 12.2."""
+    return batch * kv_heads >= _sms(device)
+
+
+def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Static in shapes, so a captured graph keeps its grid; never a split shorter than
+    MIN_SPLIT_TOKENS of the table's capacity. The grid is fixed by the table's capacity, not the
+    context, so one count serves both short contexts and the long ones a conversation grows into.
+
+    Four-warp programs: enough splits to give every SM about four. Four, not two: in bench_latency
+    (H200) batches 2, 4 and 8 at 4096 context took 1.22, 1.45 and 2.00 ms per step against 1.27,
+    1.60 and 2.12 with two, and batch 8 at 512 took 1.235 against 1.19.
+    One-warp programs (one_warp_programs): about eight a SM, never more. Batch 128 at ~1000 context
+    took 105 us with one split against 110 with two, and batch 32 at ~2000 66 with three against
+    71 with six (H200, e4m3 cache)."""
+    sms = _sms(device)
+    cap = min(max_context // MIN_SPLIT_TOKENS, MAX_SPLITS)
+    if one_warp_programs(batch, kv_heads, device):
+        want = 8 * sms // (batch * kv_heads)
+    else:
+        want = triton.cdiv(4 * sms, batch * kv_heads)
+    return max(1, min(want, cap))
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
     """A zeroed counter buffer big enough for every call that default_num_splits splits (those
-    have batch * kv_heads < 4 * SMs) on `device`. Every call leaves it zeroed again, so one buffer
+    have batch * kv_heads <= 4 * SMs) on `device`. Every call leaves it zeroed again, so one buffer
     serves all layers and steps of an engine: allocate it once, outside any graph capture."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 16
-    return torch.zeros(max(4096, 4 * sms), dtype=torch.int32, device=device)
+    return torch.zeros(max(4096, 4 * _sms(device)), dtype=torch.int32, device=device)
 
 
 def shared_memory(config: tuple[int, int, int, int], group: int, head_dim: int, itemsize: int) -> int:
@@ -436,19 +463,25 @@ def shared_memory(config: tuple[int, int, int, int], group: int, head_dim: int, 
 
 @functools.cache  # every launch asks: the search stays off the decode step's host path
 def launch_config(dtype: torch.dtype, head_dim: int, group: int, limits: launch_limits.DeviceLimits | None,
-                  kv_dtype: torch.dtype | None = None) -> tuple[int, int, int, int]:
-    """(BLOCK_N, num_warps, num_stages, merge tile). The tuned configuration from
-    `benchmarks/bench_kernels.py --sweep` on an H200 (bf16, head_dim 128): within 10% of the best
-    of 27 configs at batch 1 (ctx 512, 4096) and batch 256 (ctx ~600), where the split count
-    mattered far more. A cache of one-byte elements (kv_dtype FP8) takes the same tiles: with V
+                  kv_dtype: torch.dtype | None = None, one_warp: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, merge tile). Four-warp programs take the tuned configuration
+    from `benchmarks/bench_kernels.py --sweep` on an H200 (bf16, head_dim 128): within 10% of the
+    best of 27 configs at batch 1 (ctx 512, 4096) and batch 256 (ctx ~600), where the split count
+    mattered far more. One-warp programs (one_warp_programs says when) take 32-token tiles, two
+    stages: of one-warp tiles of 16, 32 and 64 tokens, 32 was fastest at batches 32 to 256 over
+    both caches, by 6-26%, and three stages no faster than two (H200, benchmarks/HISTORY.md,
+    2026-11-28, 09:56). A cache of one-byte elements (kv_dtype FP8) takes the same tiles: with V
     widened before shared memory (`_attend`), 128-token tiles were slower than 64-token ones
-    everywhere but batch 1 at ctx 4096 (H200, benchmarks/HISTORY.md, 2026-11-28, 07:05); kv_dtype
-    only names the cache in the error when nothing fits. With `limits` (a GPU's), the first of it
-    and its fallbacks (a narrower merge tile, fewer stages, then narrower K/V tiles) whose shared
-    memory fits them; None (Triton's CPU interpreter) gives small tiles, which it runs faster."""
+    everywhere but batch 1 at ctx 4096 (H200, HISTORY, 2026-11-28, 07:05); kv_dtype only names the
+    cache in the error when nothing fits. With `limits` (a GPU's), the first of it and its
+    fallbacks (a narrower merge tile, fewer stages, then narrower K/V tiles) whose shared memory
+    fits them; None (Triton's CPU interpreter) gives small tiles, which it runs faster."""
     if limits is None:
         return 32, 1, 1, MERGE_TILE
-    block_n, num_warps, num_stages = (32, 4, 2) if dtype == torch.float32 else (64, 4, 2)
+    if one_warp:
+        block_n, num_warps, num_stages = 32, 1, 2
+    else:
+        block_n, num_warps, num_stages = (32, 4, 2) if dtype == torch.float32 else (64, 4, 2)
     candidates = ((n, num_warps, stages, tile) for n in launch_limits.halvings(block_n, 16)
                   for stages in launch_limits.stages_down(num_stages)
                   for tile in launch_limits.halvings(MERGE_TILE, 2))
@@ -464,8 +497,9 @@ def _launch_args(batch, num_heads, kv_heads, head_dim, block_size, block_tables,
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, device)
     group = num_heads // kv_heads
-    cfg_n, cfg_warps, cfg_stages, merge_tile = launch_config(dtype, head_dim, group,
-                                                             launch_limits.device_limits(device), kv_dtype)
+    cfg_n, cfg_warps, cfg_stages, merge_tile = launch_config(
+        dtype, head_dim, group, launch_limits.device_limits(device), kv_dtype,
+        one_warp_programs(batch, kv_heads, device))
     if num_splits > 1:
         part_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
@@ -482,6 +516,7 @@ def _launch_args(batch, num_heads, kv_heads, head_dim, block_size, block_tables,
                 GROUP_M=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(head_dim),
                 BLOCK_N=block_n or cfg_n, SPLIT_TILE=min(merge_tile, triton.next_power_of_2(num_splits)),
                 SPLIT=num_splits > 1, **dot_flags(dtype), PDL=pdl.enabled(device),
+                UNMASKED_WHOLE=(num_warps or cfg_warps) == 1,
                 num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
     return num_splits, part_o, part_lse, counters, meta
 

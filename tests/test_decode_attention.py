@@ -23,18 +23,20 @@ def _counters():
     return decode_attention.split_counters(torch.device(DEVICE))
 
 
+# num_warps: 1 runs a split's whole tiles without position masks and the last one with them, 4 runs
+# one masked loop (decode_attention._attend); None is the default launch's, 1 off CUDA.
 CASES = [
-    # block_size, group, dtype, num_splits, block_n, head_dim
-    (16, 2, BF16, 12, 16, 32),   # more splits than a merge tile holds; short contexts use few
-    (16, 1, F32, 5, 16, 32),
-    (256, 4, F32, 3, 16, 64),    # several splits inside one block
-    (32, 3, F16, 4, 16, 32),     # a group that is not a power of two
-    (16, 8, BF16, 2, 32, 32),
+    # block_size, group, dtype, num_splits, block_n, head_dim, num_warps
+    (16, 2, BF16, 12, 16, 32, None),   # more splits than a merge tile holds; short contexts use few
+    (16, 1, F32, 5, 16, 32, 4),
+    (256, 4, F32, 3, 16, 64, None),    # several splits inside one block
+    (32, 3, F16, 4, 16, 32, 4),        # a group that is not a power of two
+    (16, 8, BF16, 2, 32, 32, 1),
 ]
 
 
-@pytest.mark.parametrize("block_size, group, dtype, num_splits, block_n, head_dim", CASES)
-def test_one_launch_decode_twice(block_size, group, dtype, num_splits, block_n, head_dim, poison):
+@pytest.mark.parametrize("block_size, group, dtype, num_splits, block_n, head_dim, num_warps", CASES)
+def test_one_launch_decode_twice(block_size, group, dtype, num_splits, block_n, head_dim, num_warps, poison):
     """Two calls in a row on the same counters, with other queries and contexts, and the
     two-kernel form (merge_kernel) on the same inputs."""
     kv_heads, counters = 2, _counters()
@@ -47,12 +49,14 @@ def test_one_launch_decode_twice(block_size, group, dtype, num_splits, block_n, 
         want = ref.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
         with poison():
             out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale,
-                                                          num_splits, counters=counters, block_n=block_n)
+                                                          num_splits, counters=counters, block_n=block_n,
+                                                          num_warps=num_warps)
         assert_close(out, want, dtype)
         assert (counters == 0).all(), "a counter was left set"
     with poison():
         two = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale,
-                                                      num_splits, merge_kernel=True, block_n=block_n)
+                                                      num_splits, merge_kernel=True, block_n=block_n,
+                                                      num_warps=num_warps)
     assert_close(two, want, dtype)
 
 
@@ -73,18 +77,19 @@ def test_padding_rows(poison):
 
 
 FROM_QKV_CASES = [
-    # heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n
-    (4, 2, 32, 16, BF16, True, 6, 16),    # the new token's split is any of several
-    (4, 4, 64, 16, F32, True, 1, None),   # group 1, one split
-    (8, 2, 32, 32, BF16, False, 3, 16),   # Qwen2/Llama: no q/k norm
-    (6, 2, 32, 256, F16, True, 4, 16),    # group 3, a block bigger than the context
-    (16, 8, 128, 16, BF16, True, 2, 32),  # Qwen3-0.6B's heads
+    # heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n, num_warps
+    (4, 2, 32, 16, BF16, True, 6, 16, None),    # the new token's split is any of several
+    (4, 4, 64, 16, F32, True, 1, None, 4),      # group 1, one split
+    (8, 2, 32, 32, BF16, False, 3, 16, None),   # Qwen2/Llama: no q/k norm
+    (6, 2, 32, 256, F16, True, 4, 16, 4),       # group 3, a block bigger than the context
+    (16, 8, 128, 16, BF16, True, 2, 32, None),  # Qwen3-0.6B's heads
 ]
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n",
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n, num_warps",
                          FROM_QKV_CASES)
-def test_decode_from_qkv(heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n, poison):
+def test_decode_from_qkv(heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n, num_warps,
+                         poison):
     """Against norm_rope_store's unfused reference followed by the reference attention, with
     padding rows (slot -1, context 1: they store nothing and read their one cached token)."""
     lens = [random.randint(2, 5 * 16) for _ in range(3)] + [1, 1] + [block_size + 1]
@@ -96,7 +101,8 @@ def test_decode_from_qkv(heads, kv_heads, head_dim, block_size, dtype, with_norm
     want = step.reference()
     counters = _counters()
     with poison():
-        out = step.run(decode_attention, num_splits=num_splits, counters=counters, block_n=block_n)
+        out = step.run(decode_attention, num_splits=num_splits, counters=counters, block_n=block_n,
+                       num_warps=num_warps)
     step.check(out, want)
     assert torch.equal(step.qkv, qkv_before), "qkv is only read"
     assert (counters == 0).all()

@@ -149,6 +149,22 @@ def test_default_split_counts_are_static():
     assert 1 < many <= decode_attention.MAX_SPLITS
 
 
+def test_one_warp_programs_split_to_about_eight_a_sm_and_small_batches_keep_four_warps():
+    """Off CUDA the split counts assume 16 SMs."""
+    cpu = torch.device("cpu")
+    # Batch 1 over 8 KV heads: 8 (sequence, KV head) pairs for 16 SMs, four warps split to 4 a SM.
+    assert not decode_attention.one_warp_programs(1, 8, cpu)
+    assert decode_attention.default_num_splits(1, 8, 8192, cpu) == 8
+    assert decode_attention.default_num_splits(1, 8, 256, cpu) == 4  # never under 64 tokens a split
+    # Batch 2 has a pair for every SM: one warp, split to 8 a SM.
+    assert decode_attention.one_warp_programs(2, 8, cpu)
+    assert decode_attention.default_num_splits(2, 8, 8192, cpu) == 8
+    assert decode_attention.default_num_splits(4, 8, 8192, cpu) == 4
+    # More pairs than eight a SM: one split each, never more.
+    assert decode_attention.default_num_splits(12, 8, 8192, cpu) == 1
+    assert decode_attention.default_num_splits(256, 8, 1024, cpu) == 1
+
+
 def _units(items):
     return [tuple(items[i:i + prefill_attention.ITEM_FIELDS]) for i in range(0, len(items), prefill_attention.ITEM_FIELDS)]
 

@@ -109,10 +109,10 @@ ATTENTION_SHAPES = list(itertools.product([64, 128, 256], [1, 2, 3, 4, 5, 7, 8, 
 @pytest.mark.parametrize("card", CARDS, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_decode_attention_launch_fits_the_card(card, dtype):
-    for head_dim, group in ATTENTION_SHAPES:
-        block_n, num_warps, num_stages, merge_tile = config = decode_attention.launch_config(dtype, head_dim, group,
-                                                                                            card)
-        where = f"{card.name} {dtype} head_dim={head_dim} group={group}: {config}"
+    for (head_dim, group), one_warp in itertools.product(ATTENTION_SHAPES, [False, True]):
+        block_n, num_warps, num_stages, merge_tile = config = decode_attention.launch_config(
+            dtype, head_dim, group, card, one_warp=one_warp)
+        where = f"{card.name} {dtype} head_dim={head_dim} group={group} one_warp={one_warp}: {config}"
         assert decode_attention.shared_memory(config, group, head_dim, dtype.itemsize) <= card.max_shared_mem, where
         assert num_warps <= card.max_warps and num_stages >= 1 and block_n >= 16 and merge_tile >= 2, where
 
@@ -122,14 +122,17 @@ def test_decode_attention_keeps_its_tuned_launch_on_hopper(card):
     for dtype, (head_dim, group) in itertools.product(DTYPES, itertools.product([64, 128], [1, 2, 3, 4, 5, 8])):
         tuned = (32, 4, 2) if dtype == torch.float32 else (64, 4, 2)
         assert decode_attention.launch_config(dtype, head_dim, group, card) == (*tuned, decode_attention.MERGE_TILE)
+        assert decode_attention.launch_config(dtype, head_dim, group, card, one_warp=True) == \
+            (32, 1, 2, decode_attention.MERGE_TILE)
 
 
 @pytest.mark.parametrize("card", CARDS, ids=lambda c: c.name)
 def test_decode_attention_over_an_fp8_cache_takes_the_same_launch_and_fits(card):
-    for dtype, (head_dim, group) in itertools.product(DTYPES, ATTENTION_SHAPES):
-        config = decode_attention.launch_config(dtype, head_dim, group, card, torch.float8_e4m3fn)
+    for dtype, (head_dim, group), one_warp in itertools.product(DTYPES, ATTENTION_SHAPES, [False, True]):
+        config = decode_attention.launch_config(dtype, head_dim, group, card, torch.float8_e4m3fn, one_warp)
         assert decode_attention.shared_memory(config, group, head_dim, dtype.itemsize) <= card.max_shared_mem
-        assert config == decode_attention.launch_config(dtype, head_dim, group, card), (card.name, dtype, head_dim)
+        assert config == decode_attention.launch_config(dtype, head_dim, group, card, one_warp=one_warp), \
+            (card.name, dtype, head_dim, one_warp)
 
 
 @pytest.mark.parametrize("card", CARDS, ids=lambda c: c.name)

@@ -38,16 +38,18 @@ def _sm90_ptx(kernel, constants: dict, types: dict, num_warps: int, num_stages: 
     return compiled.asm["ptx"]
 
 
-def _decode_ptx(kernel_name: str, cache_type: str) -> str:
+def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool) -> str:
     """A decode attention kernel at Qwen3-0.6B's attention shape (head_dim 128, two query heads a KV
-    head), bf16 queries and qkv, with the launch the engine picks there on an H200."""
+    head), bf16 queries and qkv, with either launch the engine picks there on an H200."""
     from kernels import decode_attention
     from kernels.launch_limits import H200
 
     kv_dtype = torch.float8_e4m3fn if cache_type == "fp8e4nv" else torch.bfloat16
-    block_n, num_warps, num_stages, merge_tile = decode_attention.launch_config(torch.bfloat16, 128, 2, H200, kv_dtype)
+    block_n, num_warps, num_stages, merge_tile = decode_attention.launch_config(
+        torch.bfloat16, 128, 2, H200, kv_dtype, one_warp)
     constants = dict(BLOCK_SIZE=16, GROUP_PAD=16, GROUP_M=2, BLOCK_D=128, BLOCK_N=block_n, SPLIT_TILE=merge_tile,
-                     SPLIT=True, PDL=True, **decode_attention.dot_flags(torch.bfloat16))
+                     SPLIT=True, PDL=True, UNMASKED_WHOLE=num_warps == 1,
+                     **decode_attention.dot_flags(torch.bfloat16))
     types = dict(k_ptr=f"*{cache_type}", v_ptr=f"*{cache_type}", block_tables_ptr="*i32", context_lens_ptr="*i32",
                  out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32", qk_scale="fp32")
     if kernel_name == "_decode_kernel":
@@ -87,10 +89,11 @@ def _compiled_ptx(helper: str, *args: str) -> str:
     return child.stdout
 
 
+@pytest.mark.parametrize("one_warp", [False, True], ids=["four_warps", "one_warp"])
 @pytest.mark.parametrize("cache_type", ["fp8e4nv", "bf16"])
 @pytest.mark.parametrize("kernel_name", ["_decode_kernel", "_decode_from_qkv_kernel"])
-def test_v_reaches_the_second_dot_by_ldmatrix_trans_not_byte_loads(kernel_name, cache_type):
-    ptx = _compiled_ptx("_decode_ptx", kernel_name, cache_type)
+def test_v_reaches_the_second_dot_by_ldmatrix_trans_not_byte_loads(kernel_name, cache_type, one_warp):
+    ptx = _compiled_ptx("_decode_ptx", kernel_name, cache_type, one_warp)
     assert "ld.shared.b8" not in ptx
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
     if cache_type == "fp8e4nv":

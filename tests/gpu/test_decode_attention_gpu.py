@@ -38,6 +38,7 @@ CASES = [
     (16, 4, 4, 2, (1, 3000), 64, BF16),         # more splits than a merge tile
     (32, 8, 1, 16, (1, 2000), None, BF16),
     (16, 2, 8, 3, (100, 5000), 24, F32),
+    (16, 8, 2, 24, (1, 3000), None, F32),       # one-warp programs (a pair for every SM), split
 ]
 
 
@@ -55,6 +56,24 @@ def test_one_launch_decode(block_size, kv_heads, group, batch, ctx_range, num_sp
         assert_close(out, ref.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, HEAD_DIM ** -0.5),
                      dtype)
         assert (counters == 0).all()
+
+
+@pytest.mark.parametrize("batch, ctx_range", [(2, (1, 4096)), (24, (1, 3000)), (256, (500, 700))])
+def test_one_launch_decode_over_an_fp8_cache(batch, ctx_range, poison):
+    """bf16 queries over an e4m3 cache in four-warp programs (batch 2) and one-warp ones (8 KV
+    heads: a (sequence, KV head) pair for every SM of an H100 or H200), split and not."""
+    counters = decode_attention.split_counters(torch.device("cuda"))
+    lens = [random.randint(*ctx_range) for _ in range(batch)]
+    # Made in bf16 and then narrowed: CUDA cannot fill e4m3 slots by a boolean mask. NaN stays NaN.
+    k_cache, v_cache, tables = make_paged_kv(lens, 16, 8, BF16)
+    k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    q = torch.randn(batch, 16, HEAD_DIM, device="cuda").to(BF16)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    with poison():
+        out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, HEAD_DIM ** -0.5,
+                                                      counters=counters)
+    assert_close(out, ref.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, HEAD_DIM ** -0.5), BF16)
+    assert (counters == 0).all()
 
 
 @pytest.mark.parametrize("block_size, batch, ctx_range", [(16, 1, (512, 512)), (16, 8, (1, 4096)),
