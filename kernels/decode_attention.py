@@ -411,12 +411,11 @@ def _sms(device: torch.device) -> int:
 
 def one_warp_programs(batch: int, kv_heads: int, device: torch.device) -> bool:
     """Whether a launch runs one-warp programs over 32-token tiles: when the batch holds a
-    (sequence, KV head) pair for every SM. One warp reduces the softmax without crossing warps and
-    holds a tile's products in its own registers; over an e4m3 cache, bound by instructions per
-    token, that took batch 256 at ~600 context from 131 to 111 us and batch 32 at ~2000 from 81
-    to 59 (H200, benchmarks/HISTORY.md, 2026-11-28, 09:56). Smaller batches keep four warps, which
-    were faster there whatever the split count: batch 2 at 4096 context 15.6 against 18.6 us,
-    batch 8 at 512 11.1 against 12.2."""
+    (sequence, KV head) pair for every SM. One warp reduces the softmax's rows without a trip
+    through shared memory between warps; over an e4m3 cache, bound by instructions per token, that
+    took batch 256 at ~600 context from 131 to 110 us and batch 32 at ~2000 from 81 to 58 (H200,
+    benchmarks/HISTORY.md, 2026-11-28, 09:56). Smaller batches keep four warps, which were faster
+    there: batch 2 at 4096 context 15.6 against 18.6 us, batch 8 at 512 11.1 against 12.2."""
     return batch * kv_heads >= _sms(device)
 
 
@@ -469,7 +468,7 @@ def launch_config(dtype: torch.dtype, head_dim: int, group: int, limits: launch_
     best of 27 configs at batch 1 (ctx 512, 4096) and batch 256 (ctx ~600), where the split count
     mattered far more. One-warp programs (one_warp_programs says when) take 32-token tiles, two
     stages: of one-warp tiles of 16, 32 and 64 tokens, 32 was fastest at batches 32 to 256 over
-    both caches, by 6-26%, and three stages no faster than two (H200, benchmarks/HISTORY.md,
+    both caches, by 6-25%, and three stages within 2% of two (H200, benchmarks/HISTORY.md,
     2026-11-28, 09:56). A cache of one-byte elements (kv_dtype FP8) takes the same tiles: with V
     widened before shared memory (`_attend`), 128-token tiles were slower than 64-token ones
     everywhere but batch 1 at ctx 4096 (H200, HISTORY, 2026-11-28, 07:05); kv_dtype only names the
