@@ -184,7 +184,10 @@ def decode_fns(s, **cfg):
 def decode_cases():
     if SMOKE:
         return [("b1_ctx64", [64]), ("b4_ctx~40", [random.randint(30, 50) for _ in range(4)])]
+    # Batch 32 over 8 KV heads is past the batch at which the default launch turns to one-warp
+    # programs, and still split (decode_attention.one_warp_programs).
     return [("b1_ctx512", [512]), ("b1_ctx4096", [4096]),
+            ("b32_ctx~2000", [random.randint(1500, 2500) for _ in range(32)]),
             ("b256_ctx~600", [random.randint(550, 650) for _ in range(256)])]
 
 
@@ -598,7 +601,7 @@ def sweep_decode(block_size, budget_s, kv_dtype=None):
         deadline = start + 0.6 * budget_s / len(cases)  # the rest is for the split counts
         s = decode_setup(lens, block_size, kv_dtype)
         results = []
-        for block_n, warps, stages in itertools.product((64, 32, 128), (4, 2, 8), (2, 1, 3)):
+        for block_n, warps, stages in itertools.product((64, 32, 128), (4, 1, 2, 8), (2, 1, 3)):
             if time.monotonic() > deadline:
                 print("  sweep time budget spent")
                 break
