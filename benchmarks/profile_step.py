@@ -3,6 +3,7 @@
 a long prompt, prefills), reduced to
 wall time per step, GPU-busy time per step, kernels per step and the costliest kernels."""
 import argparse
+import contextlib
 import random
 import time
 from collections import defaultdict
@@ -62,6 +63,21 @@ def report(title: str, r: dict) -> None:
         print(f"  {k['us_per_step']:8.1f} us/step  {k['per_step']:6.1f}x  {k['us_each']:7.2f} us each  {k['name']}")
 
 
+@contextlib.contextmanager
+def prompts_at_full_budget(llm: LLM):
+    """Prompts prefill at the whole step budget while other sequences decode. Under the
+    chat-sized max_prefill_chunk (128), once the first of 256 prompts decodes the rest are fed
+    32-128 tokens a step, thousands of steps for 256 prompts of 600 tokens (the likely reason the
+    profile at Qwen3-8B-FP8's shape outran the 100 s it had, benchmarks/HISTORY.md, 2026-11-28,
+    08:18)."""
+    chunk = llm.scheduler.max_prefill_chunk
+    llm.scheduler.max_prefill_chunk = llm.scheduler.max_num_batched_tokens
+    try:
+        yield
+    finally:
+        llm.scheduler.max_prefill_chunk = chunk
+
+
 SCENARIOS = ["decode_b1_ctx512", "decode_b8_ctx512", "decode_b256_ctx600", "mixed_8_decode_plus_120_chunk", "mixed_8_streams_at_8k",
              "cached_2048_plus_50_prefill"]
 
@@ -109,8 +125,9 @@ def main():
         if name not in args.only:
             continue
         seqs = [llm.add_request(prompt(context), decode_only) for _ in range(batch)]
-        while any(s.num_completion_tokens == 0 for s in seqs):
-            llm.step()
+        with prompts_at_full_budget(llm):
+            while any(s.num_completion_tokens == 0 for s in seqs):
+                llm.step()
         llm.step()
         results[name] = profile_steps(llm, steps)
         end(seqs)
