@@ -1,7 +1,8 @@
-"""Where an engine step's time goes: a torch.profiler trace of a few steps in three situations
-(batch-1 decode, full-batch decode, a prompt chunk mixed into 8 decoding streams early and late in
-a long prompt, prefills), reduced to
-wall time per step, GPU-busy time per step, kernels per step and the costliest kernels."""
+"""Where an engine step's time goes: a torch.profiler trace of a few steps in each situation
+(batch-1 and batch-8 decode, full-batch decode over even contexts and over contexts as spread as
+bench_throughput's, a prompt chunk mixed into 8 decoding streams early and late in a long prompt,
+prefills), reduced to wall time per step, GPU-busy time per step, kernels per step and the
+costliest kernels."""
 import argparse
 import contextlib
 import random
@@ -78,8 +79,8 @@ def prompts_at_full_budget(llm: LLM):
         llm.scheduler.max_prefill_chunk = chunk
 
 
-SCENARIOS = ["decode_b1_ctx512", "decode_b8_ctx512", "decode_b256_ctx600", "mixed_8_decode_plus_120_chunk", "mixed_8_streams_at_8k",
-             "cached_2048_plus_50_prefill"]
+SCENARIOS = ["decode_b1_ctx512", "decode_b8_ctx512", "decode_b256_ctx600", "decode_b256_ctx100-1024",
+             "mixed_8_decode_plus_120_chunk", "mixed_8_streams_at_8k", "cached_2048_plus_50_prefill"]
 
 
 def main():
@@ -121,10 +122,12 @@ def main():
         results["decode_b1_ctx512"] = profile_steps(llm, 20)
         end([seq])
 
-    for name, batch, context, steps in (("decode_b8_ctx512", 8, 512, 20), ("decode_b256_ctx600", 256, 600, 5)):
+    # The last: contexts as spread as bench_throughput's prompts (100..1024 tokens in one batch).
+    for name, batch, contexts, steps in (("decode_b8_ctx512", 8, (512, 512), 20), ("decode_b256_ctx600", 256, (600, 600), 5),
+                                         ("decode_b256_ctx100-1024", 256, (100, 1024), 5)):
         if name not in args.only:
             continue
-        seqs = [llm.add_request(prompt(context), decode_only) for _ in range(batch)]
+        seqs = [llm.add_request(prompt(rng.randint(*contexts)), decode_only) for _ in range(batch)]
         with prompts_at_full_budget(llm):
             while any(s.num_completion_tokens == 0 for s in seqs):
                 llm.step()
