@@ -415,7 +415,9 @@ def one_warp_programs(batch: int, kv_heads: int, device: torch.device) -> bool:
     through shared memory between warps; over an e4m3 cache, bound by instructions per token, that
     took batch 256 at ~600 context from 131 to 110 us and batch 32 at ~2000 from 81 to 58 (H200,
     benchmarks/HISTORY.md, 2026-11-28, 09:56). Smaller batches keep four warps, which were faster
-    there: batch 2 at 4096 context 15.6 against 18.6 us, batch 8 at 512 11.1 against 12.2."""
+    there than one warp split to about eight programs a SM: batch 2 at 4096 context 15.6 against
+    18.6 us, batch 8 at 512 11.1 against 12.2. Batch 8 at 4096 over e4m3 was the exception (one
+    warp 32.0 against 36.1 with 16-18 splits); a launch fixed by shapes cannot see the context."""
     return batch * kv_heads >= _sms(device)
 
 
@@ -428,8 +430,8 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torc
     (H200) batches 2, 4 and 8 at 4096 context took 1.22, 1.45 and 2.00 ms per step against 1.27,
     1.60 and 2.12 with two, and batch 8 at 512 took 1.235 against 1.19.
     One-warp programs (one_warp_programs): about eight a SM, never more. Batch 128 at ~1000 context
-    took 105 us with one split against 110 with two, and batch 32 at ~2000 66 with three against
-    71 with six (H200, e4m3 cache)."""
+    took 105 us with one split against 110 with two and 116 with four; batch 32 at ~2000 66, 71 and
+    66 with three, six and twelve (H200, e4m3 cache)."""
     sms = _sms(device)
     cap = min(max_context // MIN_SPLIT_TOKENS, MAX_SPLITS)
     if one_warp_programs(batch, kv_heads, device):
@@ -470,7 +472,7 @@ def launch_config(dtype: torch.dtype, head_dim: int, group: int, limits: launch_
     stages: of one-warp tiles of 16, 32 and 64 tokens, 32 was fastest at batches 32 to 256 over
     both caches, by 6-25%, and three stages within 2% of two (H200, benchmarks/HISTORY.md,
     2026-11-28, 09:56). A cache of one-byte elements (kv_dtype FP8) takes the same tiles: with V
-    widened before shared memory (`_attend`), 128-token tiles were slower than 64-token ones
+    widened before shared memory (`_attend_tiles`), 128-token tiles were slower than 64-token ones
     everywhere but batch 1 at ctx 4096 (H200, HISTORY, 2026-11-28, 07:05); kv_dtype only names the
     cache in the error when nothing fits. With `limits` (a GPU's), the first of it and its
     fallbacks (a narrower merge tile, fewer stages, then narrower K/V tiles) whose shared memory

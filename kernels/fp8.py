@@ -143,9 +143,10 @@ def _e4m3_code(r):
 def fp16_scaled_query(q, qk_scale):
     """q * qk_scale in fp16, for products against an e4m3 cache: Hopper widens e4m3 to fp16 in one
     instruction and to bf16 in several (every e4m3 value is an fp16 one). The product is formed in
-    fp32, clamped into fp16's range (a NaN stays NaN) and rounded once, to fp16's 11 bits: finer
-    than bf16's 8 within fp16's normal range (magnitudes from 2**-14), so the scores lose nothing
-    against bf16 products, and scaling first keeps queries of up to 65504 / qk_scale in range."""
+    fp32, clamped into fp16's range (a NaN stays NaN) and rounded once, to fp16's 11 bits: within
+    fp16's normal range (magnitudes from 2**-14) that moves each scaled query element by at most
+    2**-11 of itself, an eighth of a bf16 rounding step, and scaling first keeps queries of up to
+    65504 / qk_scale in range."""
     return tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
 
 

@@ -160,7 +160,10 @@ def test_one_warp_programs_split_to_about_eight_a_sm_and_small_batches_keep_four
     assert decode_attention.one_warp_programs(2, 8, cpu)
     assert decode_attention.default_num_splits(2, 8, 8192, cpu) == 8
     assert decode_attention.default_num_splits(4, 8, 8192, cpu) == 4
-    # More pairs than eight a SM: one split each, never more.
+    # Four pairs a SM is the most that still split (two each: eight programs a SM), the bound that
+    # sizes split_counters; past it two splits would make more than eight a SM, so one each.
+    assert decode_attention.default_num_splits(8, 8, 8192, cpu) == 2
+    assert decode_attention.default_num_splits(13, 5, 8192, cpu) == 1
     assert decode_attention.default_num_splits(12, 8, 8192, cpu) == 1
     assert decode_attention.default_num_splits(256, 8, 1024, cpu) == 1
 

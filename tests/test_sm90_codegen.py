@@ -6,7 +6,7 @@ Over an FP8 cache, V's tiles must reach the decode attention's second dot as fp1
 memory, and then loads the dot's operand one byte at a time (`ld.shared.b8`: there is no
 transposing ldmatrix for 8 bits), which made the attention 18% slower at batch 8 with 4096 tokens
 of context on an H200 (benchmarks/HISTORY.md, 2026-11-28, 07:05). kernels/decode_attention.py's
-`_attend` keeps the widening in front with a product by 1 that changes no value; a Triton release
+`_attend_tiles` keeps the widening in front with a product by 1 that changes no value; a Triton release
 that sees through it fails this test. Both decode kernels are checked: the engine's decode step
 runs the one that starts from the qkv projection. The prefill attention over an FP8 cache must
 widen each cached value once, to fp16.
