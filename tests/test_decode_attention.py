@@ -23,6 +23,11 @@ def _counters():
     return decode_attention.split_counters(torch.device(DEVICE))
 
 
+def _shuffled(batch: int) -> torch.Tensor:
+    """A seq_order: every sequence once, in a random order."""
+    return torch.randperm(batch).to(device=DEVICE, dtype=torch.int32)
+
+
 # num_warps: 1 runs a split's whole tiles without position masks and the last one with them, 4 runs
 # one masked loop (decode_attention._attend); None is the default launch's, 1 off CUDA.
 CASES = [
@@ -37,10 +42,11 @@ CASES = [
 
 @pytest.mark.parametrize("block_size, group, dtype, num_splits, block_n, head_dim, num_warps", CASES)
 def test_one_launch_decode_twice(block_size, group, dtype, num_splits, block_n, head_dim, num_warps, poison):
-    """Two calls in a row on the same counters, with other queries and contexts, and the
-    two-kernel form (merge_kernel) on the same inputs."""
+    """Two calls in a row on the same counters, with other queries and contexts, the second
+    starting its sequences in a shuffled order (seq_order), and the two-kernel form (merge_kernel)
+    on the same inputs."""
     kv_heads, counters = 2, _counters()
-    for _ in range(2):
+    for call in range(2):
         lens = random_contexts(4, block_size, max_blocks=2 if block_size == 256 else 4)
         k_cache, v_cache, tables = make_paged_kv(lens, block_size, kv_heads, dtype, head_dim)
         q = torch.randn(len(lens), kv_heads * group, head_dim, device=DEVICE).to(dtype)
@@ -50,7 +56,8 @@ def test_one_launch_decode_twice(block_size, group, dtype, num_splits, block_n, 
         with poison():
             out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale,
                                                           num_splits, counters=counters, block_n=block_n,
-                                                          num_warps=num_warps)
+                                                          num_warps=num_warps,
+                                                          seq_order=_shuffled(len(lens)) if call else None)
         assert_close(out, want, dtype)
         assert (counters == 0).all(), "a counter was left set"
     with poison():
@@ -91,7 +98,8 @@ FROM_QKV_CASES = [
 def test_decode_from_qkv(heads, kv_heads, head_dim, block_size, dtype, with_norm, num_splits, block_n, num_warps,
                          poison):
     """Against norm_rope_store's unfused reference followed by the reference attention, with
-    padding rows (slot -1, context 1: they store nothing and read their one cached token)."""
+    padding rows (slot -1, context 1: they store nothing and read their one cached token), the
+    sequences started in a shuffled order."""
     lens = [random.randint(2, 5 * 16) for _ in range(3)] + [1, 1] + [block_size + 1]
     random.shuffle(lens)
     k_cache, v_cache, tables = make_paged_kv(lens, block_size, kv_heads, dtype, head_dim)
@@ -102,7 +110,7 @@ def test_decode_from_qkv(heads, kv_heads, head_dim, block_size, dtype, with_norm
     counters = _counters()
     with poison():
         out = step.run(decode_attention, num_splits=num_splits, counters=counters, block_n=block_n,
-                       num_warps=num_warps)
+                       num_warps=num_warps, seq_order=_shuffled(len(lens)))
     step.check(out, want)
     assert torch.equal(step.qkv, qkv_before), "qkv is only read"
     assert (counters == 0).all()

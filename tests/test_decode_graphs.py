@@ -156,6 +156,7 @@ def test_the_staged_bytes_read_back_as_the_plan():
               SamplingParams(temperature=0.7, top_k=4)]
     plan = _decode_plan(rows, params)
     plan.block_tables = [[7], [1, 2, 3], [4, 5, 6, 8, 9]]
+    plan.context_lens = [22, 40, 22]
     for staging in graphs._staging:  # what other buckets' steps may have left there
         staging.fill_(0xFF)
     plan.feed_rows, plan.feed_from = [0, 2], [1, 0]
@@ -166,6 +167,8 @@ def test_the_staged_bytes_read_back_as_the_plan():
     assert v["slot_mapping"].tolist() == plan.slot_mapping + [-1]
     assert v["feed_from"].tolist() == [1, -1, 0, -1]
     assert v["context_lens"].tolist() == plan.context_lens + [1]
+    # Longest context first, ties in row order, then the padding row at its own index.
+    assert v["attention_order"].tolist() == [1, 0, 2, 3]
     assert v["temperatures"].tolist() == pytest.approx([1.0, 0.5, 0.7, 1.0])
     assert v["top_p"].tolist() == pytest.approx([1.0, 0.9, 1.0, 1.0])
     assert v["top_k"].tolist() == [0, 0, 4, 0]

@@ -40,7 +40,8 @@ def _sm90_ptx(kernel, constants: dict, types: dict, num_warps: int, num_stages: 
 
 def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool) -> str:
     """A decode attention kernel at Qwen3-0.6B's attention shape (head_dim 128, two query heads a KV
-    head), bf16 queries and qkv, with either launch the engine picks there on an H200."""
+    head), bf16 queries and qkv, with either launch the engine picks there on an H200, starting its
+    sequences in the order the engine gives (seq_order)."""
     from kernels import decode_attention
     from kernels.launch_limits import H200
 
@@ -48,10 +49,10 @@ def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool) -> str:
     block_n, num_warps, num_stages, merge_tile = decode_attention.launch_config(
         torch.bfloat16, 128, 2, H200, kv_dtype, one_warp)
     constants = dict(BLOCK_SIZE=16, GROUP_PAD=16, GROUP_M=2, BLOCK_D=128, BLOCK_N=block_n, SPLIT_TILE=merge_tile,
-                     SPLIT=True, PDL=True, UNMASKED_WHOLE=num_warps == 1,
+                     SPLIT=True, PDL=True, UNMASKED_WHOLE=num_warps == 1, ORDERED=True,
                      **decode_attention.dot_flags(torch.bfloat16))
     types = dict(k_ptr=f"*{cache_type}", v_ptr=f"*{cache_type}", block_tables_ptr="*i32", context_lens_ptr="*i32",
-                 out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32", qk_scale="fp32")
+                 order_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32", qk_scale="fp32")
     if kernel_name == "_decode_kernel":
         constants.update(MERGE_HERE=True)
         types.update(q_ptr="*bf16")

@@ -80,6 +80,13 @@ class StepPlan:
         return len(self.context_lens)
 
     @property
+    def longest_first(self) -> list[int]:
+        """The rows by context length, longest first: the order in which a decode step's attention
+        starts its sequences (kernels/decode_attention.py's seq_order says why)."""
+        lens = self.context_lens
+        return sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
+
+    @property
     def max_seqlen_q(self) -> int:
         if self.is_decode:
             return 1

@@ -15,6 +15,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [seqs + 1]: query token offsets
     max_seqlen_q: int
     is_decode: bool  # exactly one query token per sequence
+    # A decode step's rows in the order its attention starts them (StepPlan.longest_first), int32
+    # [seqs]; None: in row order.
+    seq_order: torch.Tensor | None = None
     # Prefill with the triton backend: the step's work list (kernels.prefill_attention.PrefillWork),
     # planned on the host from the step plan; None plans it inside the kernel call (a sync).
     prefill_work: object | None = None
@@ -54,7 +57,8 @@ class Attention(nn.Module):
         b = self.backend
         if meta.is_decode:
             o = b.decode_from_qkv(qkv, positions, rotary.cos, rotary.sin, *norms, self.k_cache, self.v_cache,
-                                  meta.slot_mapping, meta.block_tables, meta.context_lens, self.scale)
+                                  meta.slot_mapping, meta.block_tables, meta.context_lens, self.scale,
+                                  seq_order=meta.seq_order)
             return o.reshape(-1, self.num_heads * self.head_dim)
         q = b.norm_rope_store(qkv, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
                               self.num_heads, self.num_kv_heads, *norms)

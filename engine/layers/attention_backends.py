@@ -87,15 +87,15 @@ class TritonBackend(_KernelBackend):
 
     def decode(self, q, k_cache, v_cache, meta, scale):
         return self._decode.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                                   counters=self._counters)
+                                                   seq_order=meta.seq_order, counters=self._counters)
 
     def decode_from_qkv(self, qkv, positions, cos, sin, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
-                        slot_mapping, block_tables, context_lens, scale):
+                        slot_mapping, block_tables, context_lens, scale, seq_order=None):
         """A decode step's q/k norm, RoPE, K/V store and attention in one kernel, from the fused
         qkv projection; [batch, heads, head_dim]."""
         return self._decode.paged_decode_attention_from_qkv(
             qkv, positions, cos, sin, q_norm_weight, k_norm_weight, eps, k_cache, v_cache, slot_mapping,
-            block_tables, context_lens, scale, counters=self._counters)
+            block_tables, context_lens, scale, seq_order=seq_order, counters=self._counters)
 
     def plan_prefill(self, q_lens, context_lens, bucket_tokens):
         """(items, token_splits, max_splits) of a prefill step; bucket_tokens is the token count of

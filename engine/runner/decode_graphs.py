@@ -46,10 +46,14 @@ BIAS_WIDTH = 64
 # without penalties or logit_bias. A row's "banned" ids repeat its first one (or are 0 with "ban"
 # off), so that writing them back in one scatter never writes one token twice with different values.
 # "mask_row" is the row's token mask in DecodeGraphs.masks, 0 (every token allowed, never written)
-# for a row not under structured output.
+# for a row not under structured output. "attention_order" lists the rows in the order the
+# attention starts them (StepPlan.longest_first), padding rows last, each at its own index (its pad
+# is the row's index, ROW_INDEX).
+ROW_INDEX = object()
 _FIELDS = (("input_ids", torch.int64, "q", 0, 1), ("positions", torch.int64, "q", 0, 1),
            ("slot_mapping", torch.int64, "q", -1, 1), ("feed_from", torch.int64, "q", -1, 1),
-           ("context_lens", torch.int32, "i", 1, 1), ("temperatures", torch.float32, "f", 1.0, 1),
+           ("context_lens", torch.int32, "i", 1, 1), ("attention_order", torch.int32, "i", ROW_INDEX, 1),
+           ("temperatures", torch.float32, "f", 1.0, 1),
            ("top_p", torch.float32, "f", 1.0, 1), ("top_k", torch.int32, "i", 0, 1), ("greedy", torch.bool, "B", 1, 1),
            ("repetition", torch.float32, "f", 1.0, 1), ("frequency", torch.float32, "f", 0.0, 1),
            ("presence", torch.float32, "f", 0.0, 1), ("log_min_p", torch.float32, "f", -math.inf, 1),
@@ -213,7 +217,8 @@ class DecodeGraphs:
         self._copies = {(i, b): (self.region[:layout.nbytes], staging[:layout.nbytes])
                         for i, staging in enumerate(self._staging) for b, layout in self.layouts.items()}
         self._next = 0
-        self._pads = {name: array(code, [pad]) * (buckets[-1] * width) for name, _, code, pad, width in _FIELDS}
+        self._pads = {name: array(code, range(buckets[-1])) if pad is ROW_INDEX else array(code, [pad]) * (buckets[-1] * width)
+                      for name, _, code, pad, width in _FIELDS}
         self._cu_seqlens_q = torch.arange(buckets[-1] + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(buckets[-1], hidden_size, dtype=dtype, device=device)
         # Each row's input token as the graph saw it (fed ones included), for the eager sampler's
@@ -284,7 +289,7 @@ class DecodeGraphs:
         sampling = self._sampling and len(plan.sample_params) == rows and bucket <= SAMPLE_GRAPH_ROWS
         kind = self._stage_params(plan) if sampling else None
         values = {"input_ids": plan.input_ids, "positions": plan.positions, "slot_mapping": plan.slot_mapping,
-                  "feed_from": feed_from, "context_lens": plan.context_lens}
+                  "feed_from": feed_from, "context_lens": plan.context_lens, "attention_order": plan.longest_first}
         for name, dtype, code, _, width in _FIELDS if kind is not None and self._adjusted else _PLAIN_FIELDS:
             at, size = layout.offsets[name], dtype.itemsize * width
             data = array(code, values[name]) if name in values else self._params_bytes.get(name) if sampling else None
@@ -293,7 +298,7 @@ class DecodeGraphs:
                 out[at:at + rows * size] = memoryview(data).cast("B")
             if filled < bucket:
                 out[at + filled * size:at + bucket * size] = \
-                    memoryview(self._pads[name]).cast("B")[:(bucket - filled) * size]
+                    memoryview(self._pads[name]).cast("B")[filled * size:bucket * size]
         # Each row's block ids; past them the row keeps whatever the buffer held (another bucket's
         # bytes), which no kernel reads. A padding row reads its first block: block 0.
         row_bytes = 4 * layout.width
@@ -438,7 +443,7 @@ class DecodeGraphs:
         self.input_ids[:bucket].copy_(input_ids)
         meta = AttentionMetadata(slot_mapping=v["slot_mapping"], context_lens=v["context_lens"],
                                  block_tables=v["block_tables"], cu_seqlens_q=self._cu_seqlens_q[:bucket + 1],
-                                 max_seqlen_q=1, is_decode=True)
+                                 max_seqlen_q=1, is_decode=True, seq_order=v["attention_order"])
         self.hidden[:bucket] = self.model(input_ids, v["positions"], meta)
 
     def _build_counts(self) -> None:

@@ -587,6 +587,8 @@ class ModelRunner:
         longs = [("input_ids", plan.input_ids), ("positions", plan.positions), ("slot_mapping", plan.slot_mapping),
                  ("sample_rows", sample_rows), ("feed_rows", plan.feed_rows), ("feed_from", plan.feed_from)]
         ints = [("context_lens", plan.context_lens), ("cu_seqlens_q", plan.cu_seqlens_q)]
+        if plan.is_decode:
+            ints.append(("attention_order", plan.longest_first))
         if prefill_work is not None:
             for name, values, dtype in self.backend.prefill_inputs(prefill_work):
                 (longs if dtype == torch.int64 else ints).append((name, values))
@@ -633,6 +635,7 @@ class ModelRunner:
             cu_seqlens_q=inputs["cu_seqlens_q"],
             max_seqlen_q=plan.max_seqlen_q,
             is_decode=plan.is_decode,
+            seq_order=inputs.get("attention_order"),
             prefill_work=work,
             context=self.backend.step_context(plan, inputs, self.block_size),
         )
