@@ -8,12 +8,13 @@ its log-sum-exp, in the same kernel (a batch-1 decode step is launch-bound: a se
 kernel cost a launch and a tail per layer). Nothing depends on context_lens on the host: the grid
 is fixed by shapes and num_splits, which keeps the whole thing CUDA-graph capturable.
 
-The grid is (KV heads, sequences, splits), KV heads fastest, so the GPU starts all of a sequence's
-programs together, in the order `seq_order` lists the sequences. A big batch has more programs than
-the GPU holds at once; started in row order, a long context that happens to start last runs on
-while the rest of the GPU idles. Started longest first, the short ones fill in at the end: batch
-256 over contexts of 100-2,048 tokens took 191 us a layer against 260 over an e4m3 cache and 276
-against 321 over bf16 (H200, benchmarks/HISTORY.md, 2026-11-28, 11:10).
+The grid's programs are (sequence, KV head) pairs, KV heads fastest, times splits, and the GPU
+starts them in about that order: within each split the sequences in the order `seq_order` lists
+them. A big batch has more programs than the GPU holds at once; started in row order, a long
+context that happens to start last runs on while the rest of the GPU idles. Started longest
+first, the short ones fill in at the end: batch 256 over contexts of 100-2,048 tokens (one split)
+took 191 us a layer against 260 over an e4m3 cache and 276 against 321 over bf16 (H200,
+benchmarks/HISTORY.md, 2026-11-28, 11:10).
 
 `paged_decode_attention_from_qkv` also does what kernels/norm_rope_store.py does for a decode
 step (q/k RMSNorm, RoPE, the K/V store) inside the same kernel, from the raw qkv projection.
@@ -233,7 +234,7 @@ def _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_
         # the next launch (the next layer, the next graph replay) starts from zero: launches on a
         # stream run in order, and with PDL the next one's accesses come after its wait, which
         # holds until this grid has finished.
-        counter = counters_ptr + seq64 * tl.num_programs(0) + kv_head
+        counter = counters_ptr + seq64 * (num_heads // group) + kv_head
         tl.debug_barrier()
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()
@@ -245,14 +246,16 @@ def _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_
 
 
 @triton.jit
-def _program_sequence(order_ptr, ORDERED: tl.constexpr):
-    """The sequence this program attends for. The grid's fastest axis is the KV head, so the
-    hardware starts all of a sequence's programs together, and with ORDERED it starts the sequences
-    in the order order_ptr lists them."""
-    seq = tl.program_id(1)
+def _program_pair(order_ptr, kv_heads, ORDERED: tl.constexpr):
+    """(sequence, KV head) of this program. The grid's first axis runs over the pairs, KV heads
+    fastest, which is about the order the GPU starts programs in: a sequence's KV heads side by
+    side, and with ORDERED the sequences in the order order_ptr lists them (each split in turn:
+    splits are the grid's second axis)."""
+    pair = tl.program_id(0)
+    seq = pair // kv_heads
     if ORDERED:
         seq = tl.load(order_ptr + seq)
-    return seq.to(tl.int64)
+    return seq.to(tl.int64), pair % kv_heads
 
 
 @triton.jit
@@ -267,12 +270,11 @@ def _decode_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, UNMASKED_WHOLE: tl.constexpr, ORDERED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    kv_head = tl.program_id(0)
-    split = tl.program_id(2)
+    split = tl.program_id(1)
     if PDL:  # everything below reads or writes what earlier kernels write
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    seq64 = _program_sequence(order_ptr, ORDERED)
+    seq64, kv_head = _program_pair(order_ptr, num_heads // group, ORDERED)
 
     ctx = tl.load(context_lens_ptr + seq64)
     start, end, used = _split_range(ctx, split, num_splits, BLOCK_N)
@@ -319,11 +321,11 @@ def _decode_from_qkv_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, UNMASKED_WHOLE: tl.constexpr, ORDERED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    seq64 = _program_sequence(order_ptr, ORDERED)
-    kv_head = tl.program_id(0)
-    split = tl.program_id(2)
-    # The step's inputs are read before the PDL wait, while the qkv projection still runs: they
-    # were copied in before the step's first kernel (kernels/pdl.py says why that is safe).
+    # The step's inputs (seq_order among them) are read before the PDL wait, while the qkv
+    # projection still runs: they were copied in before the step's first kernel (kernels/pdl.py
+    # says why that is safe).
+    seq64, kv_head = _program_pair(order_ptr, num_kv_heads, ORDERED)
+    split = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + seq64)
     start, end, used = _split_range(ctx, split, num_splits, BLOCK_N)
     row = qkv_ptr + seq64 * stride_t
@@ -542,21 +544,25 @@ def _launch_args(batch, num_heads, kv_heads, head_dim, block_size, block_tables,
     return num_splits, part_o, part_lse, counters, meta
 
 
-def _order(seq_order, context_lens):
+def _order_arg(seq_order, context_lens):
+    """The kernels' order_ptr: seq_order, or a placeholder they never read."""
     if seq_order is None:
-        return context_lens  # a placeholder, never read
-    assert seq_order.dtype == torch.int32 and seq_order.shape == context_lens.shape, \
-        "seq_order: int32, one entry per sequence"
+        return context_lens
+    assert seq_order.dtype == torch.int32 and seq_order.shape == context_lens.shape and seq_order.stride(0) == 1, \
+        "seq_order: int32, contiguous, one entry per sequence"
     return seq_order
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
-                           *, seq_order=None, counters=None, merge_kernel=False, block_n=None, num_warps=None, num_stages=None):
+                           *, seq_order=None, counters=None, merge_kernel=False, block_n=None, num_warps=None,
+                           num_stages=None):
     """q [batch, heads, head_dim] -> [batch, heads, head_dim] in q's dtype: each sequence's query
     attends to all context_lens[i] tokens of its context, read through block_tables[i].
 
     seq_order: int32 [batch] listing every sequence once, in the order their programs start (the
-    engine lists the longest contexts first: the module's docstring says why); None: row order.
+    engine lists the longest contexts first: the module's docstring says why); None: row order. A
+    sequence listed twice would race on its split counter (left set for the next call), one left
+    out would have no output written.
     counters: int32 zeros, at least batch * kv_heads of them (split_counters makes one), which
     the call leaves zeroed; None allocates them per call. merge_kernel merges the splits in a
     second kernel instead, as before they merged in the first (for benchmarks to compare).
@@ -573,8 +579,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     num_splits, part_o, part_lse, counters, meta = _launch_args(
         batch, num_heads, kv_heads, head_dim, block_size, block_tables, q.dtype, k_cache.dtype, q.device, num_splits,
         counters, block_n, num_warps, num_stages, merge_kernel)
-    _decode_kernel[(kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, _order(seq_order, context_lens), out, part_o, part_lse, counters,
+    _decode_kernel[(kv_heads * batch, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, _order_arg(seq_order, context_lens), out, part_o, part_lse,
+        counters,
         scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -599,7 +606,8 @@ def paged_decode_attention_from_qkv(qkv, positions, cos, sin, q_norm_weight, k_n
     the caches at slot_mapping (-1: not stored), which must be the slot of each sequence's last
     context position, context_lens[i] - 1. qkv is only read (q is not written back).
     Returns [batch, heads, head_dim] in qkv's dtype. seq_order, counters: as for
-    paged_decode_attention."""
+    paged_decode_attention; seq_order is read before the PDL wait, as the step's other inputs are,
+    so no kernel before this one in the step may write it."""
     batch, width = qkv.shape
     _, block_size, kv_heads, head_dim = k_cache.shape
     num_heads = width // head_dim - 2 * kv_heads
@@ -614,10 +622,10 @@ def paged_decode_attention_from_qkv(qkv, positions, cos, sin, q_norm_weight, k_n
         batch, num_heads, kv_heads, head_dim, block_size, block_tables, qkv.dtype, k_cache.dtype, qkv.device,
         num_splits, counters, block_n, num_warps, num_stages)
     qw, kw = (q_norm_weight, k_norm_weight) if has_norm else (cos, cos)  # placeholders, never read
-    _decode_from_qkv_kernel[(kv_heads, batch, num_splits)](
+    _decode_from_qkv_kernel[(kv_heads * batch, num_splits)](
         qkv, positions, cos, sin, qw, kw, slot_mapping,
-        k_cache, v_cache, block_tables, context_lens, _order(seq_order, context_lens), out, part_o, part_lse, counters,
-        scale * LOG2E, eps,
+        k_cache, v_cache, block_tables, context_lens, _order_arg(seq_order, context_lens), out, part_o, part_lse,
+        counters, scale * LOG2E, eps,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),

@@ -23,9 +23,9 @@ def _counters():
     return decode_attention.split_counters(torch.device(DEVICE))
 
 
-def _shuffled(batch: int) -> torch.Tensor:
-    """A seq_order: every sequence once, in a random order."""
-    return torch.randperm(batch).to(device=DEVICE, dtype=torch.int32)
+def _every_row_moved(batch: int) -> torch.Tensor:
+    """A seq_order that starts no sequence in its row's place."""
+    return torch.arange(batch, device=DEVICE, dtype=torch.int32).roll(1)
 
 
 # num_warps: 1 runs a split's whole tiles without position masks and the last one with them, 4 runs
@@ -43,8 +43,8 @@ CASES = [
 @pytest.mark.parametrize("block_size, group, dtype, num_splits, block_n, head_dim, num_warps", CASES)
 def test_one_launch_decode_twice(block_size, group, dtype, num_splits, block_n, head_dim, num_warps, poison):
     """Two calls in a row on the same counters, with other queries and contexts, the second
-    starting its sequences in a shuffled order (seq_order), and the two-kernel form (merge_kernel)
-    on the same inputs."""
+    starting its sequences out of row order (seq_order), and the two-kernel form (merge_kernel) on
+    the same inputs."""
     kv_heads, counters = 2, _counters()
     for call in range(2):
         lens = random_contexts(4, block_size, max_blocks=2 if block_size == 256 else 4)
@@ -57,7 +57,7 @@ def test_one_launch_decode_twice(block_size, group, dtype, num_splits, block_n, 
             out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale,
                                                           num_splits, counters=counters, block_n=block_n,
                                                           num_warps=num_warps,
-                                                          seq_order=_shuffled(len(lens)) if call else None)
+                                                          seq_order=_every_row_moved(len(lens)) if call else None)
         assert_close(out, want, dtype)
         assert (counters == 0).all(), "a counter was left set"
     with poison():
@@ -65,6 +65,29 @@ def test_one_launch_decode_twice(block_size, group, dtype, num_splits, block_n, 
                                                       num_splits, merge_kernel=True, block_n=block_n,
                                                       num_warps=num_warps)
     assert_close(two, want, dtype)
+
+
+@pytest.mark.parametrize("from_qkv", [False, True])
+def test_programs_attend_for_the_sequences_seq_order_lists(from_qkv, poison):
+    """Programs take their sequence from seq_order: listing sequences 2 and 0 twice each (one split,
+    so no counter to race on) writes rows 2 and 0, right, and leaves rows 1 and 3 unwritten."""
+    lens = [30, 50, 20, 40]
+    k_cache, v_cache, tables = make_paged_kv(lens, 16, 2, F32, 32)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    order = torch.tensor([2, 2, 0, 0], dtype=torch.int32, device=DEVICE)
+    if from_qkv:
+        step = DecodeStep(k_cache, v_cache, tables, context_lens, 4, F32, True, padding=[])
+        want = step.reference()[0]
+        with poison():
+            out = step.run(decode_attention, num_splits=1, seq_order=order)
+    else:
+        q = torch.randn(len(lens), 4, 32, device=DEVICE)
+        want = ref.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, 0.2)
+        with poison():
+            out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, 0.2, 1,
+                                                          seq_order=order)
+    assert_close(out[[0, 2]], want[[0, 2]], F32)
+    assert out[[1, 3]].isnan().all()
 
 
 def test_padding_rows(poison):
@@ -99,7 +122,7 @@ def test_decode_from_qkv(heads, kv_heads, head_dim, block_size, dtype, with_norm
                          poison):
     """Against norm_rope_store's unfused reference followed by the reference attention, with
     padding rows (slot -1, context 1: they store nothing and read their one cached token), the
-    sequences started in a shuffled order."""
+    sequences started out of row order."""
     lens = [random.randint(2, 5 * 16) for _ in range(3)] + [1, 1] + [block_size + 1]
     random.shuffle(lens)
     k_cache, v_cache, tables = make_paged_kv(lens, block_size, kv_heads, dtype, head_dim)
@@ -110,7 +133,7 @@ def test_decode_from_qkv(heads, kv_heads, head_dim, block_size, dtype, with_norm
     counters = _counters()
     with poison():
         out = step.run(decode_attention, num_splits=num_splits, counters=counters, block_n=block_n,
-                       num_warps=num_warps, seq_order=_shuffled(len(lens)))
+                       num_warps=num_warps, seq_order=_every_row_moved(len(lens)))
     step.check(out, want)
     assert torch.equal(step.qkv, qkv_before), "qkv is only read"
     assert (counters == 0).all()

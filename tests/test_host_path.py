@@ -106,10 +106,17 @@ def test_packed_inputs_match_the_plan(tiny_qwen3):
         for name in ("input_ids", "positions", "slot_mapping", "sample_rows", "context_lens", "cu_seqlens_q"):
             assert t[name].tolist() == list(getattr(plan, name)), name
         assert t["block_tables"].tolist() == [[2, 0, 0], [3, 4, 0], [1, 9, 4]]
+        assert "attention_order" not in t and runner.metadata(plan, t).seq_order is None
         base = t["input_ids"].data_ptr()
         assert all((x.data_ptr() - base) % 16 == 0 for x in t.values())  # as separate allocations are
         empty = runner._step_inputs(StepPlan([1], [0], [0], [0, 1], [1], [[0]], [], [], is_decode=True))
         assert empty["sample_rows"].numel() == 0 and empty["input_ids"].tolist() == [1]
+        # A decode step's attention starts its sequences longest context first, ties in row order.
+        decode = StepPlan([1, 2, 3, 4], [9, 30, 4, 30], [9, 30, 4, 30], [0, 1, 2, 3, 4], [10, 31, 5, 31],
+                          [[0], [1, 2], [3], [4, 5]], [0, 1, 2, 3], [], is_decode=True)
+        t = runner._step_inputs(decode)
+        assert t["attention_order"].dtype == torch.int32 and t["attention_order"].tolist() == [1, 3, 0, 2]
+        assert runner.metadata(decode, t).seq_order is t["attention_order"]
 
 
 def test_plan_flags_decode_steps(tiny_qwen3):

@@ -11,16 +11,25 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def test_triton_backend_matches_torch_backend(tiny_qwen3, monkeypatch):
     """Same greedy tokens; and the Triton backend's one-row decode steps take the fused norm + GEMV
-    (+ SiLU-mul) kernel for both sublayers' first projections, its four-row steps do not."""
+    (+ SiLU-mul) kernel for both sublayers' first projections, its four-row steps do not; its
+    decode attention starts the sequences longest context first."""
+    import kernels.decode_attention
     import kernels.gemv
     fused_calls = set()  # (rows, with SiLU-mul)
+    orders = []  # (context lengths, seq_order) of each decode attention call
 
     def counted(x, *args, silu=False, **kwargs):
         fused_calls.add((x.shape[0], silu))
         return rms_norm_gemv(x, *args, silu=silu, **kwargs)
 
+    def recorded(*args, seq_order=None, **kwargs):
+        orders.append((args[11].tolist(), None if seq_order is None else seq_order.tolist()))
+        return decode_from_qkv(*args, seq_order=seq_order, **kwargs)
+
     rms_norm_gemv = kernels.gemv.rms_norm_gemv
+    decode_from_qkv = kernels.decode_attention.paged_decode_attention_from_qkv
     monkeypatch.setattr(kernels.gemv, "rms_norm_gemv", counted)
+    monkeypatch.setattr(kernels.decode_attention, "paged_decode_attention_from_qkv", recorded)
     block_size = 16
     # Mixed lengths and a shared prefix, so prefill covers cached and uncached contexts.
     shared = random_prompts([40], seed=31)[0]
@@ -35,6 +44,8 @@ def test_triton_backend_matches_torch_backend(tiny_qwen3, monkeypatch):
             assert llm.stats().prefix_hit_tokens > 0
     assert runs["triton"] == runs["torch"]
     assert fused_calls == {(1, False), (1, True)}
+    assert any(len(set(lens)) > 1 for lens, _ in orders)
+    assert all(order == sorted(range(len(lens)), key=lambda row: -lens[row]) for lens, order in orders)
 
 
 def test_triton_backend_rejects_bad_block_sizes(tiny_qwen3):

@@ -48,7 +48,7 @@ BIAS_WIDTH = 64
 # "mask_row" is the row's token mask in DecodeGraphs.masks, 0 (every token allowed, never written)
 # for a row not under structured output. "attention_order" lists the rows in the order the
 # attention starts them (StepPlan.longest_first), padding rows last, each at its own index (its pad
-# is the row's index, ROW_INDEX).
+# is the row's index, ROW_INDEX: a field of one value a row).
 ROW_INDEX = object()
 _FIELDS = (("input_ids", torch.int64, "q", 0, 1), ("positions", torch.int64, "q", 0, 1),
            ("slot_mapping", torch.int64, "q", -1, 1), ("feed_from", torch.int64, "q", -1, 1),
@@ -217,8 +217,8 @@ class DecodeGraphs:
         self._copies = {(i, b): (self.region[:layout.nbytes], staging[:layout.nbytes])
                         for i, staging in enumerate(self._staging) for b, layout in self.layouts.items()}
         self._next = 0
-        self._pads = {name: array(code, range(buckets[-1])) if pad is ROW_INDEX else array(code, [pad]) * (buckets[-1] * width)
-                      for name, _, code, pad, width in _FIELDS}
+        self._pads = {name: array(code, range(buckets[-1])) if pad is ROW_INDEX
+                      else array(code, [pad]) * (buckets[-1] * width) for name, _, code, pad, width in _FIELDS}
         self._cu_seqlens_q = torch.arange(buckets[-1] + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(buckets[-1], hidden_size, dtype=dtype, device=device)
         # Each row's input token as the graph saw it (fed ones included), for the eager sampler's
