@@ -162,7 +162,39 @@ def as_cached(x, cache_ptr):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, num_groups, stride_x, stride_q, stride_s_row, stride_s_group,
+def store_row_groups(v, q_row_ptr, s_row_ptr, first_group, n_cols, live_cols, stride_s_group,
+                     GROUP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Stores v [BLOCK] (float32), one row's columns from first_group * GROUP on, as
+    quantize_activations does: each group of GROUP columns in e4m3 at q_row_ptr, scaled so that its
+    largest magnitude maps to FP8_MAX, its float32 scale at s_row_ptr + group * stride_s_group.
+    Columns from n_cols on are not stored; from live_cols on (n_cols, or 0 for a padding row) they
+    count as zeros. For kernels that produce the activations and quantize them in the same pass, so
+    no launch reads them back to do it."""
+    cols = first_group * GROUP + tl.arange(0, BLOCK)
+    v = tl.where(cols < live_cols, v, 0.0)
+    groups = tl.reshape(v, (BLOCK // GROUP, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-10) / FP8_MAX
+    q = _round_to_e4m3(tl.clamp(groups / scale[:, None], -FP8_MAX, FP8_MAX))
+    tl.store(q_row_ptr + cols, tl.reshape(q, (BLOCK,)).to(q_row_ptr.dtype.element_ty), mask=cols < n_cols)
+    group = first_group + tl.arange(0, BLOCK // GROUP)
+    tl.store(s_row_ptr + group * stride_s_group, scale, mask=group * GROUP < n_cols)
+
+
+def activation_buffers(rows: int, cols: int, group: int, pad_rows_to: int, scales_by_column: bool,
+                       device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (e4m3 [P, cols], float32 scales [P, cdiv(cols, group)]) for quantized activations, P =
+    rows rounded up to a multiple of pad_rows_to; scales_by_column lays the scales out column by
+    column (stride (1, P)), as cuBLAS's block-scaled product reads them."""
+    padded = triton.cdiv(rows, pad_rows_to) * pad_rows_to
+    groups = triton.cdiv(cols, group)
+    q = torch.empty(padded, cols, dtype=FP8, device=device)
+    if scales_by_column:
+        return q, torch.empty(groups, padded, dtype=torch.float32, device=device).t()
+    return q, torch.empty(padded, groups, dtype=torch.float32, device=device)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s_row, stride_s_group,
                           GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
     # GROUPS groups of GROUP columns of one row, each scaled by its own largest magnitude. Rows from
     # M on are padding: zeros, with the smallest scale.
@@ -170,15 +202,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, num_groups, stride_x, strid
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    k = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    ok = (group < num_groups)[:, None] & (k < K)
-    row_k = tl.where(row < M, K, 0)  # a padding row loads no column
-    x = tl.load(x_ptr + row * stride_x + k, mask=ok & (k < row_k), other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
-    q = _round_to_e4m3(tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX))
-    tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_s_row + group * stride_s_group, scale, mask=group < num_groups)
+    first_group = tl.program_id(1) * GROUPS
+    k = first_group * GROUP + tl.arange(0, GROUPS * GROUP)
+    live_k = tl.where(row < M, K, 0)  # a padding row loads no column
+    x = tl.load(x_ptr + row * stride_x + k, mask=k < live_k, other=0.0).to(tl.float32)
+    store_row_groups(x, q_ptr + row * stride_q, s_ptr + row * stride_s_row, first_group, K, live_k, stride_s_group,
+                     GROUP, GROUPS * GROUP, FP8_MAX)
 
 
 @triton.jit
@@ -323,25 +352,19 @@ def quantize_activations(x: torch.Tensor, group: int, *, pad_rows_to: int = 1,
                          scales_by_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [P, K], float32 scales [P, cdiv(K, group)]), P = M rounded up to a multiple of
     pad_rows_to: each row's groups of `group` columns scaled so that their largest magnitude maps to
-    448; x ~= q * scale. Rows from M on are zeros. scales_by_column lays the scales out column by
-    column (stride (1, P)), as cuBLAS's block-scaled product reads them."""
+    448; x ~= q * scale. Rows from M on are zeros. scales_by_column: as activation_buffers."""
     if x.dim() != 2 or x.stride(1) != 1 or group & (group - 1) or pad_rows_to < 1:
         raise ValueError(f"quantize_activations takes x [M, K] contiguous along K, a power-of-two group and "
                          f"pad_rows_to >= 1; got {tuple(x.shape)}, group {group}, pad_rows_to {pad_rows_to}")
     M, K = x.shape
-    rows = triton.cdiv(M, pad_rows_to) * pad_rows_to
-    groups = triton.cdiv(K, group)
-    q = torch.empty(rows, K, dtype=FP8, device=x.device)
-    if scales_by_column:
-        scales = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t()
-    else:
-        scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    q, scales = activation_buffers(M, K, group, pad_rows_to, scales_by_column, x.device)
+    rows, groups = scales.shape
     if rows:
         # A program quantizes up to 1024 columns of a row (8 of Qwen's groups of 128).
         per_program = max(1, min(triton.next_power_of_2(groups), 1024 // group))
         pdl_on = pdl.enabled(x.device)
         _quantize_rows_kernel[(rows, triton.cdiv(groups, per_program))](
-            x, q, scales, M, K, groups, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=group,
+            x, q, scales, M, K, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=group,
             GROUPS=per_program, FP8_MAX=FP8_MAX, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
     return q, scales
 

@@ -20,13 +20,14 @@ pytest.importorskip("triton")
 from engine.layers import paged_attention_torch as ref  # noqa: E402
 from kernels import (  # noqa: E402
     decode_attention,
+    fp8,
     gemv,
     kv_store,
     prefill_attention,
     rmsnorm,
     silu_mul,
 )
-from tests.kernel_checks import assert_close, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import TOL, assert_close, poison, seed  # noqa: E402,F401 (fixtures)
 
 
 def _interpreted() -> bool:
@@ -35,7 +36,7 @@ def _interpreted() -> bool:
 
 if not _interpreted() and not torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "1":
     # Imported before TRITON_INTERPRET was set, by an earlier test module: decorate them again.
-    for _module in (kv_store, decode_attention, gemv, prefill_attention, rmsnorm, silu_mul):
+    for _module in (fp8, kv_store, decode_attention, gemv, prefill_attention, rmsnorm, silu_mul):
         importlib.reload(_module)
 if _interpreted():
     DEVICE = "cpu"
@@ -322,6 +323,61 @@ def test_silu_and_mul(dtype, d, poison):
         out = silu_mul.silu_and_mul(x)
     gate, up = x.float().chunk(2, -1)
     assert_close(out, (torch.nn.functional.silu(gate) * up).to(dtype), dtype)
+
+
+# cuBLAS's block-scaled product's layout (engine/layers/fp8.py): rows padded to 4, scales by column.
+CUBLAS_ROWS = dict(group=128, pad_rows_to=4, scales_by_column=True)
+
+
+def _same_quantized(got, want):
+    """Equal bit for bit (padding rows and NaN-poisoned leftovers included), scales in one layout."""
+    (q, scales), (want_q, want_scales) = got, want
+    assert q.shape == want_q.shape and scales.shape == want_scales.shape and scales.stride() == want_scales.stride()
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+
+
+def _near_reference(got, reference):
+    """The real rows dequantized are within e4m3's rounding (half a step: a sixteenth of the value,
+    or half the subnormal step) of the kernel's bf16 values, which are within bf16's tolerance of
+    the torch result."""
+    q, scales = got
+    rows, cols = reference.shape
+    group_scales = scales[:rows].repeat_interleave(128, 1)[:, :cols]
+    values = q[:rows].float() * group_scales
+    rtol, atol = TOL[BF16]
+    bound = (reference.float().abs() * rtol + atol) * (1 + 1 / 16) + reference.float().abs() / 16 \
+        + group_scales * 2 ** -10
+    assert ((values - reference.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows, hidden, with_residual", [(5, 256, True), (3, 384, False), (8, 128, True)])
+def test_rms_norm_fp8_is_rms_norm_then_quantized(rows, hidden, with_residual, poison):
+    """One launch gives what rms_norm followed by quantize_activations gives, bit for bit (so the
+    engine may run either before an FP8 product), with the residual sum; near the torch reference."""
+    x = (3 * torch.randn(rows, hidden, device=DEVICE)).to(BF16)
+    weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(BF16)
+    residual = torch.randn(rows, hidden, device=DEVICE).to(BF16) if with_residual else None
+    with poison():
+        got = rmsnorm.rms_norm_fp8(x, weight, 1e-6, residual, **CUBLAS_ROWS)
+        unfused = rmsnorm.rms_norm(x, weight, 1e-6, residual)
+    want = rms_norm_ref(x, weight, 1e-6, residual)
+    if with_residual:
+        assert torch.equal(got[1], unfused[1])
+        got, unfused, want = got[0], unfused[0], want[0]
+    _same_quantized(got, fp8.quantize_activations(unfused, **CUBLAS_ROWS))
+    _near_reference(got, want)
+
+
+@pytest.mark.parametrize("rows, d", [(3, 300), (6, 1100)])
+def test_silu_and_mul_fp8_is_silu_and_mul_then_quantized(rows, d, poison):
+    """As the norm's: a last group cut short (300 = 2 x 128 + 44), and rows of several programs."""
+    x = (2 * torch.randn(rows, 2 * d, device=DEVICE)).to(BF16)
+    with poison():
+        got = silu_mul.silu_and_mul_fp8(x, **CUBLAS_ROWS)
+        unfused = silu_mul.silu_and_mul(x)
+    _same_quantized(got, fp8.quantize_activations(unfused, **CUBLAS_ROWS))
+    gate, up = x.float().chunk(2, -1)
+    _near_reference(got, (torch.nn.functional.silu(gate) * up).to(BF16))
 
 
 def test_package_is_lazy_and_not_hf_kernels():

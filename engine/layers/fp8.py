@@ -10,6 +10,7 @@ A layer learns at construction whether its weights arrive in FP8: the runner bui
 inside `building(block)` when the checkpoint is FP8 and the weights stay so.
 """
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,16 +74,35 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return (q.float() * _expand(scale.float(), q.shape, block)).to(dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+class QuantizedRows(NamedTuple):
+    """bf16 activations already quantized as block_scaled_mm takes them (CUBLAS_ROWS): e4m3 rows
+    padded to a multiple of 4, a float32 scale per row and 128 columns laid out by column; the
+    first `rows` are real. The RMSNorm and SiLU-mul kernels write them so before a product that
+    takes them (_Linear.takes_quantized_rows), which spares the launch that would read their bf16
+    output back to quantize it (Qwen3-8B-FP8 at batch 256: 144 launches, 5% of a step's GPU time)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    rows: int
+
+
+# How block_scaled_mm quantizes x (kernels.fp8.quantize_activations' keywords).
+CUBLAS_ROWS = dict(group=128, pad_rows_to=4, scales_by_column=True)
+
+
+def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
+           block: tuple[int, int]) -> torch.Tensor:
     """x @ dequantized(weight).T on CUDA (on CPU an FP8 checkpoint loads dequantized, and
     quantization="fp8" is refused). One row: kernels/fp8.py's GEMV, which reads the FP8 weight at
     1.3-1.7x bf16's speed. More rows, where cuBLAS takes the shapes: x quantized per row and 128
     columns, then cuBLAS's block-scaled FP8 product (bench_kernels: 1.4-1.6x our Triton GEMM and
     1.5x bf16 at prefill sizes, and it keeps 2-8 rows near bf16's time, where the Triton GEMV took
-    up to 2x). Otherwise kernels/fp8.py's GEMV or GEMM."""
+    up to 2x). Otherwise kernels/fp8.py's GEMV or GEMM. QuantizedRows go to cuBLAS as they are."""
     from kernels.fp8 import (
         fp8_linear,  # start-up: Triton loads only where its kernels run
     )
+    if isinstance(x, QuantizedRows):
+        return block_scaled_mm(x, weight, scale)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > 1 and cublas_takes(rows, weight, scale, block):
         return block_scaled_mm(rows, weight, scale).view(*x.shape[:-1], weight.shape[0])
@@ -115,15 +135,17 @@ def cublas_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
             and cublas_block_scaling(x.device))
 
 
-def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16) @ dequantized(weight).T through cuBLAS: x is quantized per row and 128 columns
-    (kernels/fp8.py), its rows padded to a multiple of 4 and its scales laid out by column, the
-    layout cuBLAS requires; the padding rows' products are cut off."""
-    from kernels.fp8 import quantize_activations  # start-up: Triton loads only where its kernels run
-    q, x_scale = quantize_activations(x, _CUBLAS_BLOCK[1], pad_rows_to=4, scales_by_column=True)
-    out = F.scaled_mm(q, weight.t(), x_scale, F.ScalingType.BlockWise1x128,
-                      scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
-    return out[:x.shape[0]]
+def block_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16) @ dequantized(weight).T through cuBLAS, as bf16: x is quantized per row and 128
+    columns (kernels/fp8.py), its rows padded to a multiple of 4 and its scales laid out by column,
+    the layout cuBLAS requires (unless it comes so, QuantizedRows); the padding rows' products are
+    cut off."""
+    if not isinstance(x, QuantizedRows):
+        from kernels.fp8 import quantize_activations  # start-up: Triton loads only where its kernels run
+        x = QuantizedRows(*quantize_activations(x, **CUBLAS_ROWS), x.shape[0])
+    out = F.scaled_mm(x.q, weight.t(), x.scales, F.ScalingType.BlockWise1x128,
+                      scale.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    return out[:x.rows]
 
 
 def is_fp8(loaded) -> bool:

@@ -109,21 +109,32 @@ class _Linear(nn.Module):
         return self._multiply(x, self.bias)
 
     def norm_forward(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
-                     act: SiluAndMul | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     act: SiluAndMul | None = None, consumer: "_Linear | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """act(self(norm(x + residual))) and the new residual x + residual (x itself without one):
         a pre-norm sublayer's first projection. On a Triton decode step of one row it is one kernel,
-        the norm in the GEMV's prologue and SiLU-mul in its epilogue (kernels.gemv.rms_norm_gemv)."""
+        the norm in the GEMV's prologue and SiLU-mul in its epilogue (kernels.gemv.rms_norm_gemv).
+        Before a block-scaled FP8 product the norm quantizes its output itself, as act does for
+        `consumer`, the layer that takes its output (fp8.QuantizedRows)."""
         if self._fuses_norm(norm, x, residual, act):
             from kernels.gemv import (
                 rms_norm_gemv,  # start-up: Triton loads only where its kernels run
             )
             return rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, silu=act is not None)
-        if residual is None:
+        if norm.quantizes(x, residual) and self.takes_quantized_rows(x):
+            x, residual = norm.forward_quantized(x, residual)
+        elif residual is None:
             x, residual = norm(x), x
         else:
             x, residual = norm(x, residual)
         y = self(x)
-        return (y if act is None else act(y)), residual
+        return (y if act is None else act(y, consumer)), residual
+
+    def takes_quantized_rows(self, x: torch.Tensor) -> bool:
+        """Whether the product of x [rows, ...] (its width aside: a SiLU-mul's input is twice its
+        output's) runs through cuBLAS's block-scaled FP8 product, so that the kernel making this
+        layer's input may hand it over as fp8.QuantizedRows."""
+        return (self.scale_block is not None and self.quantized is None and x.dim() == 2 and x.shape[0] > 1
+                and fp8.cublas_takes(x, self.weight, self.weight_scale_inv, self.scale_block))
 
     def _fuses_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                     act: SiluAndMul | None) -> bool:

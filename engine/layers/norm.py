@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from engine.distributed import collectives
+from engine.layers import fp8
 
 
 def rms_norm_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,6 +35,26 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def quantizes(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether forward_quantized can run on these inputs: the Triton kernel, one dtype, and no
+        sum over the ranks (which a quantized output would leave nothing to add to)."""
+        return (self.fused and self.reduce_slot is None and x.dim() == 2 and x.stride(1) == 1
+                and x.dtype == self.weight.dtype and x.shape[1] % fp8.CUBLAS_ROWS["group"] == 0
+                and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1))
+
+    def forward_quantized(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """forward's result with the normed rows quantized for a block-scaled FP8 product
+        (fp8.QuantizedRows), in one kernel; the residual, with one, as forward returns it, and
+        without one x itself, as a sublayer's residual."""
+        from kernels.rmsnorm import (
+            rms_norm_fp8,  # start-up: Triton loads only where its kernels run
+        )
+        out = rms_norm_fp8(x, self.weight, self.eps, residual, **fp8.CUBLAS_ROWS)
+        if residual is None:
+            return fp8.QuantizedRows(*out, x.shape[0]), x
+        (q, scales), summed = out
+        return fp8.QuantizedRows(q, scales, x.shape[0]), summed
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With a residual, adds it first and returns (normed, new residual), the pre-norm

@@ -84,7 +84,7 @@ class MLP(nn.Module):
 
     def forward(self, x, residual, norm: RMSNorm):
         """The MLP of norm(x + residual); returns (its output, the new residual)."""
-        h, residual = self.gate_up_proj.norm_forward(norm, x, residual, self.act)
+        h, residual = self.gate_up_proj.norm_forward(norm, x, residual, self.act, consumer=self.down_proj)
         return self.down_proj(h), residual
 
 

@@ -399,6 +399,47 @@ def test_quantization_fp8_keeps_the_logits_close(tmp_path, arch):
     assert 1e-4 < weights_error and 1e-4 < kernels_error < 1.5 * weights_error
 
 
+def _counting(kernel, name: str, calls: list[str]):
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return kernel(*args, **kwargs)
+    return counted
+
+
+@needs_fp8
+@pytest.mark.parametrize("eager", [False, True])
+def test_norm_and_silu_quantize_for_the_fp8_products_as_the_products_would(tmp_path, monkeypatch, eager):
+    """Where cuBLAS's block-scaled product runs (shapes whose K is a multiple of 512, from 2 rows),
+    the RMSNorm and SiLU-mul kernels hand it their output quantized (fp8.QuantizedRows): the
+    same e4m3 rows and scales the product would make itself, so the same logits bit for bit,
+    prompts and decode steps (CUDA graphs or eager) alike."""
+    if not fp8_layer.cublas_block_scaling(torch.device("cuda")):
+        pytest.skip("cuBLAS's block-scaled FP8 product needs a Hopper GPU and CUDA 12.9")
+    from engine.layers.linear import _Linear
+    from kernels import rmsnorm, silu_mul
+
+    save_tiny_hf_model(tmp_path, tie=False, seed=8, hidden_size=512, intermediate_size=1024, head_dim=128)
+    prompts = random_prompts([37, 5, 60, 12, 23, 9], seed=29)
+    settings = dict(ENGINE, dtype="bfloat16", quantization="fp8", enforce_eager=eager)
+    calls = []
+    for module, name in ((rmsnorm, "rms_norm_fp8"), (silu_mul, "silu_and_mul_fp8")):
+        monkeypatch.setattr(module, name, _counting(getattr(module, name), name, calls))
+
+    def run():
+        with LLM(tmp_path, **settings) as llm:
+            logits = _prefill_logits(llm, prompts)
+            tokens = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
+        return logits, tokens
+
+    fused = run()
+    assert {"rms_norm_fp8", "silu_and_mul_fp8"} <= set(calls)
+    calls.clear()
+    monkeypatch.setattr(_Linear, "takes_quantized_rows", lambda self, x: False)
+    unfused = run()
+    assert not calls
+    assert torch.equal(fused[0], unfused[0]) and fused[1] == unfused[1]
+
+
 @pytest.mark.whole_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.two_gpus
