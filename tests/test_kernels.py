@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.layers import paged_attention_torch as ref  # noqa: E402
+from engine.layers.fp8 import CUBLAS_ROWS  # noqa: E402 (cuBLAS's block-scaled product's layout)
 from kernels import (  # noqa: E402
     decode_attention,
     fp8,
@@ -325,10 +326,6 @@ def test_silu_and_mul(dtype, d, poison):
     assert_close(out, (torch.nn.functional.silu(gate) * up).to(dtype), dtype)
 
 
-# cuBLAS's block-scaled product's layout (engine/layers/fp8.py): rows padded to 4, scales by column.
-CUBLAS_ROWS = dict(group=128, pad_rows_to=4, scales_by_column=True)
-
-
 def _same_quantized(got, want):
     """Equal bit for bit (padding rows and NaN-poisoned leftovers included), scales in one layout."""
     (q, scales), (want_q, want_scales) = got, want
@@ -352,8 +349,9 @@ def _near_reference(got, reference):
 
 @pytest.mark.parametrize("rows, hidden, with_residual", [(5, 256, True), (3, 384, False), (8, 128, True)])
 def test_rms_norm_fp8_is_rms_norm_then_quantized(rows, hidden, with_residual, poison):
-    """One launch gives what rms_norm followed by quantize_activations gives, bit for bit (so the
-    engine may run either before an FP8 product), with the residual sum; near the torch reference."""
+    """One launch gives what rms_norm followed by quantize_activations gives, bit for bit in the
+    interpreter (a GPU may sum a wide row in another order: rms_norm_fp8's docstring), with the
+    residual sum; near the torch reference."""
     x = (3 * torch.randn(rows, hidden, device=DEVICE)).to(BF16)
     weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(BF16)
     residual = torch.randn(rows, hidden, device=DEVICE).to(BF16) if with_residual else None

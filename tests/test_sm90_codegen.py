@@ -52,7 +52,8 @@ def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool) -> str:
                      SPLIT=True, PDL=True, UNMASKED_WHOLE=num_warps == 1, ORDERED=True,
                      **decode_attention.dot_flags(torch.bfloat16))
     types = dict(k_ptr=f"*{cache_type}", v_ptr=f"*{cache_type}", block_tables_ptr="*i32", context_lens_ptr="*i32",
-                 order_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32", qk_scale="fp32")
+                 order_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32",
+                 qk_scale="fp32")
     if kernel_name == "_decode_kernel":
         constants.update(MERGE_HERE=True)
         types.update(q_ptr="*bf16")

@@ -79,8 +79,9 @@ class QuantizedRows(NamedTuple):
     padded to a multiple of 4, a float32 scale per row and 128 columns laid out by column; the
     first `rows` are real. The RMSNorm and SiLU-mul kernels write them so before a product that
     takes them (_Linear.takes_quantized_rows), which spares the launch that would read their bf16
-    output back to quantize it: at Qwen3-8B-FP8's shape 144 launches a step, throughput 1.011x and
-    batch 8 1.018x (H200, benchmarks/HISTORY.md, 2026-11-28, 11:10)."""
+    output back to quantize it: at Qwen3-8B-FP8's shape 108 launches a step (qkv, gate/up and down
+    in 36 layers; o_proj's input comes from the attention and keeps its own), throughput 1.011x
+    and batch 8 1.018x (H200, benchmarks/HISTORY.md, 2026-11-28, 11:10)."""
 
     q: torch.Tensor
     scales: torch.Tensor

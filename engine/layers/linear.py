@@ -109,7 +109,8 @@ class _Linear(nn.Module):
         return self._multiply(x, self.bias)
 
     def norm_forward(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
-                     act: SiluAndMul | None = None, consumer: "_Linear | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     act: SiluAndMul | None = None,
+                     consumer: "_Linear | None" = None) -> tuple[torch.Tensor | fp8.QuantizedRows, torch.Tensor]:
         """act(self(norm(x + residual))) and the new residual x + residual (x itself without one):
         a pre-norm sublayer's first projection. On a Triton decode step of one row it is one kernel,
         the norm in the GEMV's prologue and SiLU-mul in its epilogue (kernels.gemv.rms_norm_gemv).

@@ -38,7 +38,8 @@ class RMSNorm(nn.Module):
 
     def quantizes(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether forward_quantized can run on these inputs: the Triton kernel, one dtype, and no
-        sum over the ranks (which a quantized output would leave nothing to add to)."""
+        sum over the ranks' partial outputs, which forward fuses with the norm (reduce_slot) and
+        forward_quantized does not do."""
         return (self.fused and self.reduce_slot is None and x.dim() == 2 and x.stride(1) == 1
                 and x.dtype == self.weight.dtype and x.shape[1] % fp8.CUBLAS_ROWS["group"] == 0
                 and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1))

@@ -410,9 +410,11 @@ def _counting(kernel, name: str, calls: list[str]):
 @pytest.mark.parametrize("eager", [False, True])
 def test_norm_and_silu_quantize_for_the_fp8_products_as_the_products_would(tmp_path, monkeypatch, eager):
     """Where cuBLAS's block-scaled product runs (shapes whose K is a multiple of 512, from 2 rows),
-    the RMSNorm and SiLU-mul kernels hand it their output quantized (fp8.QuantizedRows): the
-    same e4m3 rows and scales the product would make itself, so the same logits bit for bit,
-    prompts and decode steps (CUDA graphs or eager) alike."""
+    the RMSNorm and SiLU-mul kernels hand it their output quantized (fp8.QuantizedRows). At this
+    width (hidden 512) both norm kernels sum a row in one order, so the rows and scales are those
+    the product would make itself, and the logits are equal bit for bit, prompts and decode steps
+    (CUDA graphs or eager) alike; at 4096 and wider a rare code moves one e4m3 step
+    (kernels.rmsnorm.rms_norm_fp8 says why)."""
     if not fp8_layer.cublas_block_scaling(torch.device("cuda")):
         pytest.skip("cuBLAS's block-scaled FP8 product needs a Hopper GPU and CUDA 12.9")
     from engine.layers.linear import _Linear
