@@ -165,7 +165,10 @@ def decode_setup(lens, block_size, kv_dtype=None):
     cache, tables = paged_cache(lens, block_size, layers, kv_dtype)
     q = torch.randn(len(lens), HEADS, HEAD_DIM, device=DEVICE).to(DTYPE)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    return dict(q=q, cache=cache, tables=tables, context_lens=context_lens, layers=layers, kv_bytes=kv_bytes)
+    # The order the engine starts the sequences in (StepPlan.longest_first).
+    order = torch.argsort(context_lens, descending=True, stable=True).to(torch.int32)
+    return dict(q=q, cache=cache, tables=tables, context_lens=context_lens, order=order, layers=layers,
+                kv_bytes=kv_bytes)
 
 
 def decode_fns(s, **cfg):
@@ -173,7 +176,8 @@ def decode_fns(s, **cfg):
     scale = HEAD_DIM ** -0.5
 
     def triton_step():
-        return [paged_decode_attention(q, cache[0, i], cache[1, i], tables, lens, scale, **cfg) for i in range(layers)]
+        return [paged_decode_attention(q, cache[0, i], cache[1, i], tables, lens, scale, seq_order=s["order"], **cfg)
+                for i in range(layers)]
 
     def torch_step():
         return [torch_decode(q, cache[0, i], cache[1, i], tables, lens, scale) for i in range(layers)]
@@ -185,10 +189,12 @@ def decode_cases():
     if SMOKE:
         return [("b1_ctx64", [64]), ("b4_ctx~40", [random.randint(30, 50) for _ in range(4)])]
     # Batch 32 over 8 KV heads is past the batch at which the default launch turns to one-warp
-    # programs, and still split (decode_attention.one_warp_programs).
+    # programs, and still split (decode_attention.one_warp_programs). Batch 256 over 100-2048 is
+    # bench_throughput's spread of contexts in one batch, where the longest-first order pays.
     return [("b1_ctx512", [512]), ("b1_ctx4096", [4096]),
             ("b32_ctx~2000", [random.randint(1500, 2500) for _ in range(32)]),
-            ("b256_ctx~600", [random.randint(550, 650) for _ in range(256)])]
+            ("b256_ctx~600", [random.randint(550, 650) for _ in range(256)]),
+            ("b256_ctx100-2048", [random.randint(100, 2048) for _ in range(256)])]
 
 
 def prefill_setup(context, queries, block_size):
