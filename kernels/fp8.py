@@ -369,6 +369,38 @@ def quantize_activations(x: torch.Tensor, group: int, *, pad_rows_to: int = 1,
     return q, scales
 
 
+@triton.jit
+def _sum_k_pieces_kernel(parts_ptr, out_ptr, numel, stride_piece, PIECES: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < numel
+    acc = tl.load(parts_ptr + i, mask=ok, other=0.0)
+    for piece in tl.static_range(1, PIECES):
+        acc += tl.load(parts_ptr + piece * stride_piece + i, mask=ok, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_k_pieces(parts: torch.Tensor, rows: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """parts [pieces, P, N] (float32, contiguous): one product's partial sums over pieces of K.
+    Returns their sum over the pieces, in piece order, for the first `rows` rows: [rows, N] in
+    dtype, rounded once."""
+    if parts.dim() != 3 or not parts.is_contiguous() or parts.dtype != torch.float32 or not 0 <= rows <= parts.shape[1]:
+        raise ValueError(f"sum_k_pieces takes contiguous float32 parts [pieces, P, N] and rows <= P; got "
+                         f"{parts.dtype} {tuple(parts.shape)}, rows {rows}")
+    pieces, padded, n = parts.shape
+    out = torch.empty(rows, n, dtype=dtype, device=parts.device)
+    numel = rows * n  # a piece's first rows rows lie first in it
+    if numel:
+        block = 1024
+        pdl_on = pdl.enabled(parts.device)
+        _sum_k_pieces_kernel[(triton.cdiv(numel, block),)](
+            parts, out, numel, padded * n, PIECES=pieces, BLOCK=block, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
+    return out
+
+
 def gemm_launch_config(M: int, N: int, scale_k: int, ieee: bool = False) -> tuple[int, int, int, int, int, int]:
     """(block_m, block_n, block_k, group_m, num_warps, num_stages), not yet swept (bench_kernels
     --sweep-moe-fp8 times candidates at 256 and 4096 rows): from 257 rows the tile of Triton's FP8

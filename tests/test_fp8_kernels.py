@@ -167,6 +167,36 @@ def test_engine_quantizer_writes_the_checkpoint_format(shape, block):
     assert ((back - w).abs() <= w.abs() / 16 + 2 ** -9 * scales.max()).all()
 
 
+@pytest.mark.parametrize("pieces, padded, rows, n", [(2, 8, 5, 96), (3, 4, 4, 1000), (4, 12, 9, 2048)])
+def test_sum_k_pieces_adds_the_pieces_in_order_and_rounds_once(pieces, padded, rows, n, poison):
+    """A product's float32 partials over pieces of K summed piece by piece for the real rows only
+    (the padding rows' partials are NaN here and must not reach the output), rounded to bf16 as the
+    interpreter rounds."""
+    parts = torch.randn(pieces, padded, n) * 10
+    parts[:, rows:] = float("nan")
+    with poison():
+        got = fp8.sum_k_pieces(parts, rows)
+    want = parts[0, :rows].clone()
+    for piece in range(1, pieces):
+        want += parts[piece, :rows]
+    assert got.dtype == BF16 and torch.equal(got, round_toward_zero(want, BF16))
+
+
+@pytest.mark.parametrize("sms", [78, 114, 132])
+def test_products_are_cut_into_pieces_cublas_takes(sms):
+    """Every cut leaves pieces cuBLAS multiplies rightly (K a multiple of 512) and long enough to
+    pay (1024), whose tiles fit in three quarters of the SMs; above 128 rows nothing is cut."""
+    from engine.layers.fp8 import pieces_for
+    for N in (1024, 2560, 4096, 5120, 6144, 10240, 24576):
+        for K in (1024, 3072, 4096, 8192, 9728, 12288, 25600):
+            for rows in (2, 16, 31, 32, 128):
+                pieces = pieces_for(rows, N, K, sms)
+                if pieces > 1:
+                    assert K % (512 * pieces) == 0 and K // pieces >= 1024 and 4 * N // 128 * pieces <= 3 * sms
+            assert pieces_for(129, N, K, sms) == 1
+    assert pieces_for(64, 4096, 12288, 132) == 3 and pieces_for(64, 24576, 4096, 132) == 1
+
+
 def test_bad_input_is_named():
     q, scales = weights(40, 64, (16, 32))
     x = torch.randn(2, 64)
@@ -184,6 +214,10 @@ def test_bad_input_is_named():
         fp8.fp8_gemv(x[:1], q, scales, (16, 32), kernel="one", unroll=3)
     with pytest.raises(ValueError, match="dot kernel takes no unroll"):
         fp8.fp8_gemv(x, q, scales, (16, 32), kernel="dot", unroll=2)
+    with pytest.raises(ValueError, match="rows <= P"):
+        fp8.sum_k_pieces(torch.zeros(2, 4, 8), 5)
+    with pytest.raises(ValueError, match="contiguous float32 parts"):
+        fp8.sum_k_pieces(torch.zeros(2, 4, 8, dtype=BF16), 4)
     with pytest.raises(ValueError, match="float8_e4m3fn weight"):
         fp8.fp8_gemm(x, q.float(), scales, (16, 32))
     with pytest.raises(TypeError, match="launch knobs"):

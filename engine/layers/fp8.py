@@ -10,6 +10,7 @@ A layer learns at construction whether its weights arrive in FP8: the runner bui
 inside `building(block)` when the checkpoint is FP8 and the weights stay so.
 """
 import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
@@ -141,13 +142,105 @@ def block_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale
     """x [M, K] (bf16) @ dequantized(weight).T through cuBLAS, as bf16: x is quantized per row and 128
     columns (kernels/fp8.py), its rows padded to a multiple of 4 and its scales laid out by column,
     the layout cuBLAS requires (unless it comes so, QuantizedRows); the padding rows' products are
-    cut off."""
+    cut off. Where k_pieces says so, the product runs in pieces of K side by side."""
     if not isinstance(x, QuantizedRows):
         from kernels.fp8 import quantize_activations  # start-up: Triton loads only where its kernels run
         x = QuantizedRows(*quantize_activations(x, **CUBLAS_ROWS), x.shape[0])
+    pieces = k_pieces(x.rows, *weight.shape, weight.device)
+    if pieces > 1:
+        return _product_in_k_pieces(x, weight, scale, pieces)
     out = F.scaled_mm(x.q, weight.t(), x.scales, F.ScalingType.BlockWise1x128,
                       scale.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
     return out[:x.rows]
+
+
+# The sizes k_pieces allows: a piece's K a multiple of 512 (cublas_takes says why) and at least 1024.
+_PIECE_K_STEP, _MIN_PIECE_K = 512, 1024
+
+
+def k_pieces(rows: int, N: int, K: int, device: torch.device) -> int:
+    """Into how many pieces of K block_scaled_mm cuts a product of `rows` rows on `device`
+    (pieces_for says when); 1: not cut."""
+    if device.type != "cuda":
+        return 1
+    return pieces_for(rows, N, K, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def pieces_for(rows: int, N: int, K: int, sms: int) -> int:
+    """Into how many pieces of K a product of `rows` rows and W [N, K] is cut on a GPU of `sms` SMs,
+    each piece multiplied by cuBLAS on its own stream at once and their float32 partials summed
+    (kernels.fp8.sum_k_pieces); 1: not cut.
+
+    From 32 to 128 rows cuBLAS took as long for a product as at 256 (4096 x 12288: 36 us at 32-224
+    rows, against 20 at 2-16), working on too few output tiles to fill the GPU; at 2-16 rows the
+    same for K up to 8192 (4096 x 4096: 14.2-15.1 us at every row count from 2 to 224). There,
+    pieces ran 1.1-1.8x faster: 4096 x 12288 in 3 pieces 20-22 us at 32-128 rows, 4096 x 4096 in 2
+    12.1-12.8 at 2-96, 5120 x 25600 in 2 43-44 against 70 at 32-96. Above 128 rows, and where the
+    pieces' tiles (one per 128 columns of N each) would more than fill three quarters of the SMs,
+    pieces ran slower (0.7-0.9x), so those stay whole, as do pieces shorter than 1024 (H200, CUDA
+    13.0, benchmarks/HISTORY.md, 2026-11-28, 12:22)."""
+    if rows > 128 or (rows < 32 and K > 8192):
+        return 1
+    best = 1
+    for pieces in range(2, K // _MIN_PIECE_K + 1):
+        if K % (pieces * _PIECE_K_STEP) == 0 and 4 * cdiv(N, 128) * pieces <= 3 * sms:
+            best = pieces
+    return best
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_side_streams: dict[int, list[torch.cuda.Stream]] = {}
+
+
+def _streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    streams = _side_streams.setdefault(index, [])
+    while len(streams) < count:
+        streams.append(torch.cuda.Stream(index))
+    return streams[:count]
+
+
+def _piece_scales(scale: torch.Tensor, pieces: int) -> list[torch.Tensor]:
+    """W's scales for each piece of K, each contiguous ([N/128, K/128/pieces]): cuBLAS refuses a
+    slice of the whole. Kept on the scale tensor, which a layer loads once, before any product."""
+    kept = getattr(scale, "_nvchat_k_pieces", None)
+    if kept is None or len(kept) != pieces:
+        kept = [part.contiguous() for part in scale.chunk(pieces, dim=1)]
+        scale._nvchat_k_pieces = kept
+    return kept
+
+
+def _product_in_k_pieces(x: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor, pieces: int) -> torch.Tensor:
+    """block_scaled_mm's product as `pieces` cuBLAS products over pieces of K, the first on the
+    current stream and the others each on a stream of its own, joined before their float32
+    partials are summed. Everything the pieces read or write was allocated on the current stream,
+    which waits for them before its next kernel, so no buffer goes back to the allocator while a
+    piece may still use it; a CUDA graph captures the fork and the join."""
+    from kernels.fp8 import sum_k_pieces  # start-up: Triton loads only where its kernels run
+    N, K = weight.shape
+    width = K // pieces
+    groups = width // _CUBLAS_BLOCK[1]
+    parts = torch.empty(pieces, x.q.shape[0], N, dtype=torch.float32, device=weight.device)
+    scales = _piece_scales(scale, pieces)
+    current = torch.cuda.current_stream(weight.device)
+    side = _streams(weight.device, pieces - 1)
+    for piece, stream in reversed(list(enumerate([current, *side]))):  # the side streams first
+        if stream is not current:
+            stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            columns = slice(piece * width, (piece + 1) * width)
+            torch.ops.aten._scaled_mm_v2.out(
+                x.q[:, columns], weight[:, columns].t(), [x.scales[:, piece * groups:(piece + 1) * groups]],
+                [F.ScalingType.BlockWise1x128.value], [], [scales[piece].t()], [F.ScalingType.BlockWise128x128.value],
+                [], None, torch.float32, [], False, out=parts[piece])
+    for stream in side:
+        current.wait_stream(stream)
+    return sum_k_pieces(parts, x.rows)
 
 
 def is_fp8(loaded) -> bool:

@@ -273,6 +273,30 @@ def test_fp8_linear_runs_cublas_beyond_one_row(M, N, K, poison):
     assert_close(y, _w8a8_reference(x, q, scales, (128, 128)), BF16)
 
 
+@needs_cublas_blocks
+@pytest.mark.parametrize("M, N, K", [(2, 4096, 4096), (13, 6144, 4096), (32, 4096, 12288), (100, 4096, 12288),
+                                     (128, 2560, 4096), (64, 1024, 3072)])
+def test_fp8_products_in_pieces_of_k_give_the_whole_products(M, N, K, poison, monkeypatch):
+    """block_scaled_mm's pieces of K, on streams of their own, summed: within one bf16 rounding of
+    the product cuBLAS makes whole, eagerly and replayed from a CUDA graph (fork and join
+    captured), and near the W8A8 reference."""
+    device = torch.device("cuda")
+    assert fp8_layer.k_pieces(M, N, K, device) > 1
+    q, scales = fp8_blocks(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
+    x = torch.randn(M, K, device="cuda").to(BF16)
+    with poison():
+        pieces = fp8_layer.linear(x, q, scales, (128, 128))
+    graph, out = capture(lambda: fp8_layer.linear(x, q, scales, (128, 128)))
+    x.copy_(torch.randn(M, K, device="cuda"))
+    graph.replay()
+    assert torch.equal(out, fp8_layer.linear(x, q, scales, (128, 128)))
+    monkeypatch.setattr(fp8_layer, "pieces_for", lambda *shape: 1)
+    whole = fp8_layer.linear(x, q, scales, (128, 128))
+    assert not out.isnan().any() and not pieces.isnan().any()
+    assert ((out.float() - whole.float()).abs() <= whole.float().abs() / 128 + 1e-6).all()
+    assert_close(out, _w8a8_reference(x, q, scales, (128, 128)), BF16)
+
+
 @needs_fp8
 @pytest.mark.parametrize("N, K", [(4096, 768), (1536, 1664), (1000, 4096)])
 def test_fp8_linear_keeps_what_cublas_multiplies_wrongly_on_triton(N, K, poison):
