@@ -11,6 +11,7 @@ inside `building(block)` when the checkpoint is FP8 and the weights stay so.
 """
 import contextlib
 import functools
+import threading
 from typing import NamedTuple
 
 import torch
@@ -173,13 +174,15 @@ def pieces_for(rows: int, N: int, K: int, sms: int) -> int:
     (kernels.fp8.sum_k_pieces); 1: not cut.
 
     From 32 to 128 rows cuBLAS took as long for a product as at 256 (4096 x 12288: 36 us at 32-224
-    rows, against 20 at 2-16), working on too few output tiles to fill the GPU; at 2-16 rows the
+    rows, against 20-23 at 2-16), working on too few output tiles to fill the GPU; at 2-16 rows the
     same for K up to 8192 (4096 x 4096: 14.2-15.1 us at every row count from 2 to 224). There,
-    pieces ran 1.1-1.8x faster: 4096 x 12288 in 3 pieces 20-22 us at 32-128 rows, 4096 x 4096 in 2
-    12.1-12.8 at 2-96, 5120 x 25600 in 2 43-44 against 70 at 32-96. Above 128 rows, and where the
-    pieces' tiles (one per 128 columns of N each) would more than fill three quarters of the SMs,
-    pieces ran slower (0.7-0.9x), so those stay whole, as do pieces shorter than 1024 (H200, CUDA
-    13.0, benchmarks/HISTORY.md, 2026-11-28, 12:22)."""
+    pieces ran up to 1.8x faster: 4096 x 12288 in 3 pieces 20-23 us at 32-128 rows, 4096 x 4096 in
+    2 12.1-13.0 at 2-128, 5120 x 25600 in 2 43-44 against 70 at 32-96, 6144 x 4096 in 2 only
+    1.05-1.10x, 5120 x 8192 at 2 rows 1.01x. Above 128 rows Qwen3-8B's and Qwen3-32B's products
+    ran slower in pieces (0.67-0.89x; down in 3 was 0.75x at 256 rows), as did pieces whose tiles
+    (one per 128 columns of N each) would more than fill three quarters of the SMs, so those stay
+    whole, as do pieces shorter than 1024 (H200, CUDA 13.0, benchmarks/HISTORY.md, 2026-11-28,
+    12:22)."""
     if rows > 128 or (rows < 32 and K > 8192):
         return 1
     best = 1
@@ -194,12 +197,14 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-_side_streams: dict[int, list[torch.cuda.Stream]] = {}
+_side_streams: dict[tuple[int, int], list[torch.cuda.Stream]] = {}
 
 
 def _streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
+    """Side streams of this thread on `device`: an engine's thread forks onto streams no other
+    thread uses, so one engine capturing a CUDA graph never pulls another's work into it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    streams = _side_streams.setdefault(index, [])
+    streams = _side_streams.setdefault((index, threading.get_ident()), [])
     while len(streams) < count:
         streams.append(torch.cuda.Stream(index))
     return streams[:count]
