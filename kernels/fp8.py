@@ -15,6 +15,8 @@ dequantized to memory:
   checkpoints: twice bf16's tensor-core rate on Hopper. With float32 x, W's tiles are converted
   to float32 and multiplied exactly (input_precision="ieee"): what the tests compare to HF's
   float32 model.
+- sum_k_pieces: the float32 partials of one product cut into pieces of K (engine/layers/fp8.py
+  runs the pieces through cuBLAS side by side) summed and rounded once.
 
 Each scale multiplies a run of columns inside one scale block (the GEMM's K tile divides scale_k;
 the GEMV's tile is GROUPS such runs), so a run needs one scale per weight row. Shapes need not be

@@ -3,7 +3,8 @@ its weight in e4m3 (torch.float8_e4m3fn) with a float32 scale per [block_n, bloc
 weight ~= q * scale[n // block_n, k // block_k] (the checkpoints' `weight_scale_inv`). The
 products never dequantize the weight to memory, so a decode step reads half of bf16's bytes: one
 row runs kernels/fp8.py's GEMV, more rows cuBLAS's block-scaled FP8 product where it takes the
-shapes (linear()), and kernels/fp8.py's GEMV and GEMM the rest. On CPU such a checkpoint is
+shapes (linear(); at 2-128 rows cut into pieces of K side by side where cuBLAS alone would leave
+SMs idle, pieces_for), and kernels/fp8.py's GEMV and GEMM the rest. On CPU such a checkpoint is
 dequantized at load time instead (engine/checkpoints/quantization.py).
 
 A layer learns at construction whether its weights arrive in FP8: the runner builds the model
