@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.layers.activation import SiluAndMul  # noqa: E402
 from engine.layers import fp8 as fp8_layer  # noqa: E402
 from engine.layers.fp8 import quantize_blocks  # noqa: E402
+from engine.layers.paged_attention_torch import store_kv_in_graph as torch_store_kv_in_graph  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from engine.options import KV_CACHE_DTYPES  # noqa: E402
@@ -251,10 +252,8 @@ def fused_cases():
         def unfused(qkv=qkv, cache=cache, slots=slots, pos=pos):
             q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
             q, k = rope(pos, q_norm(q.reshape(-1, HEADS, HEAD_DIM)), k_norm(k.reshape(-1, KV_HEADS, HEAD_DIM)))
-            # Every slot here is real, so the store is store_kv's scatter without its mask of skipped
-            # slots, whose boolean indexing waits for the GPU and cannot be captured in a CUDA graph.
-            cache[0].view(-1, KV_HEADS, HEAD_DIM).index_copy_(0, slots, k.to(DTYPE))
-            cache[1].view(-1, KV_HEADS, HEAD_DIM).index_copy_(0, slots, v.reshape(-1, KV_HEADS, HEAD_DIM))
+            # The torch backend's store in a CUDA graph: store_kv's boolean mask waits for the GPU.
+            torch_store_kv_in_graph(k, v.reshape(-1, KV_HEADS, HEAD_DIM), cache[0], cache[1], slots)
 
         yield ("q/k norm+rope+kv store", f"tokens={t}",
                lambda qkv=qkv, cache=cache, slots=slots, pos=pos: norm_rope_store(

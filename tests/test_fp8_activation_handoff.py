@@ -4,7 +4,9 @@ with the quantizing RMSNorm and SiLU-mul kernels against the same layers with th
 CPU through Triton's interpreter (where both sum in one order, so the results are equal bit for
 bit). cuBLAS's block-scaled FP8 product does not run on CPU: its stand-in dequantizes both operands
 and multiplies in float32, after checking the layout cuBLAS requires (rows a multiple of 4, the
-activations' scales laid out by column)."""
+activations' scales laid out by column). The same stand-in checks how a product cut into pieces
+of K (fp8._product_in_k_pieces) hands each piece its columns and scales."""
+import contextlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -89,3 +91,35 @@ def test_one_row_and_summing_norms_keep_the_plain_path(cpu_cublas):
     assert not gate_up.takes_quantized_rows(x[:1])
     norm.reduce_slot = 0
     assert not norm.quantizes(x, x)
+
+
+class _Stream:
+    """Stands in for a CUDA stream on CPU, where everything runs in order."""
+
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.mark.parametrize("rows, n, k, pieces", [(5, 256, 2048, 2), (8, 200, 3072, 3), (3, 128, 4096, 4)])
+def test_a_product_in_pieces_of_k_is_the_whole_product(monkeypatch, rows, n, k, pieces):
+    """fp8._product_in_k_pieces on CPU: each piece takes its own columns of the activations, their
+    scales' groups and W's piece of scales (the stand-in checks cuBLAS's layout and shapes), and the
+    float32 partials summed are the whole product rounded once."""
+    def piece_product(q, weight_t, x_scales, x_recipe, x_swizzle, w_scales, w_recipe, w_swizzle, bias, dtype,
+                      contraction, fast_accum, *, out):
+        assert len(x_scales) == len(w_scales) == 1 and dtype == torch.float32
+        assert w_scales[0].shape == (k // 128 // pieces, -(-n // 128)) and q.shape[1] == k // pieces
+        return out.copy_(_block_scaled_product(q, weight_t, x_scales[0], None, w_scales[0], None, dtype))
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_mm_v2", type("Op", (), {"out": staticmethod(piece_product)}))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(fp8, "_streams", lambda device, count: [_Stream() for _ in range(count)])
+    q, scale = fp8.quantize_blocks(torch.randn(n, k) / k ** 0.5)
+    from kernels.fp8 import quantize_activations
+    x = fp8.QuantizedRows(*quantize_activations(torch.randn(rows, k).to(BF16), **fp8.CUBLAS_ROWS), rows)
+    got = fp8._product_in_k_pieces(x, q, scale, pieces)
+    whole = _block_scaled_product(x.q, q.t(), x.scales, None, scale.t(), None, torch.float32)[:rows]
+    assert got.shape == (rows, n) and got.dtype == BF16
+    # One rounding of float32 sums taken in another order: within a bf16 step of the whole.
+    assert ((got.float() - whole).abs() <= whole.abs() / 128 + 1e-6).all()

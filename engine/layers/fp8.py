@@ -12,7 +12,6 @@ inside `building(block)` when the checkpoint is FP8 and the weights stay so.
 """
 import contextlib
 import functools
-import threading
 from typing import NamedTuple
 
 import torch
@@ -121,7 +120,7 @@ _cublas_devices: dict[int, bool] = {}
 
 def cublas_block_scaling(device: torch.device) -> bool:
     """Whether this CUDA device runs cuBLAS's block-scaled FP8 product."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index not in _cublas_devices:
         cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
         _cublas_devices[index] = (torch.cuda.get_device_capability(index) == (9, 0) and cuda >= (12, 9)
@@ -156,8 +155,13 @@ def block_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale
     return out[:x.rows]
 
 
-# The sizes k_pieces allows: a piece's K a multiple of 512 (cublas_takes says why) and at least 1024.
-_PIECE_K_STEP, _MIN_PIECE_K = 512, 1024
+# The pieces k_pieces allows: K a multiple of 512 each (cublas_takes says why), at least 1024, and
+# at most 4 of them (the most measured).
+_PIECE_K_STEP, _MIN_PIECE_K, _MAX_PIECES = 512, 1024, 4
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def k_pieces(rows: int, N: int, K: int, device: torch.device) -> int:
@@ -165,29 +169,31 @@ def k_pieces(rows: int, N: int, K: int, device: torch.device) -> int:
     (pieces_for says when); 1: not cut."""
     if device.type != "cuda":
         return 1
-    return pieces_for(rows, N, K, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+    return pieces_for(rows, N, K, _sm_count(_index(device)))
 
 
 @functools.cache
 def pieces_for(rows: int, N: int, K: int, sms: int) -> int:
     """Into how many pieces of K a product of `rows` rows and W [N, K] is cut on a GPU of `sms` SMs,
-    each piece multiplied by cuBLAS on its own stream at once and their float32 partials summed
-    (kernels.fp8.sum_k_pieces); 1: not cut.
+    each piece multiplied by cuBLAS on a stream of its own at once and their float32 partials
+    summed (kernels.fp8.sum_k_pieces); 1: not cut.
 
     From 32 to 128 rows cuBLAS took as long for a product as at 256 (4096 x 12288: 36 us at 32-224
     rows, against 20-23 at 2-16), working on too few output tiles to fill the GPU; at 2-16 rows the
     same for K up to 8192 (4096 x 4096: 14.2-15.1 us at every row count from 2 to 224). There,
-    pieces ran up to 1.8x faster: 4096 x 12288 in 3 pieces 20-23 us at 32-128 rows, 4096 x 4096 in
-    2 12.1-13.0 at 2-128, 5120 x 25600 in 2 43-44 against 70 at 32-96, 6144 x 4096 in 2 only
-    1.05-1.10x, 5120 x 8192 at 2 rows 1.01x. Above 128 rows Qwen3-8B's and Qwen3-32B's products
-    ran slower in pieces (0.67-0.89x; down in 3 was 0.75x at 256 rows), as did pieces whose tiles
-    (one per 128 columns of N each) would more than fill three quarters of the SMs, so those stay
-    whole, as do pieces shorter than 1024 (H200, CUDA 13.0, benchmarks/HISTORY.md, 2026-11-28,
-    12:22)."""
+    pieces ran up to 1.8x faster: 4096 x 12288 in 3 pieces 20.1-22.9 us at 32-128 rows, 4096 x 4096
+    in 2 12.1-13.0 at 2-128, 5120 x 25600 in 2 42.6-44.1 against 70 at 32-96, 2560 x 4096 in 4
+    1.27-1.35x; 6144 x 4096 in 2 only 1.04-1.11x, 5120 x 8192 at 2 rows 1.01x. Above 128 rows
+    Qwen3-8B's and Qwen3-32B's products ran slower in pieces (0.49-0.89x), but for Qwen3-8B's down
+    in 3, 1.04-1.09x faster at 136-224 rows and 0.75x at 256, so every product above 128 rows stays
+    whole. Pieces whose tiles (one per 128 columns of N each) would more than fill three quarters
+    of the SMs ran slower (0.68-0.92x), and pieces of 512 gained less or lost (1024 x 3072 in 6
+    0.82-1.20x against 1.21-1.26x in 3, 4096 x 4096 in 8 0.64-0.70x) (H200, CUDA 13.0,
+    benchmarks/HISTORY.md, 2026-11-28, 12:22)."""
     if rows > 128 or (rows < 32 and K > 8192):
         return 1
     best = 1
-    for pieces in range(2, K // _MIN_PIECE_K + 1):
+    for pieces in range(2, min(K // _MIN_PIECE_K, _MAX_PIECES) + 1):
         if K % (pieces * _PIECE_K_STEP) == 0 and 4 * cdiv(N, 128) * pieces <= 3 * sms:
             best = pieces
     return best
@@ -198,35 +204,36 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-_side_streams: dict[tuple[int, int], list[torch.cuda.Stream]] = {}
+_side_streams: dict[int, list[torch.cuda.Stream]] = {}
 
 
 def _streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
-    """Side streams of this thread on `device`: an engine's thread forks onto streams no other
-    thread uses, so one engine capturing a CUDA graph never pulls another's work into it."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    streams = _side_streams.setdefault((index, threading.get_ident()), [])
+    """Side streams for the pieces on `device`, drawn once from torch's stream pool, which hands
+    the same streams to other users too: work of theirs queued on one only makes a piece wait."""
+    streams = _side_streams.setdefault(_index(device), [])
     while len(streams) < count:
-        streams.append(torch.cuda.Stream(index))
+        streams.append(torch.cuda.Stream(device))
     return streams[:count]
 
 
 def _piece_scales(scale: torch.Tensor, pieces: int) -> list[torch.Tensor]:
     """W's scales for each piece of K, each contiguous ([N/128, K/128/pieces]): cuBLAS refuses a
-    slice of the whole. Kept on the scale tensor, which a layer loads once, before any product."""
+    slice of the whole. Kept on the scale tensor for the life of the layer (a layer loads its scales
+    once, before its first product), so no stream ever reads copies that were freed."""
     kept = getattr(scale, "_nvchat_k_pieces", None)
-    if kept is None or len(kept) != pieces:
-        kept = [part.contiguous() for part in scale.chunk(pieces, dim=1)]
-        scale._nvchat_k_pieces = kept
-    return kept
+    if kept is None:
+        kept = scale._nvchat_k_pieces = {}
+    if pieces not in kept:
+        kept[pieces] = [part.contiguous() for part in scale.chunk(pieces, dim=1)]
+    return kept[pieces]
 
 
 def _product_in_k_pieces(x: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor, pieces: int) -> torch.Tensor:
     """block_scaled_mm's product as `pieces` cuBLAS products over pieces of K, the first on the
-    current stream and the others each on a stream of its own, joined before their float32
-    partials are summed. Everything the pieces read or write was allocated on the current stream,
-    which waits for them before its next kernel, so no buffer goes back to the allocator while a
-    piece may still use it; a CUDA graph captures the fork and the join."""
+    current stream and the others each on a side stream, joined before their float32 partials are
+    summed. The partials and x were allocated on the current stream, which waits for the pieces
+    before its next kernel, so none of them goes back to the allocator while a piece may still use
+    it (W's piece scales are never freed); a CUDA graph captures the fork and the join."""
     from kernels.fp8 import sum_k_pieces  # start-up: Triton loads only where its kernels run
     N, K = weight.shape
     width = K // pieces
@@ -240,6 +247,8 @@ def _product_in_k_pieces(x: QuantizedRows, weight: torch.Tensor, scale: torch.Te
             stream.wait_stream(current)
         with torch.cuda.stream(stream):
             columns = slice(piece * width, (piece + 1) * width)
+            # The op behind F.scaled_mm, for its out= form: each piece writes its own slice of
+            # `parts` rather than allocating on a side stream.
             torch.ops.aten._scaled_mm_v2.out(
                 x.q[:, columns], weight[:, columns].t(), [x.scales[:, piece * groups:(piece + 1) * groups]],
                 [F.ScalingType.BlockWise1x128.value], [], [scales[piece].t()], [F.ScalingType.BlockWise128x128.value],
