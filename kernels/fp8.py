@@ -15,6 +15,9 @@ dequantized to memory:
   checkpoints: twice bf16's tensor-core rate on Hopper. With float32 x, W's tiles are converted
   to float32 and multiplied exactly (input_precision="ieee"): what the tests compare to HF's
   float32 model.
+- w8a8_gemv, 1-32 rows already quantized as fp8_gemm quantizes them: W and x both e4m3 on the
+  tensor cores, W's rows the MMA's long side. At those rows it streams a wide W (gate and up)
+  faster than cuBLAS's block-scaled product (engine/layers/fp8.py's block_scaled_mm says where).
 - sum_k_pieces: the float32 partials of one product cut into pieces of K (engine/layers/fp8.py
   runs the pieces through cuBLAS side by side) summed and rounded once.
 
@@ -37,6 +40,7 @@ from kernels import pdl
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value; torch turns anything beyond it into NaN
 MAX_GEMV_ROWS = 8
+W8A8_GEMV_ROWS = 32
 _GEMV_KNOBS = ("kernel", "block_n", "block_k", "num_warps", "num_stages", "unroll")
 _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 _GEMM_KNOBS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
@@ -109,6 +113,39 @@ def _fp8_gemv_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w
             else:
                 part = tl.dot(w.to(xt.dtype), xt)
             acc += part * scale[:, None]
+    tl.store(y_ptr + r[None, :] * stride_y + n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _w8a8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xq, stride_xs_row, stride_xs_group,
+                      stride_w, stride_ws, stride_y, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
+    # y.T = W @ x.T with both in e4m3 on the tensor cores: W's rows are the MMA's long side, x's rows
+    # (padded to ROWS, at least the 16 an MMA takes) its short one, so nothing is widened. Each K
+    # step is one scale block of both; its fp32 product is scaled by W's block scale (one a program:
+    # BLOCK_N divides SCALE_N) times each x row's. GROUPS blocks a loop step keep more of W in flight.
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, SCALE_K)
+    n_ok, r_ok = n < N, r < M
+    w_at = w_ptr + n[:, None].to(tl.int64) * stride_w + c[None, :]
+    x_at = xq_ptr + r[:, None] * stride_xq + c[None, :]
+    xs_at = xs_ptr + r * stride_xs_row
+    ws_at = ws_ptr + (pid * BLOCK_N // SCALE_N) * stride_ws
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    for k0 in range(0, K, GROUPS * SCALE_K):
+        for g in tl.static_range(GROUPS):
+            kg = k0 + g * SCALE_K
+            w = tl.load(w_at + kg, mask=n_ok[:, None], other=0.0)
+            xq = tl.load(x_at + kg, mask=r_ok[:, None], other=0.0)
+            x_scale = tl.load(xs_at + (kg // SCALE_K) * stride_xs_group, mask=r_ok, other=0.0)
+            w_scale = tl.load(ws_at + kg // SCALE_K)
+            acc += tl.dot(w, tl.trans(xq)) * (x_scale * w_scale)[None, :]
     tl.store(y_ptr + r[None, :] * stride_y + n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=n_ok[:, None] & r_ok[None, :])
 
@@ -347,6 +384,39 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
             ROWS=_DOT_ROWS, BLOCK_N=block_n, IEEE=x.dtype == torch.float32, **common)
     else:
         raise ValueError(f"unknown fp8_gemv kernel {kernel!r}")
+    return out
+
+
+def w8a8_gemv(q: torch.Tensor, scales: torch.Tensor, rows: int, weight: torch.Tensor, scale: torch.Tensor,
+              scale_block: tuple[int, int], *, block_n: int = 64, num_warps: int = 2, num_stages: int = 3,
+              groups: int = 2) -> torch.Tensor:
+    """The first `rows` (1 to W8A8_GEMV_ROWS) of activations quantized as quantize_activations
+    writes them (q e4m3 [P, K], float32 scales [P, K / scale_k] in either layout, groups of scale_k
+    columns) @ dequantized(weight).T, as bf16 [rows, N]: both sides e4m3 on the tensor cores, W
+    streamed once. K must be a multiple of scale_k. The launch defaults are the best mean of a
+    sweep over Qwen3-8B's projections at 8 rows (H200, benchmarks/HISTORY.md, 2026-11-28, 13:49)."""
+    _check(q, weight, scale, scale_block, "w8a8_gemv")
+    N, K = weight.shape
+    scale_n, scale_k = scale_block
+    P = q.shape[0]
+    if q.dtype != FP8 or not 1 <= rows <= min(P, W8A8_GEMV_ROWS) or K % scale_k \
+            or scales.shape != (P, K // scale_k) or scales.dtype != torch.float32:
+        raise ValueError(f"w8a8_gemv takes 1 to {W8A8_GEMV_ROWS} rows of {FP8} activations with float32 scales "
+                         f"[P, K / {scale_k}], K a multiple of {scale_k}; got {rows} of {tuple(q.shape)} {q.dtype}, "
+                         f"scales {tuple(scales.shape)} {scales.dtype}")
+    if block_n < 16 or scale_n % block_n or scale_k < 32:
+        raise ValueError(f"w8a8_gemv's block_n must divide the scale blocks' {scale_n} rows (at least 16, an "
+                         f"MMA's side) and their K side be at least 32; got block_n {block_n}, blocks "
+                         f"{tuple(scale_block)}")
+    if K % (groups * scale_k):
+        groups = 1
+    out = torch.empty(rows, N, dtype=torch.bfloat16, device=q.device)
+    pdl_on = pdl.enabled(q.device)
+    _w8a8_gemv_kernel[(triton.cdiv(N, block_n),)](
+        q, scales, weight, scale, out, rows, N, K, q.stride(0), scales.stride(0), scales.stride(1), weight.stride(0),
+        scale.stride(0), out.stride(0), ROWS=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, GROUPS=groups,
+        SCALE_N=scale_n, SCALE_K=scale_k, PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl_on)
     return out
 
 

@@ -1,5 +1,5 @@
 """kernels/fp8.py against the torch reference, on CPU through Triton's interpreter: the FP8 GEMV
-(1-8 rows), the activations' quantization, and the FP8 GEMM with activations quantized (W8A8) or
+(1-8 rows), the activations' quantization, the W8A8 GEMV of 1-32 quantized rows, and the FP8 GEMM with activations quantized (W8A8) or
 not (float32, exact), on shapes whose edge blocks are partial; and engine/layers/fp8.py's
 quantizer against the checkpoint format's definition.
 
@@ -182,6 +182,26 @@ def test_sum_k_pieces_adds_the_pieces_in_order_and_rounds_once(pieces, padded, r
     assert got.dtype == BF16 and torch.equal(got, round_toward_zero(want, BF16))
 
 
+@pytest.mark.parametrize("rows, padded, N, K", [(1, 4, 96, 256), (5, 8, 130, 384), (17, 20, 64, 256), (32, 32, 200, 128)])
+def test_w8a8_gemv_matches_the_quantized_reference(rows, padded, N, K, poison):
+    """Rows quantized as block_scaled_mm hands them over (padded to a multiple of 4, scales laid out
+    by column) against W in 128 x 128 blocks, the last block of rows partial and K in one or two
+    blocks a loop step: the product of both dequantized, rounded once to bf16 (within its last
+    bit: the sums run in another order). The padding rows are NaN here and must not reach the output."""
+    block = (128, 128)
+    q, scales = weights(N, K, block)
+    xq, xs = fp8.quantize_activations(torch.randn(rows, K), 128, pad_rows_to=4, scales_by_column=True)
+    xq, xs = torch.cat([xq, xq[:1].expand(padded - xq.shape[0], K)]), torch.cat([xs, xs[:1].expand(padded - xs.shape[0], -1)])
+    xq[rows:] = float("nan")
+    xs[rows:] = float("nan")
+    with poison():
+        y = fp8.w8a8_gemv(xq, xs, rows, q, scales, block)
+    want = (xq[:rows].float() * xs[:rows].repeat_interleave(128, 1)) @ fp8_dequantized(q, scales, block).T
+    assert y.dtype == BF16 and y.shape == (rows, N) and not y.isnan().any()
+    torch.testing.assert_close(y.float(), round_toward_zero(want, BF16).float(), rtol=2 ** -7,
+                               atol=1e-3 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("rows, N, K, pieces", [
     (64, 4096, 12288, 3), (32, 4096, 12288, 3), (16, 4096, 12288, 1), (2, 4096, 12288, 1),  # down
     (2, 4096, 4096, 2), (128, 4096, 4096, 2), (129, 4096, 4096, 1), (256, 4096, 12288, 1),  # o_proj
@@ -215,6 +235,12 @@ def test_bad_input_is_named():
         fp8.fp8_gemv(x[:1], q, scales, (16, 32), kernel="one", unroll=3)
     with pytest.raises(ValueError, match="dot kernel takes no unroll"):
         fp8.fp8_gemv(x, q, scales, (16, 32), kernel="dot", unroll=2)
+    xq, xs = fp8.quantize_activations(torch.randn(4, 128), 128)
+    w8, w8_scales = weights(64, 128, (128, 128))
+    with pytest.raises(ValueError, match="1 to 32 rows"):
+        fp8.w8a8_gemv(xq, xs, 5, w8, w8_scales, (128, 128))
+    with pytest.raises(ValueError, match="block_n must divide"):
+        fp8.w8a8_gemv(xq, xs, 4, w8, w8_scales, (128, 128), block_n=48)
     with pytest.raises(ValueError, match="rows <= P"):
         fp8.sum_k_pieces(torch.zeros(2, 4, 8), 5)
     with pytest.raises(ValueError, match="contiguous float32 parts"):

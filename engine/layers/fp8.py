@@ -143,10 +143,14 @@ def block_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale
     """x [M, K] (bf16) @ dequantized(weight).T through cuBLAS, as bf16: x is quantized per row and 128
     columns (kernels/fp8.py), its rows padded to a multiple of 4 and its scales laid out by column,
     the layout cuBLAS requires (unless it comes so, QuantizedRows); the padding rows' products are
-    cut off. Where k_pieces says so, the product runs in pieces of K side by side."""
+    cut off. Where k_pieces says so, the product runs in pieces of K side by side; a few rows against
+    a wide W go to kernels/fp8.py's w8a8_gemv instead."""
     if not isinstance(x, QuantizedRows):
         from kernels.fp8 import quantize_activations  # start-up: Triton loads only where its kernels run
         x = QuantizedRows(*quantize_activations(x, **CUBLAS_ROWS), x.shape[0])
+    if x.rows <= _W8A8_ROWS and weight.shape[0] >= _W8A8_MIN_N:
+        from kernels.fp8 import w8a8_gemv  # start-up: Triton loads only where its kernels run
+        return w8a8_gemv(x.q, x.scales, x.rows, weight, scale, _CUBLAS_BLOCK)
     pieces = k_pieces(x.rows, *weight.shape, weight.device)
     if pieces > 1:
         return _product_in_k_pieces(x, weight, scale, pieces)
@@ -154,6 +158,12 @@ def block_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale
                       scale.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
     return out[:x.rows]
 
+
+# Up to 32 rows, a W of at least 16,384 rows (gate and up) streams faster through kernels/fp8.py's
+# w8a8_gemv than through cuBLAS: at 24576 x 4096, 26.7-30.2 us against 31.8-33.7 at 2-32 rows, and
+# 59 against 34 at 64; narrower W (4096-6144 rows) stayed faster in cuBLAS (H200,
+# benchmarks/HISTORY.md, 2026-11-28, 13:49).
+_W8A8_ROWS, _W8A8_MIN_N = 32, 16384
 
 # The pieces k_pieces allows: K a multiple of 512 each (cublas_takes says why), at least 1024, and
 # at most 4 of them (the most measured).

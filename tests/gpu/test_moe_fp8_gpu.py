@@ -298,6 +298,30 @@ def test_fp8_products_in_pieces_of_k_give_the_whole_products(M, N, K, poison, mo
 
 
 @needs_fp8
+@pytest.mark.parametrize("M", [1, 2, 7, 16, 31, 32])
+@pytest.mark.parametrize("N, K", [(24576, 4096), (16400, 1024)])
+def test_w8a8_gemv_matches_the_reference_and_replays(M, N, K, poison):
+    """kernels/fp8.py's W8A8 GEMV at gate/up's shape and at one whose last tile of W's rows is
+    partial: against the W8A8 reference, the padding rows NaN and kept out, and replayed from a
+    CUDA graph on new rows. block_scaled_mm sends such products of 2-32 rows there."""
+    q, scales = fp8_blocks(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
+    x = torch.randn(M, K, device="cuda").to(BF16)
+    xq, xs = fp8.quantize_activations(x, **fp8_layer.CUBLAS_ROWS)
+    xq[M:] = float("nan")
+    xs[M:] = float("nan")
+    with poison():
+        y = fp8.w8a8_gemv(xq, xs, M, q, scales, (128, 128))
+    assert_close(y, _w8a8_reference(x, q, scales, (128, 128)), BF16)
+    if M > 1:
+        assert torch.equal(fp8_layer.linear(fp8_layer.QuantizedRows(xq, xs, M), q, scales, (128, 128)), y)
+    graph, out = capture(lambda: fp8.w8a8_gemv(xq, xs, M, q, scales, (128, 128)))
+    x2 = torch.randn(M, K, device="cuda").to(BF16)
+    xq[:M], xs[:M] = fp8.quantize_activations(x2, 128)
+    graph.replay()
+    assert_close(out, _w8a8_reference(x2, q, scales, (128, 128)), BF16)
+
+
+@needs_fp8
 @pytest.mark.parametrize("N, K", [(4096, 768), (1536, 1664), (1000, 4096)])
 def test_fp8_linear_keeps_what_cublas_multiplies_wrongly_on_triton(N, K, poison):
     """K not a multiple of 512 (cuBLAS answered 15-56% off there) and N not a multiple of 16."""
