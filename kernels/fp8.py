@@ -24,7 +24,7 @@ dequantized to memory:
 Each scale multiplies a run of columns inside one scale block (the GEMM's K tile divides scale_k;
 the GEMV's tile is GROUPS such runs), so a run needs one scale per weight row. Shapes need not be
 multiples of the blocks: the last block of a row or column may be partial (the checkpoint's scale
-grid is the ceiling of the shape over the block).
+grid is the ceiling of the shape over the block), except along K in w8a8_gemv.
 """
 from __future__ import annotations
 
@@ -401,13 +401,13 @@ def w8a8_gemv(q: torch.Tensor, scales: torch.Tensor, rows: int, weight: torch.Te
     P = q.shape[0]
     if q.dtype != FP8 or not 1 <= rows <= min(P, W8A8_GEMV_ROWS) or K % scale_k \
             or scales.shape != (P, K // scale_k) or scales.dtype != torch.float32:
-        raise ValueError(f"w8a8_gemv takes 1 to {W8A8_GEMV_ROWS} rows of {FP8} activations with float32 scales "
-                         f"[P, K / {scale_k}], K a multiple of {scale_k}; got {rows} of {tuple(q.shape)} {q.dtype}, "
-                         f"scales {tuple(scales.shape)} {scales.dtype}")
-    if block_n < 16 or scale_n % block_n or scale_k < 32:
-        raise ValueError(f"w8a8_gemv's block_n must divide the scale blocks' {scale_n} rows (at least 16, an "
-                         f"MMA's side) and their K side be at least 32; got block_n {block_n}, blocks "
-                         f"{tuple(scale_block)}")
+        raise ValueError(f"w8a8_gemv takes 1 to min(P, {W8A8_GEMV_ROWS}) rows of P {FP8} activation rows with "
+                         f"float32 scales [P, K / {scale_k}], K a multiple of {scale_k}; got {rows} of "
+                         f"{tuple(q.shape)} {q.dtype}, scales {tuple(scales.shape)} {scales.dtype}")
+    if block_n < 16 or block_n & (block_n - 1) or scale_n % block_n or scale_k < 32 or groups < 1:
+        raise ValueError(f"w8a8_gemv's block_n must be a power of two of at least 16 (an MMA's side) dividing "
+                         f"the scale blocks' {scale_n} rows, their K side at least 32, and groups at least 1; got "
+                         f"block_n {block_n}, blocks {tuple(scale_block)}, groups {groups}")
     if K % (groups * scale_k):
         groups = 1
     out = torch.empty(rows, N, dtype=torch.bfloat16, device=q.device)

@@ -1,7 +1,8 @@
 """kernels/fp8.py against the torch reference, on CPU through Triton's interpreter: the FP8 GEMV
-(1-8 rows), the activations' quantization, the W8A8 GEMV of 1-32 quantized rows, and the FP8 GEMM with activations quantized (W8A8) or
-not (float32, exact), on shapes whose edge blocks are partial; and engine/layers/fp8.py's
-quantizer against the checkpoint format's definition.
+(1-8 rows), the activations' quantization, the W8A8 GEMV of 1-32 quantized rows, and the FP8 GEMM
+with activations quantized (W8A8) or not (float32, exact), on shapes whose edge blocks are
+partial; and engine/layers/fp8.py's quantizer against the checkpoint format's definition and its
+rules for which kernel takes a product.
 
 Inputs are fresh random numbers each run (the seed is printed on failure); outputs are allocated
 NaN-filled, so an element left unwritten fails.
@@ -182,16 +183,18 @@ def test_sum_k_pieces_adds_the_pieces_in_order_and_rounds_once(pieces, padded, r
     assert got.dtype == BF16 and torch.equal(got, round_toward_zero(want, BF16))
 
 
-@pytest.mark.parametrize("rows, padded, N, K", [(1, 4, 96, 256), (5, 8, 130, 384), (17, 20, 64, 256), (32, 32, 200, 128)])
-def test_w8a8_gemv_matches_the_quantized_reference(rows, padded, N, K, poison):
+@pytest.mark.parametrize("rows, N, K, by_column", [(1, 96, 256, True), (5, 130, 384, True), (17, 64, 512, True),
+                                                (32, 200, 128, True), (6, 64, 512, False)])
+def test_w8a8_gemv_matches_the_quantized_reference(rows, N, K, by_column, poison):
     """Rows quantized as block_scaled_mm hands them over (padded to a multiple of 4, scales laid out
-    by column) against W in 128 x 128 blocks, the last block of rows partial and K in one or two
-    blocks a loop step: the product of both dequantized, rounded once to bf16 (within its last
-    bit: the sums run in another order). The padding rows are NaN here and must not reach the output."""
+    by column) or laid out by row, against W in 128 x 128 blocks, the last block of rows partial and
+    K in one or two blocks a loop step: the product of both dequantized, rounded once to bf16
+    (within its last bit: the sums run in another order). The padding rows are NaN here; no output
+    row but the real ones is written."""
     block = (128, 128)
     q, scales = weights(N, K, block)
-    xq, xs = fp8.quantize_activations(torch.randn(rows, K), 128, pad_rows_to=4, scales_by_column=True)
-    xq, xs = torch.cat([xq, xq[:1].expand(padded - xq.shape[0], K)]), torch.cat([xs, xs[:1].expand(padded - xs.shape[0], -1)])
+    xq, xs = fp8.quantize_activations(torch.randn(rows, K), 128, pad_rows_to=4, scales_by_column=by_column)
+    assert (xs.stride(0) == 1) == by_column
     xq[rows:] = float("nan")
     xs[rows:] = float("nan")
     with poison():
@@ -200,6 +203,16 @@ def test_w8a8_gemv_matches_the_quantized_reference(rows, padded, N, K, poison):
     assert y.dtype == BF16 and y.shape == (rows, N) and not y.isnan().any()
     torch.testing.assert_close(y.float(), round_toward_zero(want, BF16).float(), rtol=2 ** -7,
                                atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("rows, N, takes", [(2, 24576, True), (32, 24576, True), (33, 24576, False),
+                                            (8, 16384, True), (8, 16383, False), (8, 6144, False),
+                                            (1, 51200, True), (0, 24576, False)])
+def test_w8a8_gemv_takes_the_rows_and_widths_it_measured_faster_at(rows, N, takes):
+    """engine/layers/fp8.py's rule: 1-32 rows against a W of 16,384 rows or more (gate and up),
+    where the W8A8 GEMV beat cuBLAS on an H200 (benchmarks/HISTORY.md, 2026-11-28, 13:49)."""
+    from engine.layers.fp8 import w8a8_takes
+    assert w8a8_takes(rows, N) == takes
 
 
 @pytest.mark.parametrize("rows, N, K, pieces", [
@@ -237,10 +250,12 @@ def test_bad_input_is_named():
         fp8.fp8_gemv(x, q, scales, (16, 32), kernel="dot", unroll=2)
     xq, xs = fp8.quantize_activations(torch.randn(4, 128), 128)
     w8, w8_scales = weights(64, 128, (128, 128))
-    with pytest.raises(ValueError, match="1 to 32 rows"):
+    with pytest.raises(ValueError, match=r"1 to min\(P, 32\) rows"):
         fp8.w8a8_gemv(xq, xs, 5, w8, w8_scales, (128, 128))
-    with pytest.raises(ValueError, match="block_n must divide"):
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
         fp8.w8a8_gemv(xq, xs, 4, w8, w8_scales, (128, 128), block_n=48)
+    with pytest.raises(ValueError, match="groups at least 1"):
+        fp8.w8a8_gemv(xq, xs, 4, w8, w8_scales, (128, 128), groups=0)
     with pytest.raises(ValueError, match="rows <= P"):
         fp8.sum_k_pieces(torch.zeros(2, 4, 8), 5)
     with pytest.raises(ValueError, match="contiguous float32 parts"):

@@ -4,7 +4,8 @@ weight ~= q * scale[n // block_n, k // block_k] (the checkpoints' `weight_scale_
 products never dequantize the weight to memory, so a decode step reads half of bf16's bytes: one
 row runs kernels/fp8.py's GEMV, more rows cuBLAS's block-scaled FP8 product where it takes the
 shapes (linear(); at 2-128 rows cut into pieces of K side by side where cuBLAS alone would leave
-SMs idle, pieces_for), and kernels/fp8.py's GEMV and GEMM the rest. On CPU such a checkpoint is
+SMs idle, pieces_for; 2-32 rows against a wide W through kernels/fp8.py's W8A8 GEMV instead,
+w8a8_takes), and kernels/fp8.py's GEMV and GEMM the rest. On CPU such a checkpoint is
 dequantized at load time instead (engine/checkpoints/quantization.py).
 
 A layer learns at construction whether its weights arrive in FP8: the runner builds the model
@@ -101,7 +102,8 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.T
     1.3-1.7x bf16's speed. More rows, where cuBLAS takes the shapes: x quantized per row and 128
     columns, then cuBLAS's block-scaled FP8 product (bench_kernels: 1.4-1.6x our Triton GEMM and
     1.5x bf16 at prefill sizes, and it keeps 2-8 rows near bf16's time, where the Triton GEMV took
-    up to 2x). Otherwise kernels/fp8.py's GEMV or GEMM. QuantizedRows go to cuBLAS as they are."""
+    up to 2x). Otherwise kernels/fp8.py's GEMV or GEMM. QuantizedRows go to block_scaled_mm as they
+    are."""
     from kernels.fp8 import (
         fp8_linear,  # start-up: Triton loads only where its kernels run
     )
@@ -148,7 +150,7 @@ def block_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale
     if not isinstance(x, QuantizedRows):
         from kernels.fp8 import quantize_activations  # start-up: Triton loads only where its kernels run
         x = QuantizedRows(*quantize_activations(x, **CUBLAS_ROWS), x.shape[0])
-    if x.rows <= _W8A8_ROWS and weight.shape[0] >= _W8A8_MIN_N:
+    if w8a8_takes(x.rows, weight.shape[0]):
         from kernels.fp8 import w8a8_gemv  # start-up: Triton loads only where its kernels run
         return w8a8_gemv(x.q, x.scales, x.rows, weight, scale, _CUBLAS_BLOCK)
     pieces = k_pieces(x.rows, *weight.shape, weight.device)
@@ -159,11 +161,19 @@ def block_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale
     return out[:x.rows]
 
 
-# Up to 32 rows, a W of at least 16,384 rows (gate and up) streams faster through kernels/fp8.py's
-# w8a8_gemv than through cuBLAS: at 24576 x 4096, 26.7-30.2 us against 31.8-33.7 at 2-32 rows, and
-# 59 against 34 at 64; narrower W (4096-6144 rows) stayed faster in cuBLAS (H200,
-# benchmarks/HISTORY.md, 2026-11-28, 13:49).
-_W8A8_ROWS, _W8A8_MIN_N = 32, 16384
+# The narrowest W that w8a8_takes sends to kernels/fp8.py's W8A8 GEMV.
+_W8A8_MIN_N = 16384
+
+
+def w8a8_takes(rows: int, N: int) -> bool:
+    """Whether a block-scaled product of `rows` quantized rows against a W of N rows runs through
+    kernels/fp8.py's w8a8_gemv rather than cuBLAS: up to its 32 rows, against a W of at least
+    16,384 rows (gate and up). Measured at K = 4096 (H200, benchmarks/HISTORY.md, 2026-11-28,
+    13:49): at 24576 x 4096 it took 26.7-30.2 us against cuBLAS's 31.8-33.7 at 2-32 rows, and 59
+    against 34 at 64; at 4096 and 6144 rows cuBLAS was faster at every row count. Where between
+    6,144 and 24,576 rows the two cross, and other K, were not measured."""
+    from kernels.fp8 import W8A8_GEMV_ROWS  # start-up: Triton loads only where its kernels run
+    return 1 <= rows <= W8A8_GEMV_ROWS and N >= _W8A8_MIN_N
 
 # The pieces k_pieces allows: K a multiple of 512 each (cublas_takes says why), at least 1024, and
 # at most 4 of them (the most measured).

@@ -263,8 +263,9 @@ def _w8a8_reference(x, q, scales, block):
 @needs_cublas_blocks
 @pytest.mark.parametrize("M", [2, 5, 8, 13, 100, 1000])
 @pytest.mark.parametrize("N, K", FP8_SHAPES)
-def test_fp8_linear_runs_cublas_beyond_one_row(M, N, K, poison):
-    """Rows not a multiple of 4 too: their padding rows must not reach the output."""
+def test_fp8_linear_beyond_one_row_matches_the_w8a8_reference(M, N, K, poison):
+    """block_scaled_mm (cuBLAS, or the W8A8 GEMV where w8a8_takes says so: gate/up's shape at 2-13
+    rows here), rows not a multiple of 4 too: their padding rows must not reach the output."""
     q, scales = fp8_blocks(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
     x = torch.randn(M, K, device="cuda").to(BF16)
     assert fp8_layer.cublas_takes(x, q, scales, (128, 128))
