@@ -15,8 +15,8 @@ dequantized to memory:
   checkpoints: twice bf16's tensor-core rate on Hopper. With float32 x, W's tiles are converted
   to float32 and multiplied exactly (input_precision="ieee"): what the tests compare to HF's
   float32 model.
-- w8a8_gemv, 1-32 rows already quantized as fp8_gemm quantizes them: W and x both e4m3 on the
-  tensor cores, W's rows the MMA's long side. At those rows it streams a wide W (gate and up)
+- w8a8_gemv, 1-32 rows already quantized as fp8_gemm quantizes them: W and x both e4m3 into
+  the tensor cores, W's rows the MMA's long side. At those rows it streams a wide W (gate and up)
   faster than cuBLAS's block-scaled product (engine/layers/fp8.py's block_scaled_mm says where).
 - sum_k_pieces: the float32 partials of one product cut into pieces of K (engine/layers/fp8.py
   runs the pieces through cuBLAS side by side) summed and rounded once.
@@ -122,9 +122,11 @@ def _w8a8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xq, 
                       stride_w, stride_ws, stride_y, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
                       SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
     # y.T = W @ x.T with both in e4m3 on the tensor cores: W's rows are the MMA's long side, x's rows
-    # (padded to ROWS, at least the 16 an MMA takes) its short one, so nothing is widened. Each K
-    # step is one scale block of both; its fp32 product is scaled by W's block scale (one a program:
-    # BLOCK_N divides SCALE_N) times each x row's. GROUPS blocks a loop step keep more of W in flight.
+    # (padded to ROWS, at least the 16 an MMA takes) its short one. Compiled for sm_90, four warps
+    # multiply e4m3 by wgmma; one or two widen both to fp16 for mma.sync first (exact: every e4m3
+    # value is an fp16 one). Each K step is one scale block of both; its fp32 product is scaled by
+    # W's block scale (one a program: BLOCK_N divides SCALE_N) times each x row's. GROUPS blocks a
+    # loop step keep more of W in flight.
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
@@ -392,8 +394,8 @@ def w8a8_gemv(q: torch.Tensor, scales: torch.Tensor, rows: int, weight: torch.Te
               groups: int = 2) -> torch.Tensor:
     """The first `rows` (1 to W8A8_GEMV_ROWS) of activations quantized as quantize_activations
     writes them (q e4m3 [P, K], float32 scales [P, K / scale_k] in either layout, groups of scale_k
-    columns) @ dequantized(weight).T, as bf16 [rows, N]: both sides e4m3 on the tensor cores, W
-    streamed once. K must be a multiple of scale_k. The launch defaults are the best mean of a
+    columns) @ dequantized(weight).T, as bf16 [rows, N]: both sides e4m3 into the tensor cores
+    (the kernel says how), W streamed once. K must be a multiple of scale_k. The launch defaults are the best mean of a
     sweep over Qwen3-8B's projections at 8 rows (H200, benchmarks/HISTORY.md, 2026-11-28, 13:49)."""
     _check(q, weight, scale, scale_block, "w8a8_gemv")
     N, K = weight.shape
