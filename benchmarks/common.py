@@ -114,17 +114,25 @@ def decode_floor_ms(weight_bytes: int, kv_per_token: int, context: int, batch: i
     return (weight_bytes + batch * context * kv_per_token) / COPY_BANDWIDTH * 1e3
 
 
+def _git_commit(where: Path) -> str:
+    """HEAD's short hash, "+wt" after it when tracked files differ from it; "" outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=where)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=where)
+    except OSError:
+        return ""
+    if head.returncode or not head.stdout.strip():
+        return ""
+    return head.stdout.strip() + ("+wt" if changed.returncode == 0 and changed.stdout.strip() else "")
+
+
 def environment() -> dict:
     import torch  # start-up: the client processes of bench_serve import this module without torch
     # NVCHAT_COMMIT first: the GPU machines get a copy of the working tree whose .git may not be
-    # the one the run was made from.
-    commit = os.environ.get("NVCHAT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip()
-        except OSError:
-            commit = ""
+    # the one the run was made from. Without it, a tree whose tracked files differ from HEAD is
+    # HEAD "+wt", as benchmarks/HISTORY.md writes it: a stale .git shows as such, not as HEAD.
+    commit = os.environ.get("NVCHAT_COMMIT") or _git_commit(Path(__file__).parent)
     return {"date": time.strftime("%Y-%m-%d"), "commit": commit or "unknown",
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
