@@ -16,8 +16,10 @@ dequantized to memory:
   to float32 and multiplied exactly (input_precision="ieee"): what the tests compare to HF's
   float32 model.
 - w8a8_gemv, 1-32 rows already quantized as fp8_gemm quantizes them: W and x both e4m3 into
-  the tensor cores, W's rows the MMA's long side. At those rows it streams a wide W (gate and up)
-  faster than cuBLAS's block-scaled product (engine/layers/fp8.py's block_scaled_mm says where).
+  the tensor cores, W's rows the MMA's long side, K optionally cut into pieces run by programs of
+  their own (a narrow W's bands alone would leave SMs idle) and summed by the last to finish. At
+  those rows it streams W faster than cuBLAS's block-scaled product (engine/layers/fp8.py's
+  w8a8_launch says where, in how many pieces and on how many warps).
 - sum_k_pieces: the float32 partials of one product cut into pieces of K (engine/layers/fp8.py
   runs the pieces through cuBLAS side by side) summed and rounded once.
 
@@ -41,6 +43,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value; torch turns anything beyond it into NaN
 MAX_GEMV_ROWS = 8
 W8A8_GEMV_ROWS = 32
+W8A8_MAX_PIECES = 64
 _GEMV_KNOBS = ("kernel", "block_n", "block_k", "num_warps", "num_stages", "unroll")
 _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 _GEMM_KNOBS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
@@ -118,29 +121,38 @@ def _fp8_gemv_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w
 
 
 @triton.jit
-def _w8a8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xq, stride_xs_row, stride_xs_group,
-                      stride_w, stride_ws, stride_y, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
+def _w8a8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, parts_ptr, arrivals_ptr, M, N, K, pieces, stride_xq,
+                      stride_xs_row, stride_xs_group, stride_w, stride_ws, stride_y, ROWS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PIECES: tl.constexpr, SCALE_N: tl.constexpr,
+                      SCALE_K: tl.constexpr, PDL: tl.constexpr):
     # y.T = W @ x.T with both in e4m3 on the tensor cores: W's rows are the MMA's long side, x's rows
     # (padded to ROWS, at least the 16 an MMA takes) its short one. Compiled for sm_90, four warps
     # multiply e4m3 by wgmma; one or two widen both to fp16 for mma.sync first (exact: every e4m3
     # value is an fp16 one). Each K step is one scale block of both; its fp32 product is scaled by
     # W's block scale (one a program: BLOCK_N divides SCALE_N) times each x row's. GROUPS blocks a
     # loop step keep more of W in flight.
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    #
+    # With PIECES > 1 the programs along axis 1 each take one piece of K for the same band of W's
+    # rows and store their fp32 partial; the band's last program to arrive (its arrivals counter
+    # says which) sums the partials in piece order, so the result does not depend on the order the
+    # programs ran in, and sets the counter back to zero for the next product.
+    band = tl.program_id(0)
+    piece = tl.program_id(1)
+    n = band * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
     c = tl.arange(0, SCALE_K)
     n_ok, r_ok = n < N, r < M
+    piece_k = K // PIECES
+    k_first = piece * piece_k
     w_at = w_ptr + n[:, None].to(tl.int64) * stride_w + c[None, :]
     x_at = xq_ptr + r[:, None] * stride_xq + c[None, :]
     xs_at = xs_ptr + r * stride_xs_row
-    ws_at = ws_ptr + (pid * BLOCK_N // SCALE_N) * stride_ws
+    ws_at = ws_ptr + (band * BLOCK_N // SCALE_N) * stride_ws
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
-    for k0 in range(0, K, GROUPS * SCALE_K):
+    for k0 in range(k_first, k_first + piece_k, GROUPS * SCALE_K):
         for g in tl.static_range(GROUPS):
             kg = k0 + g * SCALE_K
             w = tl.load(w_at + kg, mask=n_ok[:, None], other=0.0)
@@ -148,8 +160,26 @@ def _w8a8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xq, 
             x_scale = tl.load(xs_at + (kg // SCALE_K) * stride_xs_group, mask=r_ok, other=0.0)
             w_scale = tl.load(ws_at + kg // SCALE_K)
             acc += tl.dot(w, tl.trans(xq)) * (x_scale * w_scale)[None, :]
-    tl.store(y_ptr + r[None, :] * stride_y + n[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=n_ok[:, None] & r_ok[None, :])
+    out_mask = n_ok[:, None] & r_ok[None, :]
+    if PIECES == 1:
+        tl.store(y_ptr + r[None, :] * stride_y + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = r[None, :] * N + n[:, None]  # parts [PIECES, M, N], contiguous
+        tl.store(parts_ptr + piece * M * N + part, acc, mask=out_mask)
+        # Every thread's stores are issued before one thread releases them with the arrival; the
+        # last arriver's acquire makes the other pieces' stores visible, read past L1 (.cg), which
+        # is not coherent across SMs.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + band, 1, sem="acq_rel", scope="gpu")
+        if arrived == PIECES - 1:
+            tl.debug_barrier()
+            total = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+            # pieces is PIECES passed at run time: a loop whose count the compiler does not know
+            # stays a loop, one partial in registers at a time.
+            for p in tl.range(0, pieces, num_stages=1):
+                total += tl.load(parts_ptr + p * M * N + part, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + r[None, :] * stride_y + n[:, None], total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(arrivals_ptr + band, 0)
 
 
 @triton.jit
@@ -391,12 +421,18 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
 
 def w8a8_gemv(q: torch.Tensor, scales: torch.Tensor, rows: int, weight: torch.Tensor, scale: torch.Tensor,
               scale_block: tuple[int, int], *, block_n: int = 64, num_warps: int = 2, num_stages: int = 3,
-              groups: int = 2) -> torch.Tensor:
+              groups: int = 2, pieces: int = 1, arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """The first `rows` (1 to W8A8_GEMV_ROWS) of activations quantized as quantize_activations
     writes them (q e4m3 [P, K], float32 scales [P, K / scale_k] in either layout, groups of scale_k
     columns) @ dequantized(weight).T, as bf16 [rows, N]: both sides e4m3 into the tensor cores
     (the kernel says how), W streamed once. K must be a multiple of scale_k. The launch defaults are the best mean of a
-    sweep over Qwen3-8B's projections at 8 rows (H200, benchmarks/HISTORY.md, 2026-11-28, 13:49)."""
+    sweep over Qwen3-8B's projections at 8 rows (H200, benchmarks/HISTORY.md, 2026-11-28, 13:49).
+
+    pieces (a power of two up to W8A8_MAX_PIECES, dividing K into multiples of scale_k): K is cut
+    into that many pieces, each run by programs of its own, so that a narrow W still fills the
+    GPU; their float32 partials are summed in piece order by the last program of each band of
+    block_n rows. That takes `arrivals`: int32 counters, one per band, all zero before the launch,
+    and zero again after it. Products that share them must not run at the same time."""
     _check(q, weight, scale, scale_block, "w8a8_gemv")
     N, K = weight.shape
     scale_n, scale_k = scale_block
@@ -410,15 +446,25 @@ def w8a8_gemv(q: torch.Tensor, scales: torch.Tensor, rows: int, weight: torch.Te
         raise ValueError(f"w8a8_gemv's block_n must be a power of two of at least 16 (an MMA's side) dividing "
                          f"the scale blocks' {scale_n} rows, their K side at least 32, and groups at least 1; got "
                          f"block_n {block_n}, blocks {tuple(scale_block)}, groups {groups}")
-    if K % (groups * scale_k):
+    bands = triton.cdiv(N, block_n)
+    if pieces < 1 or pieces & (pieces - 1) or pieces > W8A8_MAX_PIECES or K % (pieces * scale_k):
+        raise ValueError(f"w8a8_gemv cuts K into a power of two of pieces up to {W8A8_MAX_PIECES}, each a multiple "
+                         f"of {scale_k} columns; got {pieces} pieces of K {K}")
+    if pieces > 1 and (arrivals is None or arrivals.dtype != torch.int32 or arrivals.device != q.device
+                       or arrivals.dim() != 1 or arrivals.numel() < bands):
+        raise ValueError(f"w8a8_gemv in {pieces} pieces takes arrivals: int32 counters on {q.device}, at least one "
+                         f"for each of its {bands} bands of {block_n} rows; got "
+                         f"{None if arrivals is None else (arrivals.dtype, tuple(arrivals.shape), str(arrivals.device))}")
+    if (K // pieces) % (groups * scale_k):
         groups = 1
     out = torch.empty(rows, N, dtype=torch.bfloat16, device=q.device)
+    parts = torch.empty(pieces, rows, N, dtype=torch.float32, device=q.device) if pieces > 1 else out
     pdl_on = pdl.enabled(q.device)
-    _w8a8_gemv_kernel[(triton.cdiv(N, block_n),)](
-        q, scales, weight, scale, out, rows, N, K, q.stride(0), scales.stride(0), scales.stride(1), weight.stride(0),
-        scale.stride(0), out.stride(0), ROWS=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, GROUPS=groups,
-        SCALE_N=scale_n, SCALE_K=scale_k, PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl_on)
+    _w8a8_gemv_kernel[(bands, pieces)](
+        q, scales, weight, scale, out, parts, arrivals if pieces > 1 else out, rows, N, K, pieces, q.stride(0),
+        scales.stride(0), scales.stride(1), weight.stride(0), scale.stride(0), out.stride(0),
+        ROWS=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, GROUPS=groups, PIECES=pieces, SCALE_N=scale_n,
+        SCALE_K=scale_k, PDL=pdl_on, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_on)
     return out
 
 

@@ -205,14 +205,45 @@ def test_w8a8_gemv_matches_the_quantized_reference(rows, N, K, by_column, poison
                                atol=1e-3 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("rows, N, takes", [(2, 24576, True), (32, 24576, True), (33, 24576, False),
-                                            (8, 16384, True), (8, 16383, False), (8, 6144, False),
-                                            (1, 51200, True), (0, 24576, False)])
-def test_w8a8_gemv_takes_the_rows_and_widths_it_measured_faster_at(rows, N, takes):
-    """engine/layers/fp8.py's rule: 1-32 rows against a W of 16,384 rows or more (gate and up),
-    where the W8A8 GEMV beat cuBLAS on an H200 (benchmarks/HISTORY.md, 2026-11-28, 13:49)."""
-    from engine.layers.fp8 import w8a8_takes
-    assert w8a8_takes(rows, N) == takes
+@pytest.mark.parametrize("rows, N, K, pieces", [(4, 96, 1024, 8), (3, 200, 512, 2), (16, 64, 256, 2)])
+def test_w8a8_gemv_in_pieces_of_k_sums_them_in_order_and_resets_its_counters(rows, N, K, pieces, poison):
+    """K cut into pieces run by programs of their own, the last of each band summing the partials:
+    the same bf16 result as the sums of the pieces' exact products taken in piece order (within
+    the last bit), every band's counter zero again afterwards, and the same result a second time
+    through the same counters."""
+    block = (128, 128)
+    q, scales = weights(N, K, block)
+    xq, xs = fp8.quantize_activations(torch.randn(rows, K), 128, pad_rows_to=4, scales_by_column=True)
+    arrivals = torch.zeros(16, dtype=torch.int32)
+    with poison():
+        y = fp8.w8a8_gemv(xq, xs, rows, q, scales, block, block_n=16, pieces=pieces, arrivals=arrivals)
+    assert torch.equal(arrivals, torch.zeros_like(arrivals))
+    x = xq[:rows].float() * xs[:rows].repeat_interleave(128, 1)
+    w = fp8_dequantized(q, scales, block)
+    width = K // pieces
+    want = sum(x[:, p * width:(p + 1) * width] @ w[:, p * width:(p + 1) * width].T for p in range(pieces))
+    assert y.dtype == BF16 and y.shape == (rows, N) and not y.isnan().any()
+    torch.testing.assert_close(y.float(), round_toward_zero(want, BF16).float(), rtol=2 ** -7,
+                               atol=1e-3 * want.abs().max().item())
+    again = fp8.w8a8_gemv(xq, xs, rows, q, scales, block, block_n=16, pieces=pieces, arrivals=arrivals)
+    assert torch.equal(again, y) and torch.equal(arrivals, torch.zeros_like(arrivals))
+
+
+@pytest.mark.parametrize("rows, N, K, launch", [
+    (2, 6144, 4096, (4, 4, 1)), (16, 4096, 4096, (4, 4, 1)), (8, 24576, 4096, (1, 4, 2)),  # Qwen3-8B
+    (1, 1024, 1024, (4, 4, 1)), (4, 1024, 768, (2, 4, 1)), (4, 1024, 640, (1, 4, 2)),  # pieces: 256+ columns
+    (8, 512, 384, (1, 4, 2)), (2, 10240, 5120, (2, 4, 1)), (2, 4096, 8192, (4, 4, 1)),
+    (2, 4096, 12288, None), (16, 5120, 25600, None),  # down: cuBLAS
+    (17, 24576, 4096, (1, 2, 2)), (32, 16384, 12288, (1, 2, 2)),  # 17-32 rows: a wide W whole
+    (17, 6144, 4096, None), (32, 16383, 4096, None), (33, 24576, 4096, None), (0, 24576, 4096, None),
+])
+def test_w8a8_gemv_takes_the_rows_shapes_and_launches_it_measured_faster_at(rows, N, K, launch):
+    """engine/layers/fp8.py's rule on an H200 (132 SMs): 1-16 rows with K up to 8192 on four warps
+    in the fewest pieces of K (at most 4, each at least 256 columns) that make two programs an SM,
+    17-32 rows whole on two warps against a W of 16,384 rows or more (gate and up), cuBLAS
+    otherwise (benchmarks/HISTORY.md, 2026-11-28, 13:49 and 15:26)."""
+    from engine.layers.fp8 import w8a8_launch
+    assert w8a8_launch(rows, N, K, 132) == launch
 
 
 @pytest.mark.parametrize("rows, N, K, pieces", [
@@ -256,6 +287,17 @@ def test_bad_input_is_named():
         fp8.w8a8_gemv(xq, xs, 4, w8, w8_scales, (128, 128), block_n=48)
     with pytest.raises(ValueError, match="groups at least 1"):
         fp8.w8a8_gemv(xq, xs, 4, w8, w8_scales, (128, 128), groups=0)
+    with pytest.raises(ValueError, match="power of two of pieces"):
+        fp8.w8a8_gemv(xq, xs, 4, w8, w8_scales, (128, 128), pieces=2)  # K = 128: one block
+    xq, xs = fp8.quantize_activations(torch.randn(4, 256), 128)
+    w8, w8_scales = weights(64, 256, (128, 128))
+    with pytest.raises(ValueError, match="takes arrivals"):
+        fp8.w8a8_gemv(xq, xs, 4, w8, w8_scales, (128, 128), pieces=2)
+    with pytest.raises(ValueError, match="takes arrivals"):
+        fp8.w8a8_gemv(xq, xs, 4, w8, w8_scales, (128, 128), pieces=2, arrivals=torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="takes arrivals"):  # one counter for each of 4 bands of 16 rows
+        fp8.w8a8_gemv(xq, xs, 4, w8, w8_scales, (128, 128), block_n=16, pieces=2,
+                      arrivals=torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="rows <= P"):
         fp8.sum_k_pieces(torch.zeros(2, 4, 8), 5)
     with pytest.raises(ValueError, match="contiguous float32 parts"):

@@ -4,8 +4,8 @@ weight ~= q * scale[n // block_n, k // block_k] (the checkpoints' `weight_scale_
 products never dequantize the weight to memory, so a decode step reads half of bf16's bytes: one
 row runs kernels/fp8.py's GEMV, more rows cuBLAS's block-scaled FP8 product where it takes the
 shapes (linear(); at 2-128 rows cut into pieces of K side by side where cuBLAS alone would leave
-SMs idle, pieces_for; 2-32 rows against a wide W through kernels/fp8.py's W8A8 GEMV instead,
-w8a8_takes), and kernels/fp8.py's GEMV and GEMM the rest. On CPU such a checkpoint is
+SMs idle, pieces_for; most products of 2-32 rows through kernels/fp8.py's W8A8 GEMV instead,
+w8a8_launch), and kernels/fp8.py's GEMV and GEMM the rest. On CPU such a checkpoint is
 dequantized at load time instead (engine/checkpoints/quantization.py).
 
 A layer learns at construction whether its weights arrive in FP8: the runner builds the model
@@ -145,14 +145,16 @@ def block_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale
     """x [M, K] (bf16) @ dequantized(weight).T through cuBLAS, as bf16: x is quantized per row and 128
     columns (kernels/fp8.py), its rows padded to a multiple of 4 and its scales laid out by column,
     the layout cuBLAS requires (unless it comes so, QuantizedRows); the padding rows' products are
-    cut off. Where k_pieces says so, the product runs in pieces of K side by side; a few rows against
-    a wide W go to kernels/fp8.py's w8a8_gemv instead."""
+    cut off. Where w8a8_launch says so, kernels/fp8.py's w8a8_gemv runs it instead; otherwise, where
+    k_pieces says so, it runs in pieces of K side by side."""
     if not isinstance(x, QuantizedRows):
         from kernels.fp8 import quantize_activations  # start-up: Triton loads only where its kernels run
         x = QuantizedRows(*quantize_activations(x, **CUBLAS_ROWS), x.shape[0])
-    if w8a8_takes(x.rows, weight.shape[0]):
+    w8a8 = w8a8_launch_on(x.rows, *weight.shape, weight.device)
+    if w8a8 is not None:
         from kernels.fp8 import w8a8_gemv  # start-up: Triton loads only where its kernels run
-        return w8a8_gemv(x.q, x.scales, x.rows, weight, scale, _CUBLAS_BLOCK)
+        arrivals = _w8a8_arrivals(weight.device) if w8a8.pieces > 1 else None
+        return w8a8_gemv(x.q, x.scales, x.rows, weight, scale, _CUBLAS_BLOCK, **w8a8._asdict(), arrivals=arrivals)
     pieces = k_pieces(x.rows, *weight.shape, weight.device)
     if pieces > 1:
         return _product_in_k_pieces(x, weight, scale, pieces)
@@ -161,19 +163,70 @@ def block_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale
     return out[:x.rows]
 
 
-# The narrowest W that w8a8_takes sends to kernels/fp8.py's W8A8 GEMV.
-_W8A8_MIN_N = 16384
+# What w8a8_launch decides by: the narrowest W it runs whole from 17 rows and the rows it takes in
+# all; the widest K it cuts into pieces, the columns a piece takes at least, and the most pieces.
+_W8A8_MIN_N, _W8A8_ROWS = 16384, 32
+_W8A8_MAX_PIECED_K, _W8A8_MIN_PIECE_K, _W8A8_MAX_PIECES = 8192, 256, 4
+_W8A8_BAND = 64  # kernels/fp8.py's w8a8_gemv's default block_n: the rows of W a program takes
 
 
-def w8a8_takes(rows: int, N: int) -> bool:
-    """Whether a block-scaled product of `rows` quantized rows against a W of N rows runs through
-    kernels/fp8.py's w8a8_gemv rather than cuBLAS: up to its 32 rows, against a W of at least
-    16,384 rows (gate and up). Measured at K = 4096 (H200, benchmarks/HISTORY.md, 2026-11-28,
-    13:49): at 24576 x 4096 it took 26.7-30.2 us against cuBLAS's 31.8-33.7 at 2-32 rows, and 59
-    against 34 at 64; at 4096 and 6144 rows cuBLAS was faster at every row count. Where between
-    6,144 and 24,576 rows the two cross, and other K, were not measured."""
-    from kernels.fp8 import W8A8_GEMV_ROWS  # start-up: Triton loads only where its kernels run
-    return 1 <= rows <= W8A8_GEMV_ROWS and N >= _W8A8_MIN_N
+class W8A8Launch(NamedTuple):
+    pieces: int
+    num_warps: int
+    groups: int
+
+
+def w8a8_launch_on(rows: int, N: int, K: int, device: torch.device) -> W8A8Launch | None:
+    """How block_scaled_mm runs a product of `rows` rows and W [N, K] on `device` through the W8A8
+    GEMV (w8a8_launch says when); None: through cuBLAS."""
+    if device.type != "cuda":
+        return None
+    return w8a8_launch(rows, N, K, _sm_count(_index(device)))
+
+
+@functools.cache
+def w8a8_launch(rows: int, N: int, K: int, sms: int) -> W8A8Launch | None:
+    """How kernels/fp8.py's w8a8_gemv runs a block-scaled product of `rows` quantized rows against
+    W [N, K] on a GPU of `sms` SMs, or None where cuBLAS runs it (block_scaled_mm).
+
+    1-16 rows with K up to 8192: four warps (e4m3 wgmma), K cut into the fewest pieces (a power of
+    two up to 4, each at least 256 columns) that make two programs an SM. At Qwen3-8B's shapes
+    that is qkv and o_proj in 4 pieces and gate/up whole. At 2-16 rows they took 11.4-11.8, 9.7-10.9
+    and 26.4-26.8 us against the 12.6-13.0, 11.6-11.7 and 35.8-36.8 of cuBLAS and the two-warp GEMV
+    whole; 8 pieces were slower everywhere (15-56 us). down (K 12,288) stays on cuBLAS, which took
+    22.5-23.1 us against 21.4-27.2 in pieces (H200, benchmarks/HISTORY.md, 2026-11-28, 15:26).
+    17-32 rows: the GEMV whole on two warps against a W of at least 16,384 rows (gate and up): at
+    24576 x 4096 it took 26.7-30.2 us against cuBLAS's 31.8-33.7 (session of 13:49)."""
+    if 1 <= rows <= 16 and K <= _W8A8_MAX_PIECED_K:
+        bands = cdiv(N, _W8A8_BAND)
+        pieces = 1
+        while (bands * pieces < 2 * sms and pieces < _W8A8_MAX_PIECES
+               and K % (2 * pieces * _CUBLAS_BLOCK[1]) == 0 and K // (2 * pieces) >= _W8A8_MIN_PIECE_K):
+            pieces *= 2
+        return W8A8Launch(pieces, num_warps=4, groups=1 if pieces > 1 else 2)
+    if 17 <= rows <= _W8A8_ROWS and N >= _W8A8_MIN_N:
+        return W8A8Launch(1, num_warps=2, groups=2)
+    return None
+
+
+# One counter a band of W's rows for products in pieces: enough for a W of a million rows.
+_W8A8_ARRIVALS = 16384
+_w8a8_arrivals_by_device: dict[int, torch.Tensor] = {}
+
+
+def _w8a8_arrivals(device: torch.device) -> torch.Tensor:
+    """The counters kernels/fp8.py's w8a8_gemv in pieces takes, zero between products, one set a
+    device: the products of a device run one after another on the engine's stream. Allocated at the
+    first product, which runs eagerly (the runner's warm-up) before any CUDA graph captures one; a
+    buffer first allocated inside a capture would belong to the graph's pool."""
+    index = _index(device)
+    if index not in _w8a8_arrivals_by_device:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the W8A8 GEMV's counters must be allocated before a CUDA graph is captured: run one "
+                               "product in pieces eagerly first")
+        _w8a8_arrivals_by_device[index] = torch.zeros(_W8A8_ARRIVALS, dtype=torch.int32, device=device)
+    return _w8a8_arrivals_by_device[index]
+
 
 # The pieces k_pieces allows: K a multiple of 512 each (cublas_takes says why), at least 1024, and
 # at most 4 of them (the most measured).

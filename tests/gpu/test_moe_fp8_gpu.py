@@ -264,8 +264,8 @@ def _w8a8_reference(x, q, scales, block):
 @pytest.mark.parametrize("M", [2, 5, 8, 13, 100, 1000])
 @pytest.mark.parametrize("N, K", FP8_SHAPES)
 def test_fp8_linear_beyond_one_row_matches_the_w8a8_reference(M, N, K, poison):
-    """block_scaled_mm (cuBLAS, or the W8A8 GEMV where w8a8_takes says so: gate/up's shape at 2-13
-    rows here), rows not a multiple of 4 too: their padding rows must not reach the output."""
+    """block_scaled_mm (the W8A8 GEMV where w8a8_launch says so, at 2-13 rows here but for down,
+    cuBLAS otherwise), rows not a multiple of 4 too: their padding rows must not reach the output."""
     q, scales = fp8_blocks(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
     x = torch.randn(M, K, device="cuda").to(BF16)
     assert fp8_layer.cublas_takes(x, q, scales, (128, 128))
@@ -275,14 +275,14 @@ def test_fp8_linear_beyond_one_row_matches_the_w8a8_reference(M, N, K, poison):
 
 
 @needs_cublas_blocks
-@pytest.mark.parametrize("M, N, K", [(2, 4096, 4096), (13, 6144, 4096), (32, 4096, 12288), (100, 4096, 12288),
+@pytest.mark.parametrize("M, N, K", [(17, 4096, 4096), (24, 6144, 4096), (32, 4096, 12288), (100, 4096, 12288),
                                      (128, 2560, 4096), (64, 1024, 3072)])
 def test_fp8_products_in_pieces_of_k_give_the_whole_products(M, N, K, poison, monkeypatch):
     """block_scaled_mm's pieces of K, on streams of their own, summed: within one bf16 rounding of
     the product cuBLAS makes whole, eagerly and replayed from a CUDA graph (fork and join
     captured), and near the W8A8 reference."""
     device = torch.device("cuda")
-    assert fp8_layer.k_pieces(M, N, K, device) > 1
+    assert fp8_layer.k_pieces(M, N, K, device) > 1 and fp8_layer.w8a8_launch(M, N, K, _sms()) is None
     q, scales = fp8_blocks(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
     x = torch.randn(M, K, device="cuda").to(BF16)
     with poison():
@@ -298,28 +298,42 @@ def test_fp8_products_in_pieces_of_k_give_the_whole_products(M, N, K, poison, mo
     assert_close(out, _w8a8_reference(x, q, scales, (128, 128)), BF16)
 
 
+def _sms():
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
 @needs_fp8
 @pytest.mark.parametrize("M", [1, 2, 7, 16, 31, 32])
-@pytest.mark.parametrize("N, K", [(24576, 4096), (16400, 1024)])
+@pytest.mark.parametrize("N, K", [(24576, 4096), (16400, 1024), (6144, 4096), (4096, 12288)])
 def test_w8a8_gemv_matches_the_reference_and_replays(M, N, K, poison):
-    """kernels/fp8.py's W8A8 GEMV at gate/up's shape and at one whose last tile of W's rows is
-    partial: against the W8A8 reference, the padding rows NaN and kept out, and replayed from a
-    CUDA graph on new rows. block_scaled_mm sends such products of 2-32 rows there."""
+    """kernels/fp8.py's W8A8 GEMV at Qwen3-8B's shapes and at one whose last band of W's rows is
+    partial, launched as block_scaled_mm would launch it (where cuBLAS would run it, in 4 pieces on
+    4 warps): against the W8A8 reference, the padding rows NaN and kept out, the counters zero after
+    every launch, the same bits from the layer and from a second launch, and replayed from a CUDA
+    graph on new rows."""
+    chosen = fp8_layer.w8a8_launch(M, N, K, _sms())
+    launch = dict(chosen._asdict() if chosen else dict(pieces=4, num_warps=4, groups=1),
+                  arrivals=torch.zeros(N // 64 + 1, dtype=torch.int32, device="cuda"))
     q, scales = fp8_blocks(torch.randn(N, K, device="cuda") / K ** 0.5, (128, 128))
     x = torch.randn(M, K, device="cuda").to(BF16)
     xq, xs = fp8.quantize_activations(x, **fp8_layer.CUBLAS_ROWS)
     xq[M:] = float("nan")
     xs[M:] = float("nan")
     with poison():
-        y = fp8.w8a8_gemv(xq, xs, M, q, scales, (128, 128))
+        y = fp8.w8a8_gemv(xq, xs, M, q, scales, (128, 128), **launch)
     assert_close(y, _w8a8_reference(x, q, scales, (128, 128)), BF16)
-    if M > 1:
+    assert not launch["arrivals"].any()
+    assert torch.equal(fp8.w8a8_gemv(xq, xs, M, q, scales, (128, 128), **launch), y)
+    if chosen:
         assert torch.equal(fp8_layer.linear(fp8_layer.QuantizedRows(xq, xs, M), q, scales, (128, 128)), y)
-    graph, out = capture(lambda: fp8.w8a8_gemv(xq, xs, M, q, scales, (128, 128)))
+    graph, out = capture(lambda: fp8.w8a8_gemv(xq, xs, M, q, scales, (128, 128), **launch))
     x2 = torch.randn(M, K, device="cuda").to(BF16)
     xq[:M], xs[:M] = fp8.quantize_activations(x2, 128)
     graph.replay()
     assert_close(out, _w8a8_reference(x2, q, scales, (128, 128)), BF16)
+    graph.replay()
+    assert torch.equal(out, fp8.w8a8_gemv(xq, xs, M, q, scales, (128, 128), **launch))
+    assert not launch["arrivals"].any()
 
 
 @needs_fp8
