@@ -150,7 +150,6 @@ def _w8a8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, parts_ptr, arrivals_
     ws_at = ws_ptr + (band * BLOCK_N // SCALE_N) * stride_ws
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     for k0 in range(k_first, k_first + piece_k, GROUPS * SCALE_K):
         for g in tl.static_range(GROUPS):
@@ -160,6 +159,11 @@ def _w8a8_gemv_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, parts_ptr, arrivals_
             x_scale = tl.load(xs_at + (kg // SCALE_K) * stride_xs_group, mask=r_ok, other=0.0)
             w_scale = tl.load(ws_at + kg // SCALE_K)
             acc += tl.dot(w, tl.trans(xq)) * (x_scale * w_scale)[None, :]
+    if PDL:
+        # Once W is read, not at the wait: the grid spans several waves, which the next kernel's
+        # programs, launched early, share the SMs with. Graph replays at FP8 batches 2 / 8 / 16
+        # took 1.3 / 1.3 / 0.9% less (H200, benchmarks/HISTORY.md, 2026-11-28, 15:26).
+        tl.extra.cuda.gdc_launch_dependents()
     out_mask = n_ok[:, None] & r_ok[None, :]
     if PIECES == 1:
         tl.store(y_ptr + r[None, :] * stride_y + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
