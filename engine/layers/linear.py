@@ -132,9 +132,9 @@ class _Linear(nn.Module):
 
     def takes_quantized_rows(self, x: torch.Tensor) -> bool:
         """Whether the product of x [rows, ...] (its width aside: a SiLU-mul's input is twice its
-        output's) runs through fp8.block_scaled_mm (cuBLAS's block-scaled FP8 product, or for a
-        few rows against a wide W the W8A8 GEMV), so that the kernel making this layer's input
-        may hand it over as fp8.QuantizedRows."""
+        output's) runs through fp8.block_scaled_mm (cuBLAS's block-scaled FP8 product, or where
+        fp8.w8a8_launch says so the W8A8 GEMV), so that the kernel making this layer's input may
+        hand it over as fp8.QuantizedRows."""
         return (self.scale_block is not None and self.quantized is None and x.dim() == 2 and x.shape[0] > 1
                 and fp8.cublas_takes(x, self.weight, self.weight_scale_inv, self.scale_block))
 
