@@ -20,7 +20,8 @@ split count), which is how their defaults were chosen; --sweep-decode-only and -
 time one of them, over an e4m3 cache with --kv-cache-dtype fp8. --decode-launches only compares the ways a
 decode step's attention can launch (see run_decode_launches), with PDL on and off. --moe-fp8 runs
 only the mixture-of-experts and FP8 rows, --adjust-logits only the adjusted sampling's logits
-adjustments, --draws only the sampling draws' kernels; --sweep-moe-fp8 times those kernels over launch configs
+adjustments, --draws only the sampling draws' kernels, --w8a8 only the W8A8 GEMV's launches against the
+engine's FP8 product (run_w8a8); --sweep-moe-fp8 times those kernels over launch configs
 (their defaults are untuned). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
 smoke test of this script, and times nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot
 wrong, so the grouped MoE path's and the FP8 GEMV's and GEMM's smoke diffs at several rows are
@@ -452,6 +453,60 @@ def run_fp8():
     return rows
 
 
+# Products a graph replays per timing in run_w8a8, rotating over W8A8_COPIES copies of W: more
+# bytes than the H200's 50 MB L2 at every shape, so W streams from HBM as in a decode step.
+W8A8_PRODUCTS, W8A8_COPIES = 20, 4
+
+
+def _block_scaled_whole(x, q, scales):
+    """cuBLAS's block-scaled FP8 product of QuantizedRows x, whole (no pieces of K)."""
+    return F.scaled_mm(x.q, q.t(), x.scales, F.ScalingType.BlockWise1x128, scales.t(),
+                       F.ScalingType.BlockWise128x128, output_dtype=DTYPE)[:x.rows]
+
+
+def run_w8a8():
+    """kernels/fp8.py's W8A8 GEMV in each launch (wWpP: W warps, K whole or in P pieces) against
+    engine/layers/fp8.py's block_scaled_mm (the engine's product from 2 rows: the launch w8a8_launch
+    picks, or cuBLAS) and cuBLAS's block-scaled product whole, at Qwen3-8B's projections and 1-16
+    rows quantized as the engine hands them over (QuantizedRows: blocks of 128 x 128, in the smoke
+    run too); at one row also the one-row FP8 GEMV, the engine's path there. Graph us a product,
+    PDL as the engine launches. What w8a8_launch's rule was read from."""
+    if not HAS_FP8:
+        print("W8A8 rows skipped: the GPU has no FP8 (compute capability below 8.9)")
+        return []
+    cublas = CUDA and fp8_layer.cublas_block_scaling(torch.device(DEVICE))
+    arrivals = torch.zeros(16384, dtype=torch.int32, device=DEVICE)
+    out = []
+    for N, K in ([(96, 512)] if SMOKE else [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]):
+        copies = [quantize_blocks((torch.randn(N, K, device=DEVICE) / K ** 0.5).to(DTYPE), fp8_layer.DEFAULT_BLOCK)
+                  for _ in range(1 if SMOKE else W8A8_COPIES)]
+        for m in ([2] if SMOKE else [1, 2, 8, 16]):
+            x_bf16 = torch.randn(m, K, device=DEVICE).to(DTYPE)
+            x = fp8_layer.QuantizedRows(*fp8_kernels.quantize_activations(x_bf16, **fp8_layer.CUBLAS_ROWS), m)
+            products = {}
+            if cublas:
+                chosen = fp8_layer.w8a8_launch_on(m, N, K, torch.device(DEVICE))
+                choice = "cuBLAS" if chosen is None else f"w{chosen.num_warps}p{chosen.pieces}"
+                products[f"block_scaled_mm ({choice})"] = lambda q, s: fp8_layer.block_scaled_mm(x, q, s)
+                products["cuBLAS whole"] = lambda q, s: _block_scaled_whole(x, q, s)
+            if m == 1:
+                products["one-row GEMV"] = lambda q, s: fp8_kernels.fp8_gemv(x_bf16, q, s, fp8_layer.DEFAULT_BLOCK)
+            for warps, pieces in itertools.product((2, 4), (1, 2, 4, 8)):
+                if K % (pieces * fp8_layer.DEFAULT_BLOCK[1]) == 0 and K // pieces >= 256:
+                    launch = dict(pieces=pieces, num_warps=warps, groups=1 if pieces > 1 else 2, arrivals=arrivals)
+                    products[f"w{warps}p{pieces}"] = lambda q, s, launch=launch: fp8_kernels.w8a8_gemv(
+                        x.q, x.scales, m, q, s, fp8_layer.DEFAULT_BLOCK, **launch)
+            times = {}
+            for name, product in products.items():
+                calls = W8A8_PRODUCTS if not SMOKE else 1
+                times[name] = us(timed_graph(lambda product=product: [product(*copies[i % len(copies)])
+                                                                        for i in range(calls)], calls))
+            print(f"w8a8 {N}x{K} m={m}: " + "  ".join(f"{name} {t}" for name, t in times.items()), flush=True)
+            out.append(dict(N=N, K=K, rows=m, us=times))
+        del copies
+    return out
+
+
 def _fp8_gemv_configs(m):
     """The FP8 GEMV's candidates: at one row the FMA kernel's bands of 1-8 weight rows by 256-2048
     columns, one or two such tiles a loop step (at most 8192 weights a tile: the fp32
@@ -815,6 +870,8 @@ def main():
                         help="with --decode-launches and the attention sweeps: the caches in the "
                              "model's dtype or in e4m3")
     parser.add_argument("--moe-fp8", action="store_true", help="only the mixture-of-experts and FP8 rows, then exit")
+    parser.add_argument("--w8a8", action="store_true",
+                        help="only the W8A8 GEMV's launches against the engine's FP8 product and cuBLAS, then exit")
     parser.add_argument("--sweep-moe-fp8", action="store_true",
                         help="only the mixture-of-experts and FP8 launch-config sweeps, then exit")
     parser.add_argument("--adjust-logits", action="store_true",
@@ -853,6 +910,10 @@ def main():
     if args.moe_fp8:
         print_header()
         result["rows"] = run_moe() + run_fp8()
+        save()
+        return
+    if args.w8a8:
+        result["w8a8"] = run_w8a8()
         save()
         return
     if args.sweep_moe_fp8:
