@@ -193,8 +193,9 @@ def w8a8_launch(rows: int, N: int, K: int, sms: int) -> W8A8Launch | None:
     two up to 4, each at least 256 columns) that make two programs an SM. At Qwen3-8B's shapes
     that is qkv and o_proj in 4 pieces and gate/up whole. At 2-16 rows they took 11.4-11.8, 9.7-10.9
     and 26.4-26.8 us against the 12.6-13.0, 11.6-11.7 and 35.8-36.8 of cuBLAS and the two-warp GEMV
-    whole; 8 pieces were slower everywhere (15-56 us). down (K 12,288) stays on cuBLAS, which took
-    22.5-23.1 us against 21.4-27.2 in pieces (H200, benchmarks/HISTORY.md, 2026-11-28, 15:26).
+    whole; 8 pieces were slower than 4 at every shape and row count. down (K 12,288) stays on
+    cuBLAS, which took 22.5-23.1 us against 21.4-27.2 in pieces (H200, benchmarks/HISTORY.md,
+    2026-11-28, 15:26; bench_kernels --w8a8 times the same products).
     17-32 rows: the GEMV whole on two warps against a W of at least 16,384 rows (gate and up): at
     24576 x 4096 it took 26.7-30.2 us against cuBLAS's 31.8-33.7 (session of 13:49)."""
     if 1 <= rows <= 16 and K <= _W8A8_MAX_PIECED_K:
