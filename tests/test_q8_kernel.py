@@ -15,14 +15,18 @@ needs_kernel = pytest.mark.skipif(native_cpu.native_kernels() is None,
                                   reason=f"no native kernel: {native_cpu.unavailable_reason()}")
 
 
-def reference(x: torch.Tensor, weight: NativeInt8Weight, two_parts: bool = True) -> torch.Tensor:
+def reference(x: torch.Tensor, weight: NativeInt8Weight, two_parts: bool = True, size: bool = False) -> torch.Tensor:
     """What the kernel computes, in float64: x split per group into two int8 parts, high + low /
     256 in units of amax / 127 (each rounded half to even, the low part kept to -127..127; the high
-    part alone without two_parts), times the int8 values, in units of each row's scale."""
+    part alone without two_parts), times the int8 values, in units of each row's scale. With size,
+    the same sum of absolute values: the scale of the kernel's float32 rounding."""
     parts, scale = split_activations(x, two_parts, lowest=-127)
     q = weight.by_row().double().view(weight.out_features, -1, INT4_GROUP)  # [N, G, 32]
+    scales = weight.scales[:weight.out_features].double()
+    if size:
+        parts, q, scales = parts.abs(), q.abs(), scales.abs()
     dots = torch.einsum("mgi,ngi->mng", parts, q)
-    return (dots * (scale.double() / 256)[:, None]).sum(-1) * weight.scales[:weight.out_features].double()
+    return (dots * (scale.double() / 256)[:, None]).sum(-1) * scales
 
 
 @needs_kernel
