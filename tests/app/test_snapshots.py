@@ -5,6 +5,7 @@ import pytest
 from nvchat import paths
 from nvchat.app import NvchatApp
 from nvchat.app.kv_panel import BlockGrid, Counters, KVPanel, blocks_per_cell
+from nvchat.app.message_view import ReplyView
 from nvchat.app.open_tabs import OpenTabs, save_open_tabs, tabs_file
 from nvchat.app.prompt_input import PromptInput
 from nvchat.store import ChatStore
@@ -85,7 +86,13 @@ def settle_transcript(compact: bool):
         if compact:
             await pilot.press("f12")
         await wait_for(pilot, lambda: app.active_pane.prompt.border_subtitle, what="the context figure")
-        await pilot.pause(0.3)
+        transcript = app.active_pane.transcript
+
+        def drawn() -> bool:
+            replies = transcript.query(ReplyView)
+            return (len(replies) == len(TURNS) and not any(reply.behind for reply in replies)
+                    and (transcript.max_scroll_y == 0 or transcript.is_vertical_scroll_end))
+        await wait_for(pilot, drawn, what="the replies drawn and a long transcript at its end")
         await pilot.pause()  # and every message queued meanwhile handled: a loaded CPU falls behind
     return run_before
 
