@@ -1,5 +1,6 @@
 import getpass
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -29,6 +30,18 @@ if not torch.cuda.is_available():
 
 # The suite runs on CPU; keep it from fighting the 2-core CI box with oversubscribed threads.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(autouse=True)
+def fresh_random_seed() -> int:
+    """Every test draws fresh random inputs, from a seed that pytest shows with a failure (the
+    test's captured output), so a rare failure can be replayed: random.seed and torch.manual_seed
+    with it. Without it a test's inputs would depend on which tests ran before it."""
+    value = random.SystemRandom().randrange(2**31)
+    random.seed(value)
+    torch.manual_seed(value)
+    print(f"torch seed {value}")
+    return value
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,21 +1,11 @@
-"""What the CPU (interpreter) and GPU kernel test modules share: fresh seeds, poisoned outputs,
-and the closeness check."""
+"""What the CPU (interpreter) and GPU kernel test modules share: poisoned outputs and the closeness
+check (every test's fresh seed is tests/conftest.py's)."""
 import random
 
 import pytest
 import torch
 
 TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 3e-2)}
-
-
-@pytest.fixture(autouse=True)
-def seed():
-    """Fresh random inputs on every run; the seed is printed, so pytest shows it on a failure."""
-    value = random.SystemRandom().randrange(2**31)
-    random.seed(value)
-    torch.manual_seed(value)
-    print(f"torch seed {value}")
-    return value
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.runner.decode_graphs import adjust_logits_torch  # noqa: E402
-from tests.kernel_checks import adjust_logits_inputs, assert_close, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import adjust_logits_inputs, assert_close, poison  # noqa: E402,F401 (fixtures)
 
 adjust = importlib.import_module("kernels.adjust_logits")
 if type(adjust._mask_and_penalize_kernel).__name__ != "InterpretedFunction":

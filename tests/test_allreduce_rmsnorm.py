@@ -21,7 +21,6 @@ from tests.kernel_checks import (  # noqa: E402,F401
     all_reduce_reference,
     assert_close,
     poison,
-    seed,
 )
 
 ar = importlib.import_module("kernels.allreduce_rmsnorm")

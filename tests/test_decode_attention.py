@@ -13,7 +13,7 @@ import torch
 
 from engine.layers import paged_attention_torch as ref
 from kernels import decode_attention  # noqa: E402 (after test_kernels chose the interpreter)
-from tests.kernel_checks import DecodeStep, assert_close, poison, seed  # noqa: F401 (fixtures)
+from tests.kernel_checks import DecodeStep, assert_close, poison  # noqa: F401 (fixtures)
 from tests.test_kernels import DEVICE, make_paged_kv, random_contexts
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels import exponential_noise as module  # noqa: E402
-from tests.kernel_checks import poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import poison  # noqa: E402,F401 (fixtures)
 
 if type(module._exponential_kernel).__name__ != "InterpretedFunction" and not torch.cuda.is_available():
     module = importlib.reload(module)  # imported before TRITON_INTERPRET was set: decorate it again

@@ -21,7 +21,7 @@ from engine.layers import fp8  # noqa: E402
 from engine.layers.activation import SiluAndMul  # noqa: E402
 from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _Linear  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
-from tests.kernel_checks import round_toward_zero, seed  # noqa: E402,F401 (fixture)
+from tests.kernel_checks import round_toward_zero  # noqa: E402
 
 if torch.cuda.is_available():
     pytest.skip("the GPU runs cuBLAS itself: tests/gpu/test_moe_fp8_gpu.py", allow_module_level=True)

@@ -19,14 +19,12 @@ pytest.importorskip("triton")
 
 from kernels import fp8  # noqa: E402
 from tests.kernel_checks import (  # noqa: E402,F401
-    TOL,
     assert_close,
     fp8_blocks,
     fp8_dequantized,
     poison,
     quantized_rows_reference,
     round_toward_zero,
-    seed,
 )
 
 if type(fp8._fp8_gemv_one_kernel).__name__ != "InterpretedFunction":

@@ -19,7 +19,7 @@ from engine.layers import paged_attention_torch as ref  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
 from kernels import decode_attention, kv_store, norm_rope_store, prefill_attention  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
-from tests.kernel_checks import assert_close, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import assert_close, poison  # noqa: E402,F401 (fixtures)
 from tests.test_kernels import DEVICE, HEAD_DIM, make_paged_kv  # noqa: E402
 
 FP8 = torch.float8_e4m3fn

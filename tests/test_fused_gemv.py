@@ -23,7 +23,6 @@ from tests.kernel_checks import (  # noqa: E402,F401
     norm_gemv_reference,
     poison,
     round_toward_zero,
-    seed,
 )
 
 if type(gemv._gemv_kernel).__name__ != "InterpretedFunction":

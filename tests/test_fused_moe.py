@@ -23,7 +23,6 @@ from tests.kernel_checks import (  # noqa: E402,F401
     fp8_dequantized,
     moe_reference,
     poison,
-    seed,
 )
 
 if type(fused_moe._route_kernel).__name__ != "InterpretedFunction":

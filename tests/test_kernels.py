@@ -28,7 +28,7 @@ from kernels import (  # noqa: E402
     rmsnorm,
     silu_mul,
 )
-from tests.kernel_checks import TOL, assert_close, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import TOL, assert_close, poison  # noqa: E402,F401 (fixtures)
 
 
 def _interpreted() -> bool:

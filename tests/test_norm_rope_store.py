@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
-from tests.kernel_checks import assert_close, run_norm_rope_store, seed  # noqa: E402,F401 (fixture)
+from tests.kernel_checks import assert_close, run_norm_rope_store  # noqa: E402
 
 # By module path: the package's lazy exports may one day name the function the same.
 nrs = importlib.import_module("kernels.norm_rope_store")

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from kernels import exponential_noise  # noqa: E402
 from kernels import temperature_draw as module  # noqa: E402
-from tests.kernel_checks import check_temperature_draw, seed  # noqa: E402,F401 (fixture)
+from tests.kernel_checks import check_temperature_draw  # noqa: E402
 
 if type(module._chunk_best_kernel).__name__ != "InterpretedFunction" and not torch.cuda.is_available():
     exponential_noise = importlib.reload(exponential_noise)  # imported before TRITON_INTERPRET was set

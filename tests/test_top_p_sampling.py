@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from engine.runner.sampler import _draw_from  # noqa: E402
 from kernels import top_p_sampling as module  # noqa: E402
-from tests.kernel_checks import check_top_p_draw, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import check_top_p_draw, poison  # noqa: E402,F401 (fixtures)
 
 if type(module._finish_kernel).__name__ != "InterpretedFunction" and not torch.cuda.is_available():
     module = importlib.reload(module)  # imported before TRITON_INTERPRET was set: decorate it again

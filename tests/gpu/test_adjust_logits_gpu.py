@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from engine.runner.decode_graphs import adjust_logits_torch  # noqa: E402
-from tests.kernel_checks import adjust_logits_inputs, assert_close, capture, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import adjust_logits_inputs, assert_close, capture, poison  # noqa: E402,F401 (fixtures)
 
 adjust = importlib.import_module("kernels.adjust_logits")
 

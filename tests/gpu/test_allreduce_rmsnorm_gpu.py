@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from engine.layers.norm import RMSNorm  # noqa: E402
-from tests.kernel_checks import AllReduceRanks, all_reduce_reference, assert_close, seed  # noqa: E402,F401
+from tests.kernel_checks import AllReduceRanks, all_reduce_reference, assert_close  # noqa: E402
 
 ar = importlib.import_module("kernels.allreduce_rmsnorm")
 if type(ar._all_reduce_rms_norm_kernel).__name__ == "InterpretedFunction":

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 from engine.layers import paged_attention_torch as ref  # noqa: E402
 from kernels import decode_attention, pdl  # noqa: E402
 from tests.gpu.test_kernels_gpu import make_paged_kv  # noqa: E402
-from tests.kernel_checks import DecodeStep, assert_close, capture, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import DecodeStep, assert_close, capture, poison  # noqa: E402,F401 (fixtures)
 
 if type(decode_attention._decode_kernel).__name__ == "InterpretedFunction":
     pytest.skip("kernels were imported under TRITON_INTERPRET=1", allow_module_level=True)

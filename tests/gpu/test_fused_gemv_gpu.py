@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from kernels import gemv, pdl, rmsnorm, silu_mul  # noqa: E402
-from tests.kernel_checks import assert_close, capture, norm_gemv_reference, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import assert_close, capture, norm_gemv_reference, poison  # noqa: E402,F401 (fixtures)
 
 if type(gemv._gemv_kernel).__name__ == "InterpretedFunction":
     pytest.skip("kernels were imported under TRITON_INTERPRET=1", allow_module_level=True)

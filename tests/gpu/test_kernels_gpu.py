@@ -24,7 +24,7 @@ from kernels import (  # noqa: E402
     rmsnorm,
     silu_mul,
 )
-from tests.kernel_checks import assert_close, capture, poison, seed  # noqa: E402,F401 (fixtures)
+from tests.kernel_checks import assert_close, capture, poison  # noqa: E402,F401 (fixtures)
 
 if type(decode_attention._decode_kernel).__name__ == "InterpretedFunction":
     pytest.skip("kernels were imported under TRITON_INTERPRET=1", allow_module_level=True)

@@ -25,7 +25,7 @@ from triton.runtime import driver  # noqa: E402
 from engine.layers import paged_attention_torch as ref  # noqa: E402
 from kernels import decode_attention, gemv, launch_limits, prefill_attention  # noqa: E402
 from tests.gpu.test_kernels_gpu import make_paged_kv  # noqa: E402
-from tests.kernel_checks import assert_close, norm_gemv_reference, seed  # noqa: E402,F401 (seed: fixture)
+from tests.kernel_checks import assert_close, norm_gemv_reference  # noqa: E402
 
 if type(gemv._gemv_kernel).__name__ == "InterpretedFunction":
     pytest.skip("kernels were imported under TRITON_INTERPRET=1", allow_module_level=True)

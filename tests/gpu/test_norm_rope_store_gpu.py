@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from engine.layers.norm import RMSNorm  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding  # noqa: E402
-from tests.kernel_checks import (  # noqa: E402,F401 (seed: fixture)
+from tests.kernel_checks import (  # noqa: E402
     assert_close,
     capture,
     norm_rope_store_reference,

@@ -4,7 +4,7 @@ graphs' row counts, against the torch draw over exponential_noise's tensor from 
 import pytest
 import torch
 
-from tests.kernel_checks import check_temperature_draw, seed  # noqa: F401 (fixture)
+from tests.kernel_checks import check_temperature_draw
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -5,7 +5,7 @@ them, against the float64 reference of what the sampler's sort keeps and draws
 import pytest
 import torch
 
-from tests.kernel_checks import check_top_p_draw, poison, seed  # noqa: F401 (fixtures)
+from tests.kernel_checks import check_top_p_draw, poison  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
