@@ -109,8 +109,11 @@ def test_the_product_is_the_float_product_of_the_weight_it_holds():
     exact = x.double() @ expanded_reference(weight).T
     got = weight.kernel_product(x)
     assert got.dtype == torch.float32 and got.shape == (7, 300)
-    # The activations' two int8 parts hold each to 2^-16 of its group's largest value.
-    assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-4
+    # The activations' two int8 parts hold each to 2^-16 of its group's largest value. The weights'
+    # minimums (about -2 here) weigh every value of a group alike, so the parts' rounding adds up
+    # over a group instead of averaging out: the relative error runs about 5e-5, and past 1e-4 in
+    # one draw of 30,000.
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 2e-4
     # The quantized weight is within half a step of the float one, plus the float16 rounding of the
     # step and the minimum (2^-11 of each; the step counts up to 15 times).
     _, scales, minimums = weight.by_row()
