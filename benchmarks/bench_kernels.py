@@ -469,25 +469,30 @@ def run_w8a8():
     engine/layers/fp8.py's block_scaled_mm (the engine's product from 2 rows: the launch w8a8_launch
     picks, or cuBLAS) and cuBLAS's block-scaled product whole, at Qwen3-8B's projections and 1-16
     rows quantized as the engine hands them over (QuantizedRows: blocks of 128 x 128, in the smoke
-    run too); at one row also the one-row FP8 GEMV, the engine's path there. Graph us a product,
-    PDL as the engine launches. What w8a8_launch's rule was read from."""
+    run too), and at one row Qwen3-32B's qkv and gate/up and Qwen3-30B-A3B's qkv; at one row also
+    the one-row FP8 GEMV, the engine's path there where w8a8_launch picks none. Graph us a
+    product, PDL as the engine launches. What w8a8_launch's rule was read from."""
     if not HAS_FP8:
         print("W8A8 rows skipped: the GPU has no FP8 (compute capability below 8.9)")
         return []
     cublas = CUDA and fp8_layer.cublas_block_scaling(torch.device(DEVICE))
     arrivals = torch.zeros(16384, dtype=torch.int32, device=DEVICE)
     out = []
-    for N, K in ([(96, 512)] if SMOKE else [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]):
+    qwen3_8b = [(N, K, [1, 2, 8, 16]) for N, K in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))]
+    # One row only: Qwen3-32B's qkv and gate/up, Qwen3-30B-A3B's qkv (w8a8_launch's one-row rule).
+    one_row = [(10240, 5120, [1]), (51200, 5120, [1]), (5120, 2048, [1])]
+    for N, K, row_counts in ([(96, 512, [1, 2])] if SMOKE else qwen3_8b + one_row):
         copies = [quantize_blocks((torch.randn(N, K, device=DEVICE) / K ** 0.5).to(DTYPE), fp8_layer.DEFAULT_BLOCK)
                   for _ in range(1 if SMOKE else W8A8_COPIES)]
-        for m in ([2] if SMOKE else [1, 2, 8, 16]):
+        for m in row_counts:
             x_bf16 = torch.randn(m, K, device=DEVICE).to(DTYPE)
             x = fp8_layer.QuantizedRows(*fp8_kernels.quantize_activations(x_bf16, **fp8_layer.CUBLAS_ROWS), m)
             products = {}
             if cublas:
                 chosen = fp8_layer.w8a8_launch_on(m, N, K, torch.device(DEVICE))
                 choice = "cuBLAS" if chosen is None else f"w{chosen.num_warps}p{chosen.pieces}"
-                products[f"block_scaled_mm ({choice})"] = lambda q, s: fp8_layer.block_scaled_mm(x, q, s)
+                if m > 1 or chosen is not None:  # otherwise one row runs the one-row GEMV
+                    products[f"block_scaled_mm ({choice})"] = lambda q, s: fp8_layer.block_scaled_mm(x, q, s)
                 products["cuBLAS whole"] = lambda q, s: _block_scaled_whole(x, q, s)
             if m == 1:
                 products["one-row GEMV"] = lambda q, s: fp8_kernels.fp8_gemv(x_bf16, q, s, fp8_layer.DEFAULT_BLOCK)

@@ -229,7 +229,10 @@ def test_w8a8_gemv_in_pieces_of_k_sums_them_in_order_and_resets_its_counters(row
 
 @pytest.mark.parametrize("rows, N, K, launch", [
     (2, 6144, 4096, (4, 4, 1)), (16, 4096, 4096, (4, 4, 1)), (8, 24576, 4096, (1, 4, 2)),  # Qwen3-8B
-    (1, 1024, 1024, (4, 4, 1)), (4, 1024, 768, (2, 4, 1)), (4, 1024, 640, (1, 4, 2)),  # pieces: 256+ columns
+    (4, 1024, 1024, (4, 4, 1)), (4, 1024, 768, (2, 4, 1)), (4, 1024, 640, (1, 4, 2)),  # pieces: 256+ columns
+    (1, 24576, 4096, (1, 4, 2)), (1, 10240, 5120, (1, 4, 2)), (1, 8448, 4096, (1, 4, 2)),  # one row: whole
+    (1, 8384, 4096, None), (1, 6144, 4096, None), (1, 4096, 4096, None), (1, 5120, 2048, None),  # one-row GEMV
+    (1, 24576, 12288, None),
     (8, 512, 384, (1, 4, 2)), (2, 10240, 5120, (2, 4, 1)), (2, 4096, 8192, (4, 4, 1)),
     (2, 4096, 12288, None), (16, 5120, 25600, None),  # down: cuBLAS
     (17, 24576, 4096, (1, 2, 2)), (32, 16384, 12288, (1, 2, 2)),  # 17-32 rows: a wide W whole
@@ -237,9 +240,10 @@ def test_w8a8_gemv_in_pieces_of_k_sums_them_in_order_and_resets_its_counters(row
 ])
 def test_w8a8_gemv_takes_the_rows_shapes_and_launches_it_measured_faster_at(rows, N, K, launch):
     """engine/layers/fp8.py's rule on an H200 (132 SMs): 1-16 rows with K up to 8192 on four warps
-    in the fewest pieces of K (at most 4, each at least 256 columns) that make two programs an SM,
-    17-32 rows whole on two warps against a W of 16,384 rows or more (gate and up), cuBLAS
-    otherwise (benchmarks/HISTORY.md, 2026-11-28, 13:49 and 15:26)."""
+    in the fewest pieces of K (at most 4, each at least 256 columns) that make two programs an SM
+    (one row whole, where W's bands of 64 rows are at least one an SM),
+    17-32 rows whole on two warps against a W of 16,384 rows or more (gate and up), otherwise
+    cuBLAS, or at one row the one-row GEMV (benchmarks/HISTORY.md, 2026-11-28, 13:49 and 15:26)."""
     from engine.layers.fp8 import w8a8_launch
     assert w8a8_launch(rows, N, K, 132) == launch
 

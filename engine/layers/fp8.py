@@ -103,7 +103,7 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.T
     columns, then cuBLAS's block-scaled FP8 product (bench_kernels: 1.4-1.6x our Triton GEMM and
     1.5x bf16 at prefill sizes, and it keeps 2-8 rows near bf16's time, where the Triton GEMV took
     up to 2x). Otherwise kernels/fp8.py's GEMV or GEMM. QuantizedRows go to block_scaled_mm as they
-    are."""
+    are: one row comes so only where the W8A8 GEMV beats the one-row GEMV (takes_rows)."""
     from kernels.fp8 import (
         fp8_linear,  # start-up: Triton loads only where its kernels run
     )
@@ -176,6 +176,13 @@ class W8A8Launch(NamedTuple):
     groups: int
 
 
+def takes_rows(rows: int, N: int, K: int, device: torch.device) -> bool:
+    """Whether block_scaled_mm is the product of `rows` rows against W [N, K] on `device`, where
+    cuBLAS takes the shapes (cublas_takes): from 2 rows always; one row only where the W8A8 GEMV
+    runs it (w8a8_launch), since the one-row FP8 GEMV is faster than cuBLAS there (linear)."""
+    return rows > 1 or w8a8_launch_on(rows, N, K, device) is not None
+
+
 def w8a8_launch_on(rows: int, N: int, K: int, device: torch.device) -> W8A8Launch | None:
     """How block_scaled_mm runs a product of `rows` rows and W [N, K] on `device` through the W8A8
     GEMV (w8a8_launch says when); None: through cuBLAS."""
@@ -196,10 +203,19 @@ def w8a8_launch(rows: int, N: int, K: int, sms: int) -> W8A8Launch | None:
     whole; 8 pieces were slower than 4 at every shape and row count. down (K 12,288) stays on
     cuBLAS, which took 22.5-23.1 us against 21.4-27.2 in pieces (H200, benchmarks/HISTORY.md,
     2026-11-28, 15:26; bench_kernels --w8a8 times the same products).
+    One row: whole, where W's bands of 64 rows are at least one an SM, and otherwise the one-row
+    FP8 GEMV with x unquantized (linear). Whole it took 25.71 us at 24576 x 4096 (Qwen3-8B's gate
+    and up), 17.03 at 10240 x 5120 and 67.85 at 51200 x 5120 (Qwen3-32B's qkv and gate/up) against
+    the one-row GEMV's 27.96, 19.59 and 71.44; at Qwen3-8B's qkv (6144 x 4096, 96 bands) 11.86
+    whole and 11.92 in 4 pieces against 11.23, at 5120 x 2048 (Qwen3-30B-A3B's qkv) 6.39 against
+    5.68, and slower again at o_proj and down (bench_kernels --w8a8; benchmarks/HISTORY.md,
+    2026-11-28, session of 19:22).
     17-32 rows: the GEMV whole on two warps against a W of at least 16,384 rows (gate and up): at
     24576 x 4096 it took 26.7-30.2 us against cuBLAS's 31.8-33.7 (session of 13:49)."""
     if 1 <= rows <= 16 and K <= _W8A8_MAX_PIECED_K:
         bands = cdiv(N, _W8A8_BAND)
+        if rows == 1:
+            return W8A8Launch(1, num_warps=4, groups=2) if bands >= sms else None
         pieces = 1
         while (bands * pieces < 2 * sms and pieces < _W8A8_MAX_PIECES
                and K % (2 * pieces * _CUBLAS_BLOCK[1]) == 0 and K // (2 * pieces) >= _W8A8_MIN_PIECE_K):

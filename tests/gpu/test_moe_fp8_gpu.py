@@ -35,7 +35,6 @@ from tests.kernel_checks import (  # noqa: E402,F401 (fixtures)
     moe_reference,
     poison,
     quantized_rows_reference,
-    seed,
 )
 from tests.test_fp8_checkpoint import write_fp8_checkpoint  # noqa: E402
 
@@ -272,6 +271,35 @@ def test_fp8_linear_beyond_one_row_matches_the_w8a8_reference(M, N, K, poison):
     with poison():
         y = fp8_layer.linear(x, q, scales, (128, 128))
     assert_close(y, _w8a8_reference(x, q, scales, (128, 128)), BF16)
+
+
+@needs_cublas_blocks
+@pytest.mark.parametrize("N, K, handed_over", [(24576, 4096, True), (6144, 4096, False), (4096, 4096, False)])
+def test_one_row_after_a_norm_goes_where_it_runs_fastest_and_as_beside_another_row(N, K, handed_over, poison):
+    """A decode step of one row at Qwen3-8B's shapes: before gate/up (24576 x 4096) the norm hands
+    its row over quantized, to the W8A8 GEMV, whose product of a row is then the same alone as
+    beside another row; at qkv's and o_proj's shapes the row stays in bf16 for the one-row FP8 GEMV
+    (engine/layers/fp8.py's w8a8_launch says why)."""
+    from engine.layers.linear import ColumnParallelLinear
+    from engine.layers.norm import RMSNorm
+    layer, norm = ColumnParallelLinear(K, N), RMSNorm(K)
+    layer.weight = torch.nn.Parameter((torch.randn(N, K, device="cuda") / K ** 0.5).to(BF16), requires_grad=False)
+    layer.quantize("fp8")
+    norm.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(K, device="cuda")).to(BF16), requires_grad=False)
+    norm.fused = True
+    x, residual = torch.randn(2, K, device="cuda").to(BF16), torch.randn(2, K, device="cuda").to(BF16)
+    assert layer.takes_quantized_rows(x[:1]) == handed_over and layer.takes_quantized_rows(x)
+    with poison():
+        one, one_residual = layer.norm_forward(norm, x[:1], residual[:1])
+    two, two_residual = layer.norm_forward(norm, x, residual)
+    normed = norm(x[:1], residual[:1])[0]
+    assert torch.equal(one_residual, two_residual[:1])
+    if handed_over:
+        assert torch.equal(one, two[:1])
+        assert_close(one, _w8a8_reference(normed, layer.weight, layer.weight_scale_inv, (128, 128)), BF16)
+    else:
+        want = (normed.float() @ fp8_dequantized(layer.weight, layer.weight_scale_inv, (128, 128)).T).to(BF16)
+        assert_close(one, want, BF16)
 
 
 @needs_cublas_blocks

@@ -24,7 +24,6 @@ from tests.kernel_checks import (  # noqa: E402
     capture,
     norm_rope_store_reference,
     run_norm_rope_store,
-    seed,
 )
 
 nrs = importlib.import_module("kernels.norm_rope_store")
