@@ -21,6 +21,7 @@ a scale grid per expert), multiplied in the activations' dtype after scaling.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -66,18 +67,8 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.const
 
 
 @triton.jit
-def _scaled_tile(w_ptrs, mask, s_ptrs, s_mask, FP8: tl.constexpr):
-    """A weight tile in fp32, times its rows' block scales when the weights are FP8."""
-    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if FP8:
-        w = w * tl.load(s_ptrs, mask=s_mask, other=0.0)[:, None]
-    return w
-
-
-@triton.jit
-def _gate_up_gemv_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_se,
-                         stride_sn, stride_h, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
+def _gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_h,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # One (token, chosen expert) pair and BLOCK_N of the expert's N intermediate columns: gate rows
     # n and up rows N + n against the token's row, then silu(gate) * up.
     if PDL:
@@ -91,29 +82,68 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, stride_x, st
     n_ok = n < N
     gate_at = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]
     up_at = gate_at + N * stride_wn
-    gate_s_at = s_ptr + expert * stride_se + (n // SCALE_N) * stride_sn
-    up_s_at = s_ptr + expert * stride_se + ((n + N) // SCALE_N) * stride_sn
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + k < K
         x = tl.load(x_ptr + token * stride_x + k0 + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         mask = n_ok[:, None] & k_ok[None, :]
-        acc_gate += _scaled_tile(gate_at + k0, mask, gate_s_at + k0 // SCALE_K, n_ok, FP8) * x
-        acc_up += _scaled_tile(up_at + k0, mask, up_s_at + k0 // SCALE_K, n_ok, FP8) * x
-    # Rounded to the output's dtype where the unfused layers round (each projection's output),
-    # then SiLU-mul in fp32, rounded once.
-    gate = tl.sum(acc_gate, axis=1).to(h_ptr.dtype.element_ty).to(tl.float32)
-    up = tl.sum(acc_up, axis=1).to(h_ptr.dtype.element_ty).to(tl.float32)
-    h = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(h_ptr + pair * stride_h + n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+        acc_gate += tl.load(gate_at + k0, mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_at + k0, mask=mask, other=0.0).to(tl.float32) * x
+    _store_silu_mul(h_ptr + pair * stride_h + n, n_ok, tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1))
 
 
 @triton.jit
-def _down_gemv_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, stride_we, stride_wn,
-                      stride_se, stride_sn, stride_y, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
-                      SCALE_K: tl.constexpr, PDL: tl.constexpr):
+def _store_silu_mul(h_ptrs, mask, gate, up):
+    # Rounded to the output's dtype where the unfused layers round (each projection's output),
+    # then SiLU-mul in fp32, rounded once.
+    gate = gate.to(h_ptrs.dtype.element_ty).to(tl.float32)
+    up = up.to(h_ptrs.dtype.element_ty).to(tl.float32)
+    tl.store(h_ptrs, (gate / (1.0 + tl.exp(-gate)) * up).to(h_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_up_gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_se,
+                             stride_sn, stride_h, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                             SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
+    # _gate_up_gemv_kernel for block-FP8 experts. A K step is GROUPS scale blocks of SCALE_K
+    # columns. BLOCK_N divides SCALE_N and N, so the program's gate rows share one row of scales
+    # and its up rows another: each block's scale multiplies x's SCALE_K columns, one scale load a
+    # block, not one multiply a weight.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pair = tl.program_id(0).to(tl.int64)
+    token = pair // TOP_K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    group = tl.arange(0, GROUPS)
+    kk = group[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [GROUPS, SCALE_K]
+    gate_at = w_ptr + expert * stride_we + n[:, None, None].to(tl.int64) * stride_wn + kk[None, :, :]
+    up_at = gate_at + N * stride_wn
+    gate_s_at = s_ptr + expert * stride_se + (n0 // SCALE_N) * stride_sn
+    up_s_at = s_ptr + expert * stride_se + ((n0 + N) // SCALE_N) * stride_sn
+    acc_gate = tl.zeros([BLOCK_N, GROUPS, SCALE_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, GROUPS, SCALE_K], dtype=tl.float32)
+    for k0 in range(0, K, GROUPS * SCALE_K):
+        k_ok = k0 + kk < K
+        block_ok = k0 + group * SCALE_K < K
+        x = tl.load(x_ptr + token * stride_x + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        gate_scale = tl.load(gate_s_at + k0 // SCALE_K + group, mask=block_ok, other=0.0)
+        up_scale = tl.load(up_s_at + k0 // SCALE_K + group, mask=block_ok, other=0.0)
+        mask = n_ok[:, None, None] & k_ok[None, :, :]
+        acc_gate += tl.load(gate_at + k0, mask=mask, other=0.0).to(tl.float32) * (x * gate_scale[:, None])[None]
+        acc_up += tl.load(up_at + k0, mask=mask, other=0.0).to(tl.float32) * (x * up_scale[:, None])[None]
+    _store_silu_mul(h_ptr + pair * stride_h + n, n_ok, tl.sum(tl.sum(acc_gate, axis=2), axis=1),
+                    tl.sum(tl.sum(acc_up, axis=2), axis=1))
+
+
+@triton.jit
+def _down_gemv_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, stride_we, stride_wn, stride_y,
+                      TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
     # One token and BLOCK_N of the hidden columns: its chosen experts' down projections, each
     # input row scaled by the router's weight, summed in fp32 and rounded once. One loop runs over
     # every (expert, K tile) pair, its experts' ids read before it, so that the loads of the next
@@ -138,9 +168,47 @@ def _down_gemv_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, str
         k_ok = k0 + k < K
         h = tl.load(h_ptr + (token * TOP_K + j) * stride_h + k0 + k, mask=k_ok, other=0.0).to(tl.float32) * gate
         w_at = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k0 + k[None, :]
-        s_at = s_ptr + expert * stride_se + (n // SCALE_N) * stride_sn + k0 // SCALE_K
-        acc += _scaled_tile(w_at, n_ok[:, None] & k_ok[None, :], s_at, n_ok, FP8) * h[None, :]
+        acc += tl.load(w_at, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * h[None, :]
     tl.store(y_ptr + token * stride_y + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _down_gemv_fp8_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, stride_we, stride_wn,
+                          stride_se, stride_sn, stride_y, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+                          BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                          PDL: tl.constexpr):
+    # _down_gemv_kernel for block-FP8 experts, in K steps of GROUPS scale blocks as
+    # _gate_up_gemv_fp8_kernel takes them: BLOCK_N divides SCALE_N, so the program's rows share a
+    # row of scales, and each block's scale multiplies the input's columns with the router's weight.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    token = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    group = tl.arange(0, GROUPS)
+    kk = group[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [GROUPS, SCALE_K]
+    slot = tl.arange(0, TOP_K_PAD)
+    experts = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0).to(tl.int64)
+    gates = tl.load(topk_w_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0.0)
+    STEP: tl.constexpr = GROUPS * SCALE_K
+    k_tiles = tl.cdiv(K, STEP)
+    acc = tl.zeros([BLOCK_N, GROUPS, SCALE_K], dtype=tl.float32)
+    for step in range(0, TOP_K * k_tiles):
+        j = step // k_tiles
+        k0 = (step - j * k_tiles) * STEP
+        expert = tl.sum(tl.where(slot == j, experts, 0))
+        gate = tl.sum(tl.where(slot == j, gates, 0.0))
+        k_ok = k0 + kk < K
+        block_ok = k0 + group * SCALE_K < K
+        scale = tl.load(s_ptr + expert * stride_se + (n0 // SCALE_N) * stride_sn + k0 // SCALE_K + group,
+                        mask=block_ok, other=0.0)
+        h = tl.load(h_ptr + (token * TOP_K + j) * stride_h + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        w_at = w_ptr + expert * stride_we + n[:, None, None].to(tl.int64) * stride_wn + k0 + kk[None, :, :]
+        w = tl.load(w_at, mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
+        acc += w * (h * (scale * gate)[:, None])[None]
+    tl.store(y_ptr + token * stride_y + n, tl.sum(tl.sum(acc, axis=2), axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -327,39 +395,69 @@ def _k_tile(block_k: int, K: int, scale_k: int, fp8: bool) -> int:
     return min(block_k, scale_k) if fp8 else block_k
 
 
+# (block_n, block_k, num_warps) of the FP8 GEMV kernels at one token and at 2 to GEMV_MAX_TOKENS,
+# block_k FP8 columns a K step (whole scale blocks). The best of a sweep of each kernel alone at
+# Qwen3-30B-A3B's experts, 1 and 8 tokens, in a graph of calls on new routings (H200,
+# benchmarks/HISTORY.md, 2026-11-28, session of 19:22): gate/up 11.31 and 65.95 us, down 10.85 and
+# 32.00, against 12.34 and 81.39, 12.05 and 51.30 for 2 x 1024 on 2 warps and 4 x 1024 on 2. Down
+# keeps its one-token tiles up to 3 tokens: at 2 they took 13.63 us against 22.80, at 4 25.64
+# against 25.08.
+_FP8_GATE_UP_TILES = ((2, 512, 1), (1, 256, 1))
+_FP8_DOWN_TILES = ((8, 1024, 4), (8, 256, 1))
+_FP8_DOWN_FEW_TOKENS = 3
+
+
+def _fp8_tiles(launch: dict, default: tuple[int, int, int], rows: int, K: int, block: tuple[int, int]):
+    """(block_n, groups of scale_k columns a K step, num_warps) for an FP8 GEMV kernel: block_n cut
+    to a divisor of the scale blocks' rows and of `rows` (where gate's rows end and up's begin),
+    so that a program's rows share their scales."""
+    scale_n, scale_k = block
+    block_n = math.gcd(launch.get("block_n") or default[0], scale_n, rows)
+    block_k = min(launch.get("block_k") or default[1], triton.next_power_of_2(K))
+    return block_n, max(block_k // scale_k, 1), launch.get("num_warps") or default[2]
+
+
 def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, h, out, launch, pdl_on):
     T, H = x.shape
     inter, top_k = h.shape[1], topk_ids.shape[1]
+    num_stages = launch.get("num_stages") or 3
+    top_k_pad = triton.next_power_of_2(top_k)
     # Swept one kernel at a time on an H200 at one token (benchmarks/HISTORY.md, 2026-11-27), the
     # experts read as a step's layers read them: Qwen3-30B-A3B's (H 2048, I 768) and their
     # tensor-parallel halves (I 384), bf16. Long K tiles pay most: gate/up 2 rows x 1,024 on 2 warps
     # ran 13.8 us against 17.4 with 4 x 256; down 4 x 1,024 on 2 warps 9.9 against 18.6, and with
-    # I 384 (rows of 768 bytes) 2 rows on 4 warps: more programs, as each has less to read. A tile
-    # row is 2 KB in any dtype. FP8 weights keep the tiles they had (a tile stays inside one
-    # 128-wide scale block): not swept.
+    # I 384 (rows of 768 bytes) 2 rows on 4 warps: more programs, as each has less to read.
     short_rows = inter <= 512
-    if _interpreted():
-        rows13 = rows2 = 32
-    elif fp8_13:
-        rows13 = rows2 = 4
+    interpreted = _interpreted()  # the interpreter runs programs one by one: fewer, wider ones
+    if fp8_13:
+        block_n, groups, warps = _fp8_tiles(launch, (32, 128, 1) if interpreted else _FP8_GATE_UP_TILES[T > 1],
+                                            inter, H, block13)
+        _gate_up_gemv_fp8_kernel[(T * top_k, triton.cdiv(inter, block_n))](
+            x, w13, s13, topk_ids, h, inter, H, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+            s13.stride(1), h.stride(0), TOP_K=top_k, BLOCK_N=block_n, GROUPS=groups, SCALE_N=block13[0],
+            SCALE_K=block13[1], PDL=pdl_on, num_warps=warps, num_stages=num_stages, launch_pdl=pdl_on)
     else:
-        rows13, rows2 = 2, (2 if short_rows else 4)
-    num_stages = launch.get("num_stages") or 3
-    block_k = _k_tile(launch.get("block_k") or 2048 // w13.element_size(), H, block13[1], fp8_13)
-    block_n = launch.get("block_n") or rows13
-    _gate_up_gemv_kernel[(T * top_k, triton.cdiv(inter, block_n))](
-        x, w13, s13, topk_ids, h, inter, H, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
-        s13.stride(1) if fp8_13 else 0, h.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8_13,
-        SCALE_N=block13[0], SCALE_K=block13[1], PDL=pdl_on, num_warps=launch.get("num_warps") or 2,
-        num_stages=num_stages, launch_pdl=pdl_on)
-    block_k = _k_tile(launch.get("block_k") or 2048 // w2.element_size(), inter, block2[1], fp8_2)
-    block_n = launch.get("block_n") or rows2
-    down_warps = 4 if short_rows and not fp8_2 else 2
-    _down_gemv_kernel[(T, triton.cdiv(H, block_n))](
-        h, w2, s2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
-        s2.stride(1) if fp8_2 else 0, out.stride(0), TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
-        BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8_2, SCALE_N=block2[0], SCALE_K=block2[1], PDL=pdl_on,
-        num_warps=launch.get("num_warps") or down_warps, num_stages=num_stages, launch_pdl=pdl_on)
+        block_n = launch.get("block_n") or (32 if interpreted else 2)
+        block_k = min(launch.get("block_k") or 2048 // w13.element_size(), triton.next_power_of_2(H))
+        _gate_up_gemv_kernel[(T * top_k, triton.cdiv(inter, block_n))](
+            x, w13, topk_ids, h, inter, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), TOP_K=top_k,
+            BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_on, num_warps=launch.get("num_warps") or 2,
+            num_stages=num_stages, launch_pdl=pdl_on)
+    if fp8_2:
+        block_n, groups, warps = _fp8_tiles(launch, (32, 128, 1) if interpreted else _FP8_DOWN_TILES[T > _FP8_DOWN_FEW_TOKENS],
+                                            H, inter, block2)
+        _down_gemv_fp8_kernel[(T, triton.cdiv(H, block_n))](
+            h, w2, s2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
+            s2.stride(1), out.stride(0), TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_N=block_n, GROUPS=groups,
+            SCALE_N=block2[0], SCALE_K=block2[1], PDL=pdl_on, num_warps=warps, num_stages=num_stages,
+            launch_pdl=pdl_on)
+    else:
+        block_n = launch.get("block_n") or (32 if interpreted else 2 if short_rows else 4)
+        block_k = min(launch.get("block_k") or 2048 // w2.element_size(), triton.next_power_of_2(inter))
+        _down_gemv_kernel[(T, triton.cdiv(H, block_n))](
+            h, w2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_on,
+            num_warps=launch.get("num_warps") or (4 if short_rows else 2), num_stages=num_stages, launch_pdl=pdl_on)
 
 
 def _moe_grouped(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, out, launch, pdl_on):

@@ -119,10 +119,14 @@ def test_one_expert_per_token_all_on_one_expert(poison):
     check(17, E=4, H=32, inter=24, top_k=1, dtype=F32, gemv=False, poison=poison, ids=ids)
 
 
-@pytest.mark.parametrize("gemv, block", [(True, (32, 16)), (False, (16, 32)), (False, (32, 16))])
-def test_fp8_experts_match_the_dequantized_reference(gemv, block, poison):
+@pytest.mark.parametrize("gemv, block, launch", [
+    (True, (32, 16), GEMV), (True, (16, 32), GEMV), (True, (32, 16), {}), (True, (128, 128), {}),
+    (False, (16, 32), GROUPED), (False, (32, 16), GROUPED)])
+def test_fp8_experts_match_the_dequantized_reference(gemv, block, launch, poison):
     """Block-FP8 experts; 40 and 48 are not multiples of every block side, so edge blocks are
-    partial, and gate's and up's rows meet inside a block where block_n is 32."""
+    partial, and gate's and up's rows meet inside a block where block_n is 32. The GEMV path takes
+    K steps of several scale blocks (or, with 32-column blocks, less than one), its programs' rows
+    cut to share their scales, in the tiles asked for and in its own."""
     T, E, H, inter, top_k = (3 if gemv else 19), 5, 48, 40, 2
     x = torch.randn(T, H)
     w13, w2 = experts(E, H, inter, F32)
@@ -130,7 +134,7 @@ def test_fp8_experts_match_the_dequantized_reference(gemv, block, poison):
     weights, ids = random_routing(T, E, top_k)
     with poison():
         out = fused_moe.fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, scale_block=block, gemv=gemv,
-                                  **(GEMV if gemv else GROUPED))
+                                  **launch)
     want = moe_reference(x, fp8_dequantized(q13, s13, block), fp8_dequantized(q2, s2, block), weights, ids)
     assert_close(out, want, F32)
 

@@ -134,10 +134,12 @@ def test_fused_moe_with_every_token_on_one_expert_and_the_rest_idle(T, poison):
 
 
 @needs_fp8
-@pytest.mark.parametrize("T", [1, 8, 64])
-def test_fused_moe_with_fp8_experts(T, poison):
+@pytest.mark.parametrize("T, inter", [(1, INTER), (2, INTER), (8, INTER), (64, INTER), (1, INTER // 2), (5, INTER // 2)])
+def test_fused_moe_with_fp8_experts(T, inter, poison):
+    """Both paths' tiles at Qwen3-30B-A3B's experts and at their halves under tensor parallelism:
+    the GEMV's at one token and at 2-8, the grouped GEMMs' beyond."""
     x = torch.randn(T, H, device="cuda").to(BF16)
-    w13, w2 = experts(F32)
+    w13, w2 = experts(F32, inter=inter)
     (q13, s13), (q2, s2) = fp8_blocks(w13, (128, 128)), fp8_blocks(w2, (128, 128))
     weights, ids = routing(T)
     with poison():
