@@ -1,5 +1,6 @@
 """A tiny MCP server for the tests, written with the official SDK: `python mcp_test_server.py`
-serves over stdio, `python mcp_test_server.py http PORT` over streamable HTTP.
+serves over stdio, `python mcp_test_server.py http` over streamable HTTP on a port of 127.0.0.1
+that the system picks, which it prints once its socket listens.
 
 Its tools' schemas take no keys beyond their parameters (additionalProperties false, as strict
 function tools' do), so that a call the engine holds to its schema ends with its arguments rather
@@ -8,11 +9,13 @@ than running on with keys the model makes up.
 With NVCHAT_TEST_GATE naming a file in its environment, weather answers only once that file exists
 (or after a minute): a test holds a call running for as long as it looks at the app meanwhile."""
 import os
+import socket
 import sys
 import time
 from typing import Literal
 
 import anyio
+import uvicorn
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.tools import Tool
 
@@ -43,6 +46,13 @@ server = MCPServer("nvchat-test-tools", tools=[closed(Tool.from_function(fn)) fo
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["http"]:
-        server.run("streamable-http", port=int(sys.argv[2]))
+        # Bound here and handed to uvicorn, so that no other process can take the port between
+        # its choice and the bind, and a client may connect as soon as the port is printed.
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        print(listener.getsockname()[1], flush=True)
+        app = server.streamable_http_app(host="127.0.0.1")
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
     else:
         server.run()

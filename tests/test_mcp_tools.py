@@ -1,11 +1,9 @@
 """MCP servers' tools (nvchat/mcp_tools.py) against a real MCP server written with the official SDK
 (tests/mcp_test_server.py), over stdio and over streamable HTTP; config.toml's [mcp_servers]; and
 how a conversation stores calls and their results and bounds calling replies."""
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -70,25 +68,12 @@ def test_a_stdio_servers_tools_are_offered_and_called_and_a_server_that_cannot_s
     assert tools._thread is not None and not tools._thread.is_alive()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_streamable_http_server_is_reached_by_its_url(tmp_path):
-    port = free_port()
-    server = subprocess.Popen([sys.executable, SERVER, "http", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([sys.executable, SERVER, "http"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:  # until the server listens
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.5).close()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "the HTTP server did not start"
-                time.sleep(0.05)
+        port = server.stdout.readline().strip()  # printed once the server's socket listens
+        assert port.isdigit(), f"the HTTP server did not start (exit status {server.wait(10)})"
         tools, reports = started([McpServerSpec("web", url=f"http://127.0.0.1:{port}/mcp")], tmp_path)
         try:
             assert reports["web"] == ("ready", "weather, broken")
@@ -98,6 +83,7 @@ def test_a_streamable_http_server_is_reached_by_its_url(tmp_path):
     finally:
         server.terminate()
         server.wait(10)
+        server.stdout.close()
 
 
 def test_servers_come_from_config_toml_and_survive_saving_another_setting():
