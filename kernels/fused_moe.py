@@ -17,7 +17,8 @@ Nothing here reads a tensor's values on the host or makes a shape from them: the
 grids cover the most blocks the pairs can fill, and programs past the last filled block exit; so
 a CUDA graph captures a step of a fixed token count. Expert weights are stacked: w13 [E, 2I, H]
 (gate's I rows, then up's), w2 [E, H, I]; either may be block-wise FP8 (kernels/fp8.py's layout,
-a scale grid per expert), multiplied in the activations' dtype after scaling.
+a scale grid per expert). The grouped GEMMs widen an FP8 tile to the activations' dtype and scale
+its product; the GEMV path multiplies in fp32, each scale block's scale on the input's columns.
 """
 from __future__ import annotations
 
@@ -399,9 +400,10 @@ def _k_tile(block_k: int, K: int, scale_k: int, fp8: bool) -> int:
 # block_k FP8 columns a K step (whole scale blocks). The best of a sweep of each kernel alone at
 # Qwen3-30B-A3B's experts, 1 and 8 tokens, in a graph of calls on new routings (H200,
 # benchmarks/HISTORY.md, 2026-11-28, session of 19:22): gate/up 11.31 and 65.95 us, down 10.85 and
-# 32.00, against 12.34 and 81.39, 12.05 and 51.30 for 2 x 1024 on 2 warps and 4 x 1024 on 2. Down
-# keeps its one-token tiles up to 3 tokens: at 2 they took 13.63 us against 22.80, at 4 25.64
-# against 25.08.
+# 32.00, against 12.34 and 81.39, 12.05 and 51.30 for the first tiles tried (2 x 1024 on 2 warps, 4 x
+# 1024 on 2). With those first tiles the layer took 26.32 us at one token against 46.60 for the
+# kernels before these, whose tiles were 4 rows of one 128-column scale block. Down keeps its
+# one-token tiles up to 3 tokens: at 2 they took 13.63 us against 22.80, at 4 25.64 against 25.08.
 _FP8_GATE_UP_TILES = ((2, 512, 1), (1, 256, 1))
 _FP8_DOWN_TILES = ((8, 1024, 4), (8, 256, 1))
 _FP8_DOWN_FEW_TOKENS = 3
@@ -409,8 +411,9 @@ _FP8_DOWN_FEW_TOKENS = 3
 
 def _fp8_tiles(launch: dict, default: tuple[int, int, int], rows: int, K: int, block: tuple[int, int]):
     """(block_n, groups of scale_k columns a K step, num_warps) for an FP8 GEMV kernel: block_n cut
-    to a divisor of the scale blocks' rows and of `rows` (where gate's rows end and up's begin),
-    so that a program's rows share their scales."""
+    to a divisor of the scale blocks' rows, so that a program's rows share their scales, and of
+    `rows` (gate/up's I, where gate's rows end and up's begin: up's programs then share theirs too).
+    block_k is rounded to whole scale blocks, at least one."""
     scale_n, scale_k = block
     block_n = math.gcd(launch.get("block_n") or default[0], scale_n, rows)
     block_k = min(launch.get("block_k") or default[1], triton.next_power_of_2(K))

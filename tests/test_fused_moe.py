@@ -125,8 +125,8 @@ def test_one_expert_per_token_all_on_one_expert(poison):
 def test_fp8_experts_match_the_dequantized_reference(gemv, block, launch, poison):
     """Block-FP8 experts; 40 and 48 are not multiples of every block side, so edge blocks are
     partial, and gate's and up's rows meet inside a block where block_n is 32. The GEMV path takes
-    K steps of several scale blocks (or, with 32-column blocks, less than one), its programs' rows
-    cut to share their scales, in the tiles asked for and in its own."""
+    K steps of whole scale blocks (several, or one where the tile asked for is narrower than a
+    block), its programs' rows cut to share their scales, in the tiles asked for and in its own."""
     T, E, H, inter, top_k = (3 if gemv else 19), 5, 48, 40, 2
     x = torch.randn(T, H)
     w13, w2 = experts(E, H, inter, F32)
