@@ -21,8 +21,8 @@ time one of them, over an e4m3 cache with --kv-cache-dtype fp8. --decode-launche
 decode step's attention can launch (see run_decode_launches), with PDL on and off. --moe-fp8 runs
 only the mixture-of-experts and FP8 rows, --adjust-logits only the adjusted sampling's logits
 adjustments, --draws only the sampling draws' kernels, --w8a8 only the W8A8 GEMV's launches against the
-engine's FP8 product (run_w8a8); --sweep-moe-fp8 times those kernels over launch configs
-(their defaults are untuned). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
+engine's FP8 product (run_w8a8); --sweep-moe-fp8 times those kernels over launch configs, the
+fused MoE's FP8 GEMV kernels one at a time included (give it --sweep-budget 600). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
 smoke test of this script, and times nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot
 wrong, so the grouped MoE path's and the FP8 GEMV's and GEMM's smoke diffs at several rows are
 garbage there).
@@ -539,9 +539,10 @@ def _fp8_gemm_configs(m):
 def sweep_moe_fp8(budget_s):
     """Launch configs, graph-timed, in order of what they decide: the FP8 GEMV (1 and 8 rows) and
     GEMM (256 and 4096 rows) at Qwen3-8B's qkv, gate_up and down projections, then the fused MoE
-    (GEMV path at 1 and 8 tokens, grouped at 64 and 512; one config for both of its launches).
-    Each case prints its default's time and its best 8 (with the GB/s of the weights a call
-    reads); cases, or the rest of one, past budget_s seconds are skipped, and say so."""
+    (GEMV path at 1 and 8 tokens, grouped at 64 and 512; one config for both of its launches),
+    then its FP8 GEMV kernels one at a time (sweep_moe_fp8_gemv). Each case prints its default's
+    time and its best 8 (with the GB/s of the weights a call reads); cases, or the rest of one,
+    past budget_s seconds are skipped, and say so."""
     out = []
     deadline = time.perf_counter() + budget_s
 
@@ -596,6 +597,70 @@ def sweep_moe_fp8(budget_s):
         report(f"fused moe tokens={t}", configs, lambda cfg, s=s: fused_moe.fused_moe(
             s["x"], s["w13"], s["w2"], s["weights"], s["ids"], **cfg), s["bytes"])
         del s
+    if HAS_FP8:
+        out += sweep_moe_fp8_gemv(deadline)
+    return out
+
+
+# Routings a timed graph of sweep_moe_fp8_gemv cycles through: each call chooses other experts, so
+# that they stream from HBM (one token's 8 of Qwen3-30B-A3B's FP8 experts, 37.7 MB, fit in L2).
+MOE_ROUTINGS = 16
+
+
+def sweep_moe_fp8_gemv(deadline):
+    """The fused MoE's FP8 GEMV kernels, one at a time: each kernel's tiles (kernels/fused_moe.py's
+    _FP8_GATE_UP_TILES or _FP8_DOWN_TILES, set for the sweep, the other kernel's left as they are)
+    at 1, 2, 4 and 8 tokens, at 3 stages, then the best four tiles at 2-8 stages (num_stages is one
+    knob for both kernels). Graph us of the whole layer a call, MOE_ROUTINGS calls on new routings;
+    the GB/s are of the chosen experts' weights, both kernels'."""
+    out = []
+    s = moe_setup(1, fp8=True)
+    q13, q2, scales = s["q13"], s["q2"], s["scales"]
+    del s
+    grid = [(n, k, w) for n, k, w in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (1, 2, 4))
+            if n * k <= 16384]
+    for t in ([1] if SMOKE else [1, 2, 4, 8]):
+        x = torch.randn(t, MOE_HIDDEN, device=DEVICE).to(DTYPE)
+        routings = [fused_moe.route(torch.randn(t, MOE_EXPERTS, device=DEVICE), MOE_TOP_K, True)
+                    for _ in range(1 if SMOKE else MOE_ROUTINGS)]
+        chosen = sum(len(ids.unique()) for _, ids in routings) / len(routings)
+        weight_bytes = chosen * 3 * MOE_HIDDEN * MOE_INTER
+
+        def layer_ms(launch):
+            return timed_graph(lambda: [fused_moe.fused_moe(x, q13, q2, *routing, **scales, **launch)
+                                        for routing in routings], len(routings))
+
+        for name in ("_FP8_GATE_UP_TILES", "_FP8_DOWN_TILES"):
+            if time.perf_counter() > deadline:
+                print(f"\nsweep fp8 moe {name} tokens={t}: skipped, past the budget", flush=True)
+                continue
+            kept = getattr(fused_moe, name)
+            results = []
+            try:
+                default_ms = layer_ms({})
+                for tiles in grid[:2] if SMOKE else grid:
+                    if time.perf_counter() > deadline:
+                        break
+                    setattr(fused_moe, name, (tiles, tiles))
+                    results.append((tiles, 3, layer_ms({})))
+                results.sort(key=lambda r: float("inf") if r[2] is None else r[2])
+                for tiles, _, _ in results[:4]:
+                    setattr(fused_moe, name, (tiles, tiles))
+                    for stages in (2, 4, 6, 8):
+                        results.append((tiles, stages, layer_ms({"num_stages": stages})))
+            finally:
+                setattr(fused_moe, name, kept)
+            results.sort(key=lambda r: float("inf") if r[2] is None else r[2])
+
+            def rate(ms):
+                return f"{weight_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s" if ms else ""
+            print(f"\nsweep fp8 moe {name} tokens={t} (graph us a layer, the other kernel's tiles as they are): "
+                  f"default {us(default_ms)} us {rate(default_ms)}; best 8 of {len(results)} "
+                  "((block_n, block_k, warps), stages):", flush=True)
+            for tiles, stages, ms in results[:8]:
+                print(f"  {us(ms)!s:>9} {rate(ms)}  {tiles} {stages}", flush=True)
+            out.append(dict(case=f"fp8 moe {name} tokens={t}", default_us=us(default_ms),
+                            results=[dict(tiles=tiles, num_stages=stages, us=us(ms)) for tiles, stages, ms in results]))
     return out
 
 
