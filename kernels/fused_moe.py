@@ -46,21 +46,24 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.const
     logits = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = p / tl.sum(p, axis=0)
+    # One int64 key per expert, so that each of the top_k picks is one max over the row: the
+    # probability's bits above (a non-negative float's bits order as the float does), and below
+    # them BLOCK_E - 1 - e, so that ties go to the lowest id. A NaN or infinite logit makes every
+    # probability of its row NaN (a CUDA graph's padding rows hold whatever their buffers held).
+    # Such a row still gets top_k distinct experts in range (the lowest ids, NaN ranking below any
+    # probability and above the slots past E), with NaN weights: the expert ids index the weights
+    # and the sort, and one past E crashed the sort's scatter with a device-side assert.
+    high = tl.where(e < E, tl.where(p == p, p.to(tl.int32, bitcast=True), -1), -2).to(tl.int64)
+    keys = (high << 32) | (BLOCK_E - 1 - e).to(tl.int64)
     j = tl.arange(0, BLOCK_K)
     chosen = tl.zeros([BLOCK_K], dtype=tl.float32)
     chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    # A NaN or infinite logit makes every probability of its row NaN (a CUDA graph's padding rows
-    # hold whatever their buffers held). Such a row still gets top_k distinct experts in range (the
-    # lowest ids, NaN ranking below any probability and above the slots past E), with NaN
-    # weights: the expert ids index the weights and the sort, and one past E crashed the sort's
-    # scatter with a device-side assert.
-    remaining = tl.where(e < E, tl.where(p == p, p, -1.0), -2.0)
     for i in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        best_id = tl.min(tl.where(remaining == best, e, BLOCK_E), axis=0)  # the lowest id among ties
-        chosen = tl.where(j == i, tl.sum(tl.where(e == best_id, p, 0.0), axis=0), chosen)
-        chosen_ids = tl.where(j == i, best_id, chosen_ids)
-        remaining = tl.where(e == best_id, -2.0, remaining)
+        best = tl.max(keys, axis=0)
+        weight = tl.where(best >= 0, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("nan"))
+        chosen = tl.where(j == i, weight, chosen)
+        chosen_ids = tl.where(j == i, (BLOCK_E - 1 - (best & (BLOCK_E - 1))).to(tl.int32), chosen_ids)
+        keys = tl.where(keys == best, -3 << 32, keys)  # taken: below every other key
     if RENORMALIZE:
         chosen = chosen / tl.sum(chosen, axis=0)
     tl.store(weights_ptr + t * TOP_K + j, chosen, mask=j < TOP_K)
