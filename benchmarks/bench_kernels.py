@@ -609,7 +609,7 @@ MOE_ROUTINGS = 16
 
 def sweep_moe_fp8_gemv(deadline):
     """The fused MoE's FP8 GEMV kernels, one at a time: each kernel's tiles (kernels/fused_moe.py's
-    _FP8_GATE_UP_TILES or _FP8_DOWN_TILES, set for the sweep, the other kernel's left as they are)
+    FP8_GEMV_TILES, one kernel's set for the sweep at every token count, the other's left as they are)
     at 1, 2, 4 and 8 tokens, at 3 stages, then the best four tiles at 2-8 stages (num_stages is one
     knob for both kernels). Graph us of the whole layer a call, MOE_ROUTINGS calls on new routings;
     the GB/s are of the chosen experts' weights, both kernels'."""
@@ -630,26 +630,26 @@ def sweep_moe_fp8_gemv(deadline):
             return timed_graph(lambda: [fused_moe.fused_moe(x, q13, q2, *routing, **scales, **launch)
                                         for routing in routings], len(routings))
 
-        for name in ("_FP8_GATE_UP_TILES", "_FP8_DOWN_TILES"):
+        for name in fused_moe.FP8_GEMV_TILES:
             if time.perf_counter() > deadline:
                 print(f"\nsweep fp8 moe {name} tokens={t}: skipped, past the budget", flush=True)
                 continue
-            kept = getattr(fused_moe, name)
+            kept = fused_moe.FP8_GEMV_TILES[name]
             results = []
             try:
                 default_ms = layer_ms({})
                 for tiles in grid[:2] if SMOKE else grid:
                     if time.perf_counter() > deadline:
                         break
-                    setattr(fused_moe, name, (tiles, tiles))
+                    fused_moe.FP8_GEMV_TILES[name] = (tiles, tiles, 1)
                     results.append((tiles, 3, layer_ms({})))
                 results.sort(key=lambda r: float("inf") if r[2] is None else r[2])
                 for tiles, _, _ in results[:4]:
-                    setattr(fused_moe, name, (tiles, tiles))
+                    fused_moe.FP8_GEMV_TILES[name] = (tiles, tiles, 1)
                     for stages in (2, 4, 6, 8):
                         results.append((tiles, stages, layer_ms({"num_stages": stages})))
             finally:
-                setattr(fused_moe, name, kept)
+                fused_moe.FP8_GEMV_TILES[name] = kept
             results.sort(key=lambda r: float("inf") if r[2] is None else r[2])
 
             def rate(ms):

@@ -71,16 +71,22 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.const
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_h,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # One (token, chosen expert) pair and BLOCK_N of the expert's N intermediate columns: gate rows
-    # n and up rows N + n against the token's row, then silu(gate) * up.
+def _wait_for_pair(ids_ptr, TOP_K: tl.constexpr, PDL: tl.constexpr):
+    """(pair, token, expert) of a gate/up program, after the PDL wait: the ids come from the
+    routing kernel before."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0).to(tl.int64)
-    token = pair // TOP_K
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    return pair, pair // TOP_K, tl.load(ids_ptr + pair).to(tl.int64)
+
+
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_h,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # One (token, chosen expert) pair and BLOCK_N of the expert's N intermediate columns: gate rows
+    # n and up rows N + n against the token's row, then silu(gate) * up.
+    pair, token, expert = _wait_for_pair(ids_ptr, TOP_K, PDL)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     n_ok = n < N
@@ -114,12 +120,7 @@ def _gate_up_gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, stride_x
     # columns. BLOCK_N divides SCALE_N and N, so the program's gate rows share one row of scales
     # and its up rows another: each block's scale multiplies x's SCALE_K columns, one scale load a
     # block, not one multiply a weight.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    pair = tl.program_id(0).to(tl.int64)
-    token = pair // TOP_K
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    pair, token, expert = _wait_for_pair(ids_ptr, TOP_K, PDL)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -145,6 +146,29 @@ def _gate_up_gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, stride_x
 
 
 @triton.jit
+def _wait_for_token_experts(ids_ptr, topk_w_ptr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, PDL: tl.constexpr):
+    """(token, slots, its chosen experts' ids, their router weights) of a down program, after the
+    PDL wait."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.arange(0, TOP_K_PAD)
+    experts = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0).to(tl.int64)
+    gates = tl.load(topk_w_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0.0)
+    return token, slot, experts, gates
+
+
+@triton.jit
+def _expert_step(step, k_tiles, slot, experts, gates, STEP: tl.constexpr):
+    """Step `step` of a down program's one loop over (chosen expert, K tile): (slot j, the tile's
+    first column, the expert's id, its router weight)."""
+    j = step // k_tiles
+    k0 = (step - j * k_tiles) * STEP
+    return j, k0, tl.sum(tl.where(slot == j, experts, 0)), tl.sum(tl.where(slot == j, gates, 0.0))
+
+
+@triton.jit
 def _down_gemv_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, stride_we, stride_wn, stride_y,
                       TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       PDL: tl.constexpr):
@@ -152,23 +176,14 @@ def _down_gemv_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, 
     # input row scaled by the router's weight, summed in fp32 and rounded once. One loop runs over
     # every (expert, K tile) pair, its experts' ids read before it, so that the loads of the next
     # expert's tiles are in flight while the last tiles of one are multiplied.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    token = tl.program_id(0).to(tl.int64)
+    token, slot, experts, gates = _wait_for_token_experts(ids_ptr, topk_w_ptr, TOP_K, TOP_K_PAD, PDL)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     n_ok = n < N
-    slot = tl.arange(0, TOP_K_PAD)
-    experts = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0).to(tl.int64)
-    gates = tl.load(topk_w_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0.0)
     k_tiles = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for step in range(0, TOP_K * k_tiles):
-        j = step // k_tiles
-        k0 = (step - j * k_tiles) * BLOCK_K
-        expert = tl.sum(tl.where(slot == j, experts, 0))
-        gate = tl.sum(tl.where(slot == j, gates, 0.0))
+        j, k0, expert, gate = _expert_step(step, k_tiles, slot, experts, gates, BLOCK_K)
         k_ok = k0 + k < K
         h = tl.load(h_ptr + (token * TOP_K + j) * stride_h + k0 + k, mask=k_ok, other=0.0).to(tl.float32) * gate
         w_at = w_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn + k0 + k[None, :]
@@ -184,26 +199,17 @@ def _down_gemv_fp8_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K,
     # _down_gemv_kernel for block-FP8 experts, in K steps of GROUPS scale blocks as
     # _gate_up_gemv_fp8_kernel takes them: BLOCK_N divides SCALE_N, so the program's rows share a
     # row of scales, and each block's scale multiplies the input's columns with the router's weight.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    token = tl.program_id(0).to(tl.int64)
+    token, slot, experts, gates = _wait_for_token_experts(ids_ptr, topk_w_ptr, TOP_K, TOP_K_PAD, PDL)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
     group = tl.arange(0, GROUPS)
     kk = group[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [GROUPS, SCALE_K]
-    slot = tl.arange(0, TOP_K_PAD)
-    experts = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0).to(tl.int64)
-    gates = tl.load(topk_w_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0.0)
     STEP: tl.constexpr = GROUPS * SCALE_K
     k_tiles = tl.cdiv(K, STEP)
     acc = tl.zeros([BLOCK_N, GROUPS, SCALE_K], dtype=tl.float32)
     for step in range(0, TOP_K * k_tiles):
-        j = step // k_tiles
-        k0 = (step - j * k_tiles) * STEP
-        expert = tl.sum(tl.where(slot == j, experts, 0))
-        gate = tl.sum(tl.where(slot == j, gates, 0.0))
+        j, k0, expert, gate = _expert_step(step, k_tiles, slot, experts, gates, STEP)
         k_ok = k0 + kk < K
         block_ok = k0 + group * SCALE_K < K
         scale = tl.load(s_ptr + expert * stride_se + (n0 // SCALE_N) * stride_sn + k0 // SCALE_K + group,
@@ -399,17 +405,23 @@ def _k_tile(block_k: int, K: int, scale_k: int, fp8: bool) -> int:
     return min(block_k, scale_k) if fp8 else block_k
 
 
-# (block_n, block_k, num_warps) of the FP8 GEMV kernels at one token and at 2 to GEMV_MAX_TOKENS,
-# block_k FP8 columns a K step (whole scale blocks). The best of a sweep of each kernel alone at
-# Qwen3-30B-A3B's experts, 1 and 8 tokens, in a graph of calls on new routings (H200,
-# benchmarks/HISTORY.md, 2026-11-28, session of 19:22): gate/up 11.31 and 65.95 us, down 10.85 and
-# 32.00, against 12.34 and 81.39, 12.05 and 51.30 for the first tiles tried (2 x 1024 on 2 warps, 4 x
-# 1024 on 2). With those first tiles the layer took 26.32 us at one token against 46.60 for the
-# kernels before these, whose tiles were 4 rows of one 128-column scale block. Down keeps its
-# one-token tiles up to 3 tokens: at 2 they took 13.63 us against 22.80, at 4 25.64 against 25.08.
-_FP8_GATE_UP_TILES = ((2, 512, 1), (1, 256, 1))
-_FP8_DOWN_TILES = ((8, 1024, 4), (8, 256, 1))
-_FP8_DOWN_FEW_TOKENS = 3
+# Each FP8 GEMV kernel's (block_n, block_k, num_warps) up to a few tokens, the same beyond them, and
+# how many tokens are few; block_k is FP8 columns a K step (whole scale blocks). The best of a sweep
+# of each kernel alone at Qwen3-30B-A3B's experts, 1 and 8 tokens, in a graph of calls on new
+# routings (H200, benchmarks/HISTORY.md, 2026-11-28, session of 19:22; bench_kernels --sweep-moe-fp8
+# sets these): gate/up 11.31 and 65.95 us, down 10.85 and 32.00, against 12.34 and 81.39, 12.05 and
+# 51.30 for the first tiles tried (2 x 1024 on 2 warps, 4 x 1024 on 2). With those first tiles the
+# layer took 26.32 us at one token against 46.60 for the kernels before these, whose tiles were 4
+# rows of one 128-column scale block. Down keeps its one-token tiles up to 3 tokens: at 2 they took
+# 13.63 us against 22.80, at 4 25.64 against 25.08.
+FP8_GEMV_TILES = {"gate_up": ((2, 512, 1), (1, 256, 1), 1), "down": ((8, 1024, 4), (8, 256, 1), 3)}
+
+
+def _fp8_default_tiles(kernel: str, tokens: int) -> tuple[int, int, int]:
+    if _interpreted():  # the interpreter runs programs one by one: fewer, wider ones
+        return 32, 128, 1
+    few, more, few_tokens = FP8_GEMV_TILES[kernel]
+    return few if tokens <= few_tokens else more
 
 
 def _fp8_tiles(launch: dict, default: tuple[int, int, int], rows: int, K: int, block: tuple[int, int]):
@@ -436,7 +448,7 @@ def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights,
     short_rows = inter <= 512
     interpreted = _interpreted()  # the interpreter runs programs one by one: fewer, wider ones
     if fp8_13:
-        block_n, groups, warps = _fp8_tiles(launch, (32, 128, 1) if interpreted else _FP8_GATE_UP_TILES[T > 1],
+        block_n, groups, warps = _fp8_tiles(launch, _fp8_default_tiles("gate_up", T),
                                             inter, H, block13)
         _gate_up_gemv_fp8_kernel[(T * top_k, triton.cdiv(inter, block_n))](
             x, w13, s13, topk_ids, h, inter, H, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
@@ -450,7 +462,7 @@ def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights,
             BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_on, num_warps=launch.get("num_warps") or 2,
             num_stages=num_stages, launch_pdl=pdl_on)
     if fp8_2:
-        block_n, groups, warps = _fp8_tiles(launch, (32, 128, 1) if interpreted else _FP8_DOWN_TILES[T > _FP8_DOWN_FEW_TOKENS],
+        block_n, groups, warps = _fp8_tiles(launch, _fp8_default_tiles("down", T),
                                             H, inter, block2)
         _down_gemv_fp8_kernel[(T, triton.cdiv(H, block_n))](
             h, w2, s2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
