@@ -103,7 +103,7 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, scale: torch.T
     columns, then cuBLAS's block-scaled FP8 product (bench_kernels: 1.4-1.6x our Triton GEMM and
     1.5x bf16 at prefill sizes, and it keeps 2-8 rows near bf16's time, where the Triton GEMV took
     up to 2x). Otherwise kernels/fp8.py's GEMV or GEMM. QuantizedRows go to block_scaled_mm as they
-    are: one row comes so only where the W8A8 GEMV beats the one-row GEMV (takes_rows)."""
+    are: one row comes so only where the W8A8 GEMV beats the one-row GEMV (block_scaled_mm_takes)."""
     from kernels.fp8 import (
         fp8_linear,  # start-up: Triton loads only where its kernels run
     )
@@ -176,7 +176,7 @@ class W8A8Launch(NamedTuple):
     groups: int
 
 
-def takes_rows(rows: int, N: int, K: int, device: torch.device) -> bool:
+def block_scaled_mm_takes(rows: int, N: int, K: int, device: torch.device) -> bool:
     """Whether block_scaled_mm is the product of `rows` rows against W [N, K] on `device`, where
     cuBLAS takes the shapes (cublas_takes): from 2 rows always; one row only where the W8A8 GEMV
     runs it (w8a8_launch), since the one-row FP8 GEMV is faster than cuBLAS there (linear)."""

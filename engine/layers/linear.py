@@ -134,10 +134,10 @@ class _Linear(nn.Module):
         """Whether the product of x [rows, ...] (its width aside: a SiLU-mul's input is twice its
         output's) runs through fp8.block_scaled_mm (cuBLAS's block-scaled FP8 product, or where
         fp8.w8a8_launch says so the W8A8 GEMV), so that the kernel making this layer's input may
-        hand it over as fp8.QuantizedRows (fp8.takes_rows: one row only where the W8A8 GEMV runs it)."""
+        hand it over as fp8.QuantizedRows (fp8.block_scaled_mm_takes: one row only where the W8A8 GEMV runs it)."""
         return (self.scale_block is not None and self.quantized is None and x.dim() == 2
                 and fp8.cublas_takes(x, self.weight, self.weight_scale_inv, self.scale_block)
-                and fp8.takes_rows(x.shape[0], *self.weight.shape, x.device))
+                and fp8.block_scaled_mm_takes(x.shape[0], *self.weight.shape, x.device))
 
     def _fuses_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                     act: SiluAndMul | None) -> bool:
