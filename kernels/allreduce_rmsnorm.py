@@ -91,10 +91,10 @@ def all_reduce_rms_norm(x, residual, weight, eps, *, buffer_ptrs, flag_ptrs, ran
     res_out = torch.empty_like(x)
     if rows:
         block = triton.next_power_of_2(hidden)
-        use_pdl = pdl.enabled(x.device)
+        pdl_mode = pdl.mode(x.device)  # its trigger comes after its barrier
         _all_reduce_rms_norm_kernel[(min(rows, MAX_PROGRAMS),)](
             x, residual, weight, out, res_out, buffer_ptrs, flag_ptrs, rank, rows, hidden, slot_offset, eps,
             x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
-            WORLD=buffer_ptrs.shape[0], BLOCK=block, PDL=use_pdl, num_warps=min(max(block // 256, 1), 8),
-            launch_pdl=use_pdl)
+            WORLD=buffer_ptrs.shape[0], BLOCK=block, PDL=pdl_mode, num_warps=min(max(block // 256, 1), 8),
+            launch_pdl=pdl_mode > 0)
     return out, res_out

@@ -270,10 +270,9 @@ def _decode_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, UNMASKED_WHOLE: tl.constexpr, ORDERED: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     split = tl.program_id(1)
-    if PDL:  # everything below reads or writes what earlier kernels write
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)  # everything below reads or writes what earlier kernels write
     seq64, kv_head = _program_pair(order_ptr, num_heads // group, ORDERED)
 
     ctx = tl.load(context_lens_ptr + seq64)
@@ -321,6 +320,7 @@ def _decode_from_qkv_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, UNMASKED_WHOLE: tl.constexpr, ORDERED: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     # The step's inputs (seq_order among them) are read before the PDL wait, while the qkv
     # projection still runs: they were copied in before the step's first kernel (kernels/pdl.py
     # says why that is safe).
@@ -336,9 +336,7 @@ def _decode_from_qkv_kernel(
     partner = tl.where(d < half, d + half, d - half)
     cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_mask, other=0.0)
     sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0)
-    if PDL:  # everything below reads or writes what the kernel before writes or reads
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)  # everything below reads or writes what the kernel before writes or reads
 
     # Every split with a share of the context norms and rotates the group's q heads itself: a few
     # hundred bytes, cheaper than a launch that would do it once. The splits past the context's
@@ -388,11 +386,10 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, row_splits_ptr, stri
     """Program (i, head) merges output row i: a sequence here, a query token in split prefill.
     num_splits is the partials' split dimension; with PER_ROW, row i used row_splits[i] of them,
     and a row of one split (written straight to out) or none (padding) is left alone."""
+    pdl.start(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     used = num_splits
     if PER_ROW:
         used = tl.load(row_splits_ptr + seq)
@@ -538,7 +535,7 @@ def _launch_args(batch, num_heads, kv_heads, head_dim, block_size, block_tables,
     meta = dict(BLOCK_SIZE=block_size, GROUP_PAD=max(16, triton.next_power_of_2(group)),
                 GROUP_M=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(head_dim),
                 BLOCK_N=block_n or cfg_n, SPLIT_TILE=min(merge_tile, triton.next_power_of_2(num_splits)),
-                SPLIT=num_splits > 1, **dot_flags(dtype), PDL=pdl.enabled(device),
+                SPLIT=num_splits > 1, **dot_flags(dtype), PDL=pdl.mode(device, batch),
                 UNMASKED_WHOLE=(num_warps or cfg_warps) == 1,
                 num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
     return num_splits, part_o, part_lse, counters, meta
@@ -586,12 +583,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, num_heads // kv_heads, head_dim, num_splits,
-        MERGE_HERE=not merge_kernel, ORDERED=seq_order is not None, launch_pdl=meta["PDL"], **meta)
+        MERGE_HERE=not merge_kernel, ORDERED=seq_order is not None, launch_pdl=meta["PDL"] > 0, **meta)
     if num_splits > 1 and merge_kernel:
         _merge_splits_kernel[(batch, num_heads)](
             part_o, part_lse, out, context_lens, out.stride(0), out.stride(1), num_heads, head_dim,
             num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=meta["BLOCK_D"], PER_ROW=False,
-            PDL=meta["PDL"], num_warps=2 if q.is_cuda else 1, launch_pdl=meta["PDL"])
+            PDL=meta["PDL"], num_warps=2 if q.is_cuda else 1, launch_pdl=meta["PDL"] > 0)
     return out
 
 
@@ -630,5 +627,5 @@ def paged_decode_attention_from_qkv(qkv, positions, cos, sin, q_norm_weight, k_n
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, kv_heads, num_heads // kv_heads, head_dim, num_splits,
-        HAS_NORM=has_norm, ORDERED=seq_order is not None, launch_pdl=meta["PDL"], **meta)
+        HAS_NORM=has_norm, ORDERED=seq_order is not None, launch_pdl=meta["PDL"] > 0, **meta)
     return out

@@ -53,6 +53,7 @@ _GEMM_KNOBS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_sta
 def _fp8_gemv_one_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.constexpr,
                          UNROLL: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
                          SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     # One row of x against BLOCK_N rows of W, UNROLL tiles of GROUPS runs of GROUP_K columns a loop
     # step, each run inside one scale block. BLOCK_N divides SCALE_N, so the program's rows share a
     # row of scales: each run's scale multiplies x's run (GROUP_K products shared by the BLOCK_N
@@ -69,9 +70,7 @@ def _fp8_gemv_one_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, B
     # The first step of W and its scales before the wait: weights, which no kernel writes.
     w = tl.load(w_at, mask=n_ok[:, None, None, None] & (kk < K)[None], other=0.0)
     scale = tl.load(s_at + run * GROUP_K // SCALE_K, mask=run * GROUP_K < K, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32) * scale[:, :, None]
     acc = tl.sum(w.to(tl.float32) * x[None], axis=1)
     for k0 in range(STEP, K, STEP):
@@ -88,6 +87,7 @@ def _fp8_gemv_one_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, B
 def _fp8_gemv_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_s, stride_y,
                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
                          SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     # y.T = W @ x.T on the tensor cores, x's rows padded to the 16 an MMA takes: each run of
     # GROUP_K columns (inside one scale block) is converted to x's dtype (exact: e4m3 fits in
     # bf16 and fp16), multiplied into every row of x at once, and its [BLOCK_N, ROWS] product
@@ -99,9 +99,7 @@ def _fp8_gemv_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_x, stride_w
     w_at = w_ptr + n[:, None].to(tl.int64) * stride_w + c[None, :]
     xt_at = x_ptr + r[None, :] * stride_x + c[:, None]
     s_at = s_ptr + (n // SCALE_N) * stride_s
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     for k0 in range(0, K, GROUPS * GROUP_K):
         for g in tl.static_range(GROUPS):
@@ -271,11 +269,10 @@ def activation_buffers(rows: int, cols: int, group: int, pad_rows_to: int, scale
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s_row, stride_s_group,
                           GROUP: tl.constexpr, GROUPS: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     # GROUPS groups of GROUP columns of one row, each scaled by its own largest magnitude. Rows from
     # M on are padding: zeros, with the smallest scale.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     first_group = tl.program_id(1) * GROUPS
     k = first_group * GROUP + tl.arange(0, GROUPS * GROUP)
@@ -290,9 +287,8 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, c_ptr, M, N, K, stride_a, s
                      stride_c, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, QUANT_A: tl.constexpr,
                      IEEE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.start(PDL)
+    pdl.wait(PDL)
     # Programs in groups of GROUP_M row tiles walk the column tiles together, so that the weight
     # tiles they share are read from L2.
     pid = tl.program_id(0)
@@ -397,9 +393,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
     block_k = min(block_k, triton.next_power_of_2(K))  # not wider than the row (tiny test models)
     group_k = min(block_k, scale_k)  # a run of columns inside one scale block
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    pdl_on = pdl.enabled(x.device)
-    common = dict(GROUPS=block_k // group_k, GROUP_K=group_k, SCALE_N=scale_n, SCALE_K=scale_k, PDL=pdl_on,
-                  num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_on)
+    pdl_mode = pdl.mode(x.device, M)
+    common = dict(GROUPS=block_k // group_k, GROUP_K=group_k, SCALE_N=scale_n, SCALE_K=scale_k, PDL=pdl_mode,
+                  num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_mode > 0)
     if kernel == "one":
         if M != 1:
             raise ValueError(f"fp8_gemv's one-row kernel takes one row; got {M}")
@@ -463,12 +459,12 @@ def w8a8_gemv(q: torch.Tensor, scales: torch.Tensor, rows: int, weight: torch.Te
         groups = 1
     out = torch.empty(rows, N, dtype=torch.bfloat16, device=q.device)
     parts = torch.empty(pieces, rows, N, dtype=torch.float32, device=q.device) if pieces > 1 else out
-    pdl_on = pdl.enabled(q.device)
+    pdl_mode = pdl.mode(q.device)  # its trigger comes after its K loop
     _w8a8_gemv_kernel[(bands, pieces)](
         q, scales, weight, scale, out, parts, arrivals if pieces > 1 else out, rows, N, K, pieces, q.stride(0),
         scales.stride(0), scales.stride(1), weight.stride(0), scale.stride(0), out.stride(0),
         ROWS=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, GROUPS=groups, PIECES=pieces, SCALE_N=scale_n,
-        SCALE_K=scale_k, PDL=pdl_on, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_on)
+        SCALE_K=scale_k, PDL=pdl_mode, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_mode > 0)
     return out
 
 
@@ -486,19 +482,18 @@ def quantize_activations(x: torch.Tensor, group: int, *, pad_rows_to: int = 1,
     if rows:
         # A program quantizes up to 1024 columns of a row (8 of Qwen's groups of 128).
         per_program = max(1, min(triton.next_power_of_2(groups), 1024 // group))
-        pdl_on = pdl.enabled(x.device)
+        pdl_mode = pdl.mode(x.device, M)
         _quantize_rows_kernel[(rows, triton.cdiv(groups, per_program))](
             x, q, scales, M, K, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=group,
-            GROUPS=per_program, FP8_MAX=FP8_MAX, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
+            GROUPS=per_program, FP8_MAX=FP8_MAX, PDL=pdl_mode, num_warps=4, launch_pdl=pdl_mode > 0)
     return q, scales
 
 
 @triton.jit
 def _sum_k_pieces_kernel(parts_ptr, out_ptr, numel, stride_piece, PIECES: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.start(PDL)
+    pdl.wait(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < numel
     acc = tl.load(parts_ptr + i, mask=ok, other=0.0)
@@ -519,9 +514,9 @@ def sum_k_pieces(parts: torch.Tensor, rows: int, dtype: torch.dtype = torch.bflo
     numel = rows * n  # a piece's first rows rows lie first in it
     if numel:
         block = 1024
-        pdl_on = pdl.enabled(parts.device)
+        pdl_mode = pdl.mode(parts.device, rows)
         _sum_k_pieces_kernel[(triton.cdiv(numel, block),)](
-            parts, out, numel, padded * n, PIECES=pieces, BLOCK=block, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
+            parts, out, numel, padded * n, PIECES=pieces, BLOCK=block, PDL=pdl_mode, num_warps=4, launch_pdl=pdl_mode > 0)
     return out
 
 
@@ -573,12 +568,12 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
     else:
         a, a_scale = x, scale  # a_scale is not read
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    pdl_on = pdl.enabled(x.device)
+    pdl_mode = pdl.mode(x.device, M)
     _fp8_gemm_kernel[grid](
         a, a_scale, weight, scale, out, M, N, K, a.stride(0), a_scale.stride(0), weight.stride(0), scale.stride(0),
         out.stride(0), SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=group_m, QUANT_A=quantize_input, IEEE=ieee, PDL=pdl_on, num_warps=num_warps,
-        num_stages=num_stages, launch_pdl=pdl_on)
+        GROUP_M=group_m, QUANT_A=quantize_input, IEEE=ieee, PDL=pdl_mode, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl_mode > 0)
     return out
 
 

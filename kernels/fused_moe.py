@@ -32,15 +32,18 @@ import triton.language as tl
 from kernels import pdl
 
 GEMV_MAX_TOKENS = 8
+# pdl.FIRST at one token only: at 2 and 4, Qwen3-30B-A3B took 3.593 and 5.361 ms a step with these
+# kernels in it, 3.501 and 5.162 without (the dense kernels in it either way; H200,
+# benchmarks/HISTORY.md, 2026-11-28, session of 22:39).
+PDL_FIRST_TOKENS = 1
 _FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.start(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=-float("inf")).to(tl.float32)
@@ -74,9 +77,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.const
 def _wait_for_pair(ids_ptr, TOP_K: tl.constexpr, PDL: tl.constexpr):
     """(pair, token, expert) of a gate/up program, after the PDL wait: the ids come from the
     routing kernel before."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     pair = tl.program_id(0).to(tl.int64)
     return pair, pair // TOP_K, tl.load(ids_ptr + pair).to(tl.int64)
 
@@ -84,6 +85,7 @@ def _wait_for_pair(ids_ptr, TOP_K: tl.constexpr, PDL: tl.constexpr):
 @triton.jit
 def _gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_h,
                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     # One (token, chosen expert) pair and BLOCK_N of the expert's N intermediate columns: gate rows
     # n and up rows N + n against the token's row, then silu(gate) * up.
     pair, token, expert = _wait_for_pair(ids_ptr, TOP_K, PDL)
@@ -116,6 +118,7 @@ def _store_silu_mul(h_ptrs, mask, gate, up):
 def _gate_up_gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_se,
                              stride_sn, stride_h, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
                              SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     # _gate_up_gemv_kernel for block-FP8 experts. A K step is GROUPS scale blocks of SCALE_K
     # columns. BLOCK_N divides SCALE_N and N, so the program's gate rows share one row of scales
     # and its up rows another: each block's scale multiplies x's SCALE_K columns, one scale load a
@@ -149,9 +152,7 @@ def _gate_up_gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, stride_x
 def _wait_for_token_experts(ids_ptr, topk_w_ptr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, PDL: tl.constexpr):
     """(token, slots, its chosen experts' ids, their router weights) of a down program, after the
     PDL wait."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, TOP_K_PAD)
     experts = tl.load(ids_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=0).to(tl.int64)
@@ -172,6 +173,7 @@ def _expert_step(step, k_tiles, slot, experts, gates, STEP: tl.constexpr):
 def _down_gemv_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, stride_we, stride_wn, stride_y,
                       TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       PDL: tl.constexpr):
+    pdl.start(PDL)
     # One token and BLOCK_N of the hidden columns: its chosen experts' down projections, each
     # input row scaled by the router's weight, summed in fp32 and rounded once. One loop runs over
     # every (expert, K tile) pair, its experts' ids read before it, so that the loads of the next
@@ -196,6 +198,7 @@ def _down_gemv_fp8_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K,
                           stride_se, stride_sn, stride_y, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
                           BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
                           PDL: tl.constexpr):
+    pdl.start(PDL)
     # _down_gemv_kernel for block-FP8 experts, in K steps of GROUPS scale blocks as
     # _gate_up_gemv_fp8_kernel takes them: BLOCK_N divides SCALE_N, so the program's rows share a
     # row of scales, and each block's scale multiplies the input's columns with the router's weight.
@@ -244,13 +247,12 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, sorted_ptr, block_expert_pt
                          WEIGHTED: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     # BLOCK_M pairs of one expert (a block of the sorted pairs) times BLOCK_N of its output
     # columns. Row r of the output is pair r. With ROWS_ARE_TOKENS, a pair's input row is its
     # token's (x); otherwise its own (h). With SILU, N is I and the program also multiplies up's
     # rows I + n, storing silu(gate) * up.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     block, pid_n = pid // tiles_n, pid % tiles_n
@@ -303,10 +305,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T:
-        pdl_on = pdl.enabled(logits.device)
+        pdl_mode = pdl.mode(logits.device, T, PDL_FIRST_TOKENS)
         _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k,
                             BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
-                            RENORMALIZE=renormalize, PDL=pdl_on, num_warps=1 if E <= 256 else 4, launch_pdl=pdl_on)
+                            RENORMALIZE=renormalize, PDL=pdl_mode, num_warps=1 if E <= 256 else 4,
+                            launch_pdl=pdl_mode > 0)
     return weights, ids
 
 
@@ -389,13 +392,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return out
     if gemv is None:
         gemv = T <= GEMV_MAX_TOKENS
-    pdl_on = pdl.enabled(x.device)
+    pdl_mode = pdl.mode(x.device, T, PDL_FIRST_TOKENS)
     if gemv:
         h = torch.empty(T * top_k, inter, dtype=x.dtype, device=x.device)
-        _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, h, out, launch, pdl_on)
+        _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, h, out, launch, pdl_mode)
     else:
         _moe_grouped(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, out, launch,
-                     pdl_on)
+                     pdl_mode)
     return out
 
 
@@ -435,7 +438,7 @@ def _fp8_tiles(launch: dict, default: tuple[int, int, int], rows: int, K: int, b
     return block_n, max(block_k // scale_k, 1), launch.get("num_warps") or default[2]
 
 
-def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, h, out, launch, pdl_on):
+def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, h, out, launch, pdl_mode):
     T, H = x.shape
     inter, top_k = h.shape[1], topk_ids.shape[1]
     num_stages = launch.get("num_stages") or 3
@@ -453,32 +456,32 @@ def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights,
         _gate_up_gemv_fp8_kernel[(T * top_k, triton.cdiv(inter, block_n))](
             x, w13, s13, topk_ids, h, inter, H, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
             s13.stride(1), h.stride(0), TOP_K=top_k, BLOCK_N=block_n, GROUPS=groups, SCALE_N=block13[0],
-            SCALE_K=block13[1], PDL=pdl_on, num_warps=warps, num_stages=num_stages, launch_pdl=pdl_on)
+            SCALE_K=block13[1], PDL=pdl_mode, num_warps=warps, num_stages=num_stages, launch_pdl=pdl_mode > 0)
     else:
         block_n = launch.get("block_n") or (32 if interpreted else 2)
         block_k = min(launch.get("block_k") or 2048 // w13.element_size(), triton.next_power_of_2(H))
         _gate_up_gemv_kernel[(T * top_k, triton.cdiv(inter, block_n))](
             x, w13, topk_ids, h, inter, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), TOP_K=top_k,
-            BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_on, num_warps=launch.get("num_warps") or 2,
-            num_stages=num_stages, launch_pdl=pdl_on)
+            BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_mode, num_warps=launch.get("num_warps") or 2,
+            num_stages=num_stages, launch_pdl=pdl_mode > 0)
     if fp8_2:
         block_n, groups, warps = _fp8_tiles(launch, _fp8_default_tiles("down", T),
                                             H, inter, block2)
         _down_gemv_fp8_kernel[(T, triton.cdiv(H, block_n))](
             h, w2, s2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
             s2.stride(1), out.stride(0), TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_N=block_n, GROUPS=groups,
-            SCALE_N=block2[0], SCALE_K=block2[1], PDL=pdl_on, num_warps=warps, num_stages=num_stages,
-            launch_pdl=pdl_on)
+            SCALE_N=block2[0], SCALE_K=block2[1], PDL=pdl_mode, num_warps=warps, num_stages=num_stages,
+            launch_pdl=pdl_mode > 0)
     else:
         block_n = launch.get("block_n") or (32 if interpreted else 2 if short_rows else 4)
         block_k = min(launch.get("block_k") or 2048 // w2.element_size(), triton.next_power_of_2(inter))
         _down_gemv_kernel[(T, triton.cdiv(H, block_n))](
             h, w2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-            TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_on,
-            num_warps=launch.get("num_warps") or (4 if short_rows else 2), num_stages=num_stages, launch_pdl=pdl_on)
+            TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_mode,
+            num_warps=launch.get("num_warps") or (4 if short_rows else 2), num_stages=num_stages, launch_pdl=pdl_mode > 0)
 
 
-def _moe_grouped(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, out, launch, pdl_on):
+def _moe_grouped(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, out, launch, pdl_mode):
     T, H = x.shape
     E, two_i, _ = w13.shape
     inter, top_k = two_i // 2, topk_ids.shape[1]
@@ -493,8 +496,8 @@ def _moe_grouped(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weigh
     blocks = sorted_ids.shape[0] // block_m
     ieee = x.dtype == torch.float32
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    common = dict(TOP_K=top_k, BLOCK_M=block_m, IEEE=ieee, PDL=pdl_on, num_warps=num_warps,
-                  num_stages=launch.get("num_stages") or 3, launch_pdl=pdl_on)
+    common = dict(TOP_K=top_k, BLOCK_M=block_m, IEEE=ieee, PDL=pdl_mode, num_warps=num_warps,
+                  num_stages=launch.get("num_stages") or 3, launch_pdl=pdl_mode > 0)
     _grouped_gemm_kernel[(blocks * triton.cdiv(inter, gate_up_n),)](
         x, w13, s13, h, sorted_ids, block_expert, filled, topk_weights, pairs, inter, H, x.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(1) if fp8_13 else 0, h.stride(0), ROWS_ARE_TOKENS=True, SILU=True,

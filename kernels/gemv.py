@@ -65,9 +65,7 @@ def _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r,
                     PDL: tl.constexpr):
     """Waits for the kernel before (with PDL); then, with NORM, returns 1/RMS of each row r of
     h = x (+ residual), program 0 storing h at res_out_ptr ([M, K] contiguous)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)
     rstd = tl.full([ROWS], 1.0, tl.float32)
     if NORM:
         k_stored = tl.where(tl.program_id(0) == 0, K, 0)  # program 0 stores h
@@ -123,6 +121,7 @@ def _dot(w, xt, acc, IEEE: tl.constexpr):
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride_w, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                  SILU: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     # One row of x, as a [1, BLOCK_K] tile against [BLOCK_N, BLOCK_K] of W.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -153,6 +152,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride
 def _gemv_rows_fma_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_r,
                           stride_w, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     # Each weight tile is loaded once and multiplied into every row of x: the rows cost x's reads
     # (from L1; x is a few KB) and FMAs, not more weight traffic.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -189,6 +189,7 @@ def _gemv_rows_dot_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, 
                           stride_w, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
                           IEEE: tl.constexpr):
+    pdl.start(PDL)
     # y.T = W @ x.T on the tensor cores, x's rows padded to the 16 an MMA takes: each weight tile
     # meets every row of x in one instruction stream.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -336,9 +337,9 @@ def _launch(x, residual, norm_weight, eps, weight, silu, launch):
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if has_residual else x
     # Unused pointers stand in for the inputs a variant does not read.
     res, nw = (residual if has_residual else x), (norm_weight if norm else x)
-    pdl_on = pdl.enabled(x.device)
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, RESIDUAL=has_residual, SILU=silu, PDL=pdl_on,
-                  num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_on)
+    pdl_mode = pdl.mode(x.device, M)
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, RESIDUAL=has_residual, SILU=silu, PDL=pdl_mode,
+                  num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_mode > 0)
     grid = (triton.cdiv(N, block_n),)
     if kernel == "one":
         if M != 1:

@@ -12,10 +12,9 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
                      num_heads, head_dim,
                      BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     token = tl.program_id(0)
-    if PDL:  # every program waits, even one that stores nothing (kernels/pdl.py says why)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)  # every program waits, even one that stores nothing (kernels/pdl.py says why)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
@@ -42,7 +41,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         return
     for t in (key, value, k_cache, v_cache):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
-    use_pdl = pdl.enabled(key.device)
+    pdl_mode = pdl.mode(key.device, tokens)
     _store_kv_kernel[(tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -50,5 +49,5 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_heads, head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), PDL=use_pdl, num_warps=4 if num_heads * head_dim >= 1024 else 1,
-        launch_pdl=use_pdl)
+        BLOCK_D=triton.next_power_of_2(head_dim), PDL=pdl_mode, num_warps=4 if num_heads * head_dim >= 1024 else 1,
+        launch_pdl=pdl_mode > 0)

@@ -45,13 +45,12 @@ def _norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                             num_heads, num_kv_heads, group, half, eps,
                             HAS_NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     # One program per (token, kv head): the kv head and the q heads that share it. Batch-1
     # decode then still spreads over num_kv_heads SMs instead of one.
     token = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    if PDL:  # qkv, positions and slots come from earlier kernels; q and the caches are written
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait(PDL)  # qkv, positions and slots come from earlier kernels; q and the caches are written
     head_dim = 2 * half
     row = qkv_ptr + token * stride_t
 
@@ -131,7 +130,7 @@ def norm_rope_store(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, nu
         return q
     group, half = num_heads // num_kv_heads, head_dim // 2
     qw, kw = (q_norm_weight, k_norm_weight) if has_norm else (cos, cos)  # placeholders, never read
-    use_pdl = pdl.enabled(qkv.device)
+    pdl_mode = pdl.mode(qkv.device, tokens)
     _norm_rope_store_kernel[(tokens, num_kv_heads)](
         qkv, positions, cos, sin, qw, kw,
         k_cache, v_cache, slot_mapping,
@@ -140,6 +139,6 @@ def norm_rope_store(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, nu
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_heads, num_kv_heads, group, half, eps,
         HAS_NORM=has_norm, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_HALF=triton.next_power_of_2(half), PDL=use_pdl,
-        num_warps=2 if group * head_dim >= 1024 else 1, launch_pdl=use_pdl)
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_HALF=triton.next_power_of_2(half), PDL=pdl_mode,
+        num_warps=2 if group * head_dim >= 1024 else 1, launch_pdl=pdl_mode > 0)
     return q

@@ -4,16 +4,31 @@ not depend on that kernel, overlap the other's tail. A chat-sized decode step is
 few µs each, so that overlap is a large part of a step.
 
 The contract every kernel launched with `launch_pdl=True` keeps (a kernel that breaks it races):
-- Before `tl.extra.cuda.gdc_wait()` it may only read what no kernel of the step writes: weights,
-  and the step's inputs (context lengths, positions, slots, block tables), copied in before the
-  step's first kernel. Every other load, and every store, comes after the wait (a store before it
-  could overwrite what the kernel before is still reading).
+- Before `wait(PDL)` it may only read what no kernel of the step writes: weights, and the step's
+  inputs (context lengths, positions, slots, block tables), copied in before the step's first
+  kernel. Every other load, and every store, comes after the wait (a store before it could
+  overwrite what the kernel before is still reading).
 - Every program calls the wait, even one with nothing to do: the kernel after relies on this one
   having waited, so that waiting on it also means waiting on the ones before it.
-- `tl.extra.cuda.gdc_launch_dependents()` may come right after the wait: the next kernel's
-  programs then launch once every program of this one has started, and spin in their own wait.
+- Its first statement is `start(PDL)`.
 
-Kernels take a `PDL: tl.constexpr` and launch with `launch_pdl=PDL`, where PDL is `enabled(...)`.
+When the next kernel's programs may launch (they then hold SM slots while they spin in their own
+wait) is the PDL constexpr's value, which `mode` picks for a launch:
+- AFTER_WAIT: once every program of this one has waited, so they fill the SMs this one's
+  programs leave.
+- FIRST: once every program of this one has started. The next kernel's programs then load their
+  weights while this one waits and computes, and, all started too, let the one after them launch:
+  at a few rows a step becomes a cascade of kernels each loading ahead. Launches of at most
+  FIRST_ROWS rows take it. Against AFTER_WAIT everywhere (H200, benchmarks/HISTORY.md,
+  2026-11-28, session of 22:39), Qwen3-0.6B at 512 context took 0.722-0.724 against 0.740 ms a
+  step at batch 1, 0.919 against 0.959 at 2 and 0.998 against 1.023 at 4, Qwen3-30B-A3B 2.582
+  against 2.636 at batch 1; with FIRST at 8 rows too, batch 8 took 1.220-1.225 against 1.205-1.209 and
+  Qwen3-30B-A3B's 8.593 against 8.080. The fused MoE's kernels take FIRST at one token only
+  (kernels/fused_moe.py says why).
+Kernels that place their trigger elsewhere (kernels/fp8.py's W8A8 GEMV after its K loop,
+kernels/allreduce_rmsnorm.py's after its barrier) take AFTER_WAIT and call the trigger themselves.
+
+Kernels take a `PDL: tl.constexpr` and launch with `launch_pdl=PDL > 0`, where PDL is `mode(...)`.
 """
 import functools
 import os
@@ -21,6 +36,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+
+OFF, AFTER_WAIT, FIRST = 0, 1, 2
+FIRST_ROWS = 4
 
 
 @functools.cache
@@ -35,6 +54,32 @@ def enabled(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NVCHAT_PDL") == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def mode(device: torch.device, rows: int | None = None, first_rows: int = FIRST_ROWS) -> int:
+    """The PDL constexpr of a launch on `device` of `rows` rows (tokens or sequences; None: a launch
+    that is not for a few rows, or a kernel that triggers its dependents itself): FIRST at most
+    first_rows rows."""
+    if not enabled(device):
+        return OFF
+    return FIRST if rows is not None and rows <= first_rows else AFTER_WAIT
+
+
+@triton.jit
+def start(PDL: tl.constexpr):
+    """A PDL kernel's first statement: with FIRST, the next kernel's programs may launch now."""
+    if PDL == 2:  # FIRST
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Waits for the kernel before (with PDL); with AFTER_WAIT, the next kernel's programs may
+    launch once every program has passed this."""
+    if PDL != 0:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 1:  # AFTER_WAIT
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

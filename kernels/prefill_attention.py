@@ -241,9 +241,8 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # it reads only what earlier kernels write (q, the caches, the work list)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.start(PDL)
+    pdl.wait(PDL)  # it reads only what earlier kernels write (q, the caches, the work list)
     r = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
@@ -365,7 +364,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     else:
         part_o = part_lse = out  # unused
     block_d = triton.next_power_of_2(head_dim)
-    use_pdl = pdl.enabled(q.device)
+    pdl_mode = pdl.mode(q.device)
     _prefill_kernel[(programs,)](
         q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, context_lens, block_tables,
         work.items, work.count, scale * LOG2E,
@@ -374,13 +373,13 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         num_heads, kv_heads, work.max_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         BLOCK_M=block_q * group_pad, BLOCK_D=block_d, BLOCK_N=block_n or config.block_n,
-        **dot_flags(q.dtype), PDL=use_pdl, num_warps=num_warps or config.num_warps,
+        **dot_flags(q.dtype), PDL=pdl_mode, num_warps=num_warps or config.num_warps,
         num_stages=num_stages or config.num_stages,
-        launch_pdl=use_pdl)
+        launch_pdl=pdl_mode > 0)
     if split:
         # Rows of tokens instead of sequences, each merging the splits of its own tile.
         _merge_splits_kernel[(tokens, num_heads)](
             part_o, part_lse, out, work.token_splits, out.stride(0), out.stride(1), num_heads, head_dim,
             work.max_splits, SPLITS_PAD=triton.next_power_of_2(work.max_splits), BLOCK_D=block_d, PER_ROW=True,
-            PDL=use_pdl, num_warps=2 if q.is_cuda else 1, launch_pdl=use_pdl)
+            PDL=pdl_mode, num_warps=2 if q.is_cuda else 1, launch_pdl=pdl_mode > 0)
     return out

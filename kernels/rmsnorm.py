@@ -37,9 +37,8 @@ def add_rms_norm_row(x, res_ptr, w_ptr, out_ptr, res_out_ptr, cols, mask, n_cols
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.start(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -67,11 +66,11 @@ def rms_norm(x, weight, eps, residual=None):
     rows = x2.shape[0]
     if rows:
         block = triton.next_power_of_2(hidden)
-        pdl_on = pdl.enabled(x.device)
+        pdl_mode = pdl.mode(x.device, rows)
         _rms_norm_kernel[(rows,)](
             x2, r2, weight, out2, ro2, x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
-            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl_on,
-            num_warps=min(max(block // 256, 1), 8), launch_pdl=pdl_on)
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl_mode,
+            num_warps=min(max(block // 256, 1), 8), launch_pdl=pdl_mode > 0)
     return out if residual is None else (out, res_out)
 
 
@@ -80,9 +79,8 @@ def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, rows,
                          stride_x, stride_r, stride_q, stride_ro, stride_s_row, stride_s_group, n_cols, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
                          FP8_MAX: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.start(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     live_cols = tl.where(row < rows, n_cols, 0)  # the rest are padding rows of the quantized output
     cols = tl.arange(0, BLOCK)
@@ -117,9 +115,9 @@ def rms_norm_fp8(x, weight, eps, residual=None, *, group: int, pad_rows_to: int 
         r = ro = x  # unused
     if q.shape[0]:
         block = triton.next_power_of_2(hidden)
-        pdl_on = pdl.enabled(x.device)
+        pdl_mode = pdl.mode(x.device, rows)
         _rms_norm_fp8_kernel[(q.shape[0],)](
             x, r, weight, q, scales, ro, rows, x.stride(0), r.stride(0), q.stride(0), ro.stride(0),
             scales.stride(0), scales.stride(1), hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            GROUP=group, FP8_MAX=FP8_MAX, PDL=pdl_on, num_warps=min(max(block // 256, 1), 8), launch_pdl=pdl_on)
+            GROUP=group, FP8_MAX=FP8_MAX, PDL=pdl_mode, num_warps=min(max(block // 256, 1), 8), launch_pdl=pdl_mode > 0)
     return (q, scales) if residual is None else ((q, scales), res_out)

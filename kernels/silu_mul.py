@@ -9,9 +9,8 @@ from kernels.fp8 import FP8_MAX, activation_buffers, store_row_groups
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.start(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -31,18 +30,17 @@ def silu_and_mul(x):
     out2 = out.view(-1, d)
     block = min(triton.next_power_of_2(d), 1024)
     if x2.shape[0]:
-        pdl_on = pdl.enabled(x.device)
+        pdl_mode = pdl.mode(x.device, x2.shape[0])
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
+            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, PDL=pdl_mode, num_warps=4, launch_pdl=pdl_mode > 0)
     return out
 
 
 @triton.jit
 def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, rows, stride_x, stride_q, stride_s_row, stride_s_group, d,
                          BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.start(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     live_cols = tl.where(row < rows, d, 0)  # the rest are padding rows of the quantized output
     first_group = tl.program_id(1) * (BLOCK // GROUP)
@@ -65,8 +63,8 @@ def silu_and_mul_fp8(x, *, group: int, pad_rows_to: int = 1, scales_by_column: b
     q, scales = activation_buffers(rows, d, group, pad_rows_to, scales_by_column, x.device)
     block = max(min(triton.next_power_of_2(d), 1024), group)  # whole groups: a program's are its own
     if q.shape[0]:
-        pdl_on = pdl.enabled(x.device)
+        pdl_mode = pdl.mode(x.device, rows)
         _silu_mul_fp8_kernel[(q.shape[0], triton.cdiv(d, block))](
             x, q, scales, rows, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), d, BLOCK=block,
-            GROUP=group, FP8_MAX=FP8_MAX, PDL=pdl_on, num_warps=4, launch_pdl=pdl_on)
+            GROUP=group, FP8_MAX=FP8_MAX, PDL=pdl_mode, num_warps=4, launch_pdl=pdl_mode > 0)
     return q, scales

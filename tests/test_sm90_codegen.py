@@ -80,7 +80,19 @@ def _prefill_ptx(cache_type: str) -> str:
     return _sm90_ptx(prefill_attention._prefill_kernel, constants, types, config.num_warps, config.num_stages)
 
 
-def _compiled_ptx(helper: str, *args: str) -> str:
+def _gemv_ptx(pdl_mode: int) -> str:
+    """The one-row GEMV with the pre-norm taken in, at Qwen3-0.6B's qkv projection (the launch
+    launch_config gives it), launched with PDL in `pdl_mode`."""
+    from kernels import gemv
+
+    kernel, block_n, block_k, num_warps, num_stages = gemv.launch_config(4096, 1024, 1, norm=True)
+    constants = dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=True, RESIDUAL=True, SILU=False, PDL=pdl_mode)
+    types = dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", res_out_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
+                 eps="fp32")
+    return _sm90_ptx(gemv._gemv_kernel, constants, types, num_warps, num_stages)
+
+
+def _compiled_ptx(helper: str, *args) -> str:
     """helper(*args) run in a process of its own: this one runs the kernels under Triton's
     interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -108,3 +120,18 @@ def test_prefill_over_an_fp8_cache_widens_e4m3_once_to_fp16():
     ptx = _compiled_ptx("_prefill_ptx", "fp8e4nv")
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "cvt.bf16.f16" not in ptx
+
+
+def test_pdl_first_lets_the_next_kernel_launch_before_the_weights_and_the_wait():
+    """pdl.FIRST (one-row launches): the trigger is the kernel's first instruction of its kind, ahead
+    of the weight loads and the wait; pdl.AFTER_WAIT: the weights load, then the wait, then the
+    trigger."""
+    from kernels import pdl
+
+    first = _compiled_ptx("_gemv_ptx", pdl.FIRST)
+    assert first.index("griddepcontrol.launch_dependents") < first.index("ld.global") \
+        < first.index("griddepcontrol.wait")
+    after = _compiled_ptx("_gemv_ptx", pdl.AFTER_WAIT)
+    assert after.index("ld.global") < after.index("griddepcontrol.wait") \
+        < after.index("griddepcontrol.launch_dependents")
+    assert first.count("griddepcontrol.launch_dependents") == after.count("griddepcontrol.launch_dependents") == 1
