@@ -226,9 +226,26 @@ _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 _FLOAT32_DOT_BLOCK_K = 128
 
 
-def _tuned_config(N: int, rows: int, silu: bool) -> tuple[str, int, int, int, int]:
+# One-row projections whose weight takes at most this many columns and rows (the LM head does not)
+# run one wave of programs, each with at most WHOLE_BAND_ELEMENTS of W (32 KB of bf16).
+WHOLE_BAND_K = 4096
+WHOLE_BAND_N = 16384
+WHOLE_BAND_ELEMENTS = 16384
+
+
+def _tuned_config(N: int, K: int, rows: int, silu: bool) -> tuple[str, int, int, int, int]:
     """From sweeps of Qwen3-0.6B's projections in bf16 (one row and, with PDL, 2-8 rows on an
     H200; bench_gemv's sweeps), and at one row of Qwen3-30B-A3B's too (H200, 2026-11-27)."""
+    if rows == 1 and K <= WHOLE_BAND_K and N <= WHOLE_BAND_N:
+        # Each program loads its whole band of W, all of K, before the PDL wait, and there are few
+        # enough programs for one wave: with pdl.FIRST the projection's weights stream in while
+        # the kernel before it runs. Qwen3-0.6B batch 1 0.712 against 0.722-0.724 ms a step with
+        # the launches below, Qwen3-30B-A3B 2.565 against 2.582 (H200, benchmarks/HISTORY.md,
+        # 2026-11-28, session of 22:39).
+        block_n = 8 if silu or N > 2048 else 4
+        while block_n > 1 and block_n * triton.next_power_of_2(K) * (2 if silu else 1) > WHOLE_BAND_ELEMENTS:
+            block_n //= 2
+        return "one", block_n, WHOLE_BAND_K, 8 if silu else 4, 1
     if rows == 1:
         # A weight row per program for the 1024-row projections, so that they too fill the GPU.
         # Taller weights: 4 rows of 2,048 on 4 warps (SiLU's gate and up: 4 rows each of 512 on
@@ -274,7 +291,7 @@ def launch_config(N: int, K: int, rows: int = 1, silu: bool = False, *, dtype: t
     and its fallbacks (fewer stages, then narrower block_k, then fewer rows) whose shared memory
     fits them (on an RTX 4090, bf16's 2-8 row launches of a 2049-4096-row weight drop from 4
     stages to 2). The dot kernel takes float32 at most 128 wide."""
-    kernel, block_n, block_k, num_warps, num_stages = _tuned_config(N, rows, silu)
+    kernel, block_n, block_k, num_warps, num_stages = _tuned_config(N, K, rows, silu)
     if kernel == "dot" and dtype.itemsize == 4:
         # A float32 [block_n, 512] tile against x's 16 rows spills registers (780 spilled values at
         # block_n 16 on an H100, a 3,120-byte CUDA stack for every thread the card holds).
