@@ -516,7 +516,8 @@ def sum_k_pieces(parts: torch.Tensor, rows: int, dtype: torch.dtype = torch.bflo
         block = 1024
         pdl_mode = pdl.mode(parts.device, rows)
         _sum_k_pieces_kernel[(triton.cdiv(numel, block),)](
-            parts, out, numel, padded * n, PIECES=pieces, BLOCK=block, PDL=pdl_mode, num_warps=4, launch_pdl=pdl_mode > 0)
+            parts, out, numel, padded * n, PIECES=pieces, BLOCK=block, PDL=pdl_mode, num_warps=4,
+            launch_pdl=pdl_mode > 0)
     return out
 
 

@@ -478,7 +478,8 @@ def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights,
         _down_gemv_kernel[(T, triton.cdiv(H, block_n))](
             h, w2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
             TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_mode,
-            num_warps=launch.get("num_warps") or (4 if short_rows else 2), num_stages=num_stages, launch_pdl=pdl_mode > 0)
+            num_warps=launch.get("num_warps") or (4 if short_rows else 2), num_stages=num_stages,
+            launch_pdl=pdl_mode > 0)
 
 
 def _moe_grouped(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, out, launch, pdl_mode):
