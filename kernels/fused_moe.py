@@ -32,9 +32,9 @@ import triton.language as tl
 from kernels import pdl
 
 GEMV_MAX_TOKENS = 8
-# pdl.FIRST at one token only: at 2 and 4, Qwen3-30B-A3B took 3.593 and 5.361 ms a step with these
-# kernels in it, 3.501 and 5.162 without (the dense kernels in it either way; H200,
-# benchmarks/HISTORY.md, 2026-11-28, session of 22:39).
+# pdl.FIRST at one token only: at 2 and 4 tokens, Qwen3-30B-A3B took 3.593 and 5.361 ms a step with
+# these kernels launched with FIRST, 3.501 and 5.162 with them AFTER_WAIT (the dense kernels FIRST
+# either way; H200, benchmarks/HISTORY.md, 2026-11-28, session of 22:39).
 PDL_FIRST_TOKENS = 1
 _FP8 = torch.float8_e4m3fn
 

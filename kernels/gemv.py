@@ -227,7 +227,7 @@ _FLOAT32_DOT_BLOCK_K = 128
 
 
 # One-row projections whose weight takes at most this many columns and rows (the LM head does not)
-# run one wave of programs, each with at most WHOLE_BAND_ELEMENTS of W (32 KB of bf16).
+# give each program all of K for at most WHOLE_BAND_ELEMENTS of W (32 KB in bf16, 64 KB in float32).
 WHOLE_BAND_K = 4096
 WHOLE_BAND_N = 16384
 WHOLE_BAND_ELEMENTS = 16384
@@ -237,17 +237,21 @@ def _tuned_config(N: int, K: int, rows: int, silu: bool) -> tuple[str, int, int,
     """From sweeps of Qwen3-0.6B's projections in bf16 (one row and, with PDL, 2-8 rows on an
     H200; bench_gemv's sweeps), and at one row of Qwen3-30B-A3B's too (H200, 2026-11-27)."""
     if rows == 1 and K <= WHOLE_BAND_K and N <= WHOLE_BAND_N:
-        # Each program loads its whole band of W, all of K, before the PDL wait, and there are few
-        # enough programs for one wave: with pdl.FIRST the projection's weights stream in while
-        # the kernel before it runs. Qwen3-0.6B batch 1 0.712 against 0.722-0.724 ms a step with
-        # the launches below, Qwen3-30B-A3B 2.565 against 2.582 (H200, benchmarks/HISTORY.md,
-        # 2026-11-28, session of 22:39).
+        # Each program loads its whole band of W, all of K, before the PDL wait, so that with
+        # pdl.FIRST the projection's weights stream in while the kernels before it run; fewer,
+        # larger programs than below. Qwen3-0.6B batch 1 0.712 against 0.722-0.724 ms a step with
+        # these launches, Qwen3-30B-A3B 2.565 against 2.582 (H200, benchmarks/HISTORY.md,
+        # 2026-11-28, session of 22:39). Compiled for sm90 the tiles of 16,384 elements take all
+        # 255 registers and spill 300-380 bytes a thread at Qwen3-30B-A3B's shapes and 0.6B's down
+        # projection (within the CUDA stack a thread starts with); 0.6B's qkv takes 182, no spills.
+        # GPUs without PDL take these launches too: not measured there.
         block_n = 8 if silu or N > 2048 else 4
         while block_n > 1 and block_n * triton.next_power_of_2(K) * (2 if silu else 1) > WHOLE_BAND_ELEMENTS:
             block_n //= 2
         return "one", block_n, WHOLE_BAND_K, 8 if silu else 4, 1
     if rows == 1:
-        # A weight row per program for the 1024-row projections, so that they too fill the GPU.
+        # Wider weights (and before the launches above): a weight row per program for the 1024-row
+        # projections, so that they too fill the GPU.
         # Taller weights: 4 rows of 2,048 on 4 warps (SiLU's gate and up: 4 rows each of 512 on
         # 2). At one row in a graph, against 2 rows of 512 on 2 warps: 0.6B's qkv 3.9 us against
         # 4.8, its LM head 70.6 against 94.3; 30B-A3B's qkv 8.1 against 8.4 (benchmarks/HISTORY.md).

@@ -10,7 +10,8 @@ The contract every kernel launched with `launch_pdl=True` keeps (a kernel that b
   overwrite what the kernel before is still reading).
 - Every program calls the wait, even one with nothing to do: the kernel after relies on this one
   having waited, so that waiting on it also means waiting on the ones before it.
-- Its first statement is `start(PDL)`.
+- Its first statement is `start(PDL)` (but for the two kernels named below, which trigger the
+  next kernel themselves).
 
 When the next kernel's programs may launch (they then hold SM slots while they spin in their own
 wait) is the PDL constexpr's value, which `mode` picks for a launch:
@@ -23,7 +24,7 @@ wait) is the PDL constexpr's value, which `mode` picks for a launch:
   2026-11-28, session of 22:39), Qwen3-0.6B at 512 context took 0.722-0.724 against 0.740 ms a
   step at batch 1, 0.919 against 0.959 at 2 and 0.998 against 1.023 at 4, Qwen3-30B-A3B 2.582
   against 2.636 at batch 1; with FIRST at 8 rows too, batch 8 took 1.220-1.225 against 1.205-1.209 and
-  Qwen3-30B-A3B's 8.593 against 8.080. The fused MoE's kernels take FIRST at one token only
+  Qwen3-30B-A3B's batch 8 8.593 against 8.080. The fused MoE's kernels take FIRST at one token only
   (kernels/fused_moe.py says why).
 Kernels that place their trigger elsewhere (kernels/fp8.py's W8A8 GEMV after its K loop,
 kernels/allreduce_rmsnorm.py's after its barrier) take AFTER_WAIT and call the trigger themselves.

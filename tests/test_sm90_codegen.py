@@ -1,5 +1,5 @@
-"""What the attention kernels compile to for a Hopper GPU, checked without one: Triton's compiler
-runs on any machine for an sm90 target (triton.compile with a GPUTarget).
+"""What the attention kernels and the one-row GEMV compile to for a Hopper GPU, checked without one:
+Triton's compiler runs on any machine for an sm90 target (triton.compile with a GPUTarget).
 
 Over an FP8 cache, V's tiles must reach the decode attention's second dot as fp16 by
 `ldmatrix.trans`. Left to itself Triton moves their widening behind the trip through shared
@@ -123,7 +123,7 @@ def test_prefill_over_an_fp8_cache_widens_e4m3_once_to_fp16():
 
 
 def test_pdl_first_lets_the_next_kernel_launch_before_the_weights_and_the_wait():
-    """pdl.FIRST (one-row launches): the trigger is the kernel's first instruction of its kind, ahead
+    """pdl.FIRST (launches of at most pdl.FIRST_ROWS rows): the trigger comes ahead
     of the weight loads and the wait; pdl.AFTER_WAIT: the weights load, then the wait, then the
     trigger."""
     from kernels import pdl
