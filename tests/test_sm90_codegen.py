@@ -22,8 +22,8 @@ import torch
 
 def _sm90_ptx(kernel, constants: dict, types: dict, num_warps: int, num_stages: int) -> str:
     """kernel's PTX for sm90: every parameter not in constants has the type `types` names, else i32,
-    and pointers and strides are divisible by 16, as a launch over the cache specializes them. Needs the kernels imported without TRITON_INTERPRET (compiled, not
-    interpreted functions)."""
+    and pointers and strides are divisible by 16, as a launch over the cache specializes them. Needs
+    the kernels imported without TRITON_INTERPRET (compiled, not interpreted functions)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -42,14 +42,14 @@ def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool) -> str:
     """A decode attention kernel at Qwen3-0.6B's attention shape (head_dim 128, two query heads a KV
     head), bf16 queries and qkv, with either launch the engine picks there on an H200, starting its
     sequences in the order the engine gives (seq_order)."""
-    from kernels import decode_attention
+    from kernels import decode_attention, pdl
     from kernels.launch_limits import H200
 
     kv_dtype = torch.float8_e4m3fn if cache_type == "fp8e4nv" else torch.bfloat16
     block_n, num_warps, num_stages, merge_tile = decode_attention.launch_config(
         torch.bfloat16, 128, 2, H200, kv_dtype, one_warp)
     constants = dict(BLOCK_SIZE=16, GROUP_PAD=16, GROUP_M=2, BLOCK_D=128, BLOCK_N=block_n, SPLIT_TILE=merge_tile,
-                     SPLIT=True, PDL=True, UNMASKED_WHOLE=num_warps == 1, ORDERED=True,
+                     SPLIT=True, PDL=pdl.AFTER_WAIT, UNMASKED_WHOLE=num_warps == 1, ORDERED=True,
                      **decode_attention.dot_flags(torch.bfloat16))
     types = dict(k_ptr=f"*{cache_type}", v_ptr=f"*{cache_type}", block_tables_ptr="*i32", context_lens_ptr="*i32",
                  order_ptr="*i32", out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32",
@@ -67,12 +67,12 @@ def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool) -> str:
 def _prefill_ptx(cache_type: str) -> str:
     """The prefill attention at Qwen3-0.6B's attention shape, bf16 queries, with the launch the
     engine picks for a big prefill step."""
-    from kernels import prefill_attention
+    from kernels import pdl, prefill_attention
     from kernels.launch_limits import H200
 
     config = prefill_attention.launch_config(torch.bfloat16, 128, 2, 4096, H200)
     constants = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, GROUP_PAD=2, BLOCK_Q=config.block_q,
-                     BLOCK_M=config.block_m, BLOCK_D=128, BLOCK_N=config.block_n, PDL=True,
+                     BLOCK_M=config.block_m, BLOCK_D=128, BLOCK_N=config.block_n, PDL=pdl.AFTER_WAIT,
                      **prefill_attention.dot_flags(torch.bfloat16))
     types = dict(q_ptr="*bf16", k_ptr=f"*{cache_type}", v_ptr=f"*{cache_type}", out_ptr="*bf16",
                  part_o_ptr="*fp32", part_lse_ptr="*fp32", cu_seqlens_ptr="*i32", context_lens_ptr="*i32",
