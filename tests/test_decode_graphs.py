@@ -147,6 +147,30 @@ def test_sampled_rows_stay_within_top_k():
     assert len(draws) > 1
 
 
+def test_a_rehearsal_with_its_kernel_launches_skipped_takes_no_index_from_their_outputs(monkeypatch):
+    """ModelRunner._compile_ahead rehearses with every launch of a kernel not compiled yet skipped
+    (kernels/warm_start.py): its output keeps what it held. On a GPU the argmax and the draws are
+    such kernels, and the adjusted kinds index the token counts by their tokens. Here they write
+    nothing, as skipped launches, into a token buffer of garbage, and where they make their own
+    output it holds tokens past the vocabulary: every kind still rehearses at every bucket (on CPU
+    an index past the counts raises), and no count moves."""
+    from engine.runner import decode_graphs
+
+    vocab, rows = 50, 4
+
+    def garbage(rows):
+        return torch.full((rows,), 10**6, dtype=torch.int64)
+
+    monkeypatch.setattr(decode_graphs, "_argmax", lambda logits, out=None: garbage(len(logits)) if out is None else out)
+    monkeypatch.setattr(decode_graphs, "draw", lambda logits, *args, **kwargs: garbage(len(logits)))
+    monkeypatch.setattr(decode_graphs, "_draw_from", lambda scaled, *args, **kwargs: garbage(len(scaled)))
+    graphs = DecodeGraphs(_RandomLogits(vocab), buckets=[1, rows], max_blocks_per_seq=1, hidden_size=vocab,
+                          sampled=garbage(rows), device=torch.device("cpu"), dtype=torch.float32, sample=True,
+                          vocab_size=vocab)
+    graphs.rehearse()
+    assert not graphs.counts.any()
+
+
 def test_the_staged_bytes_read_back_as_the_plan():
     rows, bucket, width = 3, 4, 5
     graphs = DecodeGraphs(_Logits(8), buckets=[bucket], max_blocks_per_seq=width, hidden_size=8,
@@ -192,6 +216,13 @@ class _Logits(torch.nn.Module):
 
     def compute_logits(self, hidden):
         return hidden
+
+
+class _RandomLogits(_Logits):
+    """A forward pass whose hidden states, the logits, are random."""
+
+    def forward(self, input_ids, positions, meta):
+        return torch.randn(len(input_ids), self.vocab)
 
 
 def _decode_plan(rows, params):

@@ -43,3 +43,45 @@ def test_the_seed_keys_the_draw_and_is_left_as_it_was():
     other = module.temperature_draw(logits, temps, seed + 1)
     assert not torch.equal(first, other)  # 64 uniform draws over 40 tokens, all the same: (1/40)^64
     assert 0 <= first.min().item() and first.max().item() < vocab
+
+
+def test_greedy_rows_take_their_argmax_in_a_draw():
+    """Rows that `greedy` marks take torch.argmax's token, the others the draw's, written into the
+    `out` given (filled with -1 first, so a row left unwritten shows)."""
+    rows, vocab = 5, 2 * module.CHUNK + 9
+    logits = torch.randn(rows, vocab, device=DEVICE).to(torch.bfloat16)
+    temps = torch.full((rows,), 0.8, device=DEVICE)
+    greedy = torch.tensor([True, False, True, False, False], device=DEVICE)
+    seed = torch.tensor([7], dtype=torch.int64, device=DEVICE)
+    out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+    got = module.temperature_draw(logits, temps, seed, greedy=greedy, out=out)
+    assert got is out
+    drawn = module.temperature_draw(logits, temps, seed)
+    want = torch.where(greedy, logits.argmax(-1), drawn)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_tokens_are_torch_argmax(dtype):
+    """Fresh random rows over several chunks, and rows built to test the rules: ties between
+    chunks and inside one (the first wins), every token ruled out (-inf: token 0), NaNs (the first
+    NaN, as if the largest; a row of nothing else: token 0), a maximum in the vocabulary's last,
+    partial chunk, -0.0 tying with +0.0."""
+    rows, vocab = 10, 2 * module.CHUNK + 17
+    logits = torch.randn(rows, vocab) * 4
+    logits[1, [5, module.CHUNK + 3, 2 * module.CHUNK + 1]] = 50.0  # equal maxima in three chunks
+    logits[2, [module.CHUNK + 8, module.CHUNK + 9]] = 50.0  # two in one chunk
+    logits[3] = float("-inf")
+    logits[4, [module.CHUNK + 2, 40]] = float("nan")
+    logits[4, 7] = 1e4
+    logits[5, -1] = 1e4
+    logits[6, module.CHUNK - 1] = 1e4
+    logits[7] = float("nan")
+    logits[8] = -1.0
+    logits[8, [3, 2 * module.CHUNK]] = torch.tensor([-0.0, 0.0])
+    logits = logits.to(dtype).to(DEVICE)
+    out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+    got = module.greedy_tokens(logits, out)
+    assert got is out and torch.equal(got.cpu(), logits.cpu().argmax(-1))
+    assert got[1:9].tolist() == [5, module.CHUNK + 8, 0, 40, vocab - 1, module.CHUNK - 1, 0, 3]
+    assert torch.equal(module.greedy_tokens(logits[:, :100]).cpu(), logits[:, :100].cpu().argmax(-1))

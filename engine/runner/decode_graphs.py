@@ -193,6 +193,15 @@ def adjust_logits_torch(logits, slot, mask_row, masks, counts, prompt_seen, repe
     return logits - frequency[:, None] * counts - presence[:, None] * in_completion.float()
 
 
+def _argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits.argmax(-1), on a GPU by kernels.temperature_draw.greedy_tokens (written into out
+    when given, as torch's is copied there)."""
+    if not logits.is_cuda:
+        return logits.argmax(-1)
+    from kernels.temperature_draw import greedy_tokens  # start-up: Triton loads only where it runs
+    return greedy_tokens(logits, out)
+
+
 class DecodeGraphs:
     def __init__(self, model, *, buckets: list[int], max_blocks_per_seq: int, hidden_size: int,
                  sampled: torch.Tensor, device, dtype, sample: bool, vocab_size: int):
@@ -515,35 +524,42 @@ class DecodeGraphs:
             # The kernel runs where graphs do; elsewhere (rehearsals on CPU) the sort keeps the same.
             mask = None if logits.is_cuda else _beyond_top_k(torch.zeros_like(v["top_k"]), logits.shape[-1])
             filters = (mask, v["top_p"][:, None])
+        out = self.sampled[:bucket]
         if adjusted:
             # Sampler.sample's order for rows that are not plain: adjust, scale, cut by min_p, draw.
             logits = self._adjust(logits, v)
             if kind == "greedy":
-                tokens = logits.argmax(-1)
+                tokens = _argmax(logits, out)
             else:
                 scaled = logits / v["temperatures"][:, None]
                 scaled = scaled.masked_fill(scaled < scaled.max(-1, keepdim=True).values + v["log_min_p"][:, None],
                                             float("-inf"))
-                tokens = _draw_from(scaled, logits.argmax(-1), v["greedy"], filters, (), None, self._noise(logits))
+                tokens = _draw_from(scaled, _argmax(logits, out), v["greedy"], filters, (), None, self._noise(logits))
         elif kind == "greedy":
-            tokens = logits.argmax(-1)
+            tokens = _argmax(logits, out)
         elif kind == "sample" and logits.is_cuda:
-            tokens = self._temperature_draw(logits, v)
+            tokens = self._temperature_draw(logits, v, out)
         else:
             tokens = draw(logits, v["temperatures"][:, None], v["greedy"], filters, noise=self._noise(logits))
-        self.sampled[:bucket].copy_(tokens)
+        if tokens is not out:
+            out.copy_(tokens)
         if adjusted:
-            # Each real slot is one row's: one more of its sampled token (slot 0 gets nothing).
+            # Each real slot is one row's: one more of its sampled token. Slot 0 (padding) gets
+            # nothing, at cell 0 whatever its token: the start-up rehearsal skips launches not
+            # compiled yet (kernels/warm_start.py) and leaves their tokens as garbage, all of them
+            # padding rows'.
             slot = v["slot"]
-            self.counts.view(-1).index_add_(0, slot * self.vocab_size + tokens, (slot > 0).int())
+            cells = torch.where(slot > 0, slot * self.vocab_size + out, 0)
+            self.counts.view(-1).index_add_(0, cells, (slot > 0).int())
 
-    def _temperature_draw(self, logits: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _temperature_draw(self, logits: torch.Tensor, v: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         """draw() for the plain "sample" kind on a GPU, by kernels.temperature_draw: the tokens
-        draw() takes from _noise's tensor, without that tensor or the logits' float32 copies."""
+        draw() takes from _noise's tensor, without that tensor or the logits' float32 copies,
+        written into out."""
         from kernels.temperature_draw import temperature_draw  # start-up: Triton loads only where it runs
-        sampled = temperature_draw(logits, v["temperatures"], self.noise_seed)
+        tokens = temperature_draw(logits, v["temperatures"], self.noise_seed, greedy=v["greedy"], out=out)
         self.noise_seed.add_(1)
-        return torch.where(v["greedy"], logits.argmax(-1), sampled)
+        return tokens
 
     def _noise(self, logits: torch.Tensor):
         """draw()'s noise for this step's rows: on a GPU from kernels.exponential_noise and
