@@ -340,3 +340,16 @@ def check_temperature_draw(temperature_draw, exponential_noise, logits, temps, d
         if g != w:
             assert abs(keys[row, g] - keys[row, w]) <= 1e-5 * keys[row, w], f"row {row}: drew {g}, the draw is {w}"
     return got
+
+
+def check_fed_tokens(fed_tokens, rows: int, buffer_rows: int, device: str) -> None:
+    """fed_tokens against torch.where over index_select, some rows fed from random rows of a token
+    buffer of buffer_rows, the rest staged, into an output of -1s."""
+    sampled = torch.randint(0, 150_000, (buffer_rows,), device=device)
+    staged = torch.randint(0, 150_000, (rows,), device=device)
+    feed_from = torch.where(torch.rand(rows, device=device) < 0.5,
+                            torch.randint(0, buffer_rows, (rows,), device=device), -1)
+    want = torch.where(feed_from >= 0, sampled.index_select(0, feed_from.clamp(min=0)), staged)
+    out = torch.full((rows,), -1, dtype=torch.int64, device=device)
+    assert fed_tokens(feed_from, sampled, staged, out) is out
+    assert torch.equal(out, want)

@@ -447,9 +447,16 @@ class DecodeGraphs:
 
     def _forward(self, bucket: int) -> None:
         v = self.views[bucket]
-        fed = v["feed_from"] >= 0
-        input_ids = torch.where(fed, self.sampled.index_select(0, v["feed_from"].clamp(min=0)), v["input_ids"])
-        self.input_ids[:bucket].copy_(input_ids)
+        input_ids = self.input_ids[:bucket]
+        if input_ids.is_cuda:
+            # A rehearsal that skips this launch (not compiled yet: kernels/warm_start.py) leaves
+            # the buffer's earlier tokens, of the vocabulary, for the embedding to index by.
+            from kernels.fed_tokens import fed_tokens  # start-up: Triton loads only where it runs
+            fed_tokens(v["feed_from"], self.sampled, v["input_ids"], input_ids)
+        else:
+            fed = v["feed_from"] >= 0
+            fed_token = self.sampled.index_select(0, v["feed_from"].clamp(min=0))
+            input_ids.copy_(torch.where(fed, fed_token, v["input_ids"]))
         meta = AttentionMetadata(slot_mapping=v["slot_mapping"], context_lens=v["context_lens"],
                                  block_tables=v["block_tables"], cu_seqlens_q=self._cu_seqlens_q[:bucket + 1],
                                  max_seqlen_q=1, is_decode=True, seq_order=v["attention_order"])
