@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_kernels import time_graph
+from kernels import pdl
 from kernels.gemv import gemv, launch_config, rms_norm_gemv
 from kernels.rmsnorm import rms_norm
 from kernels.silu_mul import silu_and_mul
@@ -159,7 +160,8 @@ def fused_sweep(model: list[Layer], rows_list: list[int], hidden: int) -> list[d
                     continue
                 timed.append((round(us, 2), (kern, bn, bk, warps, stages)))
             timed.sort()
-            default = launch_config(getattr(model[0], name).shape[0], hidden, m, silu)
+            default = launch_config(getattr(model[0], name).shape[0], hidden, m, silu,
+                                    whole_band=pdl.supported(torch.device("cuda")))
             out.append({"rows": m, "proj": name, "default": default, "best": timed[:8]})
             print(f"fused sweep rows {m} {name:8s} default {default}; best {timed[:4]}", flush=True)
     return out
@@ -193,10 +195,11 @@ def main() -> None:
                 mb = n * k * 2 / 1e6
                 total[0] += cublas
                 total[1] += ours
+                launch = launch_config(n, k, m, whole_band=pdl.supported(torch.device("cuda")))
                 rows.append({"model": model, "rows": m, "proj": name, "N": n, "K": k, "cublas_us": cublas,
-                             "gemv_us": ours, "launch": launch_config(n, k, m)})
+                             "gemv_us": ours, "launch": launch})
                 print(f"{model:5s} {m:4d} {name:8s} {mb:6.1f}  {cublas:9.2f} {mb / cublas:5.2f}  {ours:8.2f} "
-                      f"{mb / ours:5.2f}  {launch_config(n, k, m)}", flush=True)
+                      f"{mb / ours:5.2f}  {launch}", flush=True)
                 del weights
             print(f"{model:5s} {m} rows, per layer: cuBLAS {total[0]:.1f} us, gemv {total[1]:.1f} us", flush=True)
     sweep = []

@@ -226,17 +226,17 @@ _DOT_ROWS = 16  # the smallest MMA tile's side: x's rows are padded to it
 _FLOAT32_DOT_BLOCK_K = 128
 
 
-# One-row projections whose weight takes at most this many columns and rows (the LM head does not)
-# give each program all of K for at most WHOLE_BAND_ELEMENTS of W (32 KB in bf16, 64 KB in float32).
+# One-row projections on GPUs with PDL whose weight takes at most this many columns and rows (the
+# LM head does not) give each program all of K for at most WHOLE_BAND_ELEMENTS of W (32 KB in bf16, 64 KB in float32).
 WHOLE_BAND_K = 4096
 WHOLE_BAND_N = 16384
 WHOLE_BAND_ELEMENTS = 16384
 
 
-def _tuned_config(N: int, K: int, rows: int, silu: bool) -> tuple[str, int, int, int, int]:
+def _tuned_config(N: int, K: int, rows: int, silu: bool, whole_band: bool) -> tuple[str, int, int, int, int]:
     """From sweeps of Qwen3-0.6B's projections in bf16 (one row and, with PDL, 2-8 rows on an
     H200; bench_gemv's sweeps), and at one row of Qwen3-30B-A3B's too (H200, 2026-11-27)."""
-    if rows == 1 and K <= WHOLE_BAND_K and N <= WHOLE_BAND_N:
+    if whole_band and rows == 1 and K <= WHOLE_BAND_K and N <= WHOLE_BAND_N:
         # Each program loads its whole band of W, all of K, before the PDL wait, so that with
         # pdl.FIRST the projection's weights stream in while the kernels before it run; fewer,
         # larger programs than below. Qwen3-0.6B batch 1 0.712 against 0.722-0.724 ms a step with
@@ -244,13 +244,14 @@ def _tuned_config(N: int, K: int, rows: int, silu: bool) -> tuple[str, int, int,
         # 2026-11-28, session of 22:39). Compiled for sm90 the tiles of 16,384 elements take all
         # 255 registers and spill 300-380 bytes a thread at Qwen3-30B-A3B's shapes and 0.6B's down
         # projection (within the CUDA stack a thread starts with); 0.6B's qkv takes 182, no spills.
-        # GPUs without PDL take these launches too: not measured there.
+        # They go to GPUs that have PDL, with it turned on or not (NVCHAT_PDL=0 must run the same
+        # launches: tests/gpu compares the two bit for bit); other GPUs keep the ones below.
         block_n = 8 if silu or N > 2048 else 4
         while block_n > 1 and block_n * triton.next_power_of_2(K) * (2 if silu else 1) > WHOLE_BAND_ELEMENTS:
             block_n //= 2
         return "one", block_n, WHOLE_BAND_K, 8 if silu else 4, 1
     if rows == 1:
-        # Wider weights (and before the launches above): a weight row per program for the 1024-row
+        # Wider weights, and GPUs without PDL: a weight row per program for the 1024-row
         # projections, so that they too fill the GPU.
         # Taller weights: 4 rows of 2,048 on 4 warps (SiLU's gate and up: 4 rows each of 512 on
         # 2). At one row in a graph, against 2 rows of 512 on 2 warps: 0.6B's qkv 3.9 us against
@@ -286,16 +287,17 @@ def shared_memory(config: tuple[str, int, int, int, int], rows: int, silu: bool,
 
 @functools.cache  # every launch asks: the search stays off the decode step's host path
 def launch_config(N: int, K: int, rows: int = 1, silu: bool = False, *, dtype: torch.dtype = torch.bfloat16,
-                  norm: bool = False, limits: launch_limits.DeviceLimits | None = None
+                  norm: bool = False, limits: launch_limits.DeviceLimits | None = None, whole_band: bool = False
                   ) -> tuple[str, int, int, int, int]:
     """(kernel, block_n, block_k, num_warps, num_stages): "one" (the one-row kernel), "fma" or "dot"
     (the row kernels). N counts W's rows; with silu a program takes block_n rows each of gate and
-    up, so it gets half as many (the same weight per program); norm: the RMSNorm prologue. The
-    tuned configuration, block_k no wider than K's power of two; with `limits`, the first of it
-    and its fallbacks (fewer stages, then narrower block_k, then fewer rows) whose shared memory
-    fits them (on an RTX 4090, bf16's 2-8 row launches of a 2049-4096-row weight drop from 4
-    stages to 2). The dot kernel takes float32 at most 128 wide."""
-    kernel, block_n, block_k, num_warps, num_stages = _tuned_config(N, K, rows, silu)
+    up (the tuned launches halve block_n for it, keeping the weight per program); norm: the RMSNorm
+    prologue; whole_band: the GPU has PDL (_tuned_config says what changes). The tuned
+    configuration, block_k no wider than K's power of two; with `limits`, the first of it and its
+    fallbacks (fewer stages, then narrower block_k, then fewer rows) whose shared memory fits them
+    (on an RTX 4090, bf16's 2-8 row launches of a 2049-4096-row weight drop from 4 stages to 2).
+    The dot kernel takes float32 at most 128 wide."""
+    kernel, block_n, block_k, num_warps, num_stages = _tuned_config(N, K, rows, silu, whole_band)
     if kernel == "dot" and dtype.itemsize == 4:
         # A float32 [block_n, 512] tile against x's 16 rows spills registers (780 spilled values at
         # block_n 16 on an H100, a 3,120-byte CUDA stack for every thread the card holds).
@@ -346,7 +348,8 @@ def _launch(x, residual, norm_weight, eps, weight, silu, launch):
         raise TypeError(f"gemv's launch knobs are {_LAUNCH_KNOBS}; got {sorted(launch)}")
     (M, K), rows_w = x.shape, weight.shape[0]
     norm, has_residual = norm_weight is not None, residual is not None
-    config = launch_config(rows_w, K, M, silu, dtype=x.dtype, norm=norm, limits=launch_limits.device_limits(x.device))
+    config = launch_config(rows_w, K, M, silu, dtype=x.dtype, norm=norm, limits=launch_limits.device_limits(x.device),
+                           whole_band=pdl.supported(x.device))
     kernel, block_n, block_k, num_warps, num_stages = (launch.get(name) or c for name, c in zip(_LAUNCH_KNOBS, config))
     if "block_n" not in launch and os.environ.get("TRITON_INTERPRET") == "1":
         # Triton's CPU interpreter runs the programs one by one in numpy: a few wide ones take a

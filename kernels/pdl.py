@@ -48,13 +48,19 @@ def _capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def supported(device: torch.device) -> bool:
+    """Whether `device` is a CUDA device of compute capability 9.0 or more, which has PDL (whether or
+    not `enabled` uses it)."""
+    return device.type == "cuda" and _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a CUDA device of compute capability 9.0 or
-    more, compiled kernels (not Triton's CPU interpreter), and not turned off with NVCHAT_PDL=0
-    (which benchmarks use to measure what it is worth)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NVCHAT_PDL") == "0":
+    """Whether kernels on `device` launch with PDL: a device that `supported` names, compiled
+    kernels (not Triton's CPU interpreter), and not turned off with NVCHAT_PDL=0 (which benchmarks
+    use to measure what it is worth)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NVCHAT_PDL") == "0":
         return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return supported(device)
 
 
 def mode(device: torch.device, rows: int | None = None, first_rows: int = FIRST_ROWS) -> int:

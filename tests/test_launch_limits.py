@@ -176,3 +176,17 @@ def test_a_block_is_never_given_more_warps_than_its_registers_allow():
     """ptxas gives a thread at most 255 registers, so 8 warps always fit 65,536 registers; more
     might not."""
     assert H100.max_warps == 8 and H100.fits(0, 8) and not H100.fits(0, 16)
+
+
+def test_one_row_launches_take_all_of_k_only_on_gpus_with_pdl():
+    """On a GPU with PDL a one-row projection's programs each load their whole band of W, all of K,
+    before the wait (kernels/gemv.py); elsewhere they keep the launches tuned without PDL. Qwen3-0.6B's
+    qkv, o and down projections, and gate/up with SiLU."""
+    for n, k, silu in ((4096, 1024, False), (1024, 2048, False), (1024, 3072, False), (6144, 1024, True)):
+        whole = kernel, block_n, block_k, _, num_stages = gemv.launch_config(n, k, 1, silu, whole_band=True)
+        assert kernel == "one" and block_k >= k and num_stages == 1
+        assert block_n * block_k * (2 if silu else 1) <= gemv.WHOLE_BAND_ELEMENTS
+        tuned = gemv.launch_config(n, k, 1, silu, whole_band=False)
+        assert tuned[0] == "one" and tuned[4] > 1 and tuned != whole
+    # the LM head is not a whole band anywhere
+    assert gemv.launch_config(151936, 1024, 1, whole_band=True) == gemv.launch_config(151936, 1024, 1)

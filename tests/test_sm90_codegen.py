@@ -85,7 +85,7 @@ def _gemv_ptx(pdl_mode: int) -> str:
     launch_config gives it), launched with PDL in `pdl_mode`."""
     from kernels import gemv
 
-    kernel, block_n, block_k, num_warps, num_stages = gemv.launch_config(4096, 1024, 1, norm=True)
+    kernel, block_n, block_k, num_warps, num_stages = gemv.launch_config(4096, 1024, 1, norm=True, whole_band=True)
     constants = dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=True, RESIDUAL=True, SILU=False, PDL=pdl_mode)
     types = dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", res_out_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
                  eps="fp32")
