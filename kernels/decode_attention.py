@@ -34,6 +34,14 @@ LOG2E = 1.4426950408889634
 # A split shorter than this spends more on its fixed cost (load q, write a partial) than it saves.
 MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
+# Four-warp programs a SM that default_num_splits splits a launch into: as many as a SM holds at
+# once. The bf16 kernel at Qwen3-0.6B's shape takes 165 registers a thread and 22.5 KB of shared
+# memory for sm90 (ptxas, Triton 3.9), so three fit; four a SM ran the last quarter as a second
+# wave. Against four (H200, bench_latency, benchmarks/HISTORY.md, 2026-11-29), three took batch 8 at
+# 512 context from 1.193-1.197 to 1.153-1.156 ms a step and at 4096 from 1.990-1.994 to
+# 1.956-1.959, batch 4 at 4096 from 1.401-1.405 to 1.419-1.423, and left batches 1 and 2 within 1%;
+# two, a wave that leaves a third of the slots empty, took batches 4 and 8 at 4096 to 1.53 and 2.18.
+FOUR_WARP_PROGRAMS_PER_SM = 3
 # Partials the last split merges at a time (at most); bounds its registers whatever num_splits is.
 MERGE_TILE = 16
 
@@ -445,9 +453,8 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torc
     MIN_SPLIT_TOKENS of the table's capacity. The grid is fixed by the table's capacity, not the
     context, so one count serves both short contexts and the long ones a conversation grows into.
 
-    Four-warp programs: enough splits to give every SM about four. Four, not two: in bench_latency
-    (H200) batches 2, 4 and 8 at 4096 context took 1.22, 1.45 and 2.00 ms per step against 1.27,
-    1.60 and 2.12 with two, and batch 8 at 512 took 1.235 against 1.19.
+    Four-warp programs: at most FOUR_WARP_PROGRAMS_PER_SM a SM, all of them at once (its comment
+    says why).
     One-warp programs (one_warp_programs): about eight a SM, never more. Batch 128 at ~1000 context
     took 105 us with one split against 110 with two and 116 with four; batch 32 at ~2000 66, 71 and
     66 with three, six and twelve (H200, e4m3 cache)."""
@@ -456,7 +463,7 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torc
     if one_warp_programs(batch, kv_heads, device):
         want = 8 * sms // (batch * kv_heads)
     else:
-        want = triton.cdiv(4 * sms, batch * kv_heads)
+        want = FOUR_WARP_PROGRAMS_PER_SM * sms // (batch * kv_heads)
     return max(1, min(want, cap))
 
 
