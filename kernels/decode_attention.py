@@ -81,11 +81,13 @@ def _split_range(ctx, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, lo, hi, qk_scale, stride_cb, stride_ct, head_dim,
+                  first, first_blocks,
                   BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, WHOLE: tl.constexpr):
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, WHOLE: tl.constexpr, FIRST_KNOWN: tl.constexpr):
     """The online softmax's state after the tiles of positions [lo, hi). WHOLE: hi - lo is a
     multiple of BLOCK_N, so no tile needs a mask over its positions (a fifth of the loop's
-    instructions over a bf16 cache, compiled for sm90)."""
+    instructions over a bf16 cache, compiled for sm90). FIRST_KNOWN (masked tiles only): first_blocks
+    holds the block ids of the tile at position `first`, which the caller loaded before its wait."""
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     d_mask = d < head_dim
@@ -98,7 +100,14 @@ def _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, lo, hi, qk_scale, str
         else:
             valid = pos < hi
             kv_mask = valid[:, None] & d_mask[None, :]
-            rows = _kv_offsets(table, pos, valid, stride_cb, stride_ct, BLOCK_SIZE)
+            if FIRST_KNOWN:
+                # Tiles step from `first` by whole tiles: only the first has positions before first + BLOCK_N.
+                in_first = pos < first + BLOCK_N
+                block = tl.load(table + pos // BLOCK_SIZE, mask=valid & ~in_first, other=0)
+                block = tl.where(in_first, first_blocks, block)
+                rows = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct
+            else:
+                rows = _kv_offsets(table, pos, valid, stride_cb, stride_ct, BLOCK_SIZE)
         # An FP8 cache's tiles widen to q's dtype for the dot, fp16 or float32 (exact: every e4m3
         # value is an fp16 one).
         k = tl.load(k_head + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
@@ -128,9 +137,10 @@ def _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, lo, hi, qk_scale, str
 
 @triton.jit
 def _attend(q, table, k_head, v_head, start, end, qk_scale,
-            stride_cb, stride_ct, head_dim,
+            stride_cb, stride_ct, head_dim, first_blocks,
             BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, UNMASKED_WHOLE: tl.constexpr):
+            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, UNMASKED_WHOLE: tl.constexpr,
+            FIRST_KNOWN: tl.constexpr):
     """The group's queries against positions [start, end): (normalized output, max, sum), base 2.
     UNMASKED_WHOLE: the whole tiles run without position masks, the last, partial one (if any)
     with them. That pays in one-warp programs (H200: batch 32 at ~2000 context over an e4m3 cache
@@ -148,10 +158,11 @@ def _attend(q, table, k_head, v_head, start, end, qk_scale,
         # A split past the context's end has end < start: no tiles at all.
         whole_end += tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, start, whole_end, qk_scale,
-                                      stride_cb, stride_ct, head_dim, BLOCK_SIZE, BLOCK_D, BLOCK_N, PRECISION, UPCAST,
-                                      True)
+                                      stride_cb, stride_ct, head_dim, start, first_blocks, BLOCK_SIZE, BLOCK_D,
+                                      BLOCK_N, PRECISION, UPCAST, True, FIRST_KNOWN)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, table, k_head, v_head, whole_end, end, qk_scale, stride_cb,
-                                  stride_ct, head_dim, BLOCK_SIZE, BLOCK_D, BLOCK_N, PRECISION, UPCAST, False)
+                                  stride_ct, head_dim, start, first_blocks, BLOCK_SIZE, BLOCK_D, BLOCK_N, PRECISION,
+                                  UPCAST, False, FIRST_KNOWN)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None], m_i, l_i
 
 
@@ -290,8 +301,8 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq64 * stride_qb + (kv_head * group + g)[:, None] * stride_qh + d[None, :],
                 mask=(g < group)[:, None] & (d < head_dim)[None, :], other=0.0)
     o, m_i, l_i = _attend(q, block_tables_ptr + seq64 * stride_bt, k_ptr + kv_head * stride_ch,
-                          v_ptr + kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_ct, head_dim,
-                          BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST, UNMASKED_WHOLE)
+                          v_ptr + kv_head * stride_ch, start, end, qk_scale, stride_cb, stride_ct, head_dim, 0,
+                          BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST, UNMASKED_WHOLE, False)
     _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
             stride_ob, stride_oh, num_heads, group, head_dim, num_splits,
             GROUP_PAD, GROUP_M, BLOCK_D, SPLIT_TILE, SPLIT, MERGE_HERE)
@@ -326,7 +337,7 @@ def _decode_from_qkv_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_TILE: tl.constexpr, SPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, UNMASKED_WHOLE: tl.constexpr, ORDERED: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_TABLE: tl.constexpr,
 ):
     pdl.start(PDL)
     # The step's inputs (seq_order among them) are read before the PDL wait, while the qkv
@@ -344,6 +355,16 @@ def _decode_from_qkv_kernel(
     partner = tl.where(d < half, d + half, d - half)
     cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_mask, other=0.0)
     sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d_mask, other=0.0)
+    table = block_tables_ptr + seq64 * stride_bt
+    # The split's first tile's block ids, a step input too, so that its K/V loads after the wait
+    # need no trip to the table first: at batch 1 and 512 context a four-warp split is one tile.
+    # One-warp launches (UNMASKED_WHOLE) have many tiles a split and leave it, and so does a cache
+    # of another dtype: over e4m3 it took the kernel from 168 to 192 registers a thread (sm90,
+    # Triton 3.9), two programs a SM where FOUR_WARP_PROGRAMS_PER_SM counts on three.
+    first_pos = start + tl.arange(0, BLOCK_N)
+    first_blocks = tl.zeros([BLOCK_N], tl.int32)
+    if EARLY_TABLE:
+        first_blocks = tl.load(table + first_pos // BLOCK_SIZE, mask=first_pos < end, other=0)
     pdl.wait(PDL)  # everything below reads or writes what the kernel before writes or reads
 
     # Every split with a share of the context norms and rotates the group's q heads itself: a few
@@ -354,7 +375,6 @@ def _decode_from_qkv_kernel(
     q = _norm_rope_rows(row + (kv_head * group + g) * head_dim, (g < q_heads) & d_mask[None, :], qw_ptr, d,
                         partner, d_mask, cos, sin, head_dim, eps, HAS_NORM).to(qkv_ptr.dtype.element_ty)
 
-    table = block_tables_ptr + seq64 * stride_bt
     k_head = k_ptr + kv_head * stride_ch
     v_head = v_ptr + kv_head * stride_ch
     # The new token is the context's last position: only the split whose range holds it reads it,
@@ -380,8 +400,8 @@ def _decode_from_qkv_kernel(
         tl.debug_barrier()
 
     o, m_i, l_i = _attend(q, table, k_head, v_head, start, end, qk_scale,
-                          stride_cb, stride_ct, head_dim,
-                          BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST, UNMASKED_WHOLE)
+                          stride_cb, stride_ct, head_dim, first_blocks,
+                          BLOCK_SIZE, GROUP_PAD, BLOCK_D, BLOCK_N, PRECISION, UPCAST, UNMASKED_WHOLE, EARLY_TABLE)
     _finish(o, m_i, l_i, seq64, kv_head, split, used, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
             stride_ob, stride_oh, num_heads, group, head_dim, num_splits,
             GROUP_PAD, GROUP_M, BLOCK_D, SPLIT_TILE, SPLIT, True)
@@ -634,5 +654,6 @@ def paged_decode_attention_from_qkv(qkv, positions, cos, sin, q_norm_weight, k_n
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         num_heads, kv_heads, num_heads // kv_heads, head_dim, num_splits,
-        HAS_NORM=has_norm, ORDERED=seq_order is not None, launch_pdl=meta["PDL"] > 0, **meta)
+        HAS_NORM=has_norm, ORDERED=seq_order is not None,
+        EARLY_TABLE=not meta["UNMASKED_WHOLE"] and k_cache.dtype == qkv.dtype, launch_pdl=meta["PDL"] > 0, **meta)
     return out
