@@ -35,9 +35,11 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
 # Four-warp programs a SM that default_num_splits splits a launch into: as many as a SM holds at
-# once. The bf16 kernel at Qwen3-0.6B's shape takes 165 registers a thread and 22.5 KB of shared
-# memory for sm90 (ptxas, Triton 3.9), so three fit; four a SM ran the last quarter as a second
-# wave. Against four (H200, bench_latency, benchmarks/HISTORY.md, 2026-11-29), three took batch 8 at
+# once. The bf16 from-qkv kernel at Qwen3-0.6B's shape takes 168 registers a thread and 22.5 KB
+# of shared memory for sm90 (ptxas, Triton 3.9), so three fit, and only just: 168 is the most with
+# which three 128-thread programs fit a SM's 65,536 registers (allocated 8 at a time). A kernel
+# that needs more holds two, and this count then runs a third of a launch as a second wave. Four a
+# SM ran the last quarter as a second wave. Against four (H200, bench_latency, benchmarks/HISTORY.md, 2026-11-29), three took batch 8 at
 # 512 context from 1.193-1.197 to 1.153-1.156 ms a step and at 4096 from 1.990-1.994 to
 # 1.956-1.959, batch 4 at 4096 from 1.401-1.405 to 1.419-1.423, and left batches 1 and 2 within 1%;
 # two, a wave that leaves a third of the slots empty, took batches 4 and 8 at 4096 to 1.53 and 2.18.
