@@ -158,6 +158,7 @@ def test_one_warp_programs_split_to_about_eight_a_sm_and_small_batches_keep_four
     assert not decode_attention.one_warp_programs(1, 8, cpu)
     assert decode_attention.default_num_splits(1, 8, 8192, cpu) == 6
     assert decode_attention.default_num_splits(1, 8, 256, cpu) == 4  # never under 64 tokens a split
+    assert decode_attention.default_num_splits(1, 5, 8192, cpu) == 9  # at most 3 a SM: 48 // 5, not 10
     # Batch 2 has a pair for every SM: one warp, split to 8 a SM.
     assert decode_attention.one_warp_programs(2, 8, cpu)
     assert decode_attention.default_num_splits(2, 8, 8192, cpu) == 8

@@ -38,10 +38,11 @@ def _sm90_ptx(kernel, constants: dict, types: dict, num_warps: int, num_stages: 
     return compiled.asm["ptx"]
 
 
-def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool) -> str:
+def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool, early_table: bool | None = None) -> str:
     """A decode attention kernel at Qwen3-0.6B's attention shape (head_dim 128, two query heads a KV
     head), bf16 queries and qkv, with either launch the engine picks there on an H200, starting its
-    sequences in the order the engine gives (seq_order)."""
+    sequences in the order the engine gives (seq_order). early_table: the from-qkv kernel's
+    EARLY_TABLE, None for the engine's choice (four warps over a bf16 cache)."""
     from kernels import decode_attention, pdl
     from kernels.launch_limits import H200
 
@@ -58,7 +59,8 @@ def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool) -> str:
         constants.update(MERGE_HERE=True)
         types.update(q_ptr="*bf16")
     else:
-        constants.update(HAS_NORM=True)
+        early = not one_warp and cache_type == "bf16" if early_table is None else early_table
+        constants.update(HAS_NORM=True, EARLY_TABLE=early)
         types.update(qkv_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*bf16",
                      kw_ptr="*bf16", slot_ptr="*i64", eps="fp32")
     return _sm90_ptx(getattr(decode_attention, kernel_name), constants, types, num_warps, num_stages)
@@ -112,6 +114,17 @@ def test_v_reaches_the_second_dot_by_ldmatrix_trans_not_byte_loads(kernel_name, 
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
     if cache_type == "fp8e4nv":
         assert "cvt.rn.f16x2.e4m3x2" in ptx  # the widening to fp16 in one instruction
+
+
+def test_the_from_qkv_attention_loads_its_first_tiles_block_ids_before_the_wait():
+    """With EARLY_TABLE (the engine's four-warp launch over a bf16 cache) the kernel issues more
+    global loads before the PDL wait than without: the block ids of its split's first tile."""
+    def loads_before_the_wait(ptx):
+        return ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
+
+    early = _compiled_ptx("_decode_ptx", "_decode_from_qkv_kernel", "bf16", False, True)
+    late = _compiled_ptx("_decode_ptx", "_decode_from_qkv_kernel", "bf16", False, False)
+    assert loads_before_the_wait(early) > loads_before_the_wait(late)
 
 
 def test_prefill_over_an_fp8_cache_widens_e4m3_once_to_fp16():
