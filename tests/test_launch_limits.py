@@ -13,6 +13,7 @@ from kernels import decode_attention, gemv, launch_limits, prefill_attention
 from kernels.launch_limits import A100, H100, H200, RTX_4090, DeviceLimits
 
 CARDS = [H100, H200, A100, RTX_4090]
+HOPPER = [H100, H200]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (hidden, heads, kv_heads, head_dim, intermediate, vocab): SmolLM2-135M, Qwen3-0.6B, 1.7B, 4B, 8B, 14B, 32B.
 MODELS = [(576, 9, 3, 64, 1536, 49152), (1024, 16, 8, 128, 3072, 151936), (2048, 16, 8, 128, 6144, 151936),
@@ -67,9 +68,10 @@ def test_a_launch_past_a_cards_limit_keeps_its_tiles_with_fewer_stages():
 @pytest.mark.parametrize("card", CARDS, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_gemv_launch_of_a_decode_step_fits_the_card(card, dtype):
+    whole_band = card in HOPPER  # the GPUs with PDL take the whole-band one-row launches
     for n, k, silu, norm, rows in GEMV_CASES:
         kernel, block_n, block_k, num_warps, num_stages = config = gemv.launch_config(
-            n, k, rows, silu, dtype=dtype, norm=norm, limits=card)
+            n, k, rows, silu, dtype=dtype, norm=norm, limits=card, whole_band=whole_band)
         where = f"{card.name} {dtype} N={n} K={k} rows={rows} silu={silu} norm={norm}: {config}"
         assert gemv.shared_memory(config, rows, silu, norm, dtype.itemsize) <= card.max_shared_mem, where
         assert num_warps <= card.max_warps and num_stages >= 1, where
@@ -81,12 +83,13 @@ def triton_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@pytest.mark.parametrize("card", [H100, H200], ids=lambda c: c.name)
+@pytest.mark.parametrize("card", HOPPER, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_half_precision_decode_steps_keep_their_tuned_gemv_launches_on_hopper(card, dtype):
+@pytest.mark.parametrize("whole_band", [True, False], ids=["with_pdl", "without"])
+def test_half_precision_decode_steps_keep_their_tuned_gemv_launches_on_hopper(card, dtype, whole_band):
     for n, k, silu, norm, rows in GEMV_CASES:
-        assert gemv.launch_config(n, k, rows, silu, dtype=dtype, norm=norm, limits=card) == \
-            gemv.launch_config(n, k, rows, silu, dtype=dtype, norm=norm), (n, k, rows, silu, norm)
+        assert gemv.launch_config(n, k, rows, silu, dtype=dtype, norm=norm, limits=card, whole_band=whole_band) == \
+            gemv.launch_config(n, k, rows, silu, dtype=dtype, norm=norm, whole_band=whole_band), (n, k, rows, norm)
 
 
 def test_a_smaller_card_gets_fewer_stages_or_narrower_tiles():
