@@ -34,19 +34,19 @@ LOG2E = 1.4426950408889634
 # A split shorter than this spends more on its fixed cost (load q, write a partial) than it saves.
 MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
-# Four-warp programs a SM that default_num_splits splits a launch into: as many as a SM holds at
-# once over a bf16 cache. The from-qkv kernel at Qwen3-0.6B's shape compiles for sm90 to 163
-# registers a thread, 167 with its first tile's block ids loaded before the wait, and 22.5 KB of
-# shared memory (Triton 3.9 and its ptxas flags on the CPU machine; the GPU machines' Triton 3.6
-# not read), so three fit, and only just: 168 is the most with which three 128-thread programs fit
-# a SM's 65,536 registers (allocated 8 at a time). A kernel that needs more holds two, and this
-# count then runs a third of a launch as a second wave: over an e4m3 cache the kernel takes 187
-# registers, so those launches do (unmeasured; four a SM ran half). Four a SM ran the last quarter
-# of a bf16 launch as a second wave. Against four (H200, bench_latency, benchmarks/HISTORY.md,
-# 2026-11-29), three took batch 8 at 512 context from 1.193-1.197 to 1.153-1.156 ms a step and at
-# 4096 from 1.990-1.994 to 1.956-1.959, batch 4 at 4096 from 1.401-1.405 to 1.419-1.423, and left
-# batches 1 and 2 within 1%; two, a wave that leaves a third of the slots empty, took batches 4 and
-# 8 at 4096 to 1.53 and 2.18.
+# Four-warp programs a SM that default_num_splits splits a launch into: what measured best, not
+# the most that fit. As launched at Qwen3-0.6B's shape (head_dim and num_heads multiples of 16,
+# which Triton specializes) the from-qkv kernel compiles for sm90 to 114 registers a thread and
+# 38,912 bytes of shared memory on the GPU machines' Triton 3.6 (108 with Triton 3.9 and its ptxas
+# flags; 145 with its first tile's block ids loaded before the wait; 126 over an e4m3 cache), so a
+# SM holds four of its programs, three with the early block ids (168 registers is the most with
+# which three 128-thread programs fit a SM's 65,536). Against four (H200, bench_latency,
+# benchmarks/HISTORY.md, 2026-11-29, before the early block ids), three took batch 8 at 512 context
+# from 1.193-1.197 to 1.153-1.156 ms a step and at 4096 from 1.990-1.994 to 1.956-1.959, batch 4 at
+# 4096 from 1.401-1.405 to 1.419-1.423, and left batches 1 and 2 within 1%; two took batches 4 and 8
+# at 4096 to 1.53 and 2.18. Over an e4m3 cache four against three (session of 03:27): batches 2 / 4
+# / 8 at 4096 1.118 / 1.329 / 1.827 against 1.148 / 1.425 / 1.928 ms, batch 8 at 512 1.195 against
+# 1.150; one count serves both contexts, and three stays.
 FOUR_WARP_PROGRAMS_PER_SM = 3
 # Partials the last split merges at a time (at most); bounds its registers whatever num_splits is.
 MERGE_TILE = 16
@@ -365,8 +365,7 @@ def _decode_from_qkv_kernel(
     # The split's first tile's block ids, a step input too, so that its K/V loads after the wait
     # need no trip to the table first: at batch 1 and 512 context a four-warp split is one tile.
     # One-warp launches (UNMASKED_WHOLE) have many tiles a split and leave it. So does a cache of
-    # another dtype, where it is unmeasured (over e4m3 it adds registers to a kernel that already
-    # fits only two programs a SM: FOUR_WARP_PROGRAMS_PER_SM's comment).
+    # another dtype, where it is unmeasured.
     first_pos = start + tl.arange(0, BLOCK_N)
     first_blocks = tl.zeros([BLOCK_N], tl.int32)
     if EARLY_TABLE:
@@ -479,8 +478,7 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torc
     MIN_SPLIT_TOKENS of the table's capacity. The grid is fixed by the table's capacity, not the
     context, so one count serves both short contexts and the long ones a conversation grows into.
 
-    Four-warp programs: at most FOUR_WARP_PROGRAMS_PER_SM a SM, over a bf16 cache as many as a SM
-    holds at once (its comment says why).
+    Four-warp programs: at most FOUR_WARP_PROGRAMS_PER_SM a SM (its comment says why).
     One-warp programs (one_warp_programs): about eight a SM, never more. Batch 128 at ~1000 context
     took 105 us with one split against 110 with two and 116 with four; batch 32 at ~2000 66, 71 and
     66 with three, six and twelve (H200, e4m3 cache)."""

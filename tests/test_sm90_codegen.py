@@ -20,17 +20,22 @@ import pytest
 import torch
 
 
-def _sm90_ptx(kernel, constants: dict, types: dict, num_warps: int, num_stages: int) -> str:
+def _sm90_ptx(kernel, constants: dict, types: dict, num_warps: int, num_stages: int,
+              divisible: tuple[str, ...] = ()) -> str:
     """kernel's PTX for sm90: every parameter not in constants has the type `types` names, else i32,
-    and pointers and strides are divisible by 16, as a launch over the cache specializes them. Needs
-    the kernels imported without TRITON_INTERPRET (compiled, not interpreted functions)."""
+    and pointers, strides and the integers named in `divisible` are divisible by 16, as a launch
+    specializes each argument that is: name there those of the engine's launch at the shape (a
+    head_dim of 128 left unmarked cost the from-qkv attention 163 registers a thread against 108 and
+    made its loads scalar). Needs the kernels imported without TRITON_INTERPRET (compiled, not
+    interpreted functions)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
-    aligned = [n for n in names if n not in constants and (n.endswith("_ptr") or n.startswith("stride"))]
+    aligned = [n for n in names
+               if n not in constants and (n.endswith("_ptr") or n.startswith("stride") or n in divisible)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}, attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -63,7 +68,8 @@ def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool, early_table: 
         constants.update(HAS_NORM=True, EARLY_TABLE=early)
         types.update(qkv_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*bf16",
                      kw_ptr="*bf16", slot_ptr="*i64", eps="fp32")
-    return _sm90_ptx(getattr(decode_attention, kernel_name), constants, types, num_warps, num_stages)
+    return _sm90_ptx(getattr(decode_attention, kernel_name), constants, types, num_warps, num_stages,
+                     divisible=("num_heads", "head_dim"))
 
 
 def _prefill_ptx(cache_type: str) -> str:
@@ -79,7 +85,8 @@ def _prefill_ptx(cache_type: str) -> str:
     types = dict(q_ptr="*bf16", k_ptr=f"*{cache_type}", v_ptr=f"*{cache_type}", out_ptr="*bf16",
                  part_o_ptr="*fp32", part_lse_ptr="*fp32", cu_seqlens_ptr="*i32", context_lens_ptr="*i32",
                  block_tables_ptr="*i32", items_ptr="*i32", count_ptr="*i32", qk_scale="fp32")
-    return _sm90_ptx(prefill_attention._prefill_kernel, constants, types, config.num_warps, config.num_stages)
+    return _sm90_ptx(prefill_attention._prefill_kernel, constants, types, config.num_warps, config.num_stages,
+                     divisible=("num_heads",))
 
 
 def _gemv_ptx(pdl_mode: int) -> str:
@@ -91,7 +98,7 @@ def _gemv_ptx(pdl_mode: int) -> str:
     constants = dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=True, RESIDUAL=True, SILU=False, PDL=pdl_mode)
     types = dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", res_out_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
                  eps="fp32")
-    return _sm90_ptx(gemv._gemv_kernel, constants, types, num_warps, num_stages)
+    return _sm90_ptx(gemv._gemv_kernel, constants, types, num_warps, num_stages, divisible=("N", "K"))
 
 
 def _compiled_ptx(helper: str, *args) -> str:
