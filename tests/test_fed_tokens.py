@@ -27,3 +27,10 @@ def test_fed_tokens_are_the_torch_ones(rows):
 def test_no_rows():
     empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     assert module.fed_tokens(empty, torch.zeros(4, dtype=torch.int64, device=DEVICE), empty, empty).numel() == 0
+
+
+def test_int32_rows_are_refused():
+    """The kernel reads each index as int64: an int32 feed_from would be read two entries at a time."""
+    rows = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(AssertionError, match="int64"):
+        module.fed_tokens(rows.int(), torch.zeros(4, dtype=torch.int64, device=DEVICE), rows, rows.clone())
