@@ -325,8 +325,9 @@ class DecodeGraphs:
     def _stage_params(self, plan: StepPlan) -> str | None:
         """The per-row sampling settings as bytes (kept while the rows keep their settings, as
         streams do from step to step); returns the kind of sampling, None for what the runner's
-        eager Sampler does, for the whole step: a seeded row, logprobs, more logit_bias entries than BIAS_WIDTH or bans than BAN_WIDTH. Rows with penalties, min_p,
-        logit_bias, min_tokens or structured output make it an adjusted kind."""
+        eager Sampler does, for the whole step: a seeded row, logprobs, more logit_bias entries than
+        BIAS_WIDTH or bans than BAN_WIDTH. Rows with penalties, min_p, logit_bias, min_tokens or
+        structured output make it an adjusted kind."""
         params = plan.sample_params
         key = [(p.temperature, p.top_k, p.top_p, p.seed is None) if p.plain else
                (p.temperature, p.top_k, p.top_p, p.seed is None, p.repetition_penalty, p.frequency_penalty,
@@ -337,7 +338,8 @@ class DecodeGraphs:
             self._masked_rows = 0
             self._params_bytes = {
                 "temperatures": array("f", [1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-                "top_p": array("f", [p.top_p for p in params]), "top_k": array("i", [min(p.top_k, _TOP_K_MAX) for p in params]),
+                "top_p": array("f", [p.top_p for p in params]),
+                "top_k": array("i", [min(p.top_k, _TOP_K_MAX) for p in params]),
                 "greedy": array("B", greedy)}
             self._adjusted = not all(p.plain for p in params)
             # The rows that hold a slot: their counts or their logit_bias live there.
