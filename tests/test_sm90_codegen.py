@@ -13,6 +13,7 @@ widen each cached value once, to fp16.
 """
 import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -22,7 +23,13 @@ import torch
 
 def _sm90_ptx(kernel, constants: dict, types: dict, num_warps: int, num_stages: int,
               divisible: tuple[str, ...] = ()) -> str:
-    """kernel's PTX for sm90: every parameter not in constants has the type `types` names, else i32,
+    """_sm90_compile's PTX."""
+    return _sm90_compile(kernel, constants, types, num_warps, num_stages, divisible).asm["ptx"]
+
+
+def _sm90_compile(kernel, constants: dict, types: dict, num_warps: int, num_stages: int,
+                  divisible: tuple[str, ...] = ()):
+    """kernel compiled for sm90: every parameter not in constants has the type `types` names, else i32,
     and pointers, strides and the integers named in `divisible` are divisible by 16, as a launch
     specializes each argument that is: name there those of the engine's launch at the shape (a
     head_dim of 128 left unmarked cost the from-qkv attention 163 registers a thread against 108 and
@@ -38,12 +45,22 @@ def _sm90_ptx(kernel, constants: dict, types: dict, num_warps: int, num_stages: 
                if n not in constants and (n.endswith("_ptr") or n.startswith("stride") or n in divisible)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constants.items()}, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
-    return compiled.asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool, early_table: bool | None = None) -> str:
+    """_decode_compile's PTX."""
+    return _decode_compile(kernel_name, cache_type, one_warp, early_table).asm["ptx"]
+
+
+def _decode_shared(cache_type: str, early_table: bool) -> int:
+    """Bytes of shared memory of the engine's four-warp from-qkv launch (its registers are in
+    ptxas's log, which TRITON_DUMP_PTXAS_LOG prints while it compiles)."""
+    return _decode_compile("_decode_from_qkv_kernel", cache_type, False, early_table).metadata.shared
+
+
+def _decode_compile(kernel_name: str, cache_type: str, one_warp: bool, early_table: bool | None = None):
     """A decode attention kernel at Qwen3-0.6B's attention shape (head_dim 128, two query heads a KV
     head), bf16 queries and qkv, with either launch the engine picks there on an H200, starting its
     sequences in the order the engine gives (seq_order). early_table: the from-qkv kernel's
@@ -68,8 +85,8 @@ def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool, early_table: 
         constants.update(HAS_NORM=True, EARLY_TABLE=early)
         types.update(qkv_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*bf16",
                      kw_ptr="*bf16", slot_ptr="*i64", eps="fp32")
-    return _sm90_ptx(getattr(decode_attention, kernel_name), constants, types, num_warps, num_stages,
-                     divisible=("num_heads", "head_dim"))
+    return _sm90_compile(getattr(decode_attention, kernel_name), constants, types, num_warps, num_stages,
+                         divisible=("num_heads", "head_dim"))
 
 
 def _prefill_ptx(cache_type: str) -> str:
@@ -101,10 +118,10 @@ def _gemv_ptx(pdl_mode: int) -> str:
     return _sm90_ptx(gemv._gemv_kernel, constants, types, num_warps, num_stages, divisible=("N", "K"))
 
 
-def _compiled_ptx(helper: str, *args) -> str:
-    """helper(*args) run in a process of its own: this one runs the kernels under Triton's
-    interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def _compiled_ptx(helper: str, *args, env: dict | None = None) -> str:
+    """What helper(*args) prints, run in a process of its own (with `env` added to its environment):
+    this one runs the kernels under Triton's interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
     code = f"from tests.test_sm90_codegen import {helper}; print({helper}(*{args!r}))"
     child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -132,6 +149,29 @@ def test_the_from_qkv_attention_loads_its_first_tiles_block_ids_before_the_wait(
     early = _compiled_ptx("_decode_ptx", "_decode_from_qkv_kernel", "bf16", False, True)
     late = _compiled_ptx("_decode_ptx", "_decode_from_qkv_kernel", "bf16", False, False)
     assert loads_before_the_wait(early) > loads_before_the_wait(late)
+
+
+# Hopper's per-SM limits (the CUDA programming guide, compute capability 9.0): 65,536 registers,
+# allocated to a warp 256 at a time (8 a thread), and 233,472 bytes of shared memory, of which each
+# resident block also takes 1,024 for the system.
+SM90_REGISTERS, SM90_SHARED, SHARED_PER_BLOCK = 65_536, 233_472, 1_024
+
+
+@pytest.mark.parametrize("cache_type, early_table", [("bf16", True), ("bf16", False), ("fp8e4nv", False)])
+def test_the_four_warp_attention_launch_fits_its_programs_a_sm_at_once(cache_type, early_table, tmp_path):
+    """default_num_splits splits a four-warp decode attention launch into FOUR_WARP_PROGRAMS_PER_SM
+    programs a SM, which must all be resident at once, or the last of each launch runs as a second
+    wave. The from-qkv kernel as the engine launches it at Qwen3-0.6B's shape (with its early block
+    ids over a bf16 cache, without over e4m3), compiled for sm90 by Triton's own ptxas."""
+    from kernels.decode_attention import FOUR_WARP_PROGRAMS_PER_SM
+
+    out = _compiled_ptx("_decode_shared", cache_type, early_table,
+                        env=dict(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path)))
+    registers = int(re.search(r"Used (\d+) registers", out).group(1))
+    shared = int(out.split()[-1])
+    threads = 4 * 32
+    assert FOUR_WARP_PROGRAMS_PER_SM * threads * -(-registers // 8) * 8 <= SM90_REGISTERS, registers
+    assert FOUR_WARP_PROGRAMS_PER_SM * (shared + SHARED_PER_BLOCK) <= SM90_SHARED, shared
 
 
 def test_prefill_over_an_fp8_cache_widens_e4m3_once_to_fp16():
