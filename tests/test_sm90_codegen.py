@@ -9,7 +9,8 @@ of context on an H200 (benchmarks/HISTORY.md, 2026-11-28, 07:05). kernels/decode
 `_attend_tiles` keeps the widening in front with a product by 1 that changes no value; a Triton release
 that sees through it fails this test. Both decode kernels are checked: the engine's decode step
 runs the one that starts from the qkv projection. The prefill attention over an FP8 cache must
-widen each cached value once, to fp16.
+widen each cached value once, to fp16. And the four-warp decode attention launch must fit the
+programs a SM that its split count assumes, by the registers Triton's own ptxas reports.
 """
 import inspect
 import os
