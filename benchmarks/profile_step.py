@@ -1,8 +1,10 @@
 """Where an engine step's time goes: a torch.profiler trace of a few steps in each situation
 (batch-1 and batch-8 decode, full-batch decode over even contexts and over contexts as spread as
 bench_throughput's, a prompt chunk mixed into 8 decoding streams early and late in a long prompt,
-prefills), reduced to wall time per step, GPU-busy time per step, kernels per step and the
-costliest kernels."""
+prefills), reduced to wall time per step, GPU-busy time per step, kernels per step, the costliest
+kernels by their own durations, and the costliest by how far each moves the end of the GPU's work
+(`frontier_advance`: with PDL on, a kernel's own duration counts the time its early programs wait
+on the kernel before; run with NVCHAT_PDL=0 to read the first list)."""
 import argparse
 import contextlib
 import random
@@ -28,6 +30,20 @@ def _busy_us(intervals) -> float:
     return busy
 
 
+def frontier_advance(kernels) -> dict[str, tuple[int, float]]:
+    """{name: (count, µs)}: how far each kernel moves the end of the GPU's work, by name. Kernels
+    are (name, start, end) in µs; taken in order of their starts, each adds the part of it that
+    ends past every kernel before it and does not overlap them. The advances sum to the busy time
+    (_busy_us), each kernel's part of a step's chain whether or not its programs started early."""
+    by_name: dict[str, tuple[int, float]] = {}
+    frontier = float("-inf")
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        count, total = by_name.get(name, (0, 0.0))
+        by_name[name] = (count + 1, total + max(0.0, end - max(frontier, start)))
+        frontier = max(frontier, end)
+    return by_name
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -47,6 +63,7 @@ def profile_steps(llm: LLM, steps: int) -> dict:
         by_name[e.name][0] += 1
         by_name[e.name][1] += e.time_range.elapsed_us()
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    chain = frontier_advance((e.name, e.time_range.start, e.time_range.end) for e in kernels)
     return {
         "wall_us_per_step": wall_us / steps,
         "gpu_busy_us_per_step": _busy_us((e.time_range.start, e.time_range.end) for e in kernels) / steps,
@@ -54,6 +71,8 @@ def profile_steps(llm: LLM, steps: int) -> dict:
         "kernels_per_step": len(kernels) / steps,
         "top": [{"name": name[:90], "per_step": n / steps, "us_per_step": t / steps, "us_each": t / n}
                 for name, (n, t) in top],
+        "chain": [{"name": name[:90], "per_step": n / steps, "us_per_step": t / steps, "us_each": t / n}
+                  for name, (n, t) in sorted(chain.items(), key=lambda kv: -kv[1][1])[:15]],
     }
 
 
@@ -61,6 +80,9 @@ def report(title: str, r: dict) -> None:
     print(f"\n== {title}: wall {r['wall_us_per_step']:.0f} us/step, GPU busy {r['gpu_busy_us_per_step']:.0f} us, "
           f"{r['kernels_per_step']:.0f} kernels/step")
     for k in r["top"]:
+        print(f"  {k['us_per_step']:8.1f} us/step  {k['per_step']:6.1f}x  {k['us_each']:7.2f} us each  {k['name']}")
+    print("  by how far each moves the end of the GPU's work:")
+    for k in r["chain"]:
         print(f"  {k['us_per_step']:8.1f} us/step  {k['per_step']:6.1f}x  {k['us_each']:7.2f} us each  {k['name']}")
 
 
