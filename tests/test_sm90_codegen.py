@@ -110,13 +110,30 @@ def _prefill_ptx(cache_type: str) -> str:
 def _gemv_ptx(pdl_mode: int) -> str:
     """The one-row GEMV with the pre-norm taken in, at Qwen3-0.6B's qkv projection (the launch
     launch_config gives it), launched with PDL in `pdl_mode`."""
+    return _gemv_compile(4096, 1024, True, False, pdl_mode).asm["ptx"]
+
+
+def _gemv_compile(rows_w: int, K: int, norm: bool, silu: bool, pdl_mode: int):
+    """The one-row GEMV of a bf16 weight [rows_w, K] (gate and up stacked with silu) as
+    launch_config launches it on a GPU with PDL: with the pre-norm and its residual taken in where
+    norm, in `pdl_mode`."""
     from kernels import gemv
 
-    kernel, block_n, block_k, num_warps, num_stages = gemv.launch_config(4096, 1024, 1, norm=True, whole_band=True)
-    constants = dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=True, RESIDUAL=True, SILU=False, PDL=pdl_mode)
+    kernel, block_n, block_k, num_warps, num_stages = gemv.launch_config(rows_w, K, 1, silu, norm=norm,
+                                                                         whole_band=True)
+    constants = dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, RESIDUAL=norm, SILU=silu, PDL=pdl_mode)
     types = dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", res_out_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
                  eps="fp32")
-    return _sm90_ptx(gemv._gemv_kernel, constants, types, num_warps, num_stages, divisible=("N", "K"))
+    return _sm90_compile(gemv._gemv_kernel, constants, types, num_warps, num_stages, divisible=("N", "K"))
+
+
+def _gemv_compiled(rows_w: int, K: int, norm: bool, silu: bool) -> str:
+    """Compiles _gemv_compile's launch with pdl.FIRST, the one a single row takes (ptxas's log,
+    which TRITON_DUMP_PTXAS_LOG prints while it compiles, is what the caller reads)."""
+    from kernels import pdl
+
+    _gemv_compile(rows_w, K, norm, silu, pdl.FIRST)
+    return ""
 
 
 def _compiled_ptx(helper: str, *args, env: dict | None = None) -> str:
@@ -173,6 +190,25 @@ def test_the_four_warp_attention_launch_fits_its_programs_a_sm_at_once(cache_typ
     threads = 4 * 32
     assert FOUR_WARP_PROGRAMS_PER_SM * threads * -(-registers // 8) * 8 <= SM90_REGISTERS, registers
     assert FOUR_WARP_PROGRAMS_PER_SM * (shared + SHARED_PER_BLOCK) <= SM90_SHARED, shared
+
+
+# One-row projections whose launches hold their whole band of W (rows of W, K, norm taken in, SiLU-mul):
+# Qwen3-0.6B's qkv, o, gate_up and down, Qwen3-30B-A3B's qkv and o, Qwen3-8B's qkv.
+WHOLE_BAND_PROJECTIONS = [(4096, 1024, True, False), (1024, 2048, False, False), (6144, 1024, True, True),
+                          (1024, 3072, False, False), (5120, 2048, True, False), (2048, 4096, False, False),
+                          (6144, 4096, True, False)]
+
+
+@pytest.mark.parametrize("rows_w, K, norm, silu", WHOLE_BAND_PROJECTIONS)
+def test_the_whole_band_gemv_launches_spill_nothing(rows_w, K, norm, silu, tmp_path):
+    """A one-row GEMV launch on a GPU with PDL loads its whole band of W, up to 16,384 elements a
+    program, into registers before its wait (kernels/gemv.py says why): a spill would send part of
+    it to local memory and back after the wait. Compiled for sm90 as launched, by Triton's own
+    ptxas."""
+    out = _compiled_ptx("_gemv_compiled", rows_w, K, norm, silu,
+                        env=dict(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path)))
+    assert re.search(r"Used \d+ registers", out), out[-2000:]
+    assert re.search(r"\b0 bytes spill stores", out), out[-2000:]
 
 
 def test_prefill_over_an_fp8_cache_widens_e4m3_once_to_fp16():
