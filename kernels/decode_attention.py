@@ -34,20 +34,20 @@ LOG2E = 1.4426950408889634
 # A split shorter than this spends more on its fixed cost (load q, write a partial) than it saves.
 MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 64
-# Four-warp programs a SM that default_num_splits splits a launch into: what measured best, not the
-# most that fit. As launched at Qwen3-0.6B's shape (head_dim and num_heads multiples of 16, which
-# Triton specializes) the from-qkv kernel compiles for sm90 to 114 registers a thread and 38,912
-# bytes of shared memory, 152 registers with its first tile's block ids loaded before the wait, and
-# 108 over an e4m3 cache (read on an H200 with the GPU machines' Triton 3.6; Triton 3.9 and its
-# ptxas flags give 108, 145 and 126). So a SM holds four of its programs, and three with the early
-# block ids (168 registers is the most with which three 128-thread programs fit a SM's 65,536).
-# Against four (H200, bench_latency, benchmarks/HISTORY.md, 2026-11-29, before the early block ids),
-# three took batch 8 at 512 context from 1.193-1.197 to 1.153-1.156 ms a step and at 4096 from
-# 1.990-1.994 to 1.956-1.959, batch 4 at 4096 from 1.401-1.405 to 1.419-1.423, and left batches 1
-# and 2 within 1%; two took batches 4 and 8 at 4096 to 1.53 and 2.18. Over an e4m3 cache four
-# against three (session of 03:27): batches 2 / 4 / 8 at 4096 1.118 / 1.329 / 1.827 against 1.148 /
-# 1.425 / 1.928 ms, batch 8 at 512 1.195 against 1.150; one count serves both contexts, and three
-# stays.
+# Four-warp programs a SM that default_num_splits splits a launch into: what measured best. With the
+# early block ids (bf16 launches) it is also the most that fit; without them four fit. As launched
+# at Qwen3-0.6B's shape (head_dim and num_heads multiples of 16, which Triton specializes) the
+# from-qkv kernel compiles for sm90 to 114 registers a thread and 38,912 bytes of shared memory, 152
+# registers with its first tile's block ids loaded before the wait, and 108 over an e4m3 cache (read
+# on an H200 with the GPU machines' Triton 3.6; Triton 3.9 and its ptxas flags give 108, 145 and
+# 126). So a SM holds four of its programs, and three with the early block ids (168 registers is the
+# most with which three 128-thread programs fit a SM's 65,536). Against four (H200, bench_latency,
+# benchmarks/HISTORY.md, 2026-11-29, before the early block ids), three took batch 8 at 512 context
+# from 1.193-1.197 to 1.153-1.156 ms a step and at 4096 from 1.990-1.994 to 1.956-1.959, batch 4 at
+# 4096 from 1.401-1.405 to 1.419-1.423, and left batches 1 and 2 within 1%; two took batches 4 and 8
+# at 4096 to 1.53 and 2.18. Over an e4m3 cache four against three (session of 03:27): batches 2 / 4
+# / 8 at 4096 1.118 / 1.329 / 1.827 against 1.148 / 1.425 / 1.928 ms, batch 8 at 512 1.195 against
+# 1.150; one count serves both contexts, and three stays.
 FOUR_WARP_PROGRAMS_PER_SM = 3
 # Partials the last split merges at a time (at most); bounds its registers whatever num_splits is.
 MERGE_TILE = 16
@@ -366,7 +366,8 @@ def _decode_from_qkv_kernel(
     # The split's first tile's block ids, a step input too, so that its K/V loads after the wait
     # need no trip to the table first: at batch 1 and 512 context a four-warp split is one tile.
     # One-warp launches (UNMASKED_WHOLE) have many tiles a split and leave it. So does a cache of
-    # another dtype, where it is unmeasured.
+    # another dtype: over e4m3 it measured level (benchmarks/HISTORY.md, 2026-11-29, session of
+    # 03:27).
     first_pos = start + tl.arange(0, BLOCK_N)
     first_blocks = tl.zeros([BLOCK_N], tl.int32)
     if EARLY_TABLE:

@@ -25,7 +25,7 @@ def fed_tokens(feed_from: torch.Tensor, sampled: torch.Tensor, staged: torch.Ten
     """out[i] = sampled[feed_from[i]] where feed_from[i] >= 0, else staged[i]; returns out. feed_from:
     int64 [rows], -1 or a row of sampled; sampled, staged and out: int64, out and staged [rows]."""
     rows = out.shape[0]
-    # The kernel reads feed_from as int64: int32 rows would be read two to an element, as rows no step holds.
+    # The kernel reads feed_from as int64: int32 entries would be read in pairs, and past the buffer.
     assert feed_from.shape == staged.shape == (rows,), "feed_from, staged and out: one entry a row"
     assert feed_from.dtype == sampled.dtype == staged.dtype == out.dtype == torch.int64, "fed_tokens takes int64 only"
     assert all(t.is_contiguous() for t in (feed_from, sampled, staged, out))

@@ -242,7 +242,7 @@ def _tuned_config(N: int, K: int, rows: int, silu: bool, whole_band: bool) -> tu
         # larger programs than below. Qwen3-0.6B batch 1 0.712 against 0.722-0.724 ms a step with
         # these launches, Qwen3-30B-A3B 2.565 against 2.582 (H200, benchmarks/HISTORY.md,
         # 2026-11-28, session of 22:39). Compiled for sm90 as launched (N and K multiples of 16,
-        # which Triton specializes; Triton 3.9), the tiles of 16,384 elements take 232-239
+        # which Triton specializes; Triton 3.9), the tiles (up to 16,384 elements) take 232-239
         # registers at Qwen3-30B-A3B's qkv and o, 0.6B's down and 8B's qkv, and 124-128 at 0.6B's
         # others, none spilled (tests/test_sm90_codegen.py checks).
         # They go to GPUs that have PDL, with it turned on or not (NVCHAT_PDL=0 must run the same

@@ -1,6 +1,6 @@
 """benchmarks/profile_step.py's frontier_advance: what each kernel adds to the end of the GPU's
-work, on made-up kernel intervals (µs) whose answer is worked out by hand, and on random ones
-against the busy time it must sum to."""
+work, on made-up kernel intervals (µs) whose answer is worked out by hand, and on random ones (a
+fresh seed each run, named on failure) against the busy time it must sum to."""
 import random
 
 from benchmarks.profile_step import _busy_us, frontier_advance
@@ -14,11 +14,12 @@ def test_early_started_kernels_count_only_what_they_add():
 
 
 def test_names_gather_and_the_advances_sum_to_the_busy_time():
-    rng = random.Random()
+    seed = random.randrange(2 ** 32)
+    rng = random.Random(seed)
     kernels = []
     for i in range(200):
         start = rng.uniform(0, 1000)
         kernels.append((f"k{i % 7}", start, start + rng.uniform(0, 30)))
     advances = frontier_advance(kernels)
-    assert sum(n for n, _ in advances.values()) == 200
-    assert abs(sum(t for _, t in advances.values()) - _busy_us((s, e) for _, s, e in kernels)) < 1e-6
+    assert sum(n for n, _ in advances.values()) == 200, seed
+    assert abs(sum(t for _, t in advances.values()) - _busy_us((s, e) for _, s, e in kernels)) < 1e-6, seed

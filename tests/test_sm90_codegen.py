@@ -9,8 +9,10 @@ of context on an H200 (benchmarks/HISTORY.md, 2026-11-28, 07:05). kernels/decode
 `_attend_tiles` keeps the widening in front with a product by 1 that changes no value; a Triton release
 that sees through it fails this test. Both decode kernels are checked: the engine's decode step
 runs the one that starts from the qkv projection. The prefill attention over an FP8 cache must
-widen each cached value once, to fp16. And the four-warp decode attention launch must fit the
-programs a SM that its split count assumes, by the registers Triton's own ptxas reports.
+widen each cached value once, to fp16. And by what Triton's own ptxas reports for the kernels as
+launched: the four-warp decode attention launch fits the programs a SM its split count assumes, and
+the one-row GEMV's whole-band launches spill nothing. These compile with the Triton installed here,
+which may not be the GPU machines' (benchmarks/HISTORY.md records both).
 """
 import inspect
 import os
@@ -55,10 +57,10 @@ def _decode_ptx(kernel_name: str, cache_type: str, one_warp: bool, early_table: 
     return _decode_compile(kernel_name, cache_type, one_warp, early_table).asm["ptx"]
 
 
-def _decode_shared(cache_type: str, early_table: bool) -> int:
-    """Bytes of shared memory of the engine's four-warp from-qkv launch (its registers are in
-    ptxas's log, which TRITON_DUMP_PTXAS_LOG prints while it compiles)."""
-    return _decode_compile("_decode_from_qkv_kernel", cache_type, False, early_table).metadata.shared
+def _decode_shared(cache_type: str, early_table: bool) -> str:
+    """"shared=N", the bytes of shared memory of the engine's four-warp from-qkv launch (its
+    registers are in ptxas's log, which TRITON_DUMP_PTXAS_LOG prints while it compiles)."""
+    return f"shared={_decode_compile('_decode_from_qkv_kernel', cache_type, False, early_table).metadata.shared}"
 
 
 def _decode_compile(kernel_name: str, cache_type: str, one_warp: bool, early_table: bool | None = None):
@@ -127,21 +129,20 @@ def _gemv_compile(rows_w: int, K: int, norm: bool, silu: bool, pdl_mode: int):
     return _sm90_compile(gemv._gemv_kernel, constants, types, num_warps, num_stages, divisible=("N", "K"))
 
 
-def _gemv_compiled(rows_w: int, K: int, norm: bool, silu: bool) -> str:
-    """Compiles _gemv_compile's launch with pdl.FIRST, the one a single row takes (ptxas's log,
-    which TRITON_DUMP_PTXAS_LOG prints while it compiles, is what the caller reads)."""
+def _gemv_ptxas_log(rows_w: int, K: int, norm: bool, silu: bool) -> None:
+    """Compiles _gemv_compile's launch with pdl.FIRST, the one a single row takes, for ptxas's log,
+    which TRITON_DUMP_PTXAS_LOG prints while it compiles."""
     from kernels import pdl
 
     _gemv_compile(rows_w, K, norm, silu, pdl.FIRST)
-    return ""
 
 
-def _compiled_ptx(helper: str, *args, env: dict | None = None) -> str:
-    """What helper(*args) prints, run in a process of its own (with `env` added to its environment):
-    this one runs the kernels under Triton's interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
+def _run_in_child(helper: str, *args, env: dict | None = None) -> str:
+    """What running helper(*args) and printing its result writes to stdout, in a process of its own
+    (with `env` added to its environment): this one runs the kernels under Triton's interpreter."""
+    child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
     code = f"from tests.test_sm90_codegen import {helper}; print({helper}(*{args!r}))"
-    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+    child = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=300,
                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert child.returncode == 0, child.stderr[-2000:]
     return child.stdout
@@ -151,7 +152,7 @@ def _compiled_ptx(helper: str, *args, env: dict | None = None) -> str:
 @pytest.mark.parametrize("cache_type", ["fp8e4nv", "bf16"])
 @pytest.mark.parametrize("kernel_name", ["_decode_kernel", "_decode_from_qkv_kernel"])
 def test_v_reaches_the_second_dot_by_ldmatrix_trans_not_byte_loads(kernel_name, cache_type, one_warp):
-    ptx = _compiled_ptx("_decode_ptx", kernel_name, cache_type, one_warp)
+    ptx = _run_in_child("_decode_ptx", kernel_name, cache_type, one_warp)
     assert "ld.shared.b8" not in ptx
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
     if cache_type == "fp8e4nv":
@@ -164,8 +165,8 @@ def test_the_from_qkv_attention_loads_its_first_tiles_block_ids_before_the_wait(
     def loads_before_the_wait(ptx):
         return ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
 
-    early = _compiled_ptx("_decode_ptx", "_decode_from_qkv_kernel", "bf16", False, True)
-    late = _compiled_ptx("_decode_ptx", "_decode_from_qkv_kernel", "bf16", False, False)
+    early = _run_in_child("_decode_ptx", "_decode_from_qkv_kernel", "bf16", False, True)
+    late = _run_in_child("_decode_ptx", "_decode_from_qkv_kernel", "bf16", False, False)
     assert loads_before_the_wait(early) > loads_before_the_wait(late)
 
 
@@ -183,20 +184,21 @@ def test_the_four_warp_attention_launch_fits_its_programs_a_sm_at_once(cache_typ
     ids over a bf16 cache, without over e4m3), compiled for sm90 by Triton's own ptxas."""
     from kernels.decode_attention import FOUR_WARP_PROGRAMS_PER_SM
 
-    out = _compiled_ptx("_decode_shared", cache_type, early_table,
+    out = _run_in_child("_decode_shared", cache_type, early_table,
                         env=dict(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path)))
-    registers = int(re.search(r"Used (\d+) registers", out).group(1))
-    shared = int(out.split()[-1])
+    used, shared = re.search(r"Used (\d+) registers", out), re.search(r"shared=(\d+)", out)
+    assert used and shared, out[-2000:]
+    registers, shared = int(used.group(1)), int(shared.group(1))
     threads = 4 * 32
     assert FOUR_WARP_PROGRAMS_PER_SM * threads * -(-registers // 8) * 8 <= SM90_REGISTERS, registers
     assert FOUR_WARP_PROGRAMS_PER_SM * (shared + SHARED_PER_BLOCK) <= SM90_SHARED, shared
 
 
 # One-row projections whose launches hold their whole band of W (rows of W, K, norm taken in, SiLU-mul):
-# Qwen3-0.6B's qkv, o, gate_up and down, Qwen3-30B-A3B's qkv and o, Qwen3-8B's qkv.
+# Qwen3-0.6B's qkv, o, gate_up and down, Qwen3-30B-A3B's qkv and o, Qwen3-8B's qkv and o.
 WHOLE_BAND_PROJECTIONS = [(4096, 1024, True, False), (1024, 2048, False, False), (6144, 1024, True, True),
                           (1024, 3072, False, False), (5120, 2048, True, False), (2048, 4096, False, False),
-                          (6144, 4096, True, False)]
+                          (6144, 4096, True, False), (4096, 4096, False, False)]
 
 
 @pytest.mark.parametrize("rows_w, K, norm, silu", WHOLE_BAND_PROJECTIONS)
@@ -205,16 +207,16 @@ def test_the_whole_band_gemv_launches_spill_nothing(rows_w, K, norm, silu, tmp_p
     program, into registers before its wait (kernels/gemv.py says why): a spill would send part of
     it to local memory and back after the wait. Compiled for sm90 as launched, by Triton's own
     ptxas."""
-    out = _compiled_ptx("_gemv_compiled", rows_w, K, norm, silu,
+    out = _run_in_child("_gemv_ptxas_log", rows_w, K, norm, silu,
                         env=dict(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path)))
     assert re.search(r"Used \d+ registers", out), out[-2000:]
-    assert re.search(r"\b0 bytes spill stores", out), out[-2000:]
+    assert not re.search(r"\b[1-9]\d* bytes spill (stores|loads)", out), out[-2000:]
 
 
 def test_prefill_over_an_fp8_cache_widens_e4m3_once_to_fp16():
     """With bf16 queries over an e4m3 cache the products run in fp16: each cached value is widened
     by one instruction, never on to bf16 (`cvt.bf16.f16`, a second conversion per value)."""
-    ptx = _compiled_ptx("_prefill_ptx", "fp8e4nv")
+    ptx = _run_in_child("_prefill_ptx", "fp8e4nv")
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "cvt.bf16.f16" not in ptx
 
@@ -225,10 +227,10 @@ def test_pdl_first_lets_the_next_kernel_launch_before_the_weights_and_the_wait()
     trigger."""
     from kernels import pdl
 
-    first = _compiled_ptx("_gemv_ptx", pdl.FIRST)
+    first = _run_in_child("_gemv_ptx", pdl.FIRST)
     assert first.index("griddepcontrol.launch_dependents") < first.index("ld.global") \
         < first.index("griddepcontrol.wait")
-    after = _compiled_ptx("_gemv_ptx", pdl.AFTER_WAIT)
+    after = _run_in_child("_gemv_ptx", pdl.AFTER_WAIT)
     assert after.index("ld.global") < after.index("griddepcontrol.wait") \
         < after.index("griddepcontrol.launch_dependents")
     assert first.count("griddepcontrol.launch_dependents") == after.count("griddepcontrol.launch_dependents") == 1
