@@ -316,18 +316,17 @@ def _decode_kernel(
 
 
 @triton.jit
-def _norm_rope_rows(rows_ptr, mask, w_ptr, d, partner, d_mask, cos, sin, head_dim, eps, HAS_NORM: tl.constexpr):
-    """Rows of heads at rows_ptr ([rows, 1] pointers) RMSNorm'd and rotated (neox), in fp32, rounded
-    where kernels/norm_rope_store.py rounds (its docstring says why)."""
-    dtype = rows_ptr.dtype.element_ty
-    x = tl.load(rows_ptr + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+def _norm_rope(x, x_partner, w, w_partner, d, cos, sin, head_dim, eps, HAS_NORM: tl.constexpr):
+    """Rows of heads x [rows, BLOCK_D] (loaded, with each element's rotation partner x_partner)
+    RMSNorm'd by w and rotated (neox), in fp32, rounded to x's dtype where kernels/norm_rope_store.py
+    rounds (its docstring says why)."""
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    x_partner = x_partner.to(tl.float32)
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(x * x, 1) / head_dim + eps)[:, None]
-        w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        w_partner = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-        x_partner = ((x_partner * rstd).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
+        x = ((x * rstd).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
+        x_partner = ((x_partner * rstd).to(dtype).to(tl.float32) * w_partner[None, :]).to(dtype).to(tl.float32)
     # rotate_half(x) = [-x2, x1]: the first half takes minus its partner in the second.
     sign = tl.where(d < head_dim // 2, -1.0, 1.0)[None, :]
     return x * cos[None, :] + sign * x_partner * sin[None, :]
@@ -372,38 +371,59 @@ def _decode_from_qkv_kernel(
     first_blocks = tl.zeros([BLOCK_N], tl.int32)
     if EARLY_TABLE:
         first_blocks = tl.load(table + first_pos // BLOCK_SIZE, mask=first_pos < end, other=0)
+    # The new token is the context's last position: only the split whose range holds it stores its
+    # K/V (a padding row has slot -1 and stores nothing, reading whatever its table points at, as
+    # with the separate store).
+    has_new = (start <= ctx - 1) & (ctx - 1 < end)
+    slot = tl.load(slot_ptr + seq64, mask=has_new, other=-1).to(tl.int64)
+    stores_new = has_new & (slot >= 0)
+    # The norms' weights are weights: read before the wait too.
+    qw = tl.zeros([BLOCK_D], tl.float32)
+    qw_partner = qw
+    kw = qw
+    kw_partner = qw
+    if HAS_NORM:
+        qw = tl.load(qw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+        qw_partner = tl.load(qw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+        kw = tl.load(kw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+        kw_partner = tl.load(kw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
     pdl.wait(PDL)  # everything below reads or writes what the kernel before writes or reads
 
     # Every split with a share of the context norms and rotates the group's q heads itself: a few
     # hundred bytes, cheaper than a launch that would do it once. The splits past the context's
-    # end (most of them at short contexts) load nothing.
+    # end (most of them at short contexts) load nothing. The new token's k and v rows load with
+    # q's, and its slot before the wait, so the split that stores them waits for one round of
+    # loads, not three: on an H200 at batch 1 and 512 context its time from q to attending went
+    # from 1.44 to 0.32 µs, and the step from 0.672 to 0.657 ms (benchmarks/HISTORY.md, 2026-11-29,
+    # session of 05:09).
     g = tl.arange(0, GROUP_PAD)[:, None]
     q_heads = tl.where(split < tl.maximum(used, 1), group, 0)
-    q = _norm_rope_rows(row + (kv_head * group + g) * head_dim, (g < q_heads) & d_mask[None, :], qw_ptr, d,
-                        partner, d_mask, cos, sin, head_dim, eps, HAS_NORM).to(qkv_ptr.dtype.element_ty)
+    q_rows = row + (kv_head * group + g) * head_dim
+    q_mask = (g < q_heads) & d_mask[None, :]
+    q_x = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
+    q_x_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
+    k_row = row + (num_heads + kv_head) * head_dim + tl.zeros([1, 1], tl.int32)  # one row of heads
+    new_width = tl.where(stores_new, head_dim, 0)  # the new token's row, or nothing
+    k_x = tl.load(k_row + d[None, :], mask=d[None, :] < new_width, other=0.0)
+    k_x_partner = tl.load(k_row + partner[None, :], mask=d[None, :] < new_width, other=0.0)
+    v_new = tl.load(row + (num_heads + num_kv_heads + kv_head) * head_dim + d, mask=d < new_width)
+    q = _norm_rope(q_x, q_x_partner, qw, qw_partner, d, cos, sin, head_dim, eps,
+                   HAS_NORM).to(qkv_ptr.dtype.element_ty)
 
     k_head = k_ptr + kv_head * stride_ch
     v_head = v_ptr + kv_head * stride_ch
-    # The new token is the context's last position: only the split whose range holds it reads it,
-    # so that split alone stores its K/V (a padding row has slot -1 and stores nothing, reading
-    # whatever its table points at, as with the separate store), and the barrier makes the stores
-    # visible to all of its own threads before they read the cache. No other program reads that
-    # slot in a decode step: it lies in the sequence's own last block, which no other sequence
-    # holds until it is full.
-    if (start <= ctx - 1) & (ctx - 1 < end):
-        slot = tl.load(slot_ptr + seq64).to(tl.int64)
-        if slot >= 0:
+    # The barrier makes the new token's stores visible to all of the split's threads before they
+    # read the cache. No other program reads that slot in a decode step: it lies in the sequence's
+    # own last block, which no other sequence holds until it is full.
+    if has_new:
+        if stores_new:
             block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-            k_row = row + (num_heads + kv_head) * head_dim + tl.zeros([1, 1], tl.int32)  # one row of heads
-            k_new = _norm_rope_rows(k_row, d_mask[None, :], kw_ptr, d, partner, d_mask, cos, sin, head_dim, eps,
-                                    HAS_NORM)
+            k_new = _norm_rope(k_x, k_x_partner, kw, kw_partner, d, cos, sin, head_dim, eps, HAS_NORM)
             # Via qkv's dtype first, so a cache of another dtype sees what the unfused path stored.
             k_new = as_cached(k_new.to(qkv_ptr.dtype.element_ty), k_ptr)
             slot_row = block * stride_cb + offset * stride_ct
             tl.store(k_head + slot_row + d[None, :], k_new, mask=d_mask[None, :])
-            v_new = tl.load(row + (num_heads + num_kv_heads + kv_head) * head_dim + d, mask=d_mask)
-            tl.store(v_head + slot_row + d, as_cached(v_new, v_ptr),
-                     mask=d_mask)
+            tl.store(v_head + slot_row + d, as_cached(v_new, v_ptr), mask=d_mask)
         tl.debug_barrier()
 
     o, m_i, l_i = _attend(q, table, k_head, v_head, start, end, qk_scale,
