@@ -75,12 +75,14 @@ def _record(start, wait, q, stored, attended, counted, end, split=0, merged=Fals
 
 
 def test_records_group_into_calls_and_reduce_to_stage_medians():
-    # Two calls 20 µs apart, two programs each: split 1 holds the new token and merges.
-    first = [_record(0, 3000, 4000, 4000, 6000, 7000, 7500, split=0),
-             _record(100, 3100, 4100, 5100, 7100, 8100, 9100, split=1, merged=True, holds_new=True)]
-    second = [[t + 20000 if i < 7 else t for i, t in enumerate(r)] for r in first]
+    # Two calls 20 µs apart, three programs each: split 1 holds the new token and merges; the third
+    # program is a sequence of one split, which counts nothing (its counted stamp is 0).
+    first = [_record(1000, 3000, 4000, 4000, 6000, 7000, 7500, split=0),
+             _record(1100, 3100, 4100, 5100, 7100, 10100, 11100, split=1, merged=True, holds_new=True),
+             _record(1050, 3050, 4050, 4050, 5050, 0, 5550, split=0)]
+    second = [[t + 20000 if i < 7 and t else t for i, t in enumerate(r)] for r in first]  # 0 stays 0
     groups = attention_stages.calls(second + first)
-    assert [len(g) for g in groups] == [2, 2] and groups[0][0][1] == 3000
+    assert [len(g) for g in groups] == [3, 3] and groups[0][0][1] == 3000
     stages = attention_stages.stage_medians(groups)
-    assert stages == {"launched before the release": 3.0, "q": 1.0, "new token stored": 1.0, "attend": 2.0,
-                      "partial stored and counted": 1.0, "merge": 1.0, "span, first release to last end": 6.1}
+    assert stages == {"launched before the release": 2.0, "q": 1.0, "new token stored": 1.0, "attend": 2.0,
+                      "partial stored and counted": 2.0, "merge": 1.0, "span, first release to last end": 8.1}
