@@ -393,9 +393,9 @@ def _decode_from_qkv_kernel(
     # hundred bytes, cheaper than a launch that would do it once. The splits past the context's
     # end (most of them at short contexts) load nothing. The new token's k and v rows load with
     # q's, and its slot before the wait, so the split that stores them waits for one round of
-    # loads, not three: on an H200 at batch 1 and 512 context its time from q to attending went
-    # from 1.44 to 0.32 µs, and the step from 0.672 to 0.657 ms (benchmarks/HISTORY.md, 2026-11-29,
-    # session of 05:09).
+    # loads, not three (slot, k row, v row, one after another): on an H200 at batch 1 and 512
+    # context it takes 0.32 µs from q to attending against 1.44, and the step 0.657 ms against
+    # 0.672 (benchmarks/HISTORY.md, 2026-11-29, session of 05:09).
     g = tl.arange(0, GROUP_PAD)[:, None]
     q_heads = tl.where(split < tl.maximum(used, 1), group, 0)
     q_rows = row + (kv_head * group + g) * head_dim

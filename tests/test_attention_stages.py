@@ -71,18 +71,22 @@ def test_the_boundary_kernels_compile_for_sm90():
 
 
 def _record(start, wait, q, stored, attended, counted, end, split=0, merged=False, holds_new=False):
-    return [start, wait, q, stored, attended, counted, end, split + merged * 65536 + holds_new * 131072]
+    tags = split + merged * attention_stages.TAG_MERGED + holds_new * attention_stages.TAG_HOLDS_NEW
+    return [start, wait, q, stored, attended, counted, end, tags]
 
 
 def test_records_group_into_calls_and_reduce_to_stage_medians():
-    # Two calls 20 µs apart, three programs each: split 1 holds the new token and merges; the third
-    # program is a sequence of one split, which counts nothing (its counted stamp is 0).
-    first = [_record(1000, 3000, 4000, 4000, 6000, 7000, 7500, split=0),
-             _record(1100, 3100, 4100, 5100, 7100, 10100, 11100, split=1, merged=True, holds_new=True),
-             _record(1050, 3050, 4050, 4050, 5050, 0, 5550, split=0)]
-    second = [[t + 20000 if i < 7 and t else t for i, t in enumerate(r)] for r in first]  # 0 stays 0
-    groups = attention_stages.calls(second + first)
-    assert [len(g) for g in groups] == [3, 3] and groups[0][0][1] == 3000
+    # Call A: split 1 holds the new token and merges; the third program is a sequence of one split,
+    # which counts nothing (its counted stamp is 0). Per program, ns: q 800 / 1200 / 1000, attend
+    # 2000 / 3000 / 1000, count 1000 / 2000 / -, so the call's medians are 1.0, 2.0 and 1.5 µs.
+    a = [_record(1000, 3000, 3800, 3800, 5800, 6800, 7000, split=0),
+         _record(1200, 3100, 4300, 5400, 8400, 10400, 11900, split=1, merged=True, holds_new=True),
+         _record(1100, 3050, 4050, 4050, 5050, 0, 5550, split=0)]
+    # Call B: A's times three times as long, from 30 µs on; the median of two calls is their mean.
+    b = [[30000 + 3 * (t - 3000) if i < 7 and t else t for i, t in enumerate(r)] for r in a]
+    groups = attention_stages.calls(b + a)
+    assert [len(g) for g in groups] == [3, 3] and groups[0][0][1] == 3000 and groups[1][0][1] == 30000
     stages = attention_stages.stage_medians(groups)
-    assert stages == {"launched before the release": 2.0, "q": 1.0, "new token stored": 1.0, "attend": 2.0,
-                      "partial stored and counted": 2.0, "merge": 1.0, "span, first release to last end": 8.1}
+    assert stages == pytest.approx({"launched before the release": 4.0, "q": 2.0, "new token stored": 2.2,
+                                    "attend": 4.0, "partial stored and counted": 3.0, "merge": 3.0,
+                                    "span, first release to last end": 17.8})
