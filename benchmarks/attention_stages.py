@@ -35,6 +35,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_latency import decode_ms_per_step
+from benchmarks.common import CONFIGS, pin_host_tier, print_table, write_json
+from engine import LLM, SamplingParams
+from kernels import decode_attention
+
 STAGES = ("start", "wait", "q", "stored", "attended", "counted", "end")
 # A record: the stamps, then the program's tags, split + kv_head * TAG_KV_HEAD + ...: a split is below
 # kernels/decode_attention.MAX_SPLITS (64), a KV head below 256.
@@ -127,8 +132,6 @@ def load_stamped_kernel(directory: str):
     """The stamped kernel, written as a module into `directory` (Triton compiles from source files,
     and the engine's compile workers import what they compile, so the directory and the repository
     go on PYTHONPATH for them too)."""
-    from kernels import decode_attention
-
     text = _HEADER + stamped_source(inspect.getsource(decode_attention))
     name = "_attention_stages_" + hashlib.sha1(text.encode()).hexdigest()[:12]
     Path(directory).mkdir(parents=True, exist_ok=True)
@@ -211,12 +214,6 @@ def main():
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--out", default="benchmarks/out/attention_stages.json")
     args = p.parse_args()
-
-    from benchmarks.bench_latency import decode_ms_per_step
-    from benchmarks.common import CONFIGS, pin_host_tier, print_table, write_json
-    from engine import LLM, SamplingParams
-    from kernels import decode_attention
-
     launches = StampedLaunches(load_stamped_kernel(tempfile.mkdtemp(prefix="nvchat-stages-")))
     decode_attention._decode_from_qkv_kernel = launches
     random.seed(0)
