@@ -194,6 +194,36 @@ def _down_gemv_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, 
 
 
 @triton.jit
+def _down_gemv_all_experts_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, stride_we, stride_wn,
+                                  stride_y, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
+    # _down_gemv_kernel with every chosen expert in each step, for few tokens: a step loads
+    # K_TILES tiles of BLOCK_K columns of all of them, [TOP_K_PAD, BLOCK_N, BLOCK_K] each,
+    # unrolled. Triton does not pipeline a loop without a dot, so a step's loads are all that a
+    # program has in flight, and at one token the loop over the experts waited on DRAM once an
+    # expert in each of too few programs. The input rows are loaded repeated along BLOCK_N (L1
+    # hits), in the weights' layout: broadcast from [TOP_K_PAD, BLOCK_K], they changed layout
+    # through shared memory, behind a barrier, every tile.
+    token, slot, experts, gates = _wait_for_token_experts(ids_ptr, topk_w_ptr, TOP_K, TOP_K_PAD, PDL)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)[None, None, :]
+    rows_ok = ((slot < TOP_K)[:, None] & (n < N)[None, :])[:, :, None]
+    h_at = h_ptr + ((token * TOP_K + slot) * stride_h)[:, None, None] + (n * 0)[None, :, None] + k
+    w_at = w_ptr + (experts * stride_we)[:, None, None] + (n.to(tl.int64) * stride_wn)[None, :, None] + k
+    gate = gates[:, None, None]
+    acc = tl.zeros([TOP_K_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k_step in range(0, K, K_TILES * BLOCK_K):
+        for tile in tl.static_range(K_TILES):
+            k0 = k_step + tile * BLOCK_K
+            mask = rows_ok & (k0 + k < K)
+            h = tl.load(h_at + k0, mask=mask, other=0.0).to(tl.float32) * gate
+            acc += tl.load(w_at + k0, mask=mask, other=0.0).to(tl.float32) * h
+    tl.store(y_ptr + token * stride_y + n, tl.sum(tl.sum(acc, axis=2), axis=0).to(y_ptr.dtype.element_ty),
+             mask=n < N)
+
+
+@triton.jit
 def _down_gemv_fp8_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, stride_we, stride_wn,
                           stride_se, stride_sn, stride_y, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
                           BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
@@ -372,7 +402,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     topk_ids int32, both [T, top_k] (route's output). FP8 weights take float32 scales
     [E, cdiv(rows, scale_n), cdiv(cols, scale_k)] and scale_block (scale_n, scale_k). gemv picks
     the path (default: the GEMV one for up to GEMV_MAX_TOKENS tokens); `launch` (block_m, block_n,
-    block_k, num_warps, num_stages) overrides the chosen path's tiles, for tests and sweeps."""
+    block_k, all_experts, num_warps, num_stages) overrides the chosen path's tiles, for tests and
+    sweeps (all_experts: which of the two unquantized GEMV down kernels runs)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
@@ -383,8 +414,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T or topk_ids.dtype != torch.int32 \
             or topk_weights.dtype != torch.float32 or not topk_ids.is_contiguous() or not topk_weights.is_contiguous():
         raise ValueError("fused_moe takes contiguous topk_weights (float32) and topk_ids (int32), both [T, top_k]")
-    if set(launch) - {"block_m", "block_n", "block_k", "num_warps", "num_stages"}:
-        raise TypeError(f"fused_moe's launch knobs are block_m, block_n, block_k, num_warps, num_stages; got {sorted(launch)}")
+    if set(launch) - {"block_m", "block_n", "block_k", "all_experts", "num_warps", "num_stages"}:
+        raise TypeError(f"fused_moe's launch knobs are block_m, block_n, block_k, all_experts, num_warps, num_stages; "
+                        f"got {sorted(launch)}")
     fp8_13, s13, block13 = _check_weights(x, w13, w13_scale, scale_block, "w13")
     fp8_2, s2, block2 = _check_weights(x, w2, w2_scale, scale_block, "w2")
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
@@ -443,12 +475,9 @@ def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights,
     inter, top_k = h.shape[1], topk_ids.shape[1]
     num_stages = launch.get("num_stages") or 3
     top_k_pad = triton.next_power_of_2(top_k)
-    # Swept one kernel at a time on an H200 at one token (benchmarks/HISTORY.md, 2026-11-27), the
-    # experts read as a step's layers read them: Qwen3-30B-A3B's (H 2048, I 768) and their
-    # tensor-parallel halves (I 384), bf16. Long K tiles pay most: gate/up 2 rows x 1,024 on 2 warps
-    # ran 13.8 us against 17.4 with 4 x 256; down 4 x 1,024 on 2 warps 9.9 against 18.6, and with
-    # I 384 (rows of 768 bytes) 2 rows on 4 warps: more programs, as each has less to read.
-    short_rows = inter <= 512
+    # gate/up swept at one token on an H200 (benchmarks/HISTORY.md, 2026-11-27), the experts read as
+    # a step's layers read them (Qwen3-30B-A3B's, H 2048, I 768): long K tiles pay most, 2 rows x
+    # 1,024 on 2 warps 13.8 us against 17.4 with 4 x 256.
     interpreted = _interpreted()  # the interpreter runs programs one by one: fewer, wider ones
     if fp8_13:
         block_n, groups, warps = _fp8_tiles(launch, _fp8_default_tiles("gate_up", T),
@@ -473,13 +502,43 @@ def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights,
             SCALE_N=block2[0], SCALE_K=block2[1], PDL=pdl_mode, num_warps=warps, num_stages=num_stages,
             launch_pdl=pdl_mode > 0)
     else:
-        block_n = launch.get("block_n") or (32 if interpreted else 2 if short_rows else 4)
-        block_k = min(launch.get("block_k") or 2048 // w2.element_size(), triton.next_power_of_2(inter))
-        _down_gemv_kernel[(T, triton.cdiv(H, block_n))](
-            h, w2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-            TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_mode,
-            num_warps=launch.get("num_warps") or (4 if short_rows else 2), num_stages=num_stages,
-            launch_pdl=pdl_mode > 0)
+        all_experts, block_n, block_k, num_warps = _down_tiles(launch, T, inter, w2.element_size())
+        block_k = min(block_k, triton.next_power_of_2(inter))
+        common = dict(TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl_mode,
+                      num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_mode > 0)
+        args = (h, w2, topk_ids, topk_weights, out, H, inter, h.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
+        if all_experts:
+            _down_gemv_all_experts_kernel[(T, triton.cdiv(H, block_n))](
+                *args, K_TILES=min(triton.cdiv(inter, block_k), 4), **common)
+        else:
+            _down_gemv_kernel[(T, triton.cdiv(H, block_n))](*args, **common)
+
+
+# The unquantized GEMV down kernels' launch, (all_experts, block_n, block_k, num_warps), up to a
+# few tokens, the same beyond them, and how many tokens are few; for rows (I, the kernels' K) of
+# more than 512 columns, and of at most 512 (the tensor-parallel halves of Qwen3-30B-A3B's
+# experts). all_experts picks _down_gemv_all_experts_kernel (a step of every chosen expert, up to 4
+# K tiles of block_k) over _down_gemv_kernel (a step of one expert and one tile); block_k counts
+# 16-bit columns (float32 weights take half as many). The best of sweeps of the kernels alone at
+# Qwen3-30B-A3B's experts, 1-8 tokens, in a graph of calls on new routings, against the one-expert
+# kernel's 4 rows x 1,024 on 2 warps (H200, benchmarks/HISTORY.md, 2026-11-29, session of 07:02):
+# - I 768: one token 8.50 us against 10.67, whose programs' eight steps are one DRAM round trip
+#   after another (Qwen3-30B-A3B batch 1 2.426 against 2.511 ms a step). From 2 tokens the
+#   programs are many, and one expert a step stays faster: 13.53 against 14.86 us at 2 tokens,
+#   44.03 against 48.07 at 8.
+# - I 384: one token 4.72 us against 8.78, 8 tokens 24.65 against 41.80.
+DOWN_GEMV_TILES = {False: ((True, 1, 256, 8), (False, 4, 1024, 2), 1),
+                   True: ((True, 2, 128, 8), (True, 1, 128, 4), 1)}
+
+
+def _down_tiles(launch: dict, tokens: int, inter: int, element_size: int) -> tuple[bool, int, int, int]:
+    if _interpreted():  # the interpreter runs programs one by one: fewer, wider ones
+        all_experts, block_n, block_k, num_warps = False, 32, 1024, 2
+    else:
+        few, more, few_tokens = DOWN_GEMV_TILES[inter <= 512]
+        all_experts, block_n, block_k, num_warps = few if tokens <= few_tokens else more
+    return (launch.get("all_experts", all_experts), launch.get("block_n") or block_n,
+            launch.get("block_k") or block_k * 2 // element_size, launch.get("num_warps") or num_warps)
 
 
 def _moe_grouped(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights, topk_ids, out, launch, pdl_mode):

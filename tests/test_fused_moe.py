@@ -49,13 +49,13 @@ def random_routing(T, E, top_k):
     return weights, ids
 
 
-def check(T, E, H, inter, top_k, dtype, gemv, poison, ids=None):
+def check(T, E, H, inter, top_k, dtype, gemv, poison, ids=None, **launch):
     x = torch.randn(T, H).to(dtype)
     w13, w2 = experts(E, H, inter, dtype)
     weights, random_ids = random_routing(T, E, top_k)
     ids = random_ids if ids is None else ids
     with poison():
-        out = fused_moe.fused_moe(x, w13, w2, weights, ids, gemv=gemv, **(GEMV if gemv else GROUPED))
+        out = fused_moe.fused_moe(x, w13, w2, weights, ids, gemv=gemv, **{**(GEMV if gemv else GROUPED), **launch})
     assert_close(out, moe_reference(x, w13, w2, weights, ids), dtype)
 
 
@@ -98,6 +98,14 @@ def test_route_gives_rows_with_nan_or_infinite_logits_distinct_experts_in_range(
 @pytest.mark.parametrize("T, dtype", [(1, F32), (5, F16)])
 def test_gemv_path_matches_the_reference(T, dtype, poison):
     check(T, E=6, H=48, inter=40, top_k=2, dtype=dtype, gemv=True, poison=poison)
+
+
+@pytest.mark.parametrize("block_k, block_n", [(16, 32), (64, 8)])
+def test_gemv_down_with_every_chosen_expert_in_each_step(block_k, block_n, poison):
+    """The one-token down kernel: top 3 (a fourth slot of padding) at once, K (40) in 3 tiles of
+    16 unrolled, the last one partial, or in one tile of 64."""
+    check(2, E=7, H=48, inter=40, top_k=3, dtype=F32, gemv=True, poison=poison, block_k=block_k, block_n=block_n,
+          all_experts=True)
 
 
 @pytest.mark.parametrize("T, E, top_k, dtype", [(9, 6, 2, F32), (20, 4, 3, F16)])
