@@ -22,7 +22,8 @@ decode step's attention can launch (see run_decode_launches), with PDL on and of
 only the mixture-of-experts and FP8 rows, --adjust-logits only the adjusted sampling's logits
 adjustments, --draws only the sampling draws' kernels, --w8a8 only the W8A8 GEMV's launches against the
 engine's FP8 product (run_w8a8); --sweep-moe-fp8 times those kernels over launch configs, the
-fused MoE's FP8 GEMV kernels one at a time included (give it --sweep-budget 600). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
+fused MoE's FP8 GEMV kernels one at a time included (give it --sweep-budget 600);
+--sweep-moe-down times the unquantized fused MoE's GEMV down launches (DOWN_GEMV_TILES). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
 smoke test of this script, and times nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot
 wrong, so the grouped MoE path's and the FP8 GEMV's and GEMM's smoke diffs at several rows are
 garbage there).
@@ -664,6 +665,62 @@ def sweep_moe_fp8_gemv(deadline):
     return out
 
 
+def sweep_moe_down(budget_s):
+    """The fused MoE's unquantized GEMV down kernels (kernels/fused_moe.py's DOWN_GEMV_TILES): each
+    launch, (all_experts, block_n, block_k, num_warps), at 1, 2, 4 and 8 tokens, over the experts'
+    full rows (I) and their tensor-parallel halves (I / 2), gate/up's launch as it is. Graph us of
+    the whole layer a call, MOE_ROUTINGS calls on new routings; the GB/s are of the chosen experts'
+    weights, both kernels'. Launches past budget_s seconds are skipped, and say so."""
+    out = []
+    deadline = time.perf_counter() + budget_s
+    grid = [(True, n, k, w) for n, k, w in itertools.product((1, 2, 4), (128, 256, 512, 1024), (2, 4, 8))
+            if 8 * n * k <= 16384]
+    grid += [(False, n, k, w) for n, k, w in itertools.product((2, 4, 8), (256, 512, 1024), (1, 2, 4))
+             if n * k <= 8192]
+    for inter in (MOE_INTER, MOE_INTER // 2):
+        short = inter <= 512
+        w13 = (torch.randn(MOE_EXPERTS, 2 * inter, MOE_HIDDEN, device=DEVICE) / MOE_HIDDEN ** 0.5).to(DTYPE)
+        w2 = (torch.randn(MOE_EXPERTS, MOE_HIDDEN, inter, device=DEVICE) / inter ** 0.5).to(DTYPE)
+        for t in ([1] if SMOKE else [1, 2, 4, 8]):
+            if time.perf_counter() > deadline:
+                print(f"\nsweep moe down I={inter} tokens={t}: skipped, past the {budget_s:.0f} s budget", flush=True)
+                continue
+            x = torch.randn(t, MOE_HIDDEN, device=DEVICE).to(DTYPE)
+            routings = [fused_moe.route(torch.randn(t, MOE_EXPERTS, device=DEVICE), MOE_TOP_K, True)
+                        for _ in range(1 if SMOKE else MOE_ROUTINGS)]
+            chosen = sum(len(ids.unique()) for _, ids in routings) / len(routings)
+            weight_bytes = chosen * 3 * MOE_HIDDEN * inter * DTYPE.itemsize
+
+            def layer_ms():
+                return timed_graph(lambda: [fused_moe.fused_moe(x, w13, w2, *routing) for routing in routings],
+                                   len(routings))
+
+            kept = fused_moe.DOWN_GEMV_TILES[short]
+            results = []
+            try:
+                default_ms = layer_ms()
+                for tiles in grid[:2] if SMOKE else grid:
+                    if time.perf_counter() > deadline:
+                        break
+                    fused_moe.DOWN_GEMV_TILES[short] = (tiles, tiles, 1)
+                    results.append((tiles, layer_ms()))
+            finally:
+                fused_moe.DOWN_GEMV_TILES[short] = kept
+            results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
+
+            def rate(ms):
+                return f"{weight_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s" if ms else ""
+            print(f"\nsweep moe down I={inter} tokens={t} (graph us a layer, gate/up's launch as it is): default "
+                  f"{us(default_ms)} us {rate(default_ms)}; best 8 of {len(results)} of {len(grid)} "
+                  "((all_experts, block_n, block_k, warps)):", flush=True)
+            for tiles, ms in results[:8]:
+                print(f"  {us(ms)!s:>9} {rate(ms)}  {tiles}", flush=True)
+            out.append(dict(case=f"moe down I={inter} tokens={t}", default_us=us(default_ms),
+                            results=[dict(tiles=tiles, us=us(ms)) for tiles, ms in results]))
+        del w13, w2
+    return out
+
+
 # -- runs ---------------------------------------------------------------------------------------
 
 def row(kernel, case, tri_eager, torch_eager, tri_graph=None, torch_graph=None, note=""):
@@ -944,6 +1001,8 @@ def main():
                         help="only the W8A8 GEMV's launches against the engine's FP8 product and cuBLAS, then exit")
     parser.add_argument("--sweep-moe-fp8", action="store_true",
                         help="only the mixture-of-experts and FP8 launch-config sweeps, then exit")
+    parser.add_argument("--sweep-moe-down", action="store_true",
+                        help="only the sweep of the unquantized fused MoE's GEMV down launches, then exit")
     parser.add_argument("--adjust-logits", action="store_true",
                         help="only the adjusted sampling's logits adjustments (kernels/adjust_logits.py), then exit")
     parser.add_argument("--draws", action="store_true",
@@ -988,6 +1047,10 @@ def main():
         return
     if args.sweep_moe_fp8:
         result["sweep_moe_fp8"] = sweep_moe_fp8(args.sweep_budget)
+        save()
+        return
+    if args.sweep_moe_down:
+        result["sweep_moe_down"] = sweep_moe_down(args.sweep_budget)
         save()
         return
     if args.decode_launches:
