@@ -23,10 +23,10 @@ only the mixture-of-experts and FP8 rows, --adjust-logits only the adjusted samp
 adjustments, --draws only the sampling draws' kernels, --w8a8 only the W8A8 GEMV's launches against the
 engine's FP8 product (run_w8a8); --sweep-moe-fp8 times those kernels over launch configs, the
 fused MoE's FP8 GEMV kernels one at a time included (give it --sweep-budget 600);
---sweep-moe-down times the unquantized fused MoE's GEMV down launches (DOWN_GEMV_TILES). Without CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a
-smoke test of this script, and times nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot
-wrong, so the grouped MoE path's and the FP8 GEMV's and GEMM's smoke diffs at several rows are
-garbage there).
+--sweep-moe-down times the unquantized fused MoE's GEMV down launches (DOWN_GEMV_TILES). Without
+CUDA (TRITON_INTERPRET=1) it runs tiny shapes once, as a smoke test of this script, and times
+nothing meaningful (Triton 3.9's interpreter gets bf16 tl.dot wrong, so the grouped MoE path's and
+the FP8 GEMV's and GEMM's smoke diffs at several rows are garbage there).
 """
 import argparse
 import datetime
@@ -679,6 +679,9 @@ def sweep_moe_down(budget_s):
              if n * k <= 8192]
     for inter in (MOE_INTER, MOE_INTER // 2):
         short = inter <= 512
+        # block_k past the rows' power of two is clipped to it: each launch once.
+        widest = 1 << (inter - 1).bit_length()
+        launches = list(dict.fromkeys((a, n, min(k, widest), w) for a, n, k, w in grid))
         w13 = (torch.randn(MOE_EXPERTS, 2 * inter, MOE_HIDDEN, device=DEVICE) / MOE_HIDDEN ** 0.5).to(DTYPE)
         w2 = (torch.randn(MOE_EXPERTS, MOE_HIDDEN, inter, device=DEVICE) / inter ** 0.5).to(DTYPE)
         for t in ([1] if SMOKE else [1, 2, 4, 8]):
@@ -699,7 +702,7 @@ def sweep_moe_down(budget_s):
             results = []
             try:
                 default_ms = layer_ms()
-                for tiles in grid[:2] if SMOKE else grid:
+                for tiles in launches[:2] if SMOKE else launches:
                     if time.perf_counter() > deadline:
                         break
                     fused_moe.DOWN_GEMV_TILES[short] = (tiles, tiles, 1)
@@ -711,7 +714,7 @@ def sweep_moe_down(budget_s):
             def rate(ms):
                 return f"{weight_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s" if ms else ""
             print(f"\nsweep moe down I={inter} tokens={t} (graph us a layer, gate/up's launch as it is): default "
-                  f"{us(default_ms)} us {rate(default_ms)}; best 8 of {len(results)} of {len(grid)} "
+                  f"{us(default_ms)} us {rate(default_ms)}; best 8 of {len(results)} of {len(launches)} "
                   "((all_experts, block_n, block_k, warps)):", flush=True)
             for tiles, ms in results[:8]:
                 print(f"  {us(ms)!s:>9} {rate(ms)}  {tiles}", flush=True)

@@ -176,8 +176,10 @@ def _down_gemv_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K, stride_h, 
     pdl.start(PDL)
     # One token and BLOCK_N of the hidden columns: its chosen experts' down projections, each
     # input row scaled by the router's weight, summed in fp32 and rounded once. One loop runs over
-    # every (expert, K tile) pair, its experts' ids read before it, so that the loads of the next
-    # expert's tiles are in flight while the last tiles of one are multiplied.
+    # every (expert, K tile) pair, its experts' ids read before it. Triton does not pipeline a loop
+    # without a dot: each step's loads are issued after the last step's products, so a program's
+    # steps are DRAM round trips one after another, which takes programs in the thousands (from 2
+    # tokens at Qwen3-30B-A3B's experts) to hide.
     token, slot, experts, gates = _wait_for_token_experts(ids_ptr, topk_w_ptr, TOP_K, TOP_K_PAD, PDL)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -198,13 +200,12 @@ def _down_gemv_all_experts_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, N, K
                                   stride_y, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
-    # _down_gemv_kernel with every chosen expert in each step, for few tokens: a step loads
-    # K_TILES tiles of BLOCK_K columns of all of them, [TOP_K_PAD, BLOCK_N, BLOCK_K] each,
-    # unrolled. Triton does not pipeline a loop without a dot, so a step's loads are all that a
-    # program has in flight, and at one token the loop over the experts waited on DRAM once an
-    # expert in each of too few programs. The input rows are loaded repeated along BLOCK_N (L1
-    # hits), in the weights' layout: broadcast from [TOP_K_PAD, BLOCK_K], they changed layout
-    # through shared memory, behind a barrier, every tile.
+    # _down_gemv_kernel with every chosen expert in each step: a step loads K_TILES tiles of
+    # BLOCK_K columns of all of them, [TOP_K_PAD, BLOCK_N, BLOCK_K] each, unrolled, so that a
+    # program's loads are in flight together where its programs are too few for one expert a step
+    # (DOWN_GEMV_TILES says where). The input rows are loaded repeated along BLOCK_N (L1 hits), in
+    # the weights' layout: broadcast from [TOP_K_PAD, BLOCK_K] they would change layout through
+    # shared memory, behind a barrier, every tile.
     token, slot, experts, gates = _wait_for_token_experts(ids_ptr, topk_w_ptr, TOP_K, TOP_K_PAD, PDL)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)[None, None, :]
@@ -520,13 +521,14 @@ def _moe_gemv(x, w13, s13, block13, fp8_13, w2, s2, block2, fp8_2, topk_weights,
 # experts). all_experts picks _down_gemv_all_experts_kernel (a step of every chosen expert, up to 4
 # K tiles of block_k) over _down_gemv_kernel (a step of one expert and one tile); block_k counts
 # 16-bit columns (float32 weights take half as many). The best of sweeps of the kernels alone at
-# Qwen3-30B-A3B's experts, 1-8 tokens, in a graph of calls on new routings, against the one-expert
-# kernel's 4 rows x 1,024 on 2 warps (H200, benchmarks/HISTORY.md, 2026-11-29, session of 07:02):
-# - I 768: one token 8.50 us against 10.67, whose programs' eight steps are one DRAM round trip
-#   after another (Qwen3-30B-A3B batch 1 2.426 against 2.511 ms a step). From 2 tokens the
-#   programs are many, and one expert a step stays faster: 13.53 against 14.86 us at 2 tokens,
-#   44.03 against 48.07 at 8.
-# - I 384: one token 4.72 us against 8.78, 8 tokens 24.65 against 41.80.
+# Qwen3-30B-A3B's experts, 1-8 tokens, in a graph of calls on new routings (H200,
+# benchmarks/HISTORY.md, 2026-11-29, session of 07:02):
+# - I 768: one token 8.50 us against 10.67 for the one-expert kernel's 4 rows x 1,024 on 2 warps,
+#   whose 512 programs' eight steps are one DRAM round trip after another (Qwen3-30B-A3B batch 1
+#   2.426 against 2.511 ms a step). From 2 tokens the programs are many, and one expert a step
+#   stays faster: 13.53 against 14.86 us at 2 tokens, 44.03 against 48.07 at 8.
+# - I 384: one token 4.72 us against 8.78 for the one-expert kernel's 2 rows x 512 on 4 warps,
+#   8 tokens 24.65 against 41.80.
 DOWN_GEMV_TILES = {False: ((True, 1, 256, 8), (False, 4, 1024, 2), 1),
                    True: ((True, 2, 128, 8), (True, 1, 128, 4), 1)}
 
@@ -537,7 +539,9 @@ def _down_tiles(launch: dict, tokens: int, inter: int, element_size: int) -> tup
     else:
         few, more, few_tokens = DOWN_GEMV_TILES[inter <= 512]
         all_experts, block_n, block_k, num_warps = few if tokens <= few_tokens else more
-    return (launch.get("all_experts", all_experts), launch.get("block_n") or block_n,
+    if launch.get("all_experts") is not None:
+        all_experts = launch["all_experts"]
+    return (all_experts, launch.get("block_n") or block_n,
             launch.get("block_k") or block_k * 2 // element_size, launch.get("num_warps") or num_warps)
 
 

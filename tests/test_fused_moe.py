@@ -100,10 +100,11 @@ def test_gemv_path_matches_the_reference(T, dtype, poison):
     check(T, E=6, H=48, inter=40, top_k=2, dtype=dtype, gemv=True, poison=poison)
 
 
-@pytest.mark.parametrize("block_k, block_n", [(16, 32), (64, 8)])
+@pytest.mark.parametrize("block_k, block_n", [(16, 32), (64, 8), (8, 32)])
 def test_gemv_down_with_every_chosen_expert_in_each_step(block_k, block_n, poison):
-    """The one-token down kernel: top 3 (a fourth slot of padding) at once, K (40) in 3 tiles of
-    16 unrolled, the last one partial, or in one tile of 64."""
+    """The down kernel that takes every chosen expert in each step: top 3 (a fourth slot of
+    padding) at once; K (40) in 3 tiles of 16 unrolled, the last one partial, in one tile of 64, or
+    in 5 tiles of 8, two steps of at most 4."""
     check(2, E=7, H=48, inter=40, top_k=3, dtype=F32, gemv=True, poison=poison, block_k=block_k, block_n=block_n,
           all_experts=True)
 

@@ -111,11 +111,13 @@ def test_fused_moe_leaves_finite_rows_alone_beside_rows_of_garbage(T, poison):
     assert_close(out[good], moe_reference(x[good], w13, w2, weights[good], ids[good]), BF16)
 
 
-@pytest.mark.parametrize("T", [1, 4, 8, 9, 64])
-def test_fused_moe_at_30b_a3b_shapes_in_bf16(T, poison):
-    """The GEMV path up to 8 tokens, the grouped GEMMs beyond."""
+@pytest.mark.parametrize("T, inter", [(1, INTER), (4, INTER), (8, INTER), (9, INTER), (64, INTER), (1, INTER // 2),
+                                      (2, INTER // 2), (8, INTER // 2)])
+def test_fused_moe_at_30b_a3b_shapes_in_bf16(T, inter, poison):
+    """The GEMV path up to 8 tokens, the grouped GEMMs beyond; the experts' rows whole and in their
+    tensor-parallel halves, whose down projection takes every chosen expert in each step."""
     x = torch.randn(T, H, device="cuda").to(BF16)
-    w13, w2 = experts(BF16)
+    w13, w2 = experts(BF16, inter=inter)
     weights, ids = routing(T)
     with poison():
         out = fused_moe.fused_moe(x, w13, w2, weights, ids)
