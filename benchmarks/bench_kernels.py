@@ -537,6 +537,11 @@ def _fp8_gemm_configs(m):
     return [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st) for bm, bn, w, st in list(tiles) + extra]
 
 
+def gb_per_s(weight_bytes: float, ms: float | None) -> str:
+    """The weights' bytes a call over its time, for the sweeps' lines ("" for a launch that did not run)."""
+    return f"{weight_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s" if ms else ""
+
+
 def sweep_moe_fp8(budget_s):
     """Launch configs, graph-timed, in order of what they decide: the FP8 GEMV (1 and 8 rows) and
     GEMM (256 and 4096 rows) at Qwen3-8B's qkv, gate_up and down projections, then the fused MoE
@@ -561,7 +566,7 @@ def sweep_moe_fp8(budget_s):
         results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
 
         def rate(ms):
-            return f"{weight_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s" if ms else ""
+            return gb_per_s(weight_bytes, ms)
         print(f"\nsweep {name} (graph us/call): default {us(default_ms)} us {rate(default_ms)}; "
               f"best 8 of {len(results)}:", flush=True)
         for cfg, ms in results[:8]:
@@ -654,7 +659,7 @@ def sweep_moe_fp8_gemv(deadline):
             results.sort(key=lambda r: float("inf") if r[2] is None else r[2])
 
             def rate(ms):
-                return f"{weight_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s" if ms else ""
+                return gb_per_s(weight_bytes, ms)
             print(f"\nsweep fp8 moe {name} tokens={t} (graph us a layer, the other kernel's tiles as they are): "
                   f"default {us(default_ms)} us {rate(default_ms)}; best 8 of {len(results)} "
                   "((block_n, block_k, warps), stages):", flush=True)
@@ -710,14 +715,11 @@ def sweep_moe_down(budget_s):
             finally:
                 fused_moe.DOWN_GEMV_TILES[short] = kept
             results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
-
-            def rate(ms):
-                return f"{weight_bytes / (ms * 1e-3) / 1e9:6.0f} GB/s" if ms else ""
             print(f"\nsweep moe down I={inter} tokens={t} (graph us a layer, gate/up's launch as it is): default "
-                  f"{us(default_ms)} us {rate(default_ms)}; best 8 of {len(results)} of {len(launches)} "
-                  "((all_experts, block_n, block_k, warps)):", flush=True)
+                  f"{us(default_ms)} us {gb_per_s(weight_bytes, default_ms)}; best 8 of {len(results)} of "
+                  f"{len(launches)} ((all_experts, block_n, block_k, warps)):", flush=True)
             for tiles, ms in results[:8]:
-                print(f"  {us(ms)!s:>9} {rate(ms)}  {tiles}", flush=True)
+                print(f"  {us(ms)!s:>9} {gb_per_s(weight_bytes, ms)}  {tiles}", flush=True)
             out.append(dict(case=f"moe down I={inter} tokens={t}", default_us=us(default_ms),
                             results=[dict(tiles=tiles, us=us(ms)) for tiles, ms in results]))
         del w13, w2
