@@ -1,7 +1,8 @@
 """Programmatic dependent launch (PDL): on Hopper and newer, a kernel launched with it may start
 while the kernel before it in the stream is still finishing, so its launch, and any loads that do
-not depend on that kernel, overlap the other's tail. A chat-sized decode step is ~250 kernels of a
-few µs each, so that overlap is a large part of a step.
+not depend on that kernel, overlap the other's tail. A batch-1 decode step is 149 kernels of a few µs
+each at Qwen3-0.6B's shape, 393 at Qwen3-30B-A3B's (profile_step, H200), so that overlap is a large
+part of a step.
 
 The contract every kernel launched with `launch_pdl=True` keeps (a kernel that breaks it races):
 - Before `wait(PDL)` it may only read what no kernel of the step writes: weights, and the step's
