@@ -564,13 +564,10 @@ def sweep_moe_fp8(budget_s):
                 break
             results.append((cfg, timed_graph(lambda cfg=cfg: call(cfg), 1)))
         results.sort(key=lambda r: float("inf") if r[1] is None else r[1])
-
-        def rate(ms):
-            return gb_per_s(weight_bytes, ms)
-        print(f"\nsweep {name} (graph us/call): default {us(default_ms)} us {rate(default_ms)}; "
+        print(f"\nsweep {name} (graph us/call): default {us(default_ms)} us {gb_per_s(weight_bytes, default_ms)}; "
               f"best 8 of {len(results)}:", flush=True)
         for cfg, ms in results[:8]:
-            print(f"  {us(ms)!s:>9} {rate(ms)}  {cfg}", flush=True)
+            print(f"  {us(ms)!s:>9} {gb_per_s(weight_bytes, ms)}  {cfg}", flush=True)
         out.append(dict(case=name, default_us=us(default_ms),
                         results=[dict(cfg, us=us(ms)) for cfg, ms in results]))
 
@@ -657,14 +654,11 @@ def sweep_moe_fp8_gemv(deadline):
             finally:
                 fused_moe.FP8_GEMV_TILES[name] = kept
             results.sort(key=lambda r: float("inf") if r[2] is None else r[2])
-
-            def rate(ms):
-                return gb_per_s(weight_bytes, ms)
             print(f"\nsweep fp8 moe {name} tokens={t} (graph us a layer, the other kernel's tiles as they are): "
-                  f"default {us(default_ms)} us {rate(default_ms)}; best 8 of {len(results)} "
+                  f"default {us(default_ms)} us {gb_per_s(weight_bytes, default_ms)}; best 8 of {len(results)} "
                   "((block_n, block_k, warps), stages):", flush=True)
             for tiles, stages, ms in results[:8]:
-                print(f"  {us(ms)!s:>9} {rate(ms)}  {tiles} {stages}", flush=True)
+                print(f"  {us(ms)!s:>9} {gb_per_s(weight_bytes, ms)}  {tiles} {stages}", flush=True)
             out.append(dict(case=f"fp8 moe {name} tokens={t}", default_us=us(default_ms),
                             results=[dict(tiles=tiles, num_stages=stages, us=us(ms)) for tiles, stages, ms in results]))
     return out
