@@ -120,9 +120,12 @@ def _dot(w, xt, acc, IEEE: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride_w, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 SILU: tl.constexpr, PDL: tl.constexpr):
+                 SILU: tl.constexpr, PDL: tl.constexpr, SUM_EACH_STEP: tl.constexpr):
     pdl.start(PDL)
-    # One row of x, as a [1, BLOCK_K] tile against [BLOCK_N, BLOCK_K] of W.
+    # One row of x, as a [1, BLOCK_K] tile against [BLOCK_N, BLOCK_K] of W. SUM_EACH_STEP sums
+    # each step's products into BLOCK_N values as they are formed; otherwise they accumulate in
+    # a [BLOCK_N, BLOCK_K] fp32 tile, summed once at the end (_launch says which launches take
+    # which).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     r = tl.arange(0, 1)
@@ -134,18 +137,32 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride
     rstd = _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r < 1, K, 0, 0, eps, 1, BLOCK_K, NORM, RESIDUAL, PDL)
     rows, rstd = r[:, None], rstd[:, None]
     x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, k, k < K, k < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
-    acc = w.to(tl.float32) * x
-    acc_up = acc
-    if SILU:
-        acc_up = w_up.to(tl.float32) * x
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        kk = k0 + k
-        mask = n_ok[:, None] & (kk < K)
-        x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
-        acc += tl.load(w_at + k0, mask=mask, other=0.0).to(tl.float32) * x
+    if SUM_EACH_STEP:
+        acc = tl.sum(w.to(tl.float32) * x, axis=1)
+        acc_up = acc
         if SILU:
-            acc_up += tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0).to(tl.float32) * x
-    _store(y_ptr, n, n_ok, tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), SILU)
+            acc_up = tl.sum(w_up.to(tl.float32) * x, axis=1)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            kk = k0 + k
+            mask = n_ok[:, None] & (kk < K)
+            x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
+            acc += tl.sum(tl.load(w_at + k0, mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+            if SILU:
+                acc_up += tl.sum(tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        _store(y_ptr, n, n_ok, acc, acc_up, SILU)
+    else:
+        acc = w.to(tl.float32) * x
+        acc_up = acc
+        if SILU:
+            acc_up = w_up.to(tl.float32) * x
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            kk = k0 + k
+            mask = n_ok[:, None] & (kk < K)
+            x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
+            acc += tl.load(w_at + k0, mask=mask, other=0.0).to(tl.float32) * x
+            if SILU:
+                acc_up += tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0).to(tl.float32) * x
+        _store(y_ptr, n, n_ok, tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), SILU)
 
 
 @triton.jit
@@ -369,7 +386,13 @@ def _launch(x, residual, norm_weight, eps, weight, silu, launch):
     if kernel == "one":
         if M != 1:
             raise ValueError(f"the one-row kernel takes one row; got {M}")
-        _gemv_kernel[grid](x, res, nw, res_out, weight, out, N, K, weight.stride(0), eps, **consts)
+        # Launches whose one step covers all of K sum their products at once: Qwen3-0.6B batch 1
+        # 0.607 ms a step against 0.655-0.659 with the tile, Qwen3-30B-A3B 2.338 against 2.426-2.429,
+        # and at Qwen3-8B's qkv 4.316 against 4.358-4.360, its o 4.293. Launches of several steps
+        # keep the tile: summing each step of 8B's gate/up took 4.399 (H200, benchmarks/HISTORY.md,
+        # 2026-11-29, session of 10:39).
+        _gemv_kernel[grid](x, res, nw, res_out, weight, out, N, K, weight.stride(0), eps,
+                           SUM_EACH_STEP=block_k >= K, **consts)
     elif kernel == "fma":
         _gemv_rows_fma_kernel[grid](x, res, nw, res_out, weight, out, M, N, K, x.stride(0), res.stride(0),
                                     weight.stride(0), eps, ROWS=triton.next_power_of_2(max(M, 2)), **consts)
