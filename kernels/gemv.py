@@ -259,9 +259,9 @@ def _tuned_config(N: int, K: int, rows: int, silu: bool, whole_band: bool) -> tu
         # larger programs than below. Qwen3-0.6B batch 1 0.712 against 0.722-0.724 ms a step with
         # these launches, Qwen3-30B-A3B 2.565 against 2.582 (H200, benchmarks/HISTORY.md,
         # 2026-11-28, session of 22:39). Compiled for sm90 as launched (N and K multiples of 16,
-        # which Triton specializes; Triton 3.9), the tiles (up to 16,384 elements) take 232-239
-        # registers at Qwen3-30B-A3B's qkv and o, 0.6B's down and 8B's qkv, and 124-128 at 0.6B's
-        # others, none spilled (tests/test_sm90_codegen.py checks).
+        # which Triton specializes; Triton 3.9), the tiles (up to 16,384 elements) take 122-162
+        # registers at Qwen3-30B-A3B's qkv and o, 0.6B's down and 8B's qkv and o, and 64-72 at
+        # 0.6B's others, none spilled (tests/test_sm90_codegen.py checks).
         # They go to GPUs that have PDL, with it turned on or not (NVCHAT_PDL=0 must run the same
         # launches: tests/gpu compares the two bit for bit); other GPUs keep the ones below.
         block_n = 8 if silu or N > 2048 else 4
@@ -386,10 +386,10 @@ def _launch(x, residual, norm_weight, eps, weight, silu, launch):
     if kernel == "one":
         if M != 1:
             raise ValueError(f"the one-row kernel takes one row; got {M}")
-        # Launches whose one step covers all of K sum their products at once: Qwen3-0.6B batch 1
-        # 0.607 ms a step against 0.655-0.659 with the tile, Qwen3-30B-A3B 2.338 against 2.426-2.429,
-        # and at Qwen3-8B's qkv 4.316 against 4.358-4.360, its o 4.293. Launches of several steps
-        # keep the tile: summing each step of 8B's gate/up took 4.399 (H200, benchmarks/HISTORY.md,
+        # Launches whose one step covers all of K sum their products at once: at batch 1, Qwen3-0.6B
+        # 0.606 ms a step against 0.658 with the tile, Qwen3-8B 4.255 against 4.361, Qwen3-30B-A3B
+        # 2.338 against 2.426-2.429. Launches of several steps keep the tile: summing each step of
+        # 8B's gate/up alone took 4.399 against 4.358-4.360 (H200, benchmarks/HISTORY.md,
         # 2026-11-29, session of 10:39).
         _gemv_kernel[grid](x, res, nw, res_out, weight, out, N, K, weight.stride(0), eps,
                            SUM_EACH_STEP=block_k >= K, **consts)
