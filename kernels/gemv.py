@@ -118,6 +118,16 @@ def _dot(w, xt, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _products(w, x, SUM: tl.constexpr):
+    """One K step of the one-row GEMV: W's [BLOCK_N, BLOCK_K] tile times x's row in fp32, summed
+    along K into BLOCK_N values where SUM."""
+    products = w.to(tl.float32) * x
+    if SUM:
+        products = tl.sum(products, axis=1)
+    return products
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride_w, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                  SILU: tl.constexpr, PDL: tl.constexpr, SUM_EACH_STEP: tl.constexpr):
@@ -137,32 +147,20 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride
     rstd = _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r < 1, K, 0, 0, eps, 1, BLOCK_K, NORM, RESIDUAL, PDL)
     rows, rstd = r[:, None], rstd[:, None]
     x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, k, k < K, k < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
-    if SUM_EACH_STEP:
-        acc = tl.sum(w.to(tl.float32) * x, axis=1)
-        acc_up = acc
+    acc = _products(w, x, SUM_EACH_STEP)
+    acc_up = acc
+    if SILU:
+        acc_up = _products(w_up, x, SUM_EACH_STEP)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + k
+        mask = n_ok[:, None] & (kk < K)
+        x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
+        acc += _products(tl.load(w_at + k0, mask=mask, other=0.0), x, SUM_EACH_STEP)
         if SILU:
-            acc_up = tl.sum(w_up.to(tl.float32) * x, axis=1)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            kk = k0 + k
-            mask = n_ok[:, None] & (kk < K)
-            x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
-            acc += tl.sum(tl.load(w_at + k0, mask=mask, other=0.0).to(tl.float32) * x, axis=1)
-            if SILU:
-                acc_up += tl.sum(tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0).to(tl.float32) * x, axis=1)
-        _store(y_ptr, n, n_ok, acc, acc_up, SILU)
-    else:
-        acc = w.to(tl.float32) * x
-        acc_up = acc
-        if SILU:
-            acc_up = w_up.to(tl.float32) * x
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            kk = k0 + k
-            mask = n_ok[:, None] & (kk < K)
-            x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
-            acc += tl.load(w_at + k0, mask=mask, other=0.0).to(tl.float32) * x
-            if SILU:
-                acc_up += tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0).to(tl.float32) * x
-        _store(y_ptr, n, n_ok, tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), SILU)
+            acc_up += _products(tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0), x, SUM_EACH_STEP)
+    if not SUM_EACH_STEP:
+        acc, acc_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+    _store(y_ptr, n, n_ok, acc, acc_up, SILU)
 
 
 @triton.jit
