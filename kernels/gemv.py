@@ -118,12 +118,12 @@ def _dot(w, xt, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _products(w, x, SUM: tl.constexpr):
-    """One K step of the one-row GEMV: W's [BLOCK_N, BLOCK_K] tile times x's row in fp32, summed
-    along K into BLOCK_N values where SUM."""
+def _products(w, x, SUM: tl.constexpr, K_AXIS: tl.constexpr):
+    """One K step of a GEMV: W's tile times x's row(s) in fp32, K along K_AXIS, summed along K
+    where SUM."""
     products = w.to(tl.float32) * x
     if SUM:
-        products = tl.sum(products, axis=1)
+        products = tl.sum(products, axis=K_AXIS)
     return products
 
 
@@ -147,17 +147,17 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride
     rstd = _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r < 1, K, 0, 0, eps, 1, BLOCK_K, NORM, RESIDUAL, PDL)
     rows, rstd = r[:, None], rstd[:, None]
     x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, k, k < K, k < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
-    acc = _products(w, x, SUM_EACH_STEP)
+    acc = _products(w, x, SUM_EACH_STEP, 1)
     acc_up = acc
     if SILU:
-        acc_up = _products(w_up, x, SUM_EACH_STEP)
+        acc_up = _products(w_up, x, SUM_EACH_STEP, 1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
         mask = n_ok[:, None] & (kk < K)
         x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
-        acc += _products(tl.load(w_at + k0, mask=mask, other=0.0), x, SUM_EACH_STEP)
+        acc += _products(tl.load(w_at + k0, mask=mask, other=0.0), x, SUM_EACH_STEP, 1)
         if SILU:
-            acc_up += _products(tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0), x, SUM_EACH_STEP)
+            acc_up += _products(tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0), x, SUM_EACH_STEP, 1)
     if not SUM_EACH_STEP:
         acc, acc_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
     _store(y_ptr, n, n_ok, acc, acc_up, SILU)
@@ -166,10 +166,12 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride
 @triton.jit
 def _gemv_rows_fma_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_r,
                           stride_w, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
+                          SUM_EACH_STEP: tl.constexpr):
     pdl.start(PDL)
     # Each weight tile is loaded once and multiplied into every row of x: the rows cost x's reads
-    # (from L1; x is a few KB) and FMAs, not more weight traffic.
+    # (from L1; x is a few KB) and FMAs, not more weight traffic. The products of a step are
+    # [ROWS, BLOCK_N, BLOCK_K], summed as _gemv_kernel's are (SUM_EACH_STEP, or once at the end).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
     n_ok, r_ok = n < N, r < M
@@ -183,20 +185,22 @@ def _gemv_rows_fma_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, 
     rows, rows_ok, rstd = r[:, None], r_ok[:, None], rstd[:, None]
     x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, k, rows_ok & (k < K), k < K, rstd, stride_x, stride_r,
                     NORM, RESIDUAL).to(tl.float32)[:, None, :]
-    acc = w.to(tl.float32)[None, :, :] * x
+    acc = _products(w[None, :, :], x, SUM_EACH_STEP, 2)
     acc_up = acc
     if SILU:
-        acc_up = w_up.to(tl.float32)[None, :, :] * x
+        acc_up = _products(w_up[None, :, :], x, SUM_EACH_STEP, 2)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
         mask = n_ok[:, None] & (kk < K)
         x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, rows_ok & (kk < K), kk < K, rstd, stride_x, stride_r,
                         NORM, RESIDUAL).to(tl.float32)[:, None, :]
-        acc += tl.load(w_at + k0, mask=mask, other=0.0).to(tl.float32)[None, :, :] * x
+        acc += _products(tl.load(w_at + k0, mask=mask, other=0.0)[None, :, :], x, SUM_EACH_STEP, 2)
         if SILU:
-            acc_up += tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0).to(tl.float32)[None, :, :] * x
-    _store(y_ptr, rows * N + n[None, :], rows_ok & n_ok[None, :], tl.sum(acc, axis=2), tl.sum(acc_up, axis=2),
-           SILU)
+            acc_up += _products(tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0)[None, :, :], x,
+                                SUM_EACH_STEP, 2)
+    if not SUM_EACH_STEP:
+        acc, acc_up = tl.sum(acc, axis=2), tl.sum(acc_up, axis=2)
+    _store(y_ptr, rows * N + n[None, :], rows_ok & n_ok[None, :], acc, acc_up, SILU)
 
 
 @triton.jit
@@ -242,7 +246,8 @@ _FLOAT32_DOT_BLOCK_K = 128
 
 
 # One-row projections on GPUs with PDL whose weight takes at most this many columns and rows (the
-# LM head does not) give each program all of K for at most WHOLE_BAND_ELEMENTS of W (32 KB in bf16, 64 KB in float32).
+# LM head does not) give each program all of K for at most WHOLE_BAND_ELEMENTS of W (32 KB in bf16, 64 KB in float32);
+# two-row projections of at most 2,048 rows do too, 2 rows of W a program.
 WHOLE_BAND_K = 4096
 WHOLE_BAND_N = 16384
 WHOLE_BAND_ELEMENTS = 16384
@@ -266,7 +271,14 @@ def _tuned_config(N: int, K: int, rows: int, silu: bool, whole_band: bool) -> tu
         while block_n > 1 and block_n * triton.next_power_of_2(K) * (2 if silu else 1) > WHOLE_BAND_ELEMENTS:
             block_n //= 2
         return "one", block_n, WHOLE_BAND_K, 8 if silu else 4, 1
-    if rows == 1:
+    if whole_band and rows == 2 and N <= 2048 and K <= WHOLE_BAND_K:
+        # The same for two rows through the FMA kernel: one step of all of K, its products summed at
+        # once, the two rows' [2, 2, 4096] products held for one step only. Qwen3-0.6B batch 2 (its
+        # o and down) 0.833 ms a step against 0.879 with the 3-4-row launch below (tiles of 1,024,
+        # summed at the end); at 4 rows this launch took 0.990 against 0.945, so 3-4 rows keep
+        # that one (H200, benchmarks/HISTORY.md, 2026-11-29, session of 11:56).
+        config = "fma", 2, WHOLE_BAND_K, 4, 3
+    elif rows == 1:
         # Wider weights, and GPUs without PDL: a weight row per program for the 1024-row
         # projections, so that they too fill the GPU.
         # Taller weights: 4 rows of 2,048 on 4 warps (SiLU's gate and up: 4 rows each of 512 on
@@ -393,7 +405,8 @@ def _launch(x, residual, norm_weight, eps, weight, silu, launch):
                            SUM_EACH_STEP=block_k >= K, **consts)
     elif kernel == "fma":
         _gemv_rows_fma_kernel[grid](x, res, nw, res_out, weight, out, M, N, K, x.stride(0), res.stride(0),
-                                    weight.stride(0), eps, ROWS=triton.next_power_of_2(max(M, 2)), **consts)
+                                    weight.stride(0), eps, ROWS=triton.next_power_of_2(max(M, 2)),
+                                    SUM_EACH_STEP=block_k >= K, **consts)
     elif kernel == "dot":
         _gemv_rows_dot_kernel[grid](x, res, nw, res_out, weight, out, M, N, K, x.stride(0), res.stride(0),
                                     weight.stride(0), eps, ROWS=_DOT_ROWS, IEEE=x.dtype == torch.float32, **consts)

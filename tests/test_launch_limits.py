@@ -193,3 +193,16 @@ def test_one_row_launches_take_all_of_k_only_on_gpus_with_pdl():
         assert tuned[0] == "one" and tuned[4] > 1 and tuned != whole
     # the LM head is not a whole band anywhere
     assert gemv.launch_config(151936, 1024, 1, whole_band=True) == gemv.launch_config(151936, 1024, 1)
+
+
+def test_two_row_launches_take_all_of_k_on_gpus_with_pdl_and_three_or_four_rows_keep_their_tiles():
+    """At two rows the FMA kernel's programs take all of K in one step (Qwen3-0.6B's o and down,
+    Qwen3-30B-A3B's o) where the GPU has PDL; three and four rows, and GPUs without PDL, keep steps
+    of 1,024, and projections of more than 2,048 rows keep the tensor-core kernel."""
+    for n, k in ((1024, 2048), (1024, 3072), (2048, 4096)):
+        kernel, block_n, block_k, _, _ = gemv.launch_config(n, k, 2, whole_band=True)
+        assert kernel == "fma" and block_k >= k and block_n * block_k <= gemv.WHOLE_BAND_ELEMENTS
+        for rows, whole_band in ((2, False), (3, True), (4, True)):
+            assert gemv.launch_config(n, k, rows, whole_band=whole_band)[:3] == ("fma", 2, 1024)
+    assert gemv.launch_config(4096, 1024, 2, whole_band=True)[0] == "dot"
+    assert gemv.launch_config(2048, 6144, 2, whole_band=True)[2] == 1024  # K past the whole band

@@ -115,27 +115,34 @@ def _gemv_ptx(pdl_mode: int) -> str:
     return _gemv_compile(4096, 1024, True, False, pdl_mode).asm["ptx"]
 
 
-def _gemv_compile(rows_w: int, K: int, norm: bool, silu: bool, pdl_mode: int):
-    """The one-row GEMV of a bf16 weight [rows_w, K] (gate and up stacked with silu) as
+def _gemv_compile(rows_w: int, K: int, norm: bool, silu: bool, pdl_mode: int, rows: int = 1):
+    """The GEMV of `rows` rows against a bf16 weight [rows_w, K] (gate and up stacked with silu) as
     launch_config launches it on a GPU with PDL: with the pre-norm and its residual taken in where
     norm, in `pdl_mode`."""
+    import triton
+
     from kernels import gemv
 
-    kernel, block_n, block_k, num_warps, num_stages = gemv.launch_config(rows_w, K, 1, silu, norm=norm,
+    kernel, block_n, block_k, num_warps, num_stages = gemv.launch_config(rows_w, K, rows, silu, norm=norm,
                                                                          whole_band=True)
     constants = dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, RESIDUAL=norm, SILU=silu, PDL=pdl_mode,
                      SUM_EACH_STEP=block_k >= K)
     types = dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", res_out_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
                  eps="fp32")
+    if kernel == "fma":
+        constants.update(ROWS=triton.next_power_of_2(max(rows, 2)))
+        return _sm90_compile(gemv._gemv_rows_fma_kernel, constants, types, num_warps, num_stages,
+                             divisible=("N", "K"))
+    assert kernel == "one", kernel
     return _sm90_compile(gemv._gemv_kernel, constants, types, num_warps, num_stages, divisible=("N", "K"))
 
 
-def _gemv_ptxas_log(rows_w: int, K: int, norm: bool, silu: bool) -> None:
-    """Compiles _gemv_compile's launch with pdl.FIRST, the one a single row takes, for ptxas's log,
+def _gemv_ptxas_log(rows_w: int, K: int, norm: bool, silu: bool, rows: int = 1) -> None:
+    """Compiles _gemv_compile's launch with the PDL mode the row count takes, for ptxas's log,
     which TRITON_DUMP_PTXAS_LOG prints while it compiles."""
     from kernels import pdl
 
-    _gemv_compile(rows_w, K, norm, silu, pdl.FIRST)
+    _gemv_compile(rows_w, K, norm, silu, pdl.FIRST if rows <= pdl.FIRST_ROWS else pdl.AFTER_WAIT, rows)
 
 
 def _run_in_child(helper: str, *args, env: dict | None = None) -> str:
@@ -195,22 +202,24 @@ def test_the_four_warp_attention_launch_fits_its_programs_a_sm_at_once(cache_typ
     assert FOUR_WARP_PROGRAMS_PER_SM * (shared + SHARED_PER_BLOCK) <= SM90_SHARED, shared
 
 
-# One-row projections whose launches hold their whole band of W (rows of W, K, norm taken in, SiLU-mul):
-# Qwen3-0.6B's qkv, o, gate_up and down, Qwen3-30B-A3B's qkv and o, Qwen3-8B's qkv and o.
-WHOLE_BAND_PROJECTIONS = [(4096, 1024, True, False), (1024, 2048, False, False), (6144, 1024, True, True),
-                          (1024, 3072, False, False), (5120, 2048, True, False), (2048, 4096, False, False),
-                          (6144, 4096, True, False), (4096, 4096, False, False)]
+# Projections whose launches hold their whole band of W (rows of W, K, norm taken in, SiLU-mul, rows of x):
+# at one row Qwen3-0.6B's qkv, o, gate_up and down, Qwen3-30B-A3B's qkv and o, Qwen3-8B's qkv and o; at two rows
+# Qwen3-0.6B's o and down and Qwen3-30B-A3B's o.
+WHOLE_BAND_PROJECTIONS = [(4096, 1024, True, False, 1), (1024, 2048, False, False, 1), (6144, 1024, True, True, 1),
+                          (1024, 3072, False, False, 1), (5120, 2048, True, False, 1), (2048, 4096, False, False, 1),
+                          (6144, 4096, True, False, 1), (4096, 4096, False, False, 1),
+                          (1024, 2048, False, False, 2), (1024, 3072, False, False, 2), (2048, 4096, False, False, 2)]
 
 
-@pytest.mark.parametrize("rows_w, K, norm, silu", WHOLE_BAND_PROJECTIONS)
-def test_the_whole_band_gemv_launches_hold_their_band_and_spill_nothing(rows_w, K, norm, silu, tmp_path):
-    """A one-row GEMV launch on a GPU with PDL loads its whole band of W, up to 16,384 elements a
-    program, into registers before its wait (kernels/gemv.py says why): a spill would send part of
-    it to local memory and back after the wait. Its one step's products are summed as they are
-    formed, so no fp32 tile of them is held besides: at most 168 registers, 3 programs of 4 warps a
-    SM (the tile took 232-239 at the larger projections). Compiled for sm90 as launched, by
-    Triton's own ptxas."""
-    out = _run_in_child("_gemv_ptxas_log", rows_w, K, norm, silu,
+@pytest.mark.parametrize("rows_w, K, norm, silu, rows", WHOLE_BAND_PROJECTIONS)
+def test_the_whole_band_gemv_launches_hold_their_band_and_spill_nothing(rows_w, K, norm, silu, rows, tmp_path):
+    """A one-row (or two-row) GEMV launch on a GPU with PDL loads its whole band of W, up to 16,384
+    elements a program, into registers before its wait (kernels/gemv.py says why): a spill would
+    send part of it to local memory and back after the wait. Its one step's products are summed as
+    they are formed, so no fp32 tile of them is held besides: at most 168 registers, 3 programs of
+    4 warps a SM (the tile took 232-239 at the larger one-row projections). Compiled for sm90 as
+    launched, by Triton's own ptxas."""
+    out = _run_in_child("_gemv_ptxas_log", rows_w, K, norm, silu, rows,
                         env=dict(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path)))
     used = re.search(r"Used (\d+) registers", out)
     assert used and int(used.group(1)) <= 168, out[-2000:]
