@@ -50,15 +50,29 @@ _GEMM_KNOBS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_sta
 
 
 @triton.jit
+def _fp8_step_products(w, x, SUM: tl.constexpr):
+    """One loop step of _fp8_gemv_one_kernel: W's [BLOCK_N, UNROLL, GROUPS, GROUP_K] FP8 tile times
+    x's scaled columns, in fp32, the UNROLL tiles summed; all of the step summed into BLOCK_N
+    values where SUM."""
+    products = tl.sum(w.to(tl.float32) * x[None], axis=1)
+    if SUM:
+        products = tl.sum(tl.sum(products, axis=2), axis=1)
+    return products
+
+
+@triton.jit
 def _fp8_gemv_one_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.constexpr,
                          UNROLL: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
-                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr):
+                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr,
+                         SUM_EACH_STEP: tl.constexpr):
     pdl.start(PDL)
     # One row of x against BLOCK_N rows of W, UNROLL tiles of GROUPS runs of GROUP_K columns a loop
     # step, each run inside one scale block. BLOCK_N divides SCALE_N, so the program's rows share a
     # row of scales: each run's scale multiplies x's run (GROUP_K products shared by the BLOCK_N
     # rows), not every weight, and is one load per run, not one per weight row. The UNROLL tiles
     # are summed into one accumulator as they arrive: more of W in flight for the same registers.
+    # That accumulator is a [BLOCK_N, GROUPS, GROUP_K] fp32 tile summed once at the end, or with
+    # SUM_EACH_STEP each step's products are summed into BLOCK_N values at once (fp8_gemv says which).
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -72,14 +86,16 @@ def _fp8_gemv_one_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, B
     scale = tl.load(s_at + run * GROUP_K // SCALE_K, mask=run * GROUP_K < K, other=0.0)
     pdl.wait(PDL)
     x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32) * scale[:, :, None]
-    acc = tl.sum(w.to(tl.float32) * x[None], axis=1)
+    acc = _fp8_step_products(w, x, SUM_EACH_STEP)
     for k0 in range(STEP, K, STEP):
         k = k0 + kk
         w = tl.load(w_at + k0, mask=n_ok[:, None, None, None] & (k < K)[None], other=0.0)
         scale = tl.load(s_at + (k0 + run * GROUP_K) // SCALE_K, mask=k0 + run * GROUP_K < K, other=0.0)
         x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32) * scale[:, :, None]
-        acc += tl.sum(w.to(tl.float32) * x[None], axis=1)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        acc += _fp8_step_products(w, x, SUM_EACH_STEP)
+    y = acc
+    if not SUM_EACH_STEP:
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -350,9 +366,11 @@ def _knobs(launch: dict, names: tuple[str, ...], what: str) -> None:
 def gemv_launch_config(N: int, K: int, rows: int) -> tuple[str, int, int, int, int, int]:
     """(kernel, block_n, block_k, num_warps, num_stages, unroll), from bench_kernels --sweep-moe-fp8
     at Qwen3-8B's projections on an H100 (benchmarks/RESULTS.md), and a sweep with unroll on an
-    H200 (benchmarks/HISTORY.md, 2026-11-27). One row: "one", the FMA kernel, 4 weight rows of 1024
-    FP8 columns a step (18.7 / 49.5 / 30.3 us at 6144x4096 / 24576x4096 / 4096x12288 on the H100,
-    against 20.3 / 54.4 / 42.7 for 2 rows), or 1 row of 2048 where N <= 2048; from 16,384 weight
+    H200 (benchmarks/HISTORY.md, 2026-11-27). One row: "one", the FMA kernel, 8 weight rows of 4096
+    FP8 columns a step on 4 warps, each step summed at once (Qwen3-8B-FP8's qkv, o and down: a
+    batch-1 step of 2.803 ms against 2.879-2.885 with 4 rows of 1024 on 2 warps, H200, 2026-11-29;
+    those took 18.7 / 30.3 us at 6144x4096 / 4096x12288 on the H100, against 20.3 / 42.7 for 2
+    rows), or 1 row of 2048 where N <= 2048; from 16,384 weight
     rows (gate and up, LM heads) 8 rows of two 256-column tiles a step on one warp (H200: 27.6
     against 32.4 us at 24576x4096, 154.9 against 183.2 at 151936x4096; no better on the shorter
     projections). 2-8 rows: "dot", the tensor cores (the FMA kernel at 8 rows was bound by its
@@ -362,8 +380,18 @@ def gemv_launch_config(N: int, K: int, rows: int) -> tuple[str, int, int, int, i
     if rows == 1:
         if N <= 2048:
             return "one", 1, 2048, 4, 3, 1
-        return ("one", 8, 256, 1, 3, 2) if N >= 16384 else ("one", 4, 1024, 2, 3, 1)
+        return ("one", 8, 256, 1, 3, 2) if N >= 16384 else ("one", 8, 4096, 4, 3, 1)
     return ("dot", 64, 128, 4, 3, 1) if N >= 96 * 64 else ("dot", 32, 512, 4, 3, 1)
+
+
+def one_row_sums_each_step(block_n: int, block_k: int, num_warps: int) -> bool:
+    """Whether the one-row kernel sums each step's products at once rather than into a [block_n,
+    block_k] fp32 tile: where that tile would take more than 64 registers a thread. 8 rows x 4096
+    on 4 warps (256 a thread), summed, made Qwen3-8B-FP8's batch 1 2.803 ms a step against
+    2.879-2.885 with 4 rows x 1024 on 2 warps kept as a tile (64 a thread); summing that smaller
+    launch each step took 3.066 against 2.895 (H200, benchmarks/HISTORY.md, 2026-11-29, sessions
+    of 10:39 and 11:56)."""
+    return block_n * block_k > 64 * 32 * num_warps
 
 
 def _power_of_two(value: int, what: str) -> int:
@@ -403,7 +431,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
             block_n = max(block_n, 32)  # the interpreter runs programs one by one: fewer, wider ones
         block_n = math.gcd(block_n, scale_n)  # the program's rows share a row of scales
         _fp8_gemv_one_kernel[(triton.cdiv(N, block_n),)](
-            x, weight, scale, out, N, K, weight.stride(0), scale.stride(0), BLOCK_N=block_n, UNROLL=unroll, **common)
+            x, weight, scale, out, N, K, weight.stride(0), scale.stride(0), BLOCK_N=block_n, UNROLL=unroll,
+            SUM_EACH_STEP=one_row_sums_each_step(block_n, block_k, num_warps), **common)
     elif kernel == "dot":
         if unroll != 1:
             raise ValueError(f"fp8_gemv's dot kernel takes no unroll; got {unroll}")

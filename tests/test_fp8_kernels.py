@@ -39,21 +39,25 @@ def weights(N, K, block):
     return fp8_blocks(torch.randn(N, K) / K ** 0.5, block)
 
 
-# (block_n, block_k, unroll) of the one-row kernel: tiles of one run inside a scale block, and of
-# several runs (GROUPS > 1), one or several tiles a loop step (the last step partly past K);
-# block_n at 32 is cut to the scale block's 16 rows.
-ONE_ROW = [(8, 16, 1), (4, 64, 1), (32, 128, 1), (8, 16, 2), (4, 32, 4)]
+# (block_n, block_k, unroll, num_warps) of the one-row kernel: tiles of one run inside a scale block,
+# and of several runs (GROUPS > 1), one or several tiles a loop step (the last step partly past K);
+# block_n at 32 is cut to the scale block's 16 rows. The last two sum each step's products at once
+# (fp8.one_row_sums_each_step), in one step of all of K and in two.
+ONE_ROW = [(8, 16, 1, 4), (4, 64, 1, 4), (32, 128, 1, 4), (8, 16, 2, 4), (4, 32, 4, 4), (16, 1024, 1, 1),
+           (16, 512, 1, 1)]
 
 
 @pytest.mark.parametrize("block, dtype", [((16, 32), F32), ((64, 16), BF16), ((16, 32), F16)])
 def test_one_row_gemv_matches_the_dequantized_product(block, dtype, poison):
-    N, K = 70, 100  # neither a multiple of either block side
+    N, K = 70, 1000  # neither a multiple of either block side
     q, scales = weights(N, K, block)
     x = torch.randn(1, K).to(dtype)
     want = round_toward_zero(x.float() @ fp8_dequantized(q, scales, block).T, dtype)
-    for block_n, block_k, unroll in ONE_ROW:
+    assert {fp8.one_row_sums_each_step(n, k, w) for n, k, _, w in ONE_ROW} == {False, True}
+    for block_n, block_k, unroll, num_warps in ONE_ROW:
         with poison():
-            y = fp8.fp8_gemv(x, q, scales, block, kernel="one", block_n=block_n, block_k=block_k, unroll=unroll)
+            y = fp8.fp8_gemv(x, q, scales, block, kernel="one", block_n=block_n, block_k=block_k, unroll=unroll,
+                             num_warps=num_warps)
         assert_close(y, want, dtype)
 
 
