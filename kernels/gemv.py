@@ -397,10 +397,10 @@ def _launch(x, residual, norm_weight, eps, weight, silu, launch):
         if M != 1:
             raise ValueError(f"the one-row kernel takes one row; got {M}")
         # Launches whose one step covers all of K sum their products at once: at batch 1, Qwen3-0.6B
-        # 0.606 ms a step against 0.658 with the tile, Qwen3-8B 4.255 against 4.361; Qwen3-30B-A3B
-        # 2.338 against 2.426-2.429 where a trial switch chose these launches (not yet run as
-        # landed). Launches of several steps keep the tile: summing each step of 8B's gate/up alone
-        # took 4.399 against 4.358-4.360 (H200, benchmarks/HISTORY.md, 2026-11-29, session of 10:39).
+        # 0.606 ms a step against 0.658 with the tile, Qwen3-8B 4.255 against 4.361, Qwen3-30B-A3B
+        # 2.338 against 2.426-2.429. Launches of several steps keep the tile: summing each step of
+        # 8B's gate/up alone took 4.399 against 4.358-4.360 (H200, benchmarks/HISTORY.md,
+        # 2026-11-29, sessions of 10:39 and 11:56).
         _gemv_kernel[grid](x, res, nw, res_out, weight, out, N, K, weight.stride(0), eps,
                            SUM_EACH_STEP=block_k >= K, **consts)
     elif kernel == "fma":
