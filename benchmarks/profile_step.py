@@ -1,5 +1,5 @@
 """Where an engine step's time goes: a torch.profiler trace of a few steps in each situation
-(batch-1 and batch-8 decode, full-batch decode over even contexts and over contexts as spread as
+(decode of 1, 2, 4 and 8 rows, full-batch decode over even contexts and over contexts as spread as
 bench_throughput's, a prompt chunk mixed into 8 decoding streams early and late in a long prompt,
 prefills), reduced to wall time per step, GPU-busy time per step, kernels per step, the costliest
 kernels by their own durations, and the costliest by how far each moves the end of the GPU's work
