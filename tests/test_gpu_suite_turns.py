@@ -92,7 +92,8 @@ def test_two_gpu_tests_are_skipped_under_xdist_with_the_command_that_runs_them(t
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_two.py").write_text(textwrap.dedent(TWO_GPU_TESTS))
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    whole_gpu: alone\n    two_gpus: two\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Not the xdist worker's variables of a suite that itself runs under xdist: the conftest reads them.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}, "PYTHONPATH": str(REPO)}
 
     def pytest_run(*args):
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args,
