@@ -368,7 +368,7 @@ def gemv_launch_config(N: int, K: int, rows: int) -> tuple[str, int, int, int, i
     at Qwen3-8B's projections on an H100 (benchmarks/RESULTS.md), and a sweep with unroll on an
     H200 (benchmarks/HISTORY.md, 2026-11-27). One row: "one", the FMA kernel, 8 weight rows of 4096
     FP8 columns a step on 4 warps, each step summed at once (Qwen3-8B-FP8's qkv, o and down: a
-    batch-1 step of 2.803 ms against 2.879-2.885 with 4 rows of 1024 on 2 warps, H200, 2026-11-29;
+    batch-1 step of 2.818-2.825 ms against 2.898-2.900 with 4 rows of 1024 on 2 warps, H200, 2026-11-29;
     those took 18.7 / 30.3 us at 6144x4096 / 4096x12288 on the H100, against 20.3 / 42.7 for 2
     rows), or 1 row of 2048 where N <= 2048; from 16,384 weight
     rows (gate and up, LM heads) 8 rows of two 256-column tiles a step on one warp (H200: 27.6
@@ -387,8 +387,8 @@ def gemv_launch_config(N: int, K: int, rows: int) -> tuple[str, int, int, int, i
 def one_row_sums_each_step(block_n: int, block_k: int, num_warps: int) -> bool:
     """Whether the one-row kernel sums each step's products at once rather than into a [block_n,
     block_k] fp32 tile: where that tile would take more than 64 registers a thread. 8 rows x 4096
-    on 4 warps (256 a thread), summed, made Qwen3-8B-FP8's batch 1 2.803 ms a step against
-    2.879-2.885 with 4 rows x 1024 on 2 warps kept as a tile (64 a thread); summing that smaller
+    on 4 warps (256 a thread), summed, made Qwen3-8B-FP8's batch 1 2.818-2.825 ms a step against
+    2.898-2.900 with 4 rows x 1024 on 2 warps kept as a tile (64 a thread); summing that smaller
     launch each step took 3.066 against 2.895 (H200, benchmarks/HISTORY.md, 2026-11-29, sessions
     of 10:39 and 11:56)."""
     return block_n * block_k > 64 * 32 * num_warps

@@ -274,9 +274,9 @@ def _tuned_config(N: int, K: int, rows: int, silu: bool, whole_band: bool) -> tu
     if whole_band and rows == 2 and N <= 2048 and K <= WHOLE_BAND_K:
         # The same for two rows through the FMA kernel: one step of all of K, its products summed at
         # once, the two rows' [2, 2, 4096] products held for one step only. Qwen3-0.6B batch 2 (its
-        # o and down) 0.833 ms a step against 0.879 with the 3-4-row launch below (tiles of 1,024,
-        # summed at the end); at 4 rows this launch took 0.990 against 0.945, so 3-4 rows keep
-        # that one (H200, benchmarks/HISTORY.md, 2026-11-29, session of 11:56).
+        # o and down) 0.835 ms a step against 0.882 with the 3-4-row launch below (tiles of 1,024,
+        # summed at the end); at 4 rows this launch, through a trial switch, took 0.990 against
+        # 0.945, so 3-4 rows keep that one (H200, benchmarks/HISTORY.md, 2026-11-29, session of 11:56).
         config = "fma", 2, WHOLE_BAND_K, 4, 3
     elif rows == 1:
         # Wider weights, and GPUs without PDL: a weight row per program for the 1024-row
