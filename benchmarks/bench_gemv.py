@@ -57,7 +57,7 @@ def compare(x: torch.Tensor, weights: list[torch.Tensor], **launch) -> tuple[flo
 
 def rows_configs(m: int):
     rows = max(2, 1 << (m - 1).bit_length())
-    for bn, bk, warps, stages in itertools.product((16, 32), (128, 256, 512), (4,), (3, 4)):
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4)):
         yield "dot", bn, bk, warps, stages
     for bn, bk, warps, stages in itertools.product((1, 2, 4), (512, 1024), (4, 8), (3,)):
         if rows * bn * bk // (32 * warps) <= 64:
