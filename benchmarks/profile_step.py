@@ -101,8 +101,8 @@ def prompts_at_full_budget(llm: LLM):
         llm.scheduler.max_prefill_chunk = chunk
 
 
-SCENARIOS = ["decode_b1_ctx512", "decode_b2_ctx512", "decode_b4_ctx512", "decode_b8_ctx512", "decode_b256_ctx600", "decode_b256_ctx100-1024",
-             "mixed_8_decode_plus_120_chunk", "mixed_8_streams_at_8k", "cached_2048_plus_50_prefill"]
+SCENARIOS = ["decode_b1_ctx512", "decode_b2_ctx512", "decode_b4_ctx512", "decode_b8_ctx512", "decode_b256_ctx600",
+             "decode_b256_ctx100-1024", "mixed_8_decode_plus_120_chunk", "mixed_8_streams_at_8k", "cached_2048_plus_50_prefill"]
 
 
 def main():

@@ -131,10 +131,8 @@ def _gemv_compile(rows_w: int, K: int, norm: bool, silu: bool, pdl_mode: int, ro
                  eps="fp32")
     if kernel == "fma":
         constants.update(ROWS=triton.next_power_of_2(max(rows, 2)))
-        return _sm90_compile(gemv._gemv_rows_fma_kernel, constants, types, num_warps, num_stages,
-                             divisible=("N", "K"))
-    assert kernel == "one", kernel
-    return _sm90_compile(gemv._gemv_kernel, constants, types, num_warps, num_stages, divisible=("N", "K"))
+    compiled = {"one": gemv._gemv_kernel, "fma": gemv._gemv_rows_fma_kernel}[kernel]
+    return _sm90_compile(compiled, constants, types, num_warps, num_stages, divisible=("N", "K"))
 
 
 def _gemv_ptxas_log(rows_w: int, K: int, norm: bool, silu: bool, rows: int = 1) -> None:
