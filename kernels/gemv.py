@@ -291,7 +291,17 @@ def _tuned_config(N: int, K: int, rows: int, silu: bool, whole_band: bool) -> tu
     elif N <= 2048 and rows <= 4:
         config = "fma", 2, 1024, 4, 3
     elif N <= 2048:
-        config = "dot", 16, 512, 4, 3
+        # 5-8 rows (2-4 took the FMA kernel above): five stages, where the isolated sweep (bench_gemv)
+        # put three first. Decode steps with these and the 32 x 128 tiles below: Qwen3-0.6B batch 8
+        # 1.109 ms against 1.161-1.169 at 512 context and 1.867 against 1.927-1.930 at 4096,
+        # Qwen3-30B-A3B batch 8 7.671 against 8.001 (H200, benchmarks/HISTORY.md, 2026-11-29,
+        # session of 13:22).
+        config = "dot", 16, 512, 4, 5
+    elif rows > 4 and K <= 1024:
+        # Narrower K tiles at 5-8 rows only where K is short (0.6B's qkv and gate/up): Qwen3-8B batch
+        # 8 with them at K 4,096-12,288 took 5.318 ms against 4.755, and 0.6B batches 2 and 4 lost
+        # 0.27 and 0.25 ms (session of 13:22; of 11:56).
+        config = "dot", 32, 128, 4, 4
     else:
         config = "dot", 32, 512, 4, 4 if N <= 4096 else 3
     kernel, block_n, *rest = config
