@@ -300,7 +300,7 @@ def _tuned_config(N: int, K: int, rows: int, silu: bool, whole_band: bool) -> tu
     elif rows > 4 and K <= 1024:
         # Narrower K tiles at 5-8 rows only where K is short (0.6B's qkv and gate/up): Qwen3-8B batch
         # 8 with them at K 4,096-12,288 took 5.318 ms against 4.755, and 0.6B batches 2 and 4 lost
-        # 0.27 and 0.25 ms (session of 13:22; of 11:56).
+        # 0.27 and 0.25 ms (benchmarks/HISTORY.md, session of 13:22, calls 1 and 4).
         config = "dot", 32, 128, 4, 4
     else:
         config = "dot", 32, 512, 4, 4 if N <= 4096 else 3
