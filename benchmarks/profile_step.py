@@ -101,8 +101,9 @@ def prompts_at_full_budget(llm: LLM):
         llm.scheduler.max_prefill_chunk = chunk
 
 
-SCENARIOS = ["decode_b1_ctx512", "decode_b2_ctx512", "decode_b4_ctx512", "decode_b8_ctx512", "decode_b256_ctx600",
-             "decode_b256_ctx100-1024", "mixed_8_decode_plus_120_chunk", "mixed_8_streams_at_8k", "cached_2048_plus_50_prefill"]
+SCENARIOS = ["decode_b1_ctx512", "decode_b2_ctx512", "decode_b4_ctx512", "decode_b8_ctx512",
+             "decode_b256_ctx600", "decode_b256_ctx100-1024", "mixed_8_decode_plus_120_chunk",
+             "mixed_8_streams_at_8k", "cached_2048_plus_50_prefill"]
 
 
 def main():
@@ -145,8 +146,10 @@ def main():
         end([seq])
 
     # The last: contexts as spread as bench_throughput's prompts (100..1024 tokens in one batch).
-    for name, batch, contexts, steps in (("decode_b2_ctx512", 2, (512, 512), 20), ("decode_b4_ctx512", 4, (512, 512), 20),
-                                         ("decode_b8_ctx512", 8, (512, 512), 20), ("decode_b256_ctx600", 256, (600, 600), 5),
+    for name, batch, contexts, steps in (("decode_b2_ctx512", 2, (512, 512), 20),
+                                         ("decode_b4_ctx512", 4, (512, 512), 20),
+                                         ("decode_b8_ctx512", 8, (512, 512), 20),
+                                         ("decode_b256_ctx600", 256, (600, 600), 5),
                                          ("decode_b256_ctx100-1024", 256, (100, 1024), 5)):
         if name not in args.only:
             continue
