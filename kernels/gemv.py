@@ -35,7 +35,8 @@ What pays (bench_gemv --fused, 28 layers' projections in a graph, H200): PDL, 22
 layer at one row. With PDL the fusions are a wash at one row
 (16.6 either way) and slower at 2-8 rows (the fused row kernels read x, the residual and the norm
 weight again in every program); without PDL (GPUs before Hopper) they save 2.9 µs per layer at
-one row. So the engine fuses at one row only (engine/layers/linear.py).
+one row. So the engine fuses at one row, and at two only where K is short, through the FMA kernel
+(fuses_norm says where and why).
 """
 from __future__ import annotations
 
@@ -251,9 +252,29 @@ _FLOAT32_DOT_BLOCK_K = 128
 WHOLE_BAND_K = 4096
 WHOLE_BAND_N = 16384
 WHOLE_BAND_ELEMENTS = 16384
+# Two-row qkv and gate/up projections (more than 2,048 rows) of K at most this many columns take
+# the pre-norm, and gate/up SiLU-mul, into the FMA kernel on GPUs with PDL (fuses_norm).
+TWO_ROW_FUSED_K = 1024
 
 
-def _tuned_config(N: int, K: int, rows: int, silu: bool, whole_band: bool) -> tuple[str, int, int, int, int]:
+def fuses_norm(rows: int, N: int, K: int, whole_band: bool) -> bool:
+    """Whether the engine runs a pre-norm sublayer's first projection of `rows` rows against W [N, K]
+    (gate and up stacked with SiLU-mul) as rms_norm_gemv, rather than the RMSNorm kernel (and SiLU-mul
+    kernel) beside gemv; whole_band: the GPU has PDL, as launch_config takes it.
+
+    One row always. At 2-8 rows the fused tensor-core row kernel lost 5-7 µs per layer to the norm
+    and SiLU-mul kernels beside the plain GEMVs (bench_gemv --fused, H200), and at two rows takes
+    255 registers and spills on sm90. At two rows through the FMA kernel, K in one step (62-72
+    registers, none spilled), Qwen3-0.6B's qkv and gate/up fused took batch 2 to 0.828-0.830 ms a
+    step against 0.834-0.836 at 512 context and 1.068-1.069 against 1.091-1.093 at 4096, and
+    SmolLM2-135M's gate/up 0.582-0.585 against 0.625-0.627; batches 1 and 4 unchanged. The same
+    launch unfused took 0.6B's batch 2 to 0.859, and fused at 3-4 rows it made batch 4 1.278
+    against 0.944 (H200, benchmarks/HISTORY.md, 2026-11-29, session of 14:30, calls 1-2). Longer
+    K is not measured, so it keeps the kernels apart."""
+    return rows == 1 or (whole_band and rows == 2 and N > 2048 and K <= TWO_ROW_FUSED_K)
+
+
+def _tuned_config(N: int, K: int, rows: int, silu: bool, whole_band: bool, norm: bool) -> tuple[str, int, int, int, int]:
     """From sweeps of Qwen3-0.6B's projections in bf16 (one row and, with PDL, 2-8 rows on an
     H200; bench_gemv's sweeps), and at one row of Qwen3-30B-A3B's too (H200, 2026-11-27)."""
     if whole_band and rows == 1 and K <= WHOLE_BAND_K and N <= WHOLE_BAND_N:
@@ -278,6 +299,8 @@ def _tuned_config(N: int, K: int, rows: int, silu: bool, whole_band: bool) -> tu
         # summed at the end); at 4 rows this launch, through a trial switch, took 0.990 against
         # 0.945, so 3-4 rows keep that one (H200, benchmarks/HISTORY.md, 2026-11-29, session of 11:56).
         config = "fma", 2, WHOLE_BAND_K, 4, 3
+    elif norm and rows == 2 and fuses_norm(rows, N, K, whole_band):
+        config = "fma", 4, TWO_ROW_FUSED_K, 4, 3  # fuses_norm says why
     elif rows == 1:
         # Wider weights, and GPUs without PDL: a weight row per program for the 1024-row
         # projections, so that they too fill the GPU.
@@ -330,12 +353,13 @@ def launch_config(N: int, K: int, rows: int = 1, silu: bool = False, *, dtype: t
     """(kernel, block_n, block_k, num_warps, num_stages): "one" (the one-row kernel), "fma" or "dot"
     (the row kernels). N counts W's rows; with silu a program takes block_n rows each of gate and
     up (the tuned launches halve block_n for it, keeping the weight per program); norm: the RMSNorm
-    prologue; whole_band: the GPU has PDL (_tuned_config says what changes). The tuned
+    prologue (two rows take their own launch with it: fuses_norm); whole_band: the GPU has PDL
+    (_tuned_config says what changes). The tuned
     configuration, block_k no wider than K's power of two; with `limits`, the first of it and its
     fallbacks (fewer stages, then narrower block_k, then fewer rows) whose shared memory fits them
     (on an RTX 4090, bf16's 2-8 row launches of a 2049-4096-row weight drop from 4 stages to 2).
     The dot kernel takes float32 at most 128 wide."""
-    kernel, block_n, block_k, num_warps, num_stages = _tuned_config(N, K, rows, silu, whole_band)
+    kernel, block_n, block_k, num_warps, num_stages = _tuned_config(N, K, rows, silu, whole_band, norm)
     if kernel == "dot" and dtype.itemsize == 4:
         # A float32 [block_n, 512] tile against x's 16 rows spills registers (780 spilled values at
         # block_n 16 on an H100, a 3,120-byte CUDA stack for every thread the card holds).

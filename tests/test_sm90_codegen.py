@@ -202,11 +202,12 @@ def test_the_four_warp_attention_launch_fits_its_programs_a_sm_at_once(cache_typ
 
 # Projections whose launches hold their whole band of W (rows of W, K, norm taken in, SiLU-mul, rows of x):
 # at one row Qwen3-0.6B's qkv, o, gate_up and down, Qwen3-30B-A3B's qkv and o, Qwen3-8B's qkv and o; at two rows
-# Qwen3-0.6B's o and down and Qwen3-30B-A3B's o.
+# Qwen3-0.6B's o and down and Qwen3-30B-A3B's o, and (the norm taken in) Qwen3-0.6B's qkv and gate_up.
 WHOLE_BAND_PROJECTIONS = [(4096, 1024, True, False, 1), (1024, 2048, False, False, 1), (6144, 1024, True, True, 1),
                           (1024, 3072, False, False, 1), (5120, 2048, True, False, 1), (2048, 4096, False, False, 1),
                           (6144, 4096, True, False, 1), (4096, 4096, False, False, 1),
-                          (1024, 2048, False, False, 2), (1024, 3072, False, False, 2), (2048, 4096, False, False, 2)]
+                          (1024, 2048, False, False, 2), (1024, 3072, False, False, 2), (2048, 4096, False, False, 2),
+                          (4096, 1024, True, False, 2), (6144, 1024, True, True, 2)]
 
 
 @pytest.mark.parametrize("rows_w, K, norm, silu, rows", WHOLE_BAND_PROJECTIONS)

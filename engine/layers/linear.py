@@ -143,12 +143,16 @@ class _Linear(nn.Module):
                     act: SiluAndMul | None) -> bool:
         # Not with a quantized weight or a bias (Qwen2's qkv), nor where the norm also sums the
         # ranks' partial outputs (tensor parallel, reduce_slot).
-        # One row only: at 2-8 rows the fused row kernels ran 5-7 µs per layer slower than the norm
-        # and SiLU-mul kernels beside the plain GEMVs (bench_gemv --fused, H200).
-        return (self.fused and norm.fused and (act is None or act.fused) and self.quantized is None
-                and not self.scale_block and self.bias is None and norm.reduce_slot is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
-                and x.dtype == norm.weight.dtype
-                and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1))
+        # Which row counts and shapes fuse is kernels.gemv.fuses_norm's measured rule.
+        if not (self.fused and norm.fused and (act is None or act.fused) and self.quantized is None
+                and not self.scale_block and self.bias is None and norm.reduce_slot is None and x.dim() == 2
+                and x.stride(1) == 1 and x.dtype == norm.weight.dtype
+                and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1)):
+            return False
+        if x.shape[0] == 1:
+            return True
+        from kernels import gemv, pdl  # start-up: Triton loads only where its kernels run
+        return gemv.fuses_norm(x.shape[0], *self.weight.shape, pdl.supported(x.device))
 
 
 class ColumnParallelLinear(_Linear):
