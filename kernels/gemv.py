@@ -264,13 +264,15 @@ def fuses_norm(rows: int, N: int, K: int, whole_band: bool) -> bool:
 
     One row always. At 2-8 rows the fused tensor-core row kernel lost 5-7 µs per layer to the norm
     and SiLU-mul kernels beside the plain GEMVs (bench_gemv --fused, H200), and at two rows takes
-    255 registers and spills on sm90. At two rows through the FMA kernel, K in one step (62-72
-    registers, none spilled), Qwen3-0.6B's qkv and gate/up fused took batch 2 to 0.828-0.830 ms a
+    255 registers and spills on sm90. At two rows through the FMA kernel, K in one step (62-63
+    registers on sm90, none spilled), Qwen3-0.6B's qkv and gate/up fused took batch 2 to 0.828-0.830 ms a
     step against 0.834-0.836 at 512 context and 1.068-1.069 against 1.091-1.093 at 4096, and
     SmolLM2-135M's gate/up 0.582-0.585 against 0.625-0.627; batches 1 and 4 unchanged. The same
     launch unfused took 0.6B's batch 2 to 0.859, and fused at 3-4 rows it made batch 4 1.278
-    against 0.944 (H200, benchmarks/HISTORY.md, 2026-11-29, session of 14:30, calls 1-2). Longer
-    K is not measured, so it keeps the kernels apart."""
+    against 0.944. SmolLM2-135M's 960-row qkv fused was slower at 512 context and faster at 4096
+    (0.5885 against 0.585-0.586, 0.747-0.748 against 0.755-0.756), so weights of at most 2,048
+    rows keep the kernels apart, as does K beyond 1,024, not measured (H200, benchmarks/HISTORY.md,
+    2026-11-29, session of 14:30, calls 1, 2 and 4)."""
     return rows == 1 or (whole_band and rows == 2 and N > 2048 and K <= TWO_ROW_FUSED_K)
 
 
