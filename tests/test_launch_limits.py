@@ -198,7 +198,8 @@ def test_one_row_launches_take_all_of_k_only_on_gpus_with_pdl():
 def test_two_row_launches_take_all_of_k_on_gpus_with_pdl_and_three_or_four_rows_keep_their_tiles():
     """At two rows the FMA kernel's programs take all of K in one step (Qwen3-0.6B's o and down,
     Qwen3-30B-A3B's o) where the GPU has PDL; three and four rows, and GPUs without PDL, keep steps
-    of 1,024, and projections of more than 2,048 rows keep the tensor-core kernel."""
+    of 1,024, and projections of more than 2,048 rows keep the tensor-core kernel (without the norm
+    taken in; with it, kernels.gemv.fuses_norm says which take the FMA kernel)."""
     for n, k in ((1024, 2048), (1024, 3072), (2048, 4096)):
         kernel, block_n, block_k, _, _ = gemv.launch_config(n, k, 2, whole_band=True)
         assert kernel == "fma" and block_k >= k and block_n * block_k <= gemv.WHOLE_BAND_ELEMENTS
