@@ -8,7 +8,8 @@ dequantized to memory:
   each scale block is scaled in fp32 and multiply-added into the weights converted to fp32; at
   2-8 rows ("dot"), each run of W is converted to x's dtype (exact) and multiplied into all of
   x's rows on the tensor cores, the product scaled by its block's scales in fp32. x keeps its
-  dtype (weight-only FP8): its rows are not rounded.
+  dtype (weight-only FP8): its rows are not rounded. rms_norm_fp8_gemv is the one-row kernel with
+  the pre-norm RMSNorm (and its residual add) in its prologue, as kernels/gemv.py's rms_norm_gemv.
 - fp8_gemm, any number of rows (prefill, big batches): with bf16 or fp16 x, the activations are
   quantized to e4m3 per row and scale_k columns (quantize_activations: a float32 scale each) and
   each K block is one FP8 tensor-core product scaled by both scales, as vLLM and SGLang run these
@@ -38,6 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.gemv import check_norm_inputs, norm_input_tile, wait_then_rstd
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value; torch turns anything beyond it into NaN
@@ -61,10 +63,10 @@ def _fp8_step_products(w, x, SUM: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_one_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, BLOCK_N: tl.constexpr,
-                         UNROLL: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
-                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr,
-                         SUM_EACH_STEP: tl.constexpr):
+def _fp8_gemv_one_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, eps,
+                         BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, NORM_BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                         RESIDUAL: tl.constexpr, PDL: tl.constexpr, SUM_EACH_STEP: tl.constexpr):
     pdl.start(PDL)
     # One row of x against BLOCK_N rows of W, UNROLL tiles of GROUPS runs of GROUP_K columns a loop
     # step, each run inside one scale block. BLOCK_N divides SCALE_N, so the program's rows share a
@@ -73,6 +75,8 @@ def _fp8_gemv_one_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, B
     # are summed into one accumulator as they arrive: more of W in flight for the same registers.
     # That accumulator is a [BLOCK_N, GROUPS, GROUP_K] fp32 tile summed once at the end, or with
     # SUM_EACH_STEP each step's products are summed into BLOCK_N values at once (fp8_gemv says which).
+    # NORM is kernels/gemv.py's prologue: every program forms x = RMSNorm(x + residual) itself
+    # (one_row_fuses_norm says where that pays).
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -82,17 +86,21 @@ def _fp8_gemv_one_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_w, stride_s, B
     s_at = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_s
     STEP: tl.constexpr = UNROLL * GROUPS * GROUP_K
     # The first step of W and its scales before the wait: weights, which no kernel writes.
-    w = tl.load(w_at, mask=n_ok[:, None, None, None] & (kk < K)[None], other=0.0)
+    w_mask = n_ok[:, None, None, None] & (kk < K)[None]
+    w = tl.load(w_at, mask=w_mask, other=0.0)
     scale = tl.load(s_at + run * GROUP_K // SCALE_K, mask=run * GROUP_K < K, other=0.0)
-    pdl.wait(PDL)
-    x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32) * scale[:, :, None]
-    acc = _fp8_step_products(w, x, SUM_EACH_STEP)
+    rstd = tl.sum(wait_then_rstd(x_ptr, res_ptr, res_out_ptr, tl.arange(0, 1), tl.arange(0, 1) < 1, K, 0, 0, eps,
+                                 1, NORM_BLOCK_K, NORM, RESIDUAL, PDL), axis=0)
+    x = norm_input_tile(x_ptr, res_ptr, nw_ptr, 0, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
+    acc = _fp8_step_products(w, x * scale[:, :, None], SUM_EACH_STEP)
     for k0 in range(STEP, K, STEP):
         k = k0 + kk
-        w = tl.load(w_at + k0, mask=n_ok[:, None, None, None] & (k < K)[None], other=0.0)
-        scale = tl.load(s_at + (k0 + run * GROUP_K) // SCALE_K, mask=k0 + run * GROUP_K < K, other=0.0)
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32) * scale[:, :, None]
-        acc += _fp8_step_products(w, x, SUM_EACH_STEP)
+        w_mask = n_ok[:, None, None, None] & (k < K)[None]
+        s_mask = k0 + run * GROUP_K < K
+        w = tl.load(w_at + k0, mask=w_mask, other=0.0)
+        scale = tl.load(s_at + (k0 + run * GROUP_K) // SCALE_K, mask=s_mask, other=0.0)
+        x = norm_input_tile(x_ptr, res_ptr, nw_ptr, 0, k, k < K, k < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
+        acc += _fp8_step_products(w, x * scale[:, :, None], SUM_EACH_STEP)
     y = acc
     if not SUM_EACH_STEP:
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -384,6 +392,23 @@ def gemv_launch_config(N: int, K: int, rows: int) -> tuple[str, int, int, int, i
     return ("dot", 64, 128, 4, 3, 1) if N >= 96 * 64 else ("dot", 32, 512, 4, 3, 1)
 
 
+# A pre-norm sublayer's first FP8 product of one row takes the norm into the one-row GEMV where
+# it has at most this many columns (one_row_fuses_norm).
+FUSED_NORM_K = 2048
+
+
+def one_row_fuses_norm(K: int) -> bool:
+    """Whether the engine runs a pre-norm sublayer's first FP8 product of one row, K columns, as
+    rms_norm_fp8_gemv rather than the RMSNorm kernel before fp8_gemv. Every program forms the norm
+    over all of K itself after the PDL wait, x and the residual from L2, before it can multiply:
+    at Qwen3-30B-A3B-FP8's qkv (5120 x 2048) that costs less than the norm's launch saves, batch 1
+    2.381-2.384 ms a step against 2.410-2.415; at Qwen3-8B-FP8's (6144 x 4096, 768 programs) more,
+    2.934-2.937 against 2.817-2.830 (H200, benchmarks/HISTORY.md, 2026-11-29, session of 15:30).
+    gate/up (24576 x 4096) with SiLU-mul taken in as well, in place of the W8A8 GEMV, lost 0.40 ms
+    or more at every launch tried, so gate and up stay apart."""
+    return K <= FUSED_NORM_K
+
+
 def one_row_sums_each_step(block_n: int, block_k: int, num_warps: int) -> bool:
     """Whether the one-row kernel sums each step's products at once rather than into a [block_n,
     block_k] fp32 tile: where that tile would take more than 64 registers a thread. 8 rows x 4096
@@ -407,12 +432,27 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
     block_n, block_k, num_warps, num_stages, unroll) overrides gemv_launch_config; "one" takes one
     row, its block_n is cut to a divisor of scale_n, and it loads `unroll` tiles of block_k
     columns a loop step ("dot" takes unroll 1)."""
-    _check(x, weight, scale, scale_block, "fp8_gemv")
-    _knobs(launch, _GEMV_KNOBS, "fp8_gemv")
+    return _fp8_gemv(x, None, None, 0.0, weight, scale, scale_block, launch)[0]
+
+
+def rms_norm_fp8_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, scale: torch.Tensor, scale_block: tuple[int, int],
+                      **launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.gemv.rms_norm_gemv with an FP8 weight, one row: engine.layers.norm.RMSNorm's forward
+    (x, residual) followed by fp8_gemv(normed, weight, scale, scale_block) as one kernel. Returns
+    (that product, the new residual x + residual, or x without one)."""
+    check_norm_inputs(x, residual, norm_weight, "rms_norm_fp8_gemv")
+    return _fp8_gemv(x, residual, norm_weight, eps, weight, scale, scale_block, launch)
+
+
+def _fp8_gemv(x, residual, norm_weight, eps, weight, scale, scale_block, launch):
+    what = "fp8_gemv" if norm_weight is None else "rms_norm_fp8_gemv"
+    _check(x, weight, scale, scale_block, what)
+    _knobs(launch, _GEMV_KNOBS, what)
     M, K = x.shape
     N = weight.shape[0]
     if not 1 <= M <= MAX_GEMV_ROWS:
-        raise ValueError(f"fp8_gemv takes 1 to {MAX_GEMV_ROWS} rows, got {M}")
+        raise ValueError(f"{what} takes 1 to {MAX_GEMV_ROWS} rows, got {M}")
     scale_n, scale_k = scale_block
     kernel, block_n, block_k, num_warps, num_stages, unroll = (launch.get(name) or c for name, c in
                                                                zip(_GEMV_KNOBS, gemv_launch_config(N, K, M)))
@@ -420,20 +460,29 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
     unroll = _power_of_two(unroll, "unroll")
     block_k = min(block_k, triton.next_power_of_2(K))  # not wider than the row (tiny test models)
     group_k = min(block_k, scale_k)  # a run of columns inside one scale block
+    norm, has_residual = norm_weight is not None, residual is not None
+    if norm and (kernel != "one" or M != 1):
+        raise ValueError(f"{what}: only the one-row kernel takes the norm in; got {M} rows and kernel {kernel!r}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     pdl_mode = pdl.mode(x.device, M)
     common = dict(GROUPS=block_k // group_k, GROUP_K=group_k, SCALE_N=scale_n, SCALE_K=scale_k, PDL=pdl_mode,
                   num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_mode > 0)
     if kernel == "one":
         if M != 1:
-            raise ValueError(f"fp8_gemv's one-row kernel takes one row; got {M}")
+            raise ValueError(f"{what}'s one-row kernel takes one row; got {M}")
         if "block_n" not in launch and _interpreted():
             block_n = max(block_n, 32)  # the interpreter runs programs one by one: fewer, wider ones
         block_n = math.gcd(block_n, scale_n)  # the program's rows share a row of scales
+        res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if has_residual else x
+        # Unused pointers stand in for the inputs a variant does not read.
+        res, nw = (residual if has_residual else x), (norm_weight if norm else x)
         _fp8_gemv_one_kernel[(triton.cdiv(N, block_n),)](
-            x, weight, scale, out, N, K, weight.stride(0), scale.stride(0), BLOCK_N=block_n, UNROLL=unroll,
-            SUM_EACH_STEP=one_row_sums_each_step(block_n, block_k, num_warps), **common)
-    elif kernel == "dot":
+            x, res, nw, res_out, weight, scale, out, N, K, weight.stride(0), scale.stride(0), eps, BLOCK_N=block_n,
+            UNROLL=unroll, NORM_BLOCK_K=min(triton.next_power_of_2(K), 512 * num_warps), NORM=norm,
+            RESIDUAL=has_residual, SUM_EACH_STEP=one_row_sums_each_step(block_n, block_k, num_warps),
+            **common)
+        return out, res_out
+    if kernel == "dot":
         if unroll != 1:
             raise ValueError(f"fp8_gemv's dot kernel takes no unroll; got {unroll}")
         if group_k < 16:
@@ -443,9 +492,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_b
         _fp8_gemv_dot_kernel[(triton.cdiv(N, block_n),)](
             x, weight, scale, out, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
             ROWS=_DOT_ROWS, BLOCK_N=block_n, IEEE=x.dtype == torch.float32, **common)
-    else:
-        raise ValueError(f"unknown fp8_gemv kernel {kernel!r}")
-    return out
+        return out, x
+    raise ValueError(f"unknown fp8_gemv kernel {kernel!r}")
 
 
 def w8a8_gemv(q: torch.Tensor, scales: torch.Tensor, rows: int, weight: torch.Tensor, scale: torch.Tensor,

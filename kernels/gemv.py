@@ -61,9 +61,9 @@ def _h_tile(x_ptr, res_ptr, rows, cols, mask, stride_x, stride_r, RESIDUAL: tl.c
 
 
 @triton.jit
-def _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r, eps,
-                    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                    PDL: tl.constexpr):
+def wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r, eps,
+                   ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                   PDL: tl.constexpr):
     """Waits for the kernel before (with PDL); then, with NORM, returns 1/RMS of each row r of
     h = x (+ residual), program 0 storing h at res_out_ptr ([M, K] contiguous)."""
     pdl.wait(PDL)
@@ -85,8 +85,8 @@ def _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r,
 
 
 @triton.jit
-def _input_tile(x_ptr, res_ptr, nw_ptr, rows, cols, mask, k_ok, rstd, stride_x, stride_r,
-                NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+def norm_input_tile(x_ptr, res_ptr, nw_ptr, rows, cols, mask, k_ok, rstd, stride_x, stride_r,
+                    NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     """The GEMV's input at [rows, cols] in x's dtype: x, or with NORM the RMSNorm of h = x
     (+ residual) times the norm's weight (rstd broadcast like rows)."""
     h = _h_tile(x_ptr, res_ptr, rows, cols, mask, stride_x, stride_r, RESIDUAL)
@@ -145,9 +145,9 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride
     w = tl.load(w_at, mask=n_ok[:, None] & (k < K), other=0.0)
     if SILU:
         w_up = tl.load(w_at + N * stride_w, mask=n_ok[:, None] & (k < K), other=0.0)
-    rstd = _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r < 1, K, 0, 0, eps, 1, BLOCK_K, NORM, RESIDUAL, PDL)
+    rstd = wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r < 1, K, 0, 0, eps, 1, BLOCK_K, NORM, RESIDUAL, PDL)
     rows, rstd = r[:, None], rstd[:, None]
-    x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, k, k < K, k < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
+    x = norm_input_tile(x_ptr, res_ptr, nw_ptr, rows, k, k < K, k < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
     acc = _products(w, x, SUM_EACH_STEP, 1)
     acc_up = acc
     if SILU:
@@ -155,7 +155,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, N, K, stride
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
         mask = n_ok[:, None] & (kk < K)
-        x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
+        x = norm_input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, kk < K, kk < K, rstd, 0, 0, NORM, RESIDUAL).to(tl.float32)
         acc += _products(tl.load(w_at + k0, mask=mask, other=0.0), x, SUM_EACH_STEP, 1)
         if SILU:
             acc_up += _products(tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0), x, SUM_EACH_STEP, 1)
@@ -181,11 +181,11 @@ def _gemv_rows_fma_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, 
     w = tl.load(w_at, mask=n_ok[:, None] & (k < K), other=0.0)
     if SILU:
         w_up = tl.load(w_at + N * stride_w, mask=n_ok[:, None] & (k < K), other=0.0)
-    rstd = _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r, eps, ROWS, BLOCK_K,
-                           NORM, RESIDUAL, PDL)
+    rstd = wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r, eps, ROWS, BLOCK_K,
+                          NORM, RESIDUAL, PDL)
     rows, rows_ok, rstd = r[:, None], r_ok[:, None], rstd[:, None]
-    x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, k, rows_ok & (k < K), k < K, rstd, stride_x, stride_r,
-                    NORM, RESIDUAL).to(tl.float32)[:, None, :]
+    x = norm_input_tile(x_ptr, res_ptr, nw_ptr, rows, k, rows_ok & (k < K), k < K, rstd, stride_x, stride_r,
+                        NORM, RESIDUAL).to(tl.float32)[:, None, :]
     acc = _products(w[None, :, :], x, SUM_EACH_STEP, 2)
     acc_up = acc
     if SILU:
@@ -193,8 +193,8 @@ def _gemv_rows_fma_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, 
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + k
         mask = n_ok[:, None] & (kk < K)
-        x = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, rows_ok & (kk < K), kk < K, rstd, stride_x, stride_r,
-                        NORM, RESIDUAL).to(tl.float32)[:, None, :]
+        x = norm_input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, rows_ok & (kk < K), kk < K, rstd, stride_x, stride_r,
+                            NORM, RESIDUAL).to(tl.float32)[:, None, :]
         acc += _products(tl.load(w_at + k0, mask=mask, other=0.0)[None, :, :], x, SUM_EACH_STEP, 2)
         if SILU:
             acc_up += _products(tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0)[None, :, :], x,
@@ -220,11 +220,11 @@ def _gemv_rows_dot_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, 
     w = tl.load(w_at, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
     if SILU:
         w_up = tl.load(w_at + N * stride_w, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-    rstd = _wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r, eps, ROWS, BLOCK_K,
-                           NORM, RESIDUAL, PDL)
+    rstd = wait_then_rstd(x_ptr, res_ptr, res_out_ptr, r, r_ok, K, stride_x, stride_r, eps, ROWS, BLOCK_K,
+                          NORM, RESIDUAL, PDL)
     rows, rows_ok, rstd, kt = r[None, :], r_ok[None, :], rstd[None, :], k[:, None]
-    xt = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kt, rows_ok & (kt < K), kt < K, rstd, stride_x, stride_r,
-                     NORM, RESIDUAL)
+    xt = norm_input_tile(x_ptr, res_ptr, nw_ptr, rows, kt, rows_ok & (kt < K), kt < K, rstd, stride_x, stride_r,
+                         NORM, RESIDUAL)
     acc = _dot(w, xt, tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), IEEE)
     acc_up = acc
     if SILU:
@@ -232,8 +232,8 @@ def _gemv_rows_dot_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, y_ptr, M, 
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + kt
         mask = n_ok[:, None] & (k0 + k < K)[None, :]
-        xt = _input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, rows_ok & (kk < K), kk < K, rstd, stride_x, stride_r,
-                         NORM, RESIDUAL)
+        xt = norm_input_tile(x_ptr, res_ptr, nw_ptr, rows, kk, rows_ok & (kk < K), kk < K, rstd, stride_x, stride_r,
+                             NORM, RESIDUAL)
         acc = _dot(tl.load(w_at + k0, mask=mask, other=0.0), xt, acc, IEEE)
         if SILU:
             acc_up = _dot(tl.load(w_at + k0 + N * stride_w, mask=mask, other=0.0), xt, acc_up, IEEE)
@@ -391,13 +391,18 @@ def rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     """engine.layers.norm.RMSNorm's forward (x, residual) followed by gemv(normed, weight, silu=silu)
     as one kernel: returns (that product, the new residual x + residual, or x without one). x,
     residual and norm_weight share a dtype."""
+    check_norm_inputs(x, residual, norm_weight, "rms_norm_gemv")
+    return _launch(x, residual, norm_weight, eps, weight, silu, launch)
+
+
+def check_norm_inputs(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, what: str) -> None:
+    """A fused norm's inputs: a contiguous norm weight [K] of x's dtype, and a residual like x."""
     if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
-        raise ValueError(f"rms_norm_gemv takes a contiguous norm weight [{x.shape[-1]}] of x's dtype {x.dtype}; "
+        raise ValueError(f"{what} takes a contiguous norm weight [{x.shape[-1]}] of x's dtype {x.dtype}; "
                          f"got {tuple(norm_weight.shape)} {norm_weight.dtype}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
-        raise ValueError(f"rms_norm_gemv takes a residual like x {tuple(x.shape)} {x.dtype}, contiguous along "
-                         f"K; got {tuple(residual.shape)} {residual.dtype}")
-    return _launch(x, residual, norm_weight, eps, weight, silu, launch)
+        raise ValueError(f"{what} takes a residual like x {tuple(x.shape)} {x.dtype}, contiguous along K; got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
 
 
 def _launch(x, residual, norm_weight, eps, weight, silu, launch):

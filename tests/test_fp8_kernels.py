@@ -22,6 +22,7 @@ from tests.kernel_checks import (  # noqa: E402,F401
     assert_close,
     fp8_blocks,
     fp8_dequantized,
+    norm_gemv_reference,
     poison,
     quantized_rows_reference,
     round_toward_zero,
@@ -63,6 +64,31 @@ def test_one_row_gemv_matches_the_dequantized_product(block, dtype, poison):
 
 # Triton 3.9's interpreter gets bf16 tl.dot wrong (tests/test_fused_gemv.py): the tensor-core
 # kernel runs here in fp32 and fp16, and in bf16 in tests/gpu/test_moe_fp8_gpu.py.
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_one_row_gemv_takes_the_norm_in(dtype, with_residual, poison):
+    """rms_norm_fp8_gemv against the unfused chain (tests/test_fused_gemv.py's reference) over the
+    dequantized weight: the RMSNorm of x + residual formed in every program, the new residual
+    stored once. Launches of several steps and of one, and the default; 70 rows leave the last band
+    short."""
+    block, N, K = (16, 32), 70, 1000
+    q, scales = weights(N, K, block)
+    x = torch.randn(1, K).to(dtype)
+    residual = torch.randn(1, K).to(dtype) if with_residual else None
+    norm_weight = (1 + 0.1 * torch.randn(K)).to(dtype)
+    want_y, want_h = norm_gemv_reference(x, residual, norm_weight, fp8_dequantized(q, scales, block), False, 1e-6,
+                                         rounding=round_toward_zero)
+    for launch in [dict(block_n=8, block_k=16, unroll=2, num_warps=4), dict(block_n=16, block_k=1024, num_warps=1),
+                   {}]:
+        with poison():
+            y, h = fp8.rms_norm_fp8_gemv(x, residual, norm_weight, 1e-6, q, scales, block, **launch)
+        assert_close(y, want_y, dtype)
+        if with_residual:
+            assert torch.equal(h, want_h)
+        else:
+            assert h is x
+
+
 @pytest.mark.parametrize("M, block, dtype", [(2, (16, 32), F32), (5, (64, 16), F16), (8, (32, 16), F32)])
 def test_tensor_core_gemv_matches_the_dequantized_product(M, block, dtype, poison):
     """Runs of 16 and 32 columns, one and several a loop step, 16 and 32 weight rows a program."""
@@ -285,6 +311,11 @@ def test_bad_input_is_named():
         fp8.fp8_gemv(x[:1], q, scales, (16, 32), kernel="one", unroll=3)
     with pytest.raises(ValueError, match="dot kernel takes no unroll"):
         fp8.fp8_gemv(x, q, scales, (16, 32), kernel="dot", unroll=2)
+    norm_weight = torch.ones(64)
+    with pytest.raises(ValueError, match="only the one-row kernel takes the norm in"):
+        fp8.rms_norm_fp8_gemv(x[:1], None, norm_weight, 1e-6, q, scales, (16, 32), kernel="dot")
+    with pytest.raises(ValueError, match="contiguous norm weight"):
+        fp8.rms_norm_fp8_gemv(x[:1], None, norm_weight.to(BF16), 1e-6, q, scales, (16, 32))
     xq, xs = fp8.quantize_activations(torch.randn(4, 128), 128)
     w8, w8_scales = weights(64, 128, (128, 128))
     with pytest.raises(ValueError, match=r"1 to min\(P, 32\) rows"):

@@ -117,6 +117,12 @@ class _Linear(nn.Module):
         Before a block-scaled FP8 product the norm quantizes its output itself, as act does for
         `consumer`, the layer that takes its output (fp8.QuantizedRows)."""
         if self._fuses_norm(norm, x, residual, act):
+            if self.scale_block:
+                from kernels.fp8 import (
+                    rms_norm_fp8_gemv,  # start-up: Triton loads only where its kernels run
+                )
+                return rms_norm_fp8_gemv(x, residual, norm.weight, norm.eps, self.weight, self.weight_scale_inv,
+                                         self.scale_block)
             from kernels.gemv import (
                 rms_norm_gemv,  # start-up: Triton loads only where its kernels run
             )
@@ -141,16 +147,23 @@ class _Linear(nn.Module):
 
     def _fuses_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                     act: SiluAndMul | None) -> bool:
-        # Not with a quantized weight or a bias (Qwen2's qkv), nor where the norm also sums the
+        # Not with a CPU-quantized weight or a bias (Qwen2's qkv), nor where the norm also sums the
         # ranks' partial outputs (tensor parallel, reduce_slot).
-        # Which row counts and shapes fuse is kernels.gemv.fuses_norm's measured rule.
         if not (self.fused and norm.fused and (act is None or act.fused) and self.quantized is None
-                and not self.scale_block and self.bias is None and norm.reduce_slot is None and x.dim() == 2
+                and self.bias is None and norm.reduce_slot is None and x.dim() == 2
                 and x.stride(1) == 1 and x.dtype == norm.weight.dtype
                 and (residual is None or residual.dtype == x.dtype and residual.stride(1) == 1)):
             return False
+        if self.scale_block:
+            # A block-FP8 weight at one row, where the one-row FP8 GEMV would take the normed row in
+            # bf16 anyway (not where the norm hands it over quantized to the W8A8 GEMV), K short enough
+            # (kernels.fp8.one_row_fuses_norm), and no SiLU-mul after it.
+            from kernels import fp8 as fp8_kernels  # start-up: Triton loads only where its kernels run
+            return (act is None and x.shape[0] == 1 and fp8_kernels.one_row_fuses_norm(x.shape[1])
+                    and not self.takes_quantized_rows(x))
         if x.shape[0] == 1:
             return True
+        # Which row counts and shapes fuse is kernels.gemv.fuses_norm's measured rule.
         from kernels import gemv, pdl  # start-up: Triton loads only where its kernels run
         return gemv.fuses_norm(x.shape[0], *self.weight.shape, pdl.supported(x.device))
 

@@ -278,25 +278,29 @@ def test_fp8_linear_beyond_one_row_matches_the_w8a8_reference(M, N, K, poison):
 
 
 @needs_cublas_blocks
-@pytest.mark.parametrize("N, K", [(24576, 4096), (6144, 4096), (4096, 4096)])
-def test_one_row_after_a_norm_goes_where_it_runs_fastest_and_as_beside_another_row(N, K, poison):
-    """A decode step of one row at Qwen3-8B's shapes. Where W has a band of 64 rows for every SM
-    (gate/up, 24576 x 4096; on an H200 not qkv's or o_proj's shapes) the norm hands its row over
-    quantized, to the W8A8 GEMV, whose product of a row is then the same alone as beside another
-    row; elsewhere the row stays in bf16 for the one-row FP8 GEMV (engine/layers/fp8.py's
-    w8a8_launch says why; tests/test_fp8_kernels.py holds the rule at 132 SMs)."""
+@pytest.mark.parametrize("N, K", [(24576, 4096), (6144, 4096), (4096, 4096), (5120, 2048)])
+def test_one_row_after_a_norm_goes_where_it_runs_fastest_and_as_beside_another_row(N, K, poison, monkeypatch):
+    """A decode step of one row at Qwen3-8B's shapes and Qwen3-30B-A3B's qkv. Where W has a band of
+    64 rows for every SM (gate/up, 24576 x 4096; on an H200 not qkv's or o_proj's shapes) the norm
+    hands its row over quantized, to the W8A8 GEMV, whose product of a row is then the same alone as
+    beside another row; elsewhere the row stays in bf16 for the one-row FP8 GEMV (engine/layers/fp8.py's
+    w8a8_launch says why; tests/test_fp8_kernels.py holds the rule at 132 SMs), which takes the norm
+    in where K is at most 2,048 (kernels.fp8.one_row_fuses_norm), storing the same new residual."""
     from engine.layers.linear import ColumnParallelLinear
     from engine.layers.norm import RMSNorm
     layer, norm = ColumnParallelLinear(K, N), RMSNorm(K)
     layer.weight = torch.nn.Parameter((torch.randn(N, K, device="cuda") / K ** 0.5).to(BF16), requires_grad=False)
     layer.quantize("fp8")
     norm.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(K, device="cuda")).to(BF16), requires_grad=False)
-    norm.fused = True
+    layer.fused = norm.fused = True
+    fused_calls = []
+    monkeypatch.setattr(fp8, "rms_norm_fp8_gemv", _counting(fp8.rms_norm_fp8_gemv, "rms_norm_fp8_gemv", fused_calls))
     x, residual = torch.randn(2, K, device="cuda").to(BF16), torch.randn(2, K, device="cuda").to(BF16)
     handed_over = N // 64 >= _sms()
     assert layer.takes_quantized_rows(x[:1]) == handed_over and layer.takes_quantized_rows(x)
     with poison():
         one, one_residual = layer.norm_forward(norm, x[:1], residual[:1])
+    assert len(fused_calls) == (not handed_over and K <= 2048)
     two, two_residual = layer.norm_forward(norm, x, residual)
     normed = norm(x[:1], residual[:1])[0]
     assert torch.equal(one_residual, two_residual[:1])
