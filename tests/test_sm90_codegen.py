@@ -11,7 +11,7 @@ that sees through it fails this test. Both decode kernels are checked: the engin
 runs the one that starts from the qkv projection. The prefill attention over an FP8 cache must
 widen each cached value once, to fp16. And by what Triton's own ptxas reports for the kernels as
 launched: the four-warp decode attention launch fits the programs a SM its split count assumes, and
-the one-row GEMV's whole-band launches spill nothing. These compile with the Triton installed here,
+the one-row GEMV's whole-band launches and the one-row FP8 GEMV's launches spill nothing. These compile with the Triton installed here,
 which may not be the GPU machines' (benchmarks/HISTORY.md records both).
 """
 import inspect
@@ -143,6 +143,25 @@ def _gemv_ptxas_log(rows_w: int, K: int, norm: bool, silu: bool, rows: int = 1) 
     _gemv_compile(rows_w, K, norm, silu, pdl.FIRST if rows <= pdl.FIRST_ROWS else pdl.AFTER_WAIT, rows)
 
 
+def _fp8_gemv_ptxas_log(rows_w: int, K: int, norm: bool) -> None:
+    """Compiles the one-row FP8 GEMV against an e4m3 weight [rows_w, K] in scale blocks of 128 x 128
+    as kernels.fp8 launches it on a GPU with PDL (the pre-norm and its residual taken in where norm),
+    for ptxas's log, which TRITON_DUMP_PTXAS_LOG prints while it compiles."""
+    import triton
+
+    from kernels import fp8, pdl
+
+    kernel, block_n, block_k, num_warps, num_stages, unroll = fp8.gemv_launch_config(rows_w, K, 1)
+    assert kernel == "one", kernel
+    block_k = min(block_k, triton.next_power_of_2(K))
+    constants = dict(BLOCK_N=block_n, UNROLL=unroll, GROUPS=block_k // 128, GROUP_K=128, SCALE_N=128, SCALE_K=128,
+                     NORM_BLOCK_K=min(triton.next_power_of_2(K), 512 * num_warps), NORM=norm, RESIDUAL=norm,
+                     PDL=pdl.FIRST, SUM_EACH_STEP=fp8.one_row_sums_each_step(block_n, block_k, num_warps))
+    types = dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", res_out_ptr="*bf16", w_ptr="*fp8e4nv",
+                 s_ptr="*fp32", y_ptr="*bf16", eps="fp32")
+    _sm90_compile(fp8._fp8_gemv_one_kernel, constants, types, num_warps, num_stages, divisible=("N", "K"))
+
+
 def _run_in_child(helper: str, *args, env: dict | None = None) -> str:
     """What running helper(*args) and printing its result writes to stdout, in a process of its own
     (with `env` added to its environment): this one runs the kernels under Triton's interpreter."""
@@ -219,6 +238,24 @@ def test_the_whole_band_gemv_launches_hold_their_band_and_spill_nothing(rows_w, 
     4 warps a SM (the tile took 232-239 at the larger one-row projections). Compiled for sm90 as
     launched, by Triton's own ptxas."""
     out = _run_in_child("_gemv_ptxas_log", rows_w, K, norm, silu, rows,
+                        env=dict(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path)))
+    used = re.search(r"Used (\d+) registers", out)
+    assert used and int(used.group(1)) <= 168, out[-2000:]
+    assert not re.search(r"\b[1-9]\d* bytes spill (stores|loads)", out), out[-2000:]
+
+
+# One-row FP8 products (rows of W, K, norm taken in): Qwen3-8B-FP8's qkv, o and down, and
+# Qwen3-30B-A3B-FP8's qkv with its pre-norm (kernels.fp8.one_row_fuses_norm).
+FP8_ONE_ROW_PROJECTIONS = [(6144, 4096, False), (4096, 4096, False), (4096, 12288, False), (5120, 2048, True)]
+
+
+@pytest.mark.parametrize("rows_w, K, norm", FP8_ONE_ROW_PROJECTIONS)
+def test_the_one_row_fp8_gemv_launches_spill_nothing(rows_w, K, norm, tmp_path):
+    """The one-row FP8 GEMV loads its first step of W (8 rows of up to 4,096 e4m3 columns) before its
+    wait and sums each step's products as they are formed: at most 168 registers, 3 programs of 4
+    warps a SM, and nothing spilled, with the norm's prologue as without it. Compiled for sm90 as
+    launched, by Triton's own ptxas."""
+    out = _run_in_child("_fp8_gemv_ptxas_log", rows_w, K, norm,
                         env=dict(TRITON_DUMP_PTXAS_LOG="1", TRITON_CACHE_DIR=str(tmp_path)))
     used = re.search(r"Used (\d+) registers", out)
     assert used and int(used.group(1)) <= 168, out[-2000:]
