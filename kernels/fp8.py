@@ -404,7 +404,7 @@ def one_row_fuses_norm(K: int) -> bool:
     at Qwen3-30B-A3B-FP8's qkv (5120 x 2048) that costs less than the norm's launch saves, batch 1
     2.381-2.384 ms a step against 2.410-2.415; at Qwen3-8B-FP8's (6144 x 4096, 768 programs) more,
     2.934-2.937 against 2.817-2.830 (H200, benchmarks/HISTORY.md, 2026-11-29, session of 15:30).
-    gate/up (24576 x 4096) with SiLU-mul taken in as well, in place of the W8A8 GEMV, lost 0.40 ms
+    gate/up (24576 x 4096) with SiLU-mul taken in as well, in place of the W8A8 GEMV, lost 0.39 ms
     or more at every launch tried, so gate and up stay apart."""
     return K <= FUSED_NORM_K
 
