@@ -26,7 +26,6 @@ from tests.app.helpers import (
     send,
     started,
     stored_messages,
-    submit_now,
     wait_for,
 )
 from tests.conftest import MCP_TEST_SERVER, force_tool_calls
@@ -185,22 +184,33 @@ async def test_with_a_remote_backend_the_tools_go_as_openai_tools(tool_engine, t
             assert roles == ["user", "assistant", "tool", "assistant"]
 
 
-async def test_a_call_from_a_chat_in_a_hidden_tab_shows_that_chat_with_the_dialog(tool_chat):
-    async with tool_chat("weather") as (pilot, app, calling):
-        await submit_now(pilot, calling, "weather in the background")
-        await press_now(pilot, "ctrl+t")
-        await wait_for(pilot, lambda: app.active_pane is not calling, what="the new tab")
-        assert calling.stream is not None  # the call is still being written: it ends in a hidden tab
+async def test_a_call_from_a_chat_in_a_hidden_tab_shows_that_chat_with_the_dialog(tool_chat, tmp_path):
+    gate = tmp_path / "gate"  # the weather call runs until this file exists
+    servers = {"test": MCP_TEST_SERVER["test"] | {"env": {"NVCHAT_TEST_GATE": str(gate)}}}
+    # Two calls a turn. The first is approved in view; while it runs, a new tab hides its chat, so
+    # the second is written, and asks for approval, in a hidden tab whatever the engine's pace.
+    async with tool_chat("weather", rounds=2, servers=servers) as (pilot, app, calling):
+        try:
+            await send(pilot, "weather in the background")
+            await approval(pilot, app)
+            await pilot.press("y")
+            status = calling.query_one("#chat-status")
+            await wait_for(pilot, lambda: str(status.render()).startswith("running weather…"),
+                           what="the first call running")
+            await press_now(pilot, "ctrl+t")
+            await wait_for(pilot, lambda: app.active_pane is not calling, what="the new tab")
+        finally:
+            gate.touch()
         await approval(pilot, app)
         assert app.active_pane is calling
         # The reply that ended hidden is drawn before its call.
         views = [v for v in calling.transcript.children if isinstance(v, (ReplyView, ToolCallView))]
-        assert [type(v) for v in views] == [ReplyView, ToolCallView]
+        assert [type(v) for v in views] == [ReplyView, ToolCallView] * 2
         await pilot.press("y")
         await idle(pilot, calling, 60)
         views = [v for v in calling.transcript.children if isinstance(v, (ReplyView, ToolCallView))]
-        assert [type(v) for v in views] == [ReplyView, ToolCallView, ReplyView]
-        assert views[1].message is calling.conversation.messages[2]
+        assert [type(v) for v in views] == [ReplyView, ToolCallView] * 2 + [ReplyView]
+        assert views[3].message is calling.conversation.messages[4]
 
 
 async def test_the_status_line_says_which_tool_waits_or_runs_and_how_many_messages_are_queued(tool_chat, tmp_path):
