@@ -356,11 +356,10 @@ def launch_config(N: int, K: int, rows: int = 1, silu: bool = False, *, dtype: t
     (the row kernels). N counts W's rows; with silu a program takes block_n rows each of gate and
     up (the tuned launches halve block_n for it, keeping the weight per program); norm: the RMSNorm
     prologue (two rows take their own launch with it: fuses_norm); whole_band: the GPU has PDL
-    (_tuned_config says what changes). The tuned
-    configuration, block_k no wider than K's power of two; with `limits`, the first of it and its
-    fallbacks (fewer stages, then narrower block_k, then fewer rows) whose shared memory fits them
-    (on an RTX 4090, bf16's 2-8 row launches of a 2049-4096-row weight drop from 4 stages to 2).
-    The dot kernel takes float32 at most 128 wide."""
+    (_tuned_config says what changes). The tuned configuration, block_k no wider than K's power of
+    two; with `limits`, the first of it and its fallbacks (fewer stages, then narrower block_k, then
+    fewer rows) whose shared memory fits them (on an RTX 4090, bf16's 2-8 row launches of a
+    2049-4096-row weight drop from 4 stages to 2). The dot kernel takes float32 at most 128 wide."""
     kernel, block_n, block_k, num_warps, num_stages = _tuned_config(N, K, rows, silu, whole_band, norm)
     if kernel == "dot" and dtype.itemsize == 4:
         # A float32 [block_n, 512] tile against x's 16 rows spills registers (780 spilled values at

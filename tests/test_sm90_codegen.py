@@ -11,8 +11,9 @@ that sees through it fails this test. Both decode kernels are checked: the engin
 runs the one that starts from the qkv projection. The prefill attention over an FP8 cache must
 widen each cached value once, to fp16. And by what Triton's own ptxas reports for the kernels as
 launched: the four-warp decode attention launch fits the programs a SM its split count assumes, and
-the one-row GEMV's whole-band launches and the one-row FP8 GEMV's launches spill nothing. These compile with the Triton installed here,
-which may not be the GPU machines' (benchmarks/HISTORY.md records both).
+the one-row GEMV's whole-band launches and the one-row FP8 GEMV's launches spill nothing. These
+compile with the Triton installed here, which may not be the GPU machines' (benchmarks/HISTORY.md
+records both).
 """
 import inspect
 import os
